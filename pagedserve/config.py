@@ -1,0 +1,140 @@
+"""Frozen, validated configuration dataclasses.
+
+`ModelConfig` is built from a Hugging Face `config.json` dict; engine-level configs
+(cache, scheduler) live here too so there is one place to read what can be tuned.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+DTYPES: dict[str, torch.dtype] = {
+    "float32": torch.float32,
+    "fp32": torch.float32,
+    "float": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "bf16": torch.bfloat16,
+    "float16": torch.float16,
+    "fp16": torch.float16,
+    "half": torch.float16,
+}
+
+
+def resolve_dtype(dtype: str | torch.dtype | None, device: str | torch.device) -> torch.dtype:
+    """Turn a user-facing dtype ("auto", "bfloat16", torch.float16, ...) into a torch dtype.
+
+    "auto" (or None) means bfloat16 on CUDA and float32 on the CPU.
+    """
+    if isinstance(dtype, torch.dtype):
+        if dtype not in DTYPES.values():
+            raise ValueError(f"dtype {dtype} is not supported; use float32, bfloat16 or float16")
+        return dtype
+    if dtype is None or dtype == "auto":
+        return torch.bfloat16 if torch.device(device).type == "cuda" else torch.float32
+    try:
+        return DTYPES[str(dtype).lower()]
+    except KeyError:
+        raise ValueError(
+            f"dtype {dtype!r} is not supported; choose one of auto, float32, bfloat16, float16"
+        ) from None
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """The architecture facts the decoder needs, read from a HF `config.json`."""
+
+    architecture: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    rope_theta: float
+    max_position_embeddings: int
+    tie_word_embeddings: bool
+    qk_norm: bool
+    attention_bias: bool = False
+    bos_token_id: int | None = None
+    eos_token_ids: tuple[int, ...] = ()
+    hf_config: dict[str, Any] = field(default_factory=dict, compare=False, repr=False)
+
+    def __post_init__(self) -> None:
+        for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers",
+                     "num_heads", "num_kv_heads", "head_dim"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"model config field {name} must be positive")
+        if self.num_heads % self.num_kv_heads:
+            raise ValueError(
+                f"num_attention_heads ({self.num_heads}) must be a multiple of "
+                f"num_key_value_heads ({self.num_kv_heads})"
+            )
+
+    @property
+    def q_size(self) -> int:
+        return self.num_heads * self.head_dim
+
+    @property
+    def kv_size(self) -> int:
+        return self.num_kv_heads * self.head_dim
+
+    def kv_bytes_per_token(self, dtype: torch.dtype) -> int:
+        """KV-cache bytes one token occupies across all layers (K and V)."""
+        itemsize = torch.empty((), dtype=dtype).element_size()
+        return self.num_layers * 2 * self.num_kv_heads * self.head_dim * itemsize
+
+    def num_parameters(self) -> int:
+        """Parameter count computed from the shapes, without allocating anything."""
+        h, i, v = self.hidden_size, self.intermediate_size, self.vocab_size
+        attn = h * self.q_size + 2 * h * self.kv_size + self.q_size * h
+        if self.attention_bias:
+            attn += self.q_size + 2 * self.kv_size
+        if self.qk_norm:
+            attn += 2 * self.head_dim
+        per_layer = attn + 3 * h * i + 2 * h
+        embeddings = v * h * (1 if self.tie_word_embeddings else 2)
+        return self.num_layers * per_layer + embeddings + h
+
+    @classmethod
+    def from_hf_config(cls, cfg: dict[str, Any]) -> ModelConfig:
+        """Build from a HF config dict; raise ValueError naming an unsupported architecture."""
+        from pagedserve.models.registry import resolve_architecture
+
+        arch = resolve_architecture(cfg.get("architectures"))
+        num_heads = int(cfg["num_attention_heads"])
+        hidden = int(cfg["hidden_size"])
+        eos = cfg.get("eos_token_id")
+        eos_ids = [eos] if isinstance(eos, int) else list(eos or [])
+        extra = cfg.get("_pagedserve", {}).get("extra_eos_token_ids", [])
+        eos_ids += [t for t in extra if t not in eos_ids]
+        rope_theta = cfg.get("rope_theta")
+        if rope_theta is None:  # newer transformers nest it under rope_parameters
+            rope_theta = (cfg.get("rope_parameters") or {}).get("rope_theta", 10000.0)
+        rope_scaling = cfg.get("rope_scaling") or {}
+        rope_type = rope_scaling.get("rope_type", rope_scaling.get("type", "default"))
+        if rope_type not in ("default", None):
+            raise ValueError(f"rope_scaling type {rope_type!r} is not supported yet")
+        return cls(
+            architecture=arch,
+            vocab_size=int(cfg["vocab_size"]),
+            hidden_size=hidden,
+            intermediate_size=int(cfg["intermediate_size"]),
+            num_layers=int(cfg["num_hidden_layers"]),
+            num_heads=num_heads,
+            num_kv_heads=int(cfg.get("num_key_value_heads") or num_heads),
+            head_dim=int(cfg.get("head_dim") or hidden // num_heads),
+            rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
+            rope_theta=float(rope_theta),
+            max_position_embeddings=int(cfg.get("max_position_embeddings", 4096)),
+            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+            qk_norm=arch == "Qwen3ForCausalLM",
+            attention_bias=bool(cfg.get("attention_bias", False)),
+            bos_token_id=cfg.get("bos_token_id"),
+            eos_token_ids=tuple(int(t) for t in eos_ids),
+            hf_config=dict(cfg),
+        )
