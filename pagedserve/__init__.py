@@ -1,3 +1,19 @@
 """pagedserve: fast, practical serving of small LLMs."""
 
+from pagedserve.sampling_params import SamplingParams
+
 __version__ = "0.1.0"
+__all__ = ["LLM", "RequestOutput", "CompletionOutput", "SamplingParams", "__version__"]
+
+
+def __getattr__(name: str):
+    # LLM pulls in torch and transformers: import it only when asked for.
+    if name == "LLM":
+        from pagedserve.llm import LLM
+
+        return LLM
+    if name in ("RequestOutput", "CompletionOutput"):
+        from pagedserve import outputs
+
+        return getattr(outputs, name)
+    raise AttributeError(name)

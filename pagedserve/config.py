@@ -112,13 +112,12 @@ class ModelConfig:
         eos_ids = [eos] if isinstance(eos, int) else list(eos or [])
         extra = cfg.get("_pagedserve", {}).get("extra_eos_token_ids", [])
         eos_ids += [t for t in extra if t not in eos_ids]
-        rope_theta = cfg.get("rope_theta")
-        if rope_theta is None:  # newer transformers nest it under rope_parameters
-            rope_theta = (cfg.get("rope_parameters") or {}).get("rope_theta", 10000.0)
-        rope_scaling = cfg.get("rope_scaling") or {}
-        rope_type = rope_scaling.get("rope_type", rope_scaling.get("type", "default"))
+        # Transformers 5 nests RoPE settings under rope_parameters; older configs are flat.
+        rope = cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}
+        rope_theta = cfg.get("rope_theta", rope.get("rope_theta", 10000.0))
+        rope_type = rope.get("rope_type", rope.get("type", "default"))
         if rope_type not in ("default", None):
-            raise ValueError(f"rope_scaling type {rope_type!r} is not supported yet")
+            raise ValueError(f"RoPE type {rope_type!r} is not supported yet (only default RoPE)")
         return cls(
             architecture=arch,
             vocab_size=int(cfg["vocab_size"]),
@@ -138,3 +137,57 @@ class ModelConfig:
             eos_token_ids=tuple(int(t) for t in eos_ids),
             hf_config=dict(cfg),
         )
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    """Limits for one engine step."""
+
+    max_num_seqs: int = 256  # most requests running at once
+    max_num_batched_tokens: int = 8192  # token budget of one step (decodes + prefill chunks)
+    max_model_len: int = 4096  # prompt + output limit per request
+
+    def __post_init__(self) -> None:
+        for name in ("max_num_seqs", "max_num_batched_tokens", "max_model_len"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
+
+
+@dataclass(frozen=True)
+class CacheConfig:
+    """How the paged KV cache is laid out and sized."""
+
+    block_size: int = 16
+    enable_prefix_caching: bool = True
+    kv_cache_memory: int | None = None  # bytes; overrides gpu_memory_utilization
+    gpu_memory_utilization: float = 0.9  # fraction of the GPU's memory pagedserve may use
+
+    def __post_init__(self) -> None:
+        if self.block_size <= 0 or self.block_size & (self.block_size - 1):
+            raise ValueError(f"block_size must be a power of two, got {self.block_size}")
+        if self.kv_cache_memory is not None and self.kv_cache_memory <= 0:
+            raise ValueError(f"kv_cache_memory must be positive bytes, got {self.kv_cache_memory}")
+        if not 0.0 < self.gpu_memory_utilization <= 1.0:
+            raise ValueError(
+                f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}"
+            )
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """Everything needed to build an engine core."""
+
+    model: str | None = None  # None = embedded default model; else preset, folder or .gguf
+    dtype: str = "auto"
+    device: str = "auto"  # "auto" = cuda if available, else cpu
+    load_format: str = "auto"
+    seed: int = 0  # for dummy weights
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    cache: CacheConfig = field(default_factory=CacheConfig)
+    attention_backend: str = "torch"
+    enforce_eager: bool = False
+
+    def resolved_device(self) -> torch.device:
+        if self.device == "auto":
+            return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        return torch.device(self.device)

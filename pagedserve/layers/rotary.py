@@ -15,9 +15,16 @@ class RotaryEmbedding(nn.Module):
 
     def __init__(self, head_dim: int, theta: float) -> None:
         super().__init__()
-        exponent = torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim
-        inv_freq = 1.0 / (theta**exponent)  # [head_dim // 2]
-        self.register_buffer("inv_freq", inv_freq, persistent=False)
+        self.head_dim, self.theta = head_dim, theta
+        self.register_buffer("inv_freq", self._inv_freq("cpu"), persistent=False)
+
+    def _inv_freq(self, device: torch.device | str) -> torch.Tensor:
+        exponent = torch.arange(0, self.head_dim, 2, dtype=torch.int64, device=device).float()
+        return 1.0 / (self.theta ** (exponent / self.head_dim))  # [head_dim // 2], float32
+
+    def reset_parameters(self) -> None:
+        """Recompute inv_freq in place (after a model was materialised from the meta device)."""
+        self.inv_freq = self._inv_freq(self.inv_freq.device)
 
     def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         # positions: [T] -> cos, sin: [T, 1, head_dim]

@@ -1,0 +1,185 @@
+"""The engine core: scheduler + KV manager + model runner, stepping token ids.
+
+It knows nothing of text: requests arrive as token ids and leave as token ids. Token
+level stops (EOS, stop_token_ids, max_tokens, max_model_len) are decided here; stop
+*strings* need text, so the front end (offline LLM or HTTP server) detokenizes and
+aborts a request that hit one.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+
+import torch
+
+from pagedserve.attention.backend import AttentionContext, AttentionMetadata, get_backend_class
+from pagedserve.config import EngineConfig, SchedulerConfig, resolve_dtype
+from pagedserve.engine.cache_sizing import bytes_per_block, determine_num_blocks
+from pagedserve.engine.kv_cache_manager import KVCacheManager
+from pagedserve.engine.model_runner import ModelRunner
+from pagedserve.engine.request import Request
+from pagedserve.engine.scheduler import Scheduler
+from pagedserve.models.loader import ModelSource, build_model, resolve_model
+from pagedserve.sampling_params import SamplingParams
+
+logger = logging.getLogger("pagedserve")
+
+
+@dataclass
+class EngineRequest:
+    """A request as handed to the engine core (token ids only)."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling_params: SamplingParams
+    priority: int = 0
+    arrival_time: float | None = None
+
+
+@dataclass
+class TokenOutput:
+    """New tokens of one request after a step."""
+
+    request_id: str
+    new_token_ids: list[int]
+    # per new token: (its logprob, [(token id, logprob) of the top-k]); empty if not requested
+    new_logprobs: list[tuple[float, list[tuple[int, float]]]]
+    finished: bool = False
+    finish_reason: str | None = None  # "stop" | "length" | "abort"
+    stop_reason: int | str | None = None
+    num_prompt_tokens: int = 0
+    num_cached_tokens: int = 0
+
+
+class EngineCore:
+    """Steps the model over all admitted requests; one `step()` = one forward pass."""
+
+    def __init__(self, config: EngineConfig, source: ModelSource | None = None) -> None:
+        t0 = time.perf_counter()
+        self.config = config
+        device = config.resolved_device()
+        self.source = source or resolve_model(config.model)
+        model = build_model(self.source, dtype=config.dtype, device=device,
+                            load_format=config.load_format, seed=config.seed)
+        self.model_config = cfg = model.config
+        dtype = resolve_dtype(config.dtype, device)
+        sched = config.scheduler
+        max_len = min(sched.max_model_len, cfg.max_position_embeddings)
+        if max_len != sched.max_model_len:
+            sched = SchedulerConfig(sched.max_num_seqs, sched.max_num_batched_tokens, max_len)
+        self.scheduler_config = sched
+        backend = get_backend_class(config.attention_backend)(
+            cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.head_dim**-0.5
+        )
+        num_blocks = determine_num_blocks(
+            cfg, config.cache, sched, dtype, device,
+            profile=lambda: _profile_forward(model, backend, sched),
+        )
+        self.kv = KVCacheManager(num_blocks, config.cache.block_size, config.cache.enable_prefix_caching)
+        self.scheduler = Scheduler(sched, self.kv)
+        self.runner = ModelRunner(model, backend, num_blocks, config.cache.block_size)
+        self.requests: dict[str, Request] = {}
+        capacity = num_blocks * config.cache.block_size
+        logger.info(
+            "KV cache: %d blocks of %d tokens = %d tokens (%.2f GiB, %s); max concurrency at "
+            "max_model_len=%d: %.2fx", num_blocks, config.cache.block_size, capacity,
+            num_blocks * bytes_per_block(cfg, config.cache, dtype) / 2**30, dtype,
+            max_len, capacity / max_len,
+        )
+        self.startup_seconds = time.perf_counter() - t0
+        logger.info("engine ready on %s in %.1f s", device, self.startup_seconds)
+
+    # ---- requests ---------------------------------------------------------------------
+
+    def add_request(self, er: EngineRequest) -> None:
+        """Admit a request to the waiting queue; ValueError if it can never run."""
+        if er.request_id in self.requests:
+            raise ValueError(f"request id {er.request_id!r} is already in use")
+        max_len = self.scheduler_config.max_model_len
+        room = max_len - len(er.prompt_token_ids)
+        p = er.sampling_params
+        if p.max_tokens is not None and p.max_tokens > room:
+            raise ValueError(
+                f"prompt ({len(er.prompt_token_ids)} tokens) + max_tokens ({p.max_tokens}) exceeds "
+                f"max_model_len={max_len}; lower max_tokens or shorten the prompt"
+            )
+        vocab = self.model_config.vocab_size
+        bad = [t for t in er.prompt_token_ids if not 0 <= t < vocab]
+        if bad:
+            raise ValueError(f"prompt token ids out of range [0, {vocab}): {bad[:5]}")
+        req = Request(
+            er.request_id, list(er.prompt_token_ids), p, priority=er.priority,
+            max_tokens=p.max_tokens if p.max_tokens is not None else max(room, 1),
+            eos_token_ids=self.model_config.eos_token_ids,
+        )
+        if er.arrival_time is not None:
+            req.arrival_time = er.arrival_time
+        self.scheduler.add_request(req)
+        self.requests[req.request_id] = req
+
+    def abort_requests(self, request_ids: list[str]) -> None:
+        """Drop requests (finished or not); their blocks are freed at once."""
+        for rid in request_ids:
+            req = self.requests.pop(rid, None)
+            if req is not None and not req.is_finished:
+                self.scheduler.finish(req, "abort")
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.num_unfinished > 0
+
+    # ---- stepping ---------------------------------------------------------------------
+
+    def step(self) -> list[TokenOutput]:
+        """Schedule, run the model once, and report new tokens and finished requests."""
+        out = self.scheduler.schedule()
+        if out.is_empty:
+            return []
+        tables = [self.kv.block_ids(c.request.request_id) for c in out.chunks]
+        result = self.runner.execute(out, tables)
+        updated = self.scheduler.update_after_step(out, result.token_ids)
+        outputs = []
+        now = time.monotonic()
+        for req in updated:
+            if req.first_token_time is None:
+                req.first_token_time = now
+            lp = result.logprobs.get(req.request_id)
+            o = TokenOutput(req.request_id, [req.token_ids[-1]], [lp] if lp else [],
+                            num_prompt_tokens=req.num_prompt_tokens,
+                            num_cached_tokens=req.num_cached_tokens)
+            stop = check_stop(req, self.scheduler_config.max_model_len)
+            if stop is not None:
+                o.finished, (o.finish_reason, o.stop_reason) = True, stop
+                self.scheduler.finish(req, o.finish_reason)
+                del self.requests[req.request_id]
+            outputs.append(o)
+        return outputs
+
+
+def check_stop(req: Request, max_model_len: int) -> tuple[str, int | None] | None:
+    """Token-level stop test for a request that just got a token."""
+    p = req.sampling_params
+    token = req.token_ids[-1]
+    if req.num_output_tokens >= p.min_tokens:
+        if not p.ignore_eos and token in req.eos_token_ids:
+            return "stop", None
+        if token in p.stop_token_ids:
+            return "stop", token
+    if req.num_output_tokens >= req.max_tokens or req.num_tokens >= max_model_len:
+        return "length", None
+    return None
+
+
+@torch.inference_mode()
+def _profile_forward(model, backend, sched: SchedulerConfig) -> None:
+    """One forward over max_num_batched_tokens tokens (no KV cache) to measure peak memory."""
+    device = model.embed_tokens.weight.device
+    total = sched.max_num_batched_tokens
+    per_seq = min(total, sched.max_model_len, 2048)
+    lens = [per_seq] * (total // per_seq) + ([total % per_seq] if total % per_seq else [])
+    meta = AttentionMetadata.for_prefill(lens, device)
+    ids = torch.zeros(total, dtype=torch.long, device=device)
+    positions = torch.cat([torch.arange(n, device=device) for n in lens])
+    hidden = model(ids, positions, AttentionContext(backend, meta))
+    model.compute_logits(hidden[-min(sched.max_num_seqs, total):])

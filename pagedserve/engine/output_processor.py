@@ -1,0 +1,115 @@
+"""Front-end side of generation: token ids -> text, stop strings, per-sample results.
+
+Runs wherever the tokenizer lives (in-process for the offline LLM, in the HTTP process
+for the server). A sample that hits a stop string is finished here, and its id is
+returned so the caller aborts it in the engine core.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from pagedserve.engine.core import TokenOutput
+from pagedserve.outputs import CompletionOutput
+from pagedserve.sampling_params import SamplingParams
+from pagedserve.tokenizer import IncrementalDetokenizer, Tokenizer
+
+
+@dataclass
+class SampleState:
+    """Text and token state of one sample (one engine request)."""
+
+    request_id: str
+    index: int  # which of the parent's n samples
+    params: SamplingParams
+    detok: IncrementalDetokenizer
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[dict[int, float]] | None = None
+    cumulative_logprob: float | None = None
+    text: str = ""
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+    num_cached_tokens: int = 0
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+    def visible_text(self) -> str:
+        """Text safe to show now: while running, hold back what could start a stop string."""
+        if self.finished or not self.params.stop:
+            return self.text
+        hold = max(len(s) for s in self.params.stop) - 1
+        return self.text[: max(len(self.text) - hold, 0)] if hold else self.text
+
+    def to_completion(self) -> CompletionOutput:
+        return CompletionOutput(
+            index=self.index, text=self.visible_text(), token_ids=list(self.token_ids),
+            finish_reason=self.finish_reason, stop_reason=self.stop_reason,
+            logprobs=self.logprobs, cumulative_logprob=self.cumulative_logprob,
+        )
+
+
+class OutputProcessor:
+    def __init__(self, tokenizer: Tokenizer) -> None:
+        self.tokenizer = tokenizer
+        self.samples: dict[str, SampleState] = {}
+
+    def add(self, request_id: str, index: int, prompt_ids: list[int], params: SamplingParams) -> None:
+        detok = IncrementalDetokenizer(
+            self.tokenizer, skip_special_tokens=params.skip_special_tokens, prompt_ids=prompt_ids
+        )
+        state = SampleState(request_id, index, params, detok)
+        if params.logprobs is not None:
+            state.logprobs, state.cumulative_logprob = [], 0.0
+        self.samples[request_id] = state
+
+    def remove(self, request_id: str) -> None:
+        self.samples.pop(request_id, None)
+
+    def process(self, outputs: list[TokenOutput]) -> tuple[list[SampleState], list[str]]:
+        """Apply one engine step's outputs. Returns (updated samples, ids to abort in the core)."""
+        updated, to_abort = [], []
+        for o in outputs:
+            s = self.samples.get(o.request_id)
+            if s is None or s.finished:
+                continue
+            s.num_cached_tokens = o.num_cached_tokens
+            s.token_ids.extend(o.new_token_ids)
+            if s.logprobs is not None:
+                for token, (lp, top) in zip(o.new_token_ids, o.new_logprobs):
+                    entry = dict(top)
+                    entry[token] = lp  # the sampled token is always present
+                    s.logprobs.append(entry)
+                    s.cumulative_logprob += lp
+            prev_len = len(s.text)
+            s.detok.step(o.new_token_ids)
+            if o.finished:
+                s.detok.flush()
+            s.text = s.detok.text
+            if self._check_stop_strings(s, prev_len):
+                if not o.finished:
+                    to_abort.append(o.request_id)
+            elif o.finished:
+                s.finish_reason, s.stop_reason = o.finish_reason, o.stop_reason
+            updated.append(s)
+        return updated, to_abort
+
+    @staticmethod
+    def _check_stop_strings(s: SampleState, prev_len: int) -> bool:
+        """Finish `s` if a stop string appeared in the new text; trim the text after it."""
+        if not s.params.stop:
+            return False
+        longest = max(len(x) for x in s.params.stop)
+        window_start = max(prev_len - longest + 1, 0)
+        best: tuple[int, str] | None = None
+        for stop in s.params.stop:
+            pos = s.text.find(stop, window_start)
+            if pos >= 0 and (best is None or pos < best[0]):
+                best = (pos, stop)
+        if best is None:
+            return False
+        pos, stop = best
+        s.text = s.text[: pos + len(stop)] if s.params.include_stop_str_in_output else s.text[:pos]
+        s.finish_reason, s.stop_reason = "stop", stop
+        return True

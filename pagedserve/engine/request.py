@@ -1,0 +1,69 @@
+"""A request's state inside the engine (torch-free)."""
+
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+
+class RequestStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    PREEMPTED = "preempted"  # waiting again, to be recomputed
+    FINISHED = "finished"
+
+
+@dataclass(eq=False)
+class Request:
+    """One sequence being generated.
+
+    `token_ids` is the prompt followed by the output so far; `num_computed_tokens` of them
+    have their KV in the cache. After a preemption everything is recomputed, output
+    included, so the continuation is exactly what it would have been.
+    """
+
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling_params: Any  # SamplingParams (kept loose so this module stays import-light)
+    arrival_time: float = field(default_factory=time.monotonic)
+    priority: int = 0  # lower runs first; FCFS within a priority
+    max_tokens: int = 16  # resolved output limit (params.max_tokens capped by max_model_len)
+    eos_token_ids: tuple[int, ...] = ()
+    token_ids: list[int] = field(init=False)
+    num_computed_tokens: int = 0
+    num_cached_tokens: int = 0  # prompt tokens served from the prefix cache (first schedule)
+    num_preemptions: int = 0
+    status: RequestStatus = RequestStatus.WAITING
+    finish_reason: str | None = None  # "stop" | "length" | "abort"
+    stop_reason: int | str | None = None
+    first_token_time: float | None = None
+    # Per-request extras the runner/sampler may attach (e.g. a seeded torch.Generator).
+    extras: dict[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        self.token_ids = list(self.prompt_token_ids)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[len(self.prompt_token_ids) :]
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - len(self.prompt_token_ids)
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status == RequestStatus.FINISHED
+
+    def sort_key(self) -> tuple[int, float]:
+        return (self.priority, self.arrival_time)

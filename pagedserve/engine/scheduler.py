@@ -1,0 +1,180 @@
+"""Continuous-batching scheduler with chunked prefill and preemption (torch-free).
+
+Every step has a token budget (`max_num_batched_tokens`). Running requests are served
+first, in order: a decode costs one token, an unfinished (chunked) prefill costs up to
+the rest of its prompt. Whatever budget is left admits waiting requests, FCFS within
+priority, their prompts chunked to fit. One step therefore mixes decode tokens and
+prefill chunks. When the KV cache runs out of blocks, the newest running request of the
+lowest priority is preempted: its blocks are freed and it goes back to the front of the
+waiting queue, to be recomputed (prompt and output so far) later.
+"""
+
+from __future__ import annotations
+
+import bisect
+from dataclasses import dataclass, field
+
+from pagedserve.config import SchedulerConfig
+from pagedserve.engine.kv_cache_manager import KVCacheManager
+from pagedserve.engine.request import Request, RequestStatus
+
+
+@dataclass
+class ScheduledChunk:
+    """The tokens [start, start + num_tokens) of one request, computed this step."""
+
+    request: Request
+    start: int
+    num_tokens: int
+
+    @property
+    def samples(self) -> bool:
+        """True if this chunk reaches the request's last token, so its logits give a new token."""
+        return self.start + self.num_tokens == self.request.num_tokens
+
+
+@dataclass
+class SchedulerOutput:
+    """What the runner must compute this step, in batch order."""
+
+    chunks: list[ScheduledChunk] = field(default_factory=list)
+    preempted: list[Request] = field(default_factory=list)
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(c.num_tokens for c in self.chunks)
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.chunks
+
+
+class Scheduler:
+    def __init__(self, config: SchedulerConfig, kv: KVCacheManager) -> None:
+        self.config = config
+        self.kv = kv
+        self.waiting: list[Request] = []  # sorted by (priority, arrival)
+        self.running: list[Request] = []  # in admission order
+        self.num_preemptions = 0  # total, for metrics and tests
+
+    # ---- queue management -------------------------------------------------------------
+
+    def add_request(self, req: Request) -> None:
+        """Queue a request. Raises ValueError if it can never fit."""
+        limit = self.config.max_model_len
+        if req.num_prompt_tokens == 0:
+            raise ValueError("the prompt is empty: send at least one token")
+        if req.num_prompt_tokens + 1 > limit:
+            raise ValueError(
+                f"the prompt has {req.num_prompt_tokens} tokens; with at least one output token "
+                f"that exceeds max_model_len={limit}"
+            )
+        most = req.num_prompt_tokens + req.max_tokens
+        if self.kv.blocks_needed(most) > self.kv.num_blocks:
+            raise ValueError(
+                f"the request needs up to {most} tokens of KV cache but the whole cache holds "
+                f"{self.kv.num_blocks * self.kv.block_size}; shorten the prompt or max_tokens, "
+                "or give the KV cache more memory"
+            )
+        req.status = RequestStatus.WAITING
+        bisect.insort(self.waiting, req, key=Request.sort_key)
+
+    @property
+    def num_unfinished(self) -> int:
+        return len(self.waiting) + len(self.running)
+
+    def finish(self, req: Request, reason: str) -> None:
+        """Mark a request finished (stop, length or abort) and free its blocks."""
+        if req.status == RequestStatus.RUNNING:
+            self.running.remove(req)
+        elif req in self.waiting:
+            self.waiting.remove(req)
+        req.status = RequestStatus.FINISHED
+        req.finish_reason = reason
+        self.kv.free(req.request_id)
+
+    # ---- one step ---------------------------------------------------------------------
+
+    def schedule(self) -> SchedulerOutput:
+        out = SchedulerOutput()
+        budget = self.config.max_num_batched_tokens
+        scheduled: set[int] = set()
+
+        # 1. Running requests: decodes and unfinished prefills, oldest first.
+        i = 0
+        while i < len(self.running) and budget > 0:
+            req = self.running[i]
+            n = min(req.num_tokens - req.num_computed_tokens, budget)
+            while not self.kv.allocate(req.request_id, req.num_computed_tokens + n):
+                victim = self._pick_victim(exclude=scheduled)
+                self._preempt(victim, out)
+                if victim is req:
+                    break
+            else:
+                out.chunks.append(ScheduledChunk(req, req.num_computed_tokens, n))
+                scheduled.add(id(req))
+                budget -= n
+                i += 1
+                continue
+            # req itself was preempted; self.running shrank, index i now points past it
+
+        # 2. Waiting requests, while budget, sequence slots and blocks allow.
+        #    After a preemption the cache is full: admitting more would only thrash.
+        while (
+            self.waiting
+            and budget > 0
+            and len(self.running) < self.config.max_num_seqs
+            and not out.preempted
+        ):
+            req = self.waiting[0]
+            cached: list[int] = []
+            if req.num_computed_tokens == 0:
+                cached = self.kv.find_cached_prefix(req.token_ids)
+            start = len(cached) * self.kv.block_size if cached else req.num_computed_tokens
+            n = min(req.num_tokens - start, budget)
+            if not self.kv.allocate(req.request_id, start + n, cached):
+                break
+            self.waiting.pop(0)
+            if req.num_computed_tokens == 0 and req.num_preemptions == 0:
+                req.num_cached_tokens = start
+                if self.kv.enable_prefix_caching:
+                    self.kv.record_lookup(req.num_tokens, start)
+            req.num_computed_tokens = start
+            req.status = RequestStatus.RUNNING
+            self.running.append(req)
+            out.chunks.append(ScheduledChunk(req, start, n))
+            budget -= n
+        return out
+
+    def _pick_victim(self, exclude: set[int]) -> Request:
+        """The newest running request of the lowest priority (largest priority value)."""
+        # The request being scheduled is never in `exclude`, so candidates is never empty.
+        candidates = [r for r in self.running if id(r) not in exclude]
+        return max(candidates, key=lambda r: (r.priority, self.running.index(r)))
+
+    def _preempt(self, req: Request, out: SchedulerOutput) -> None:
+        self.running.remove(req)
+        self.kv.free(req.request_id)
+        req.num_computed_tokens = 0
+        req.num_preemptions += 1
+        self.num_preemptions += 1
+        req.status = RequestStatus.PREEMPTED
+        bisect.insort(self.waiting, req, key=Request.sort_key)
+        out.preempted.append(req)
+
+    # ---- after the step ---------------------------------------------------------------
+
+    def update_after_step(self, out: SchedulerOutput, sampled: dict[str, int]) -> list[Request]:
+        """Advance computed counts, append sampled tokens; return requests that got a token."""
+        got_token = []
+        for chunk in out.chunks:
+            req = chunk.request
+            if req.status != RequestStatus.RUNNING:
+                continue
+            samples = chunk.samples
+            req.num_computed_tokens = chunk.start + chunk.num_tokens
+            self.kv.cache_computed_blocks(req.request_id, req.token_ids, req.num_computed_tokens)
+            if samples:
+                req.token_ids.append(sampled[req.request_id])
+                got_token.append(req)
+        return got_token

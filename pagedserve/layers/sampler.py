@@ -1,0 +1,261 @@
+"""Batched token sampling with per-request parameters, on the logits' device.
+
+One step: penalties -> min_tokens bans -> greedy argmax, or temperature -> top-k -> top-p ->
+min-p -> softmax -> exponential race. Random rows sample `argmax(probs / q)` with
+`q ~ Exp(1)` i.i.d. per token, which draws exactly from `probs`; a seeded row fills its own `q`
+(always `vocab_size` draws per step) from its own generator, so its tokens do not depend on
+the rest of the batch. Logprobs come from the raw logits, before penalties and temperature.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from pagedserve.sampling_params import SamplingParams
+
+
+@dataclass
+class SamplingBatch:
+    """Per-row sampling parameters for one step, as device tensors.
+
+    Tensors the flags say are unused are None, so an all-greedy batch without penalties,
+    bans or logprobs creates no tensors at all.
+    """
+
+    num_rows: int
+    vocab_size: int
+    temperature: Tensor | None  # [N] float32; 0 for greedy rows
+    top_p: Tensor | None  # [N] float32; 1 = off
+    top_k: Tensor | None  # [N] int64; vocab_size = off
+    min_p: Tensor | None  # [N] float32; 0 = off
+    repetition_penalty: Tensor | None  # [N] float32; 1 = off
+    presence_penalty: Tensor | None  # [N] float32
+    frequency_penalty: Tensor | None  # [N] float32
+    prompt_token_ids: Tensor | None  # [N, Lp] int64, padded with vocab_size
+    output_token_ids: Tensor | None  # [N, Lo] int64, padded with vocab_size
+    ban_rows: Tensor | None  # [M] int64: rows below min_tokens, one entry per banned token
+    ban_token_ids: Tensor | None  # [M] int64: the stop/eos ids banned in those rows
+    seeded: list[tuple[int, torch.Generator]]  # (row, generator) of random seeded rows
+    max_top_k: int  # largest active top_k (vocab_size when no row uses top_k)
+    max_num_logprobs: int | None  # None = no row wants logprobs; 0 = sampled token only
+    all_greedy: bool
+    all_random: bool
+    any_unseeded_random: bool
+    need_top_k: bool
+    need_top_p: bool
+    need_min_p: bool
+    need_penalties: bool
+
+    @property
+    def need_top_k_top_p(self) -> bool:
+        return self.need_top_k or self.need_top_p
+
+    @classmethod
+    def build(
+        cls,
+        params: Sequence[SamplingParams],
+        generators: Sequence[torch.Generator | None],
+        prompt_ids: Sequence[Sequence[int]],
+        output_ids: Sequence[Sequence[int]],
+        vocab_size: int,
+        device: torch.device | str,
+        eos_token_ids: Sequence[int] = (),
+    ) -> SamplingBatch:
+        """Gather one step's rows. `output_ids[i]` are the tokens row i generated so far (its
+        length drives min_tokens); the token lists are only read when a penalty needs them.
+        A seeded row's generator must live on `device`; `eos_token_ids` are banned (with the
+        row's stop_token_ids) until min_tokens is reached, unless the row ignores eos."""
+        n = len(params)
+        greedy = [p.greedy for p in params]
+        all_greedy, all_random = all(greedy), not any(greedy)
+        need_penalties = any(p.uses_penalties for p in params)
+        need_rep = need_penalties and any(p.repetition_penalty != 1.0 for p in params)
+        active_k: list[int] = []
+        need_top_p = need_min_p = False
+        temperature = top_p = top_k = min_p = rep = pres = freq = None
+        if not all_greedy or need_penalties:
+            # Columns of per-row scalars; greedy rows get neutral values so the random path
+            # leaves them alone (their result is replaced by the argmax anyway).
+            cols: list[list[float]] = [[] for _ in range(7)]
+            for p, g in zip(params, greedy, strict=True):
+                k = vocab_size if g or p.top_k <= 0 else min(p.top_k, vocab_size)
+                if k < vocab_size:
+                    active_k.append(k)
+                need_top_p |= not g and p.top_p < 1.0
+                need_min_p |= not g and p.min_p > 0.0
+                row = (0.0 if g else p.temperature, 1.0 if g else p.top_p, float(k),
+                       0.0 if g else p.min_p, p.repetition_penalty, p.presence_penalty,
+                       p.frequency_penalty)
+                for col, value in zip(cols, row, strict=True):
+                    col.append(value)
+            # [7, N]: one host-to-device copy for all scalars; top_k is exact in float32
+            # because vocab sizes are far below 2**24.
+            table = torch.tensor(cols, dtype=torch.float32).to(device, non_blocking=True)
+            temperature, top_p, _, min_p, rep, pres, freq = table.unbind(0)
+            top_k = table[2].long() if active_k else None
+
+        prompt_t = _pad(prompt_ids, vocab_size, device) if need_rep else None
+        output_t = _pad(output_ids, vocab_size, device) if need_penalties else None
+
+        rows: list[int] = []
+        toks: list[int] = []
+        for i, p in enumerate(params):
+            if p.min_tokens and len(output_ids[i]) < p.min_tokens:
+                banned = set(p.stop_token_ids) | set(eos_token_ids)
+                banned = sorted(t for t in banned if 0 <= t < vocab_size)
+                rows += [i] * len(banned)
+                toks += banned
+        ban_rows = ban_toks = None
+        if rows:
+            ban_rows, ban_toks = torch.tensor([rows, toks], dtype=torch.int64).to(device)  # [M]
+
+        seeded = [(i, gen) for i, (gen, g) in enumerate(zip(generators, greedy, strict=True))
+                  if gen is not None and not g]
+        wanted = [p.logprobs for p in params if p.logprobs is not None]
+        return cls(
+            num_rows=n, vocab_size=vocab_size, temperature=temperature, top_p=top_p,
+            top_k=top_k, min_p=min_p, repetition_penalty=rep, presence_penalty=pres,
+            frequency_penalty=freq, prompt_token_ids=prompt_t, output_token_ids=output_t,
+            ban_rows=ban_rows, ban_token_ids=ban_toks, seeded=seeded,
+            max_top_k=max(active_k, default=vocab_size),
+            max_num_logprobs=max(wanted) if wanted else None,
+            all_greedy=all_greedy, all_random=all_random,
+            any_unseeded_random=len(seeded) < n - sum(greedy),
+            need_top_k=bool(active_k), need_top_p=need_top_p, need_min_p=need_min_p,
+            need_penalties=need_penalties,
+        )
+
+
+def _pad(seqs: Sequence[Sequence[int]], pad: int, device: torch.device | str) -> Tensor:
+    width = max((len(s) for s in seqs), default=0)
+    rows = [list(s) + [pad] * (width - len(s)) for s in seqs]
+    return torch.tensor(rows, dtype=torch.int64).reshape(len(seqs), width).to(device)
+
+
+@dataclass
+class SamplerOutput:
+    """The sampled tokens of one step, plus logprobs when some row asked for them."""
+
+    token_ids: Tensor  # [N] int64
+    logprobs: Tensor | None  # [N, 1 + k] float32: sampled token's logprob, then the top-k
+    logprob_token_ids: Tensor | None  # [N, 1 + k] int64: sampled token id, then the top-k ids
+
+
+def _token_counts(token_ids: Tensor, vocab_size: int, dtype: torch.dtype) -> Tensor:
+    """[N, L] ids padded with vocab_size -> [N, vocab_size] occurrence counts."""
+    counts = torch.zeros(token_ids.shape[0], vocab_size + 1, dtype=dtype,
+                         device=token_ids.device)
+    counts.scatter_add_(1, token_ids, torch.ones_like(token_ids, dtype=dtype))
+    return counts[:, :vocab_size]
+
+
+def apply_penalties(logits: Tensor, batch: SamplingBatch) -> Tensor:
+    """Repetition (prompt + output tokens), then frequency and presence (output tokens).
+
+    logits: [N, V] float32; returns a new tensor, the input is left untouched.
+    """
+    assert batch.output_token_ids is not None
+    assert batch.repetition_penalty is not None and batch.presence_penalty is not None
+    assert batch.frequency_penalty is not None
+    vocab = logits.shape[-1]
+    out_counts = _token_counts(batch.output_token_ids, vocab, logits.dtype)  # [N, V]
+    if batch.prompt_token_ids is not None:
+        seen = out_counts + _token_counts(batch.prompt_token_ids, vocab, logits.dtype) > 0
+        rp = batch.repetition_penalty.unsqueeze(1)  # [N, 1]
+        penalised = torch.where(logits > 0, logits / rp, logits * rp)
+        logits = torch.where(seen, penalised, logits)
+    logits = logits - batch.frequency_penalty.unsqueeze(1) * out_counts
+    return logits - batch.presence_penalty.unsqueeze(1) * (out_counts > 0).to(logits.dtype)
+
+
+def apply_top_k_top_p(logits: Tensor, batch: SamplingBatch) -> Tensor:
+    """Mask (to -inf) tokens outside each row's top-k, then outside its top-p nucleus.
+
+    logits: [N, V] float32, already divided by temperature. Tokens tied with the k-th value
+    are kept. Top-p keeps the smallest prefix of the sorted tokens whose mass reaches top_p.
+    """
+    neg_inf = float("-inf")
+    if not batch.need_top_p:  # top-k alone: a partial top-k beats a full sort
+        assert batch.top_k is not None
+        k = batch.top_k.clamp(max=batch.max_top_k)  # [N]
+        top = torch.topk(logits, batch.max_top_k, dim=-1).values  # [N, max_top_k]
+        kth = top.gather(1, (k - 1).unsqueeze(1))  # [N, 1]
+        kth = kth.masked_fill((batch.top_k >= batch.vocab_size).unsqueeze(1), neg_inf)
+        return logits.masked_fill(logits < kth, neg_inf)
+    assert batch.top_p is not None
+    sorted_logits, order = logits.sort(dim=-1, descending=True)  # [N, V] each
+    if batch.top_k is not None:
+        kth = sorted_logits.gather(1, (batch.top_k - 1).unsqueeze(1))  # [N, 1]
+        sorted_logits = sorted_logits.masked_fill(sorted_logits < kth, neg_inf)
+    probs = sorted_logits.softmax(dim=-1)  # [N, V]
+    mass_before = probs.cumsum(dim=-1) - probs  # [N, V]: mass of strictly better tokens
+    # Rows with top_p == 1 must keep everything despite cumsum rounding.
+    top_p = batch.top_p.masked_fill(batch.top_p >= 1.0, float("inf")).unsqueeze(1)  # [N, 1]
+    sorted_logits = sorted_logits.masked_fill(mass_before >= top_p, neg_inf)
+    return torch.empty_like(logits).scatter_(1, order, sorted_logits)
+
+
+def _exponential_noise(probs: Tensor, batch: SamplingBatch) -> Tensor:
+    """[N, V] Exp(1) noise: default generator for unseeded rows (one call), own ones else."""
+    noise = torch.empty_like(probs)  # rows left unfilled are greedy; their result is dropped
+    if batch.any_unseeded_random:
+        noise.exponential_()
+    for row, gen in batch.seeded:
+        noise[row].exponential_(generator=gen)  # always V draws per step from this generator
+    # Exp(1) can return exactly 0; keep the ratio finite so a 0-prob token never wins.
+    return noise.clamp_(min=torch.finfo(noise.dtype).tiny)
+
+
+class Sampler:
+    """Samples one token per row from [N, V] logits with each row's own parameters.
+
+    Never modifies the logits in place (they may be a CUDA-graph output buffer).
+    """
+
+    def __call__(self, logits: Tensor, batch: SamplingBatch) -> SamplerOutput:
+        logits = logits.float()  # [N, V]
+        raw_logits = logits
+        if batch.need_penalties:
+            logits = apply_penalties(logits, batch)
+        if batch.ban_rows is not None:
+            neg_inf = logits.new_full((), float("-inf"))
+            logits = logits.index_put((batch.ban_rows, batch.ban_token_ids), neg_inf)
+        # [N] int64
+        token_ids = logits.argmax(dim=-1) if batch.all_greedy else self._sample(logits, batch)
+        logprobs = ids = None
+        if batch.max_num_logprobs is not None:
+            logprobs, ids = self._logprobs(raw_logits, token_ids, batch.max_num_logprobs)
+        return SamplerOutput(token_ids=token_ids, logprobs=logprobs, logprob_token_ids=ids)
+
+    @staticmethod
+    def _sample(logits: Tensor, batch: SamplingBatch) -> Tensor:
+        assert batch.temperature is not None and batch.min_p is not None
+        greedy_rows = batch.temperature == 0  # [N] bool
+        temperature = batch.temperature.masked_fill(greedy_rows, 1.0).unsqueeze(1)  # [N, 1]
+        scaled = logits / temperature  # [N, V]
+        if batch.need_top_k_top_p:
+            scaled = apply_top_k_top_p(scaled, batch)
+        probs = scaled.softmax(dim=-1)  # [N, V]
+        if batch.need_min_p:
+            floor = batch.min_p.unsqueeze(1) * probs.amax(dim=-1, keepdim=True)  # [N, 1]
+            probs = probs.masked_fill(probs < floor, 0.0)
+        sampled = (probs / _exponential_noise(probs, batch)).argmax(dim=-1)  # [N]
+        if batch.all_random:
+            return sampled
+        return torch.where(greedy_rows, logits.argmax(dim=-1), sampled)
+
+    @staticmethod
+    def _logprobs(raw_logits: Tensor, token_ids: Tensor, k: int) -> tuple[Tensor, Tensor]:
+        logprobs = raw_logits.log_softmax(dim=-1)  # [N, V]
+        sampled_ids = token_ids.unsqueeze(1)  # [N, 1]
+        sampled = logprobs.gather(1, sampled_ids)  # [N, 1]
+        k = min(k, logprobs.shape[-1])
+        if k == 0:
+            return sampled, sampled_ids
+        top = torch.topk(logprobs, k, dim=-1)  # values, indices: [N, k]
+        return (torch.cat([sampled, top.values], dim=1),
+                torch.cat([sampled_ids, top.indices], dim=1))

@@ -1,0 +1,175 @@
+"""The offline API, shaped like vLLM's: `LLM(...).generate(prompts, SamplingParams(...))`."""
+
+from __future__ import annotations
+
+import itertools
+import logging
+from collections.abc import Sequence
+from dataclasses import replace
+from typing import Any
+
+from pagedserve.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
+from pagedserve.engine.core import EngineCore, EngineRequest
+from pagedserve.engine.output_processor import OutputProcessor, SampleState
+from pagedserve.models.loader import load_tokenizer, resolve_model
+from pagedserve.outputs import RequestOutput
+from pagedserve.sampling_params import SamplingParams
+
+logger = logging.getLogger("pagedserve")
+
+Prompt = str | list[int]
+
+
+class LLM:
+    """An in-process engine for offline batch generation.
+
+    `model` is None (the embedded SmolLM2-135M-Instruct), a preset name, a Hugging Face
+    folder or a .gguf file. Memory for the KV cache comes from `kv_cache_memory` (bytes)
+    or, on a GPU, `gpu_memory_utilization` after profiling a forward pass.
+    """
+
+    def __init__(
+        self,
+        model: str | None = None,
+        *,
+        dtype: str = "auto",
+        device: str = "auto",
+        max_model_len: int | None = None,
+        max_num_seqs: int = 256,
+        max_num_batched_tokens: int = 8192,
+        block_size: int = 16,
+        enable_prefix_caching: bool = True,
+        kv_cache_memory: int | None = None,
+        gpu_memory_utilization: float = 0.9,
+        load_format: str = "auto",
+        seed: int = 0,
+        enforce_eager: bool = False,
+        attention_backend: str = "torch",
+    ) -> None:
+        source = resolve_model(model)
+        model_cfg = ModelConfig.from_hf_config(source.hf_config)
+        max_len = max_model_len or model_cfg.max_position_embeddings
+        if max_len > model_cfg.max_position_embeddings:
+            raise ValueError(
+                f"max_model_len={max_len} exceeds the model's max_position_embeddings="
+                f"{model_cfg.max_position_embeddings}"
+            )
+        config = EngineConfig(
+            model=model, dtype=dtype, device=device, load_format=load_format, seed=seed,
+            scheduler=SchedulerConfig(max_num_seqs, max_num_batched_tokens, max_len),
+            cache=CacheConfig(block_size, enable_prefix_caching, kv_cache_memory,
+                              gpu_memory_utilization),
+            attention_backend=attention_backend, enforce_eager=enforce_eager,
+        )
+        self.engine = EngineCore(config, source)
+        self.tokenizer = load_tokenizer(source, model_cfg)
+        self._ids = itertools.count()
+
+    def get_tokenizer(self):
+        return self.tokenizer
+
+    # ---- generation -------------------------------------------------------------------
+
+    def generate(
+        self,
+        prompts: Prompt | Sequence[Prompt],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        *,
+        use_tqdm: bool = True,
+        priority: Sequence[int] | None = None,
+    ) -> list[RequestOutput]:
+        """Generate for every prompt (text or token ids); results come in input order."""
+        if isinstance(prompts, str) or (
+            isinstance(prompts, list) and prompts and isinstance(prompts[0], int)
+        ):
+            prompts = [prompts]  # type: ignore[list-item]
+        prompts = list(prompts)  # type: ignore[arg-type]
+        params = _broadcast(sampling_params or SamplingParams(), len(prompts), "sampling_params")
+        prios = list(priority) if priority is not None else [0] * len(prompts)
+        if len(prios) != len(prompts):
+            raise ValueError("priority must have one entry per prompt")
+        results: list[RequestOutput] = []
+        proc = OutputProcessor(self.tokenizer)
+        children: dict[str, tuple[RequestOutput, int]] = {}
+        try:
+            for prompt, p, prio in zip(prompts, params, prios):
+                ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
+                ro = RequestOutput(str(next(self._ids)), prompt if isinstance(prompt, str) else None, ids)
+                results.append(ro)
+                for i in range(p.n):
+                    child = p if p.n == 1 else replace(p, n=1, seed=None if p.seed is None else p.seed + i)
+                    rid = f"{ro.request_id}-{i}"
+                    self.engine.add_request(EngineRequest(rid, ids, child, priority=prio))
+                    proc.add(rid, i, ids, child)
+                    children[rid] = (ro, i)
+            self._run(proc, children, len(results), use_tqdm)
+        except BaseException:
+            self.engine.abort_requests(list(children))
+            raise
+        return results
+
+    def _run(self, proc: OutputProcessor, children: dict, num_requests: int, use_tqdm: bool) -> None:
+        from tqdm.auto import tqdm
+
+        bar = tqdm(total=num_requests, desc="Generating", disable=not use_tqdm or num_requests < 2,
+                   dynamic_ncols=True)
+        unfinished = {ro.request_id: ro for ro, _ in children.values()}
+        samples: dict[str, SampleState] = {}
+        while self.engine.has_unfinished_requests():
+            updated, to_abort = proc.process(self.engine.step())
+            self.engine.abort_requests(to_abort)
+            for s in updated:
+                samples[s.request_id] = s
+                if s.finished:
+                    ro, _ = children[s.request_id]
+                    if ro.request_id in unfinished and all(
+                        samples.get(r) is not None and samples[r].finished
+                        for r, (parent, _) in children.items() if parent is ro
+                    ):
+                        del unfinished[ro.request_id]
+                        bar.update(1)
+        bar.close()
+        for rid, (ro, _) in children.items():
+            s = samples.get(rid)
+            if s is not None:
+                ro.outputs.append(s.to_completion())
+                ro.num_cached_tokens = s.num_cached_tokens
+        for ro, _ in children.values():
+            ro.outputs.sort(key=lambda o: o.index)
+            ro.finished = all(o.finished for o in ro.outputs)
+
+    def chat(
+        self,
+        messages: list[dict[str, Any]] | list[list[dict[str, Any]]],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        *,
+        use_tqdm: bool = True,
+        add_generation_prompt: bool = True,
+        chat_template_kwargs: dict[str, Any] | None = None,
+    ) -> list[RequestOutput]:
+        """Generate replies to one conversation or a list of them, via the chat template."""
+        conversations = [messages] if messages and isinstance(messages[0], dict) else messages
+        prompts = [
+            self.tokenizer.apply_chat_template(conv, add_generation_prompt, **(chat_template_kwargs or {}))
+            for conv in conversations  # type: ignore[union-attr]
+        ]
+        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
+
+    # ---- introspection ----------------------------------------------------------------
+
+    @property
+    def kv_cache_manager(self):
+        return self.engine.kv
+
+    def check_no_leaks(self) -> None:
+        """Raise AssertionError unless every KV block is back in the free pool."""
+        self.engine.kv.check_integrity(expect_all_free=True)
+
+
+def _broadcast(value, n: int, name: str) -> list:
+    if isinstance(value, SamplingParams):
+        return [value] * n
+    values = list(value)
+    if len(values) != n:
+        raise ValueError(f"{name} has {len(values)} entries for {n} prompts")
+    return values

@@ -1,0 +1,124 @@
+"""Per-request sampling and stopping parameters (no torch import: the scheduler uses them too)."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass
+
+# Temperatures below this count as greedy: dividing logits by them would overflow.
+SAMPLING_EPS = 1e-5
+MAX_LOGPROBS = 20
+
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_number(value: object) -> bool:
+    return (isinstance(value, (int, float)) and not isinstance(value, bool)
+            and math.isfinite(value))
+
+
+@dataclass
+class SamplingParams:
+    """How one request samples tokens and when it stops, shaped like vLLM's.
+
+    Validated on construction (and on `clone()`); every invalid value raises a `ValueError`
+    naming the field. `stop` and `stop_token_ids` are normalised to lists, `top_k == -1` to 0.
+    """
+
+    n: int = 1
+    temperature: float = 1.0  # 0 = greedy
+    top_p: float = 1.0  # in (0, 1]
+    top_k: int = 0  # 0 (or -1) = off
+    min_p: float = 0.0  # in [0, 1]
+    seed: int | None = None
+    max_tokens: int | None = 16  # None = up to the model's length
+    min_tokens: int = 0
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    ignore_eos: bool = False
+    repetition_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    logprobs: int | None = None  # top logprobs per generated token; 0 = the sampled one only
+    skip_special_tokens: bool = True
+    include_stop_str_in_output: bool = False
+
+    def __post_init__(self) -> None:
+        self._normalise()
+        self._validate()
+
+    def _normalise(self) -> None:
+        if self.stop is None:
+            self.stop = []
+        elif isinstance(self.stop, str):
+            self.stop = [self.stop]
+        elif isinstance(self.stop, (list, tuple)):
+            self.stop = list(self.stop)
+        else:
+            raise ValueError(f"stop must be a string or a list of strings, got {self.stop!r}")
+        if self.stop_token_ids is None:
+            self.stop_token_ids = []
+        elif isinstance(self.stop_token_ids, (list, tuple)):
+            self.stop_token_ids = list(self.stop_token_ids)
+        else:
+            raise ValueError(f"stop_token_ids must be a list of ints, got {self.stop_token_ids!r}")
+        if self.top_k == -1:
+            self.top_k = 0
+
+    def _validate(self) -> None:
+        if not _is_int(self.n) or self.n < 1:
+            raise ValueError(f"n must be an int >= 1, got {self.n!r}")
+        if not _is_number(self.temperature) or self.temperature < 0:
+            raise ValueError(f"temperature must be >= 0, got {self.temperature!r}")
+        if not _is_number(self.top_p) or not 0 < self.top_p <= 1:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
+        if not _is_int(self.top_k) or self.top_k < 0:
+            raise ValueError(f"top_k must be 0 or -1 (off) or >= 1, got {self.top_k!r}")
+        if not _is_number(self.min_p) or not 0 <= self.min_p <= 1:
+            raise ValueError(f"min_p must be in [0, 1], got {self.min_p!r}")
+        if self.seed is not None and not _is_int(self.seed):
+            raise ValueError(f"seed must be an int or None, got {self.seed!r}")
+        if self.max_tokens is not None and (not _is_int(self.max_tokens) or self.max_tokens < 1):
+            raise ValueError(f"max_tokens must be >= 1 or None, got {self.max_tokens!r}")
+        if not _is_int(self.min_tokens) or self.min_tokens < 0:
+            raise ValueError(f"min_tokens must be >= 0, got {self.min_tokens!r}")
+        if self.max_tokens is not None and self.min_tokens > self.max_tokens:
+            raise ValueError(
+                f"min_tokens must be <= max_tokens ({self.max_tokens}), got {self.min_tokens}"
+            )
+        for s in self.stop:
+            if not isinstance(s, str) or not s:
+                raise ValueError(f"stop must contain only non-empty strings, got {s!r}")
+        for t in self.stop_token_ids:
+            if not _is_int(t) or t < 0:
+                raise ValueError(f"stop_token_ids must contain ints >= 0, got {t!r}")
+        if not _is_number(self.repetition_penalty) or self.repetition_penalty <= 0:
+            raise ValueError(f"repetition_penalty must be > 0, got {self.repetition_penalty!r}")
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            if not _is_number(value) or not -2 <= value <= 2:
+                raise ValueError(f"{name} must be in [-2, 2], got {value!r}")
+        if self.logprobs is not None and (
+            not _is_int(self.logprobs) or not 0 <= self.logprobs <= MAX_LOGPROBS
+        ):
+            raise ValueError(
+                f"logprobs must be in [0, {MAX_LOGPROBS}] or None, got {self.logprobs!r}"
+            )
+
+    @property
+    def greedy(self) -> bool:
+        """True when the request takes the argmax: temperature 0 (below 1e-5) or top_k 1."""
+        return self.temperature < SAMPLING_EPS or self.top_k == 1
+
+    @property
+    def uses_penalties(self) -> bool:
+        """True when any of the repetition, presence or frequency penalties is active."""
+        return (self.repetition_penalty != 1.0 or self.presence_penalty != 0.0
+                or self.frequency_penalty != 0.0)
+
+    def clone(self) -> SamplingParams:
+        """A validated copy whose lists are not shared with this one."""
+        return dataclasses.replace(self)

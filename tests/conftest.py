@@ -1,0 +1,51 @@
+"""Shared fixtures: tiny random HF checkpoints and the embedded SmolLM2 folder."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
+
+TINY_LLAMA = dict(
+    vocab_size=256, hidden_size=80, intermediate_size=160, num_hidden_layers=3,
+    num_attention_heads=10, num_key_value_heads=2, head_dim=16, rms_norm_eps=1e-5,
+    max_position_embeddings=512, tie_word_embeddings=False, rope_theta=70000.0,
+)
+TINY_QWEN3 = dict(
+    vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=3,
+    num_attention_heads=4, num_key_value_heads=2, head_dim=32, rms_norm_eps=1e-6,
+    max_position_embeddings=512, tie_word_embeddings=True, rope_theta=5e6,
+)
+
+
+def make_hf_checkpoint(kind: str, folder, max_shard_size: str | None = None):
+    """Save a tiny random HF model (Llama or Qwen3) as a safetensors folder; return the model."""
+    import transformers
+
+    torch.manual_seed(0)
+    if kind == "llama":
+        cfg = transformers.LlamaConfig(**TINY_LLAMA)
+        model = transformers.LlamaForCausalLM(cfg)
+    else:
+        cfg = transformers.Qwen3Config(**TINY_QWEN3)
+        model = transformers.Qwen3ForCausalLM(cfg)
+    with torch.no_grad():  # norms start at 1.0; randomise them so the test sees them
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.uniform_(0.5, 1.5)
+    model = model.float().eval()
+    kwargs = {"max_shard_size": max_shard_size} if max_shard_size else {}
+    model.save_pretrained(folder, **kwargs)
+    return model
+
+
+@pytest.fixture(scope="session")
+def smollm2_dir():
+    """The embedded default model's cached HF folder (converted once per machine)."""
+    from pagedserve.models.default_model import default_model_dir
+
+    return default_model_dir()

@@ -1,0 +1,28 @@
+"""Small helpers for running pagedserve's model without the engine."""
+
+from __future__ import annotations
+
+import torch
+
+from pagedserve.attention import AttentionContext, AttentionMetadata, TorchReferenceBackend
+
+
+def run_prefill(model, seqs: list[list[int]]) -> list[torch.Tensor]:
+    """Logits [len(seq), vocab] for each whole sequence, all in one flattened batch."""
+    cfg = model.config
+    device = model.embed_tokens.weight.device
+    backend = TorchReferenceBackend(cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.head_dim**-0.5)
+    meta = AttentionMetadata.for_prefill([len(s) for s in seqs], device)
+    ids = torch.tensor([t for s in seqs for t in s], device=device)
+    positions = torch.cat([torch.arange(len(s), device=device) for s in seqs])
+    with torch.no_grad():
+        logits = model.compute_logits(model(ids, positions, AttentionContext(backend, meta)))
+    return list(logits.split([len(s) for s in seqs]))
+
+
+def greedy_nocache(model, prompt: list[int], n: int) -> list[int]:
+    """Greedy continuation by recomputing the whole sequence each step (slow, simple)."""
+    seq = list(prompt)
+    for _ in range(n):
+        seq.append(int(run_prefill(model, [seq])[0][-1].argmax()))
+    return seq[len(prompt):]

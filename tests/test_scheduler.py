@@ -1,0 +1,167 @@
+"""Scheduler with a fake model: budget, order, chunking, preemption, exact outputs."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from pagedserve.config import SchedulerConfig
+from pagedserve.engine.kv_cache_manager import KVCacheManager
+from pagedserve.engine.request import Request, RequestStatus
+from pagedserve.engine.scheduler import Scheduler
+from pagedserve.sampling_params import SamplingParams
+
+VOCAB = 1000
+
+
+def fake_next_token(tokens: list[int]) -> int:
+    """A deterministic 'model': the next token depends on the whole sequence."""
+    return (sum(t * (i + 1) for i, t in enumerate(tokens)) * 31 + 7) % VOCAB
+
+
+class FakeEngine:
+    """Drives the scheduler like the engine core does, checking KV invariants each step."""
+
+    def __init__(self, num_blocks=64, block_size=4, prefix=True, **sched):
+        self.kv = KVCacheManager(num_blocks, block_size, prefix)
+        self.sched = Scheduler(SchedulerConfig(**sched), self.kv)
+        self.steps = []
+
+    def add(self, rid, prompt, max_tokens, priority=0):
+        req = Request(rid, prompt, SamplingParams(max_tokens=max_tokens), priority=priority,
+                      max_tokens=max_tokens)
+        self.sched.add_request(req)
+        return req
+
+    def step(self):
+        out = self.sched.schedule()
+        self.steps.append(out)
+        assert out.num_tokens <= self.sched.config.max_num_batched_tokens
+        assert len(self.sched.running) <= self.sched.config.max_num_seqs
+        sampled = {}
+        for c in out.chunks:
+            req = c.request
+            # The KV for [0, start) must be computed already and the blocks must cover the chunk.
+            assert c.start == req.num_computed_tokens
+            assert len(self.kv.block_ids(req.request_id)) * self.kv.block_size >= c.start + c.num_tokens
+            if c.samples:
+                sampled[req.request_id] = fake_next_token(req.token_ids)
+        for req in self.sched.update_after_step(out, sampled):
+            if req.num_output_tokens >= req.max_tokens:
+                self.sched.finish(req, "length")
+        self.kv.check_integrity()
+        return out
+
+    def run(self, max_steps=10_000):
+        for _ in range(max_steps):
+            if not self.sched.num_unfinished:
+                return
+            self.step()
+        raise AssertionError("did not finish")
+
+
+def reference(prompt, n):
+    toks = list(prompt)
+    for _ in range(n):
+        toks.append(fake_next_token(toks))
+    return toks[len(prompt):]
+
+
+def test_decodes_first_then_prefill_chunks_within_budget():
+    eng = FakeEngine(max_num_batched_tokens=10, max_num_seqs=8, max_model_len=100)
+    a = eng.add("a", list(range(1, 8)), 5)  # 7-token prompt
+    out = eng.step()
+    assert [(c.request.request_id, c.start, c.num_tokens) for c in out.chunks] == [("a", 0, 7)]
+    b = eng.add("b", list(range(50, 80)), 3)  # 30-token prompt: chunked by the budget
+    out = eng.step()
+    # a decodes (1 token) first, then b gets the remaining 9 tokens of budget.
+    assert [(c.request.request_id, c.start, c.num_tokens) for c in out.chunks] == [("a", 7, 1), ("b", 0, 9)]
+    assert not out.chunks[1].samples
+    out = eng.step()
+    assert [(c.request.request_id, c.num_tokens) for c in out.chunks] == [("a", 1), ("b", 9)]
+    eng.run()
+    assert a.output_token_ids == reference(a.prompt_token_ids, 5)
+    assert b.output_token_ids == reference(b.prompt_token_ids, 3)
+    eng.kv.check_integrity(expect_all_free=True)
+
+
+def test_fcfs_and_priority_order():
+    eng = FakeEngine(max_num_batched_tokens=100, max_num_seqs=1, max_model_len=100)
+    eng.add("first", [1, 2], 1)
+    eng.add("second", [3, 4], 1)
+    eng.add("urgent", [5, 6], 1, priority=-1)
+    order = []
+    while eng.sched.num_unfinished:
+        out = eng.step()
+        order += [c.request.request_id for c in out.chunks if c.start == 0]
+    assert order == ["urgent", "first", "second"]
+
+
+def test_max_num_seqs_limits_running():
+    eng = FakeEngine(max_num_batched_tokens=1000, max_num_seqs=3, max_model_len=100)
+    for i in range(7):
+        eng.add(f"r{i}", [i + 1] * 5, 4)
+    out = eng.step()
+    assert len(out.chunks) == 3
+    eng.run()
+
+
+def test_preemption_recomputes_and_outputs_stay_exact():
+    # 12 blocks of 4 tokens = 48 slots; four requests that grow to 25 tokens each cannot fit.
+    eng = FakeEngine(num_blocks=12, block_size=4, max_num_batched_tokens=64, max_num_seqs=8,
+                     max_model_len=64)
+    rng = random.Random(0)
+    reqs = [eng.add(f"r{i}", [rng.randrange(VOCAB) for _ in range(10)], 15) for i in range(4)]
+    eng.run()
+    assert eng.sched.num_preemptions > 0
+    assert any(r.num_preemptions for r in reqs)
+    # The newest request is the one preempted first.
+    first = next(s for s in eng.steps if s.preempted)
+    assert first.preempted[0].request_id == "r3"
+    for r in reqs:
+        assert r.output_token_ids == reference(r.prompt_token_ids, 15)
+        assert r.status == RequestStatus.FINISHED
+    eng.kv.check_integrity(expect_all_free=True)
+
+
+@pytest.mark.parametrize("budget", [1, 3, 16, 200])
+@pytest.mark.parametrize("prefix", [True, False])
+def test_random_workloads_match_reference(budget, prefix):
+    rng = random.Random(budget)
+    eng = FakeEngine(num_blocks=40, block_size=4, prefix=prefix, max_num_batched_tokens=budget,
+                     max_num_seqs=6, max_model_len=128)
+    shared = [rng.randrange(VOCAB) for _ in range(13)]
+    reqs = []
+    for i in range(20):
+        prompt = (shared if i % 2 else []) + [rng.randrange(VOCAB) for _ in range(rng.randint(1, 30))]
+        reqs.append(eng.add(f"r{i}", prompt, rng.randint(1, 20)))
+        if i % 5 == 4:
+            eng.step()
+    eng.run()
+    for r in reqs:
+        assert r.output_token_ids == reference(r.prompt_token_ids, r.max_tokens)
+    eng.kv.check_integrity(expect_all_free=True)
+    if prefix and budget > 1:
+        assert eng.kv.stats.hits > 0
+
+
+def test_rejects_requests_that_can_never_fit():
+    eng = FakeEngine(num_blocks=4, block_size=4, max_num_batched_tokens=64, max_model_len=100)
+    with pytest.raises(ValueError, match="whole cache"):
+        eng.add("big", [1] * 10, 10)  # needs 20 tokens of KV, cache holds 16
+    with pytest.raises(ValueError, match="max_model_len"):
+        eng.add("long", [1] * 100, 1)
+    with pytest.raises(ValueError, match="empty"):
+        eng.add("empty", [], 1)
+
+
+def test_finish_frees_blocks_of_waiting_and_running():
+    eng = FakeEngine(max_num_batched_tokens=8, max_num_seqs=1, max_model_len=100)
+    a = eng.add("a", [1] * 20, 5)
+    b = eng.add("b", [2] * 3, 5)
+    eng.step()  # a partially prefilled, b waiting
+    eng.sched.finish(a, "abort")
+    eng.sched.finish(b, "abort")
+    assert eng.sched.num_unfinished == 0
+    eng.kv.check_integrity(expect_all_free=True)
