@@ -50,8 +50,9 @@ def hf_greedy(hf, prompt: list[int], n: int) -> list[int]:
 @pytest.fixture(scope="module")
 def mixed_prompts(corpus_ids):
     rng = random.Random(0)
-    lengths = [1, 1500, 2, 700] + [rng.randint(1, 100) for _ in range(30)]
-    lengths += [rng.randint(100, 600) for _ in range(16)] + [rng.randint(600, 1500) for _ in range(14)]
+    # Mostly short prompts (like a chat workload), some long ones, the extremes included.
+    lengths = [1, 1500, 2, 700] + [rng.randint(1, 64) for _ in range(40)]
+    lengths += [rng.randint(64, 400) for _ in range(12)] + [rng.randint(400, 1500) for _ in range(8)]
     assert len(lengths) == 64
     prompts = []
     for n in lengths:

@@ -10,9 +10,9 @@ import gguf
 import numpy as np
 import pytest
 import torch
+
 from conftest import make_hf_checkpoint
 from helpers import run_prefill
-
 from pagedserve.config import ModelConfig
 from pagedserve.models import default_model
 from pagedserve.models.default_model import DefaultModelError, default_gguf_path, default_model_dir

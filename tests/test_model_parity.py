@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 import torch
-from helpers import greedy_nocache, run_prefill
 
 from conftest import make_hf_checkpoint
+from helpers import greedy_nocache, run_prefill
 from pagedserve.models.loader import build_model, resolve_model
 
 

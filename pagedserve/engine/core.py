@@ -81,6 +81,8 @@ class EngineCore:
         self.scheduler = Scheduler(sched, self.kv)
         self.runner = ModelRunner(model, backend, num_blocks, config.cache.block_size)
         self.requests: dict[str, Request] = {}
+        self.num_prefill_tokens = 0  # cumulative tokens computed other than decodes
+        self.num_generation_tokens = 0  # cumulative sampled tokens
         capacity = num_blocks * config.cache.block_size
         logger.info(
             "KV cache: %d blocks of %d tokens = %d tokens (%.2f GiB, %s); max concurrency at "
@@ -139,6 +141,11 @@ class EngineCore:
         tables = [self.kv.block_ids(c.request.request_id) for c in out.chunks]
         result = self.runner.execute(out, tables)
         updated = self.scheduler.update_after_step(out, result.token_ids)
+        self.num_generation_tokens += len(updated)
+        self.num_prefill_tokens += sum(
+            c.num_tokens for c in out.chunks
+            if not (c.num_tokens == 1 and c.start >= c.request.num_prompt_tokens)
+        )
         outputs = []
         now = time.monotonic()
         for req in updated:

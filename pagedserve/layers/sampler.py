@@ -12,6 +12,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 from torch import Tensor
 
@@ -74,45 +75,26 @@ class SamplingBatch:
         all_greedy, all_random = all(greedy), not any(greedy)
         need_penalties = any(p.uses_penalties for p in params)
         need_rep = need_penalties and any(p.repetition_penalty != 1.0 for p in params)
-        active_k: list[int] = []
-        need_top_p = need_min_p = False
         temperature = top_p = top_k = min_p = rep = pres = freq = None
+        need_top_k = need_top_p = need_min_p = False
+        max_top_k = vocab_size
         if not all_greedy or need_penalties:
-            # Columns of per-row scalars; greedy rows get neutral values so the random path
-            # leaves them alone (their result is replaced by the argmax anyway).
-            cols: list[list[float]] = [[] for _ in range(7)]
-            for p, g in zip(params, greedy, strict=True):
-                k = vocab_size if g or p.top_k <= 0 else min(p.top_k, vocab_size)
-                if k < vocab_size:
-                    active_k.append(k)
-                need_top_p |= not g and p.top_p < 1.0
-                need_min_p |= not g and p.min_p > 0.0
-                row = (0.0 if g else p.temperature, 1.0 if g else p.top_p, float(k),
-                       0.0 if g else p.min_p, p.repetition_penalty, p.presence_penalty,
-                       p.frequency_penalty)
-                for col, value in zip(cols, row, strict=True):
-                    col.append(value)
-            # [7, N]: one host-to-device copy for all scalars; top_k is exact in float32
-            # because vocab sizes are far below 2**24.
-            table = torch.tensor(cols, dtype=torch.float32).to(device, non_blocking=True)
-            temperature, top_p, _, min_p, rep, pres, freq = table.unbind(0)
-            top_k = table[2].long() if active_k else None
+            rows = [_scalars(p, g, vocab_size) for p, g in zip(params, greedy, strict=True)]
+            # [N, 7] -> one host-to-device copy for all scalars (top_k is exact in float32:
+            # vocab sizes are far below 2**24), then [7, N] column views.
+            table = torch.tensor(rows, dtype=torch.float32).to(device, non_blocking=True)
+            temperature, top_p, k_col, min_p, rep, pres, freq = table.t().unbind(0)
+            active_k = [r[2] for r in rows if r[2] < vocab_size]
+            need_top_k = bool(active_k)
+            need_top_p = any(r[1] < 1.0 for r in rows)
+            need_min_p = any(r[3] > 0.0 for r in rows)
+            if need_top_k:
+                top_k, max_top_k = k_col.long(), int(max(active_k))
 
         prompt_t = _pad(prompt_ids, vocab_size, device) if need_rep else None
         output_t = _pad(output_ids, vocab_size, device) if need_penalties else None
 
-        rows: list[int] = []
-        toks: list[int] = []
-        for i, p in enumerate(params):
-            if p.min_tokens and len(output_ids[i]) < p.min_tokens:
-                banned = set(p.stop_token_ids) | set(eos_token_ids)
-                banned = sorted(t for t in banned if 0 <= t < vocab_size)
-                rows += [i] * len(banned)
-                toks += banned
-        ban_rows = ban_toks = None
-        if rows:
-            ban_rows, ban_toks = torch.tensor([rows, toks], dtype=torch.int64).to(device)  # [M]
-
+        ban_rows, ban_toks = _bans(params, output_ids, eos_token_ids, vocab_size, device)
         seeded = [(i, gen) for i, (gen, g) in enumerate(zip(generators, greedy, strict=True))
                   if gen is not None and not g]
         wanted = [p.logprobs for p in params if p.logprobs is not None]
@@ -121,19 +103,51 @@ class SamplingBatch:
             top_k=top_k, min_p=min_p, repetition_penalty=rep, presence_penalty=pres,
             frequency_penalty=freq, prompt_token_ids=prompt_t, output_token_ids=output_t,
             ban_rows=ban_rows, ban_token_ids=ban_toks, seeded=seeded,
-            max_top_k=max(active_k, default=vocab_size),
+            max_top_k=max_top_k,
             max_num_logprobs=max(wanted) if wanted else None,
             all_greedy=all_greedy, all_random=all_random,
             any_unseeded_random=len(seeded) < n - sum(greedy),
-            need_top_k=bool(active_k), need_top_p=need_top_p, need_min_p=need_min_p,
+            need_top_k=need_top_k, need_top_p=need_top_p, need_min_p=need_min_p,
             need_penalties=need_penalties,
         )
 
 
+def _scalars(p: SamplingParams, greedy: bool, vocab_size: int) -> tuple[float, ...]:
+    """One row of the scalar table. Greedy rows get neutral sampling values so the random
+    path leaves them alone (their result is replaced by the argmax anyway)."""
+    if greedy:
+        return (0.0, 1.0, vocab_size, 0.0, p.repetition_penalty, p.presence_penalty,
+                p.frequency_penalty)
+    k = vocab_size if p.top_k <= 0 else min(p.top_k, vocab_size)
+    return (p.temperature, p.top_p, k, p.min_p, p.repetition_penalty, p.presence_penalty,
+            p.frequency_penalty)
+
+
+def _bans(params: Sequence[SamplingParams], output_ids: Sequence[Sequence[int]],
+          eos_token_ids: Sequence[int], vocab_size: int,
+          device: torch.device | str) -> tuple[Tensor, Tensor] | tuple[None, None]:
+    """(row, token) pairs to forbid: stop ids (and eos unless ignored) below min_tokens."""
+    rows: list[int] = []
+    toks: list[int] = []
+    for i, p in enumerate(params):
+        if p.min_tokens and len(output_ids[i]) < p.min_tokens:
+            banned = set(p.stop_token_ids) | (set() if p.ignore_eos else set(eos_token_ids))
+            banned = sorted(t for t in banned if 0 <= t < vocab_size)
+            rows += [i] * len(banned)
+            toks += banned
+    if not rows:
+        return None, None
+    ban_rows, ban_toks = torch.tensor([rows, toks], dtype=torch.int64).to(device)  # [M] each
+    return ban_rows, ban_toks
+
+
 def _pad(seqs: Sequence[Sequence[int]], pad: int, device: torch.device | str) -> Tensor:
+    """Token lists (lists, numpy arrays, ...) -> [N, L] int64 padded with `pad`."""
     width = max((len(s) for s in seqs), default=0)
-    rows = [list(s) + [pad] * (width - len(s)) for s in seqs]
-    return torch.tensor(rows, dtype=torch.int64).reshape(len(seqs), width).to(device)
+    out = np.full((len(seqs), width), pad, dtype=np.int64)
+    for i, s in enumerate(seqs):
+        out[i, : len(s)] = s  # numpy copies a list far faster than torch.tensor parses one
+    return torch.from_numpy(out).to(device)
 
 
 @dataclass
@@ -217,6 +231,7 @@ class Sampler:
     """
 
     def __call__(self, logits: Tensor, batch: SamplingBatch) -> SamplerOutput:
+        assert logits.shape == (batch.num_rows, batch.vocab_size), (logits.shape, batch.num_rows)
         logits = logits.float()  # [N, V]
         raw_logits = logits
         if batch.need_penalties:

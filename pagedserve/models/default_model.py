@@ -104,6 +104,10 @@ def _rebuild(gguf_path: Path, target: Path) -> None:
     try:
         _convert(gguf_path, tmp)
         _write_marker(gguf_path, tmp)
+        # mkdtemp (and safetensors) create owner-only files; a cache is readable by all.
+        tmp.chmod(0o755)
+        for f in tmp.iterdir():
+            f.chmod(0o644)
         if target.exists():
             old = Path(tempfile.mkdtemp(prefix=f".{CACHE_NAME}.tmp-old-", dir=parent))
             os.replace(target, old / "x")

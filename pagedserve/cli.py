@@ -1,0 +1,113 @@
+"""The `pagedserve` command: the one place where command-line arguments are parsed."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+
+from pagedserve import envs
+
+
+def _add_engine_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("model", nargs="?", default=None,
+                   help="preset name, Hugging Face folder or .gguf file (default: embedded SmolLM2-135M-Instruct)")
+    p.add_argument("--model", dest="model_opt", default=None, help=argparse.SUPPRESS)
+    p.add_argument("--dtype", default="auto", help="auto | float32 | bfloat16 | float16")
+    p.add_argument("--device", default="auto", help="auto | cpu | cuda | cuda:N")
+    p.add_argument("--load-format", default="auto", choices=["auto", "safetensors", "gguf", "dummy"])
+    p.add_argument("--max-model-len", type=int, default=None)
+    p.add_argument("--max-num-seqs", type=int, default=256)
+    p.add_argument("--max-num-batched-tokens", type=int, default=8192)
+    p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True)
+    p.add_argument("--kv-cache-memory", type=int, default=None, help="bytes for the KV cache")
+    p.add_argument("--gpu-memory-utilization", type=float, default=0.9)
+    p.add_argument("--enforce-eager", action="store_true")
+    p.add_argument("--log-level", default=envs.log_level(), help="DEBUG | INFO | WARNING | ERROR")
+
+
+def engine_kwargs(args: argparse.Namespace) -> dict:
+    """LLM(...) keyword arguments from parsed engine flags."""
+    return dict(
+        model=args.model_opt or args.model, dtype=args.dtype, device=args.device,
+        load_format=args.load_format, max_model_len=args.max_model_len,
+        max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
+        block_size=args.block_size, enable_prefix_caching=args.enable_prefix_caching,
+        kv_cache_memory=args.kv_cache_memory, gpu_memory_utilization=args.gpu_memory_utilization,
+        enforce_eager=args.enforce_eager,
+    )
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="pagedserve", description="Fast serving of small LLMs.")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    gen = sub.add_parser("generate", help="one-shot generation with the offline engine")
+    _add_engine_args(gen)
+    gen.add_argument("--prompt", "-p", action="append", required=True,
+                     help="a prompt (repeat for several)")
+    gen.add_argument("--chat", action="store_true", help="wrap each prompt in the chat template")
+    gen.add_argument("--max-tokens", type=int, default=128)
+    gen.add_argument("--temperature", type=float, default=0.0)
+    gen.add_argument("--top-p", type=float, default=1.0)
+    gen.add_argument("--seed", type=int, default=None)
+    gen.set_defaults(func=_cmd_generate)
+
+    srv = sub.add_parser("serve", help="run the OpenAI-compatible HTTP server")
+    _add_engine_args(srv)
+    srv.add_argument("--host", default="127.0.0.1")
+    srv.add_argument("--port", type=int, default=8000)
+    srv.add_argument("--served-model-name", nargs="+", default=None,
+                     help="name(s) clients use for the model (default: the model argument)")
+    srv.add_argument("--api-key", default=None,
+                     help="require 'Authorization: Bearer KEY' (default: $PAGEDSERVE_API_KEY)")
+    srv.add_argument("--max-waiting-requests", type=int, default=1024,
+                     help="beyond max-num-seqs running plus this many waiting, answer 503")
+    srv.add_argument("--reasoning-parser", default=None,
+                     help="split <think>...</think> into reasoning_content (think, deepseek_r1, qwen3, nanbeige)")
+    srv.add_argument("--max-request-body-bytes", type=int, default=8 << 20)
+    srv.add_argument("--log-stats-interval", type=float, default=10.0, help="seconds between status lines")
+    srv.set_defaults(func=_cmd_serve)
+    return parser
+
+
+def _cmd_serve(args: argparse.Namespace) -> int:
+    from pagedserve.server.launch import serve
+
+    return serve(args, engine_kwargs(args))
+
+
+def _cmd_generate(args: argparse.Namespace) -> int:
+    from pagedserve import LLM, SamplingParams
+
+    llm = LLM(**engine_kwargs(args))
+    params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature,
+                            top_p=args.top_p, seed=args.seed)
+    if args.chat:
+        convs = [[{"role": "user", "content": p}] for p in args.prompt]
+        outs = llm.chat(convs, params)
+    else:
+        outs = llm.generate(args.prompt, params)
+    for prompt, out in zip(args.prompt, outs, strict=True):
+        o = out.outputs[0]
+        print(f">>> {prompt}\n{o.text}\n[{out.num_prompt_tokens} prompt tokens, "
+              f"{len(o.token_ids)} generated, finish_reason={o.finish_reason}]")
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    from pagedserve.models.default_model import DefaultModelError
+
+    try:
+        return args.func(args)
+    except (ValueError, DefaultModelError) as e:
+        # User-facing problems (bad model path, bad flag values) get one clear line.
+        print(f"pagedserve: error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,109 @@
+"""The engine core in its own process, talking to the front end over ZeroMQ.
+
+The front end (HTTP server) binds two IPC sockets; the core process connects to both:
+
+    front end  --PUSH-->  [requests]  --PULL-->  core   ("add", EngineRequest) / ("abort", ids) / ("shutdown",)
+    front end  <--PULL--  [outputs]   <--PUSH--  core   ("ready", CoreInfo) / ("failed", text)
+                                                        ("outputs", [TokenOutput], CoreStats)
+                                                        ("rejected", request_id, message)
+
+Messages are pickled Python objects: both ends are pagedserve processes of one user.
+The core steps whenever it has unfinished requests and blocks on its input otherwise.
+"""
+
+from __future__ import annotations
+
+import logging
+import traceback
+from dataclasses import dataclass
+
+from pagedserve.config import EngineConfig
+
+
+@dataclass
+class CoreInfo:
+    """Facts the front end needs to validate requests, sent once when the core is ready."""
+
+    model_name: str
+    max_model_len: int
+    vocab_size: int
+    num_blocks: int
+    block_size: int
+    max_num_seqs: int
+    eos_token_ids: tuple[int, ...]
+    startup_seconds: float
+
+
+@dataclass
+class CoreStats:
+    """The core's state after a step (for /metrics and the periodic log line)."""
+
+    num_running: int
+    num_waiting: int
+    kv_usage: float  # fraction of KV blocks in use
+    prefix_queries: int  # prompt tokens looked up in the prefix cache (cumulative)
+    prefix_hits: int
+    num_preemptions: int
+    prompt_tokens_computed: int  # cumulative prefill tokens actually computed
+    generation_tokens: int  # cumulative sampled tokens
+
+
+def run_engine_core(config: EngineConfig, in_addr: str, out_addr: str, log_level: str = "INFO") -> None:
+    """Entry point of the engine-core process."""
+    import zmq
+
+    logging.basicConfig(level=log_level, format="%(asctime)s %(levelname)s engine-core: %(message)s")
+    ctx = zmq.Context()
+    inp = ctx.socket(zmq.PULL)
+    inp.connect(in_addr)
+    out = ctx.socket(zmq.PUSH)
+    out.connect(out_addr)
+    try:
+        from pagedserve.engine.core import EngineCore
+
+        core = EngineCore(config)
+    except Exception:
+        out.send_pyobj(("failed", traceback.format_exc()))
+        out.close(linger=2000)
+        return
+    sched = core.scheduler_config
+    out.send_pyobj(("ready", CoreInfo(
+        core.source.name, sched.max_model_len, core.model_config.vocab_size, core.kv.num_blocks,
+        core.kv.block_size, sched.max_num_seqs, core.model_config.eos_token_ids,
+        core.startup_seconds,
+    )))
+    _loop(core, inp, out)
+    out.close(linger=1000)
+    inp.close(linger=0)
+
+
+def _loop(core, inp, out) -> None:
+    while True:
+        # Block while idle; otherwise only drain what has already arrived.
+        timeout = 0 if core.has_unfinished_requests() else None
+        changed = False
+        while inp.poll(timeout):
+            msg = inp.recv_pyobj()
+            kind = msg[0]
+            if kind == "shutdown":
+                return
+            if kind == "add":
+                try:
+                    core.add_request(msg[1])
+                except ValueError as e:
+                    out.send_pyobj(("rejected", msg[1].request_id, str(e)))
+            elif kind == "abort":
+                core.abort_requests(msg[1])
+            changed, timeout = True, 0
+        if core.has_unfinished_requests():
+            out.send_pyobj(("outputs", core.step(), core_stats(core)))
+        elif changed:  # e.g. an abort emptied the engine: report the new state
+            out.send_pyobj(("outputs", [], core_stats(core)))
+
+
+def core_stats(core) -> CoreStats:
+    kv, sched = core.kv, core.scheduler
+    return CoreStats(
+        len(sched.running), len(sched.waiting), kv.usage, kv.stats.queries, kv.stats.hits,
+        sched.num_preemptions, core.num_prefill_tokens, core.num_generation_tokens,
+    )

@@ -1,0 +1,162 @@
+"""The FastAPI application: routes, API-key check, body-size limit, start-up and shutdown."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hmac
+import logging
+from dataclasses import dataclass, field
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response
+
+from pagedserve.config import EngineConfig
+from pagedserve.sampling_params import SamplingParams
+from pagedserve.server.chat import create_chat_completion
+from pagedserve.server.completions import create_completion
+from pagedserve.server.engine_client import AsyncEngineClient
+from pagedserve.server.errors import APIError, error_response, install_error_handlers
+from pagedserve.server.metrics import Metrics, log_periodically
+from pagedserve.server.protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    DetokenizeRequest,
+    GenerateRequest,
+    TokenizeRequest,
+)
+from pagedserve.server.serving import (
+    Choice,
+    Server,
+    make_params,
+    new_id,
+    run_choices,
+    unless_disconnected,
+)
+from pagedserve.tokenizer import Tokenizer
+
+logger = logging.getLogger("pagedserve")
+
+OPEN_PATHS = {"/health", "/metrics", "/ping", "/docs", "/openapi.json", "/redoc"}
+
+
+@dataclass
+class ServerSettings:
+    engine: EngineConfig
+    tokenizer: Tokenizer
+    served_names: list[str]
+    api_key: str | None = None
+    max_waiting_requests: int = 1024
+    reasoning_parser: str | None = None
+    max_body_bytes: int = 8 << 20
+    log_stats_interval: float = 10.0
+    log_level: str = "INFO"
+    extra: dict = field(default_factory=dict)
+
+
+def create_app(settings: ServerSettings) -> FastAPI:
+    client = AsyncEngineClient(settings.engine, settings.tokenizer, settings.log_level)
+    server = Server(client, settings.served_names, settings.max_waiting_requests,
+                    settings.reasoning_parser)
+    metrics = Metrics(settings.served_names[0])
+    client.on_finish = metrics.on_finish
+
+    @contextlib.asynccontextmanager
+    async def lifespan(_: FastAPI):
+        info = await client.start()
+        logger.info("engine core ready in %.1f s: %s, max_model_len %d, KV capacity %d tokens",
+                    info.startup_seconds, info.model_name, info.max_model_len,
+                    info.num_blocks * info.block_size)
+        logger_task = asyncio.create_task(log_periodically(metrics, client, settings.log_stats_interval))
+        try:
+            yield
+        finally:
+            logger_task.cancel()
+            await client.shutdown()
+
+    app = FastAPI(title="pagedserve", lifespan=lifespan)
+    app.state.server, app.state.metrics = server, metrics
+    install_error_handlers(app)
+
+    @app.middleware("http")
+    async def guard(request: Request, call_next):
+        if settings.api_key and request.url.path not in OPEN_PATHS:
+            auth = request.headers.get("authorization", "")
+            token = auth[7:] if auth.lower().startswith("bearer ") else ""
+            if not hmac.compare_digest(token.encode(), settings.api_key.encode()):
+                return error_response(401, "missing or invalid API key: send 'Authorization: Bearer <key>'",
+                                      code="invalid_api_key")
+        length = request.headers.get("content-length")
+        if length is not None and length.isdigit() and int(length) > settings.max_body_bytes:
+            return error_response(413, f"the request body is larger than {settings.max_body_bytes} bytes")
+        return await call_next(request)
+
+    @app.get("/health")
+    async def health():
+        if not client.healthy:
+            return error_response(503, client.dead_reason or "the engine is starting", code="engine_unavailable")
+        return Response(status_code=200)
+
+    @app.get("/ping")
+    async def ping():
+        return await health()
+
+    @app.get("/metrics")
+    async def get_metrics():
+        return Response(metrics.render(client.stats), media_type="text/plain; version=0.0.4")
+
+    @app.get("/v1/models")
+    async def list_models():
+        info = client.info
+        return {"object": "list", "data": [
+            {"id": name, "object": "model", "created": server.created, "owned_by": "pagedserve",
+             "root": info.model_name if info else name, "max_model_len": server.max_model_len}
+            for name in settings.served_names]}
+
+    @app.post("/v1/completions")
+    async def completions(body: CompletionRequest, request: Request):
+        return await create_completion(server, body, request)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(body: ChatCompletionRequest, request: Request):
+        return await create_chat_completion(server, body, request)
+
+    @app.post("/tokenize")
+    async def tokenize(body: TokenizeRequest):
+        server.check_model(body.model)
+        if (body.prompt is None) == (body.messages is None):
+            raise APIError(400, "send exactly one of 'prompt' or 'messages'", param="prompt")
+        if body.messages is not None:
+            msgs = [m.as_template_dict() for m in body.messages]
+            tokens = server.tokenizer.apply_chat_template(msgs, body.add_generation_prompt)
+        else:
+            tokens = server.tokenizer.encode(body.prompt, add_special_tokens=body.add_special_tokens)
+        return {"tokens": tokens, "count": len(tokens), "max_model_len": server.max_model_len}
+
+    @app.post("/detokenize")
+    async def detokenize(body: DetokenizeRequest):
+        server.check_model(body.model)
+        return {"prompt": server.tokenizer.decode(body.tokens, skip_special_tokens=False)}
+
+    @app.post("/generate")
+    async def generate(body: GenerateRequest, request: Request):
+        ids = server.tokenizer.encode(body.prompt, add_special_tokens=True)
+        max_tokens = server.resolve_max_tokens(ids, body.max_tokens, "prompt")
+        params = make_params(
+            lambda mt, _lp: SamplingParams(max_tokens=mt, temperature=body.temperature, top_p=body.top_p),
+            max_tokens, None)
+        server.check_capacity(1)
+
+        async def collect():
+            last = None
+            async for _, state in run_choices(client, new_id("gen"), [Choice(0, ids, params)]):
+                last = state
+            return last
+
+        state = await unless_disconnected(request, collect())
+        n = len(state.token_ids)
+        return JSONResponse({"text": state.visible_text(), "finish_reason": state.finish_reason,
+                             "usage": {"prompt_tokens": len(ids), "completion_tokens": n,
+                                       "total_tokens": len(ids) + n}})
+
+    return app

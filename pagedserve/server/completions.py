@@ -1,0 +1,131 @@
+"""POST /v1/completions: non-streaming and streaming responses."""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import AsyncIterator
+
+from fastapi import Request
+from fastapi.responses import JSONResponse, StreamingResponse
+
+from pagedserve.engine.output_processor import SampleState
+from pagedserve.server.protocol import CompletionRequest
+from pagedserve.server.serving import (
+    Choice,
+    Server,
+    make_params,
+    new_id,
+    run_choices,
+    unless_disconnected,
+)
+
+
+def _prepare(server: Server, body: CompletionRequest) -> tuple[list[Choice], list[list[int]]]:
+    server.check_model(body.model)
+    prompts = [server.tokenizer.encode(p, add_special_tokens=True) if isinstance(p, str) else p
+               for p in body.prompts()]
+    choices, n = [], body.n
+    for p_idx, ids in enumerate(prompts):
+        max_tokens = server.resolve_max_tokens(ids, body.max_tokens, "prompt")
+        params = make_params(body.sampling_params, max_tokens, body.logprobs)
+        choices += [Choice(p_idx * n + i, ids, params) for i in range(n)]
+    server.check_capacity(len(choices))
+    return choices, prompts
+
+
+def _logprobs(server: Server, s: SampleState, start: int, text_offset: int) -> dict:
+    """Legacy completions logprobs for tokens [start:] of a sample."""
+    tok = server.tokenizer
+    out = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
+    offset = text_offset
+    for tid, entry in zip(s.token_ids[start:], (s.logprobs or [])[start:]):
+        text = tok.decode([tid], skip_special_tokens=False)
+        out["tokens"].append(text)
+        out["token_logprobs"].append(entry.get(tid))
+        out["top_logprobs"].append({tok.decode([t], skip_special_tokens=False): lp
+                                    for t, lp in entry.items()})
+        out["text_offset"].append(offset)
+        offset += len(text)
+    return out
+
+
+async def create_completion(server: Server, body: CompletionRequest, request: Request):
+    choices, prompts = _prepare(server, body)
+    rid, created, model = new_id("cmpl"), int(time.time()), server.check_model(body.model)
+    prompt_texts = [server.tokenizer.decode(p) for p in prompts] if body.echo else []
+    if body.stream:
+        gen = _stream(server, body, choices, prompts, prompt_texts, rid, created, model)
+        return StreamingResponse(gen, media_type="text/event-stream")
+
+    async def collect() -> dict[int, SampleState]:
+        final: dict[int, SampleState] = {}
+        async for index, state in run_choices(server.client, rid, choices, body.priority):
+            final[index] = state
+        return final
+
+    final = await unless_disconnected(request, collect())
+    out_choices = []
+    for c in choices:
+        s = final[c.index]
+        prefix = prompt_texts[c.index // body.n] if body.echo else ""
+        out_choices.append({
+            "index": c.index, "text": prefix + s.visible_text(),
+            "logprobs": _logprobs(server, s, 0, len(prefix)) if body.logprobs is not None else None,
+            "finish_reason": s.finish_reason, "stop_reason": s.stop_reason,
+        })
+    completion = sum(len(final[c.index].token_ids) for c in choices)
+    prompt_tokens = sum(len(p) for p in prompts)
+    return JSONResponse({
+        "id": rid, "object": "text_completion", "created": created, "model": model,
+        "choices": out_choices,
+        "usage": {"prompt_tokens": prompt_tokens, "completion_tokens": completion,
+                  "total_tokens": prompt_tokens + completion},
+    })
+
+
+async def _stream(server: Server, body: CompletionRequest, choices: list[Choice],
+                  prompts: list[list[int]], prompt_texts: list[str], rid: str, created: int,
+                  model: str) -> AsyncIterator[str]:
+    sent_text = {c.index: 0 for c in choices}
+    sent_tokens = {c.index: 0 for c in choices}
+    offsets = {c.index: 0 for c in choices}
+    completion_tokens = 0
+
+    def chunk(choice_list: list[dict], usage: dict | None = None) -> str:
+        data = {"id": rid, "object": "text_completion", "created": created, "model": model,
+                "choices": choice_list}
+        if usage is not None or body.include_usage:
+            data["usage"] = usage
+        return f"data: {json.dumps(data, ensure_ascii=False)}\n\n"
+
+    try:
+        if body.echo:
+            for c in choices:
+                text = prompt_texts[c.index // body.n]
+                offsets[c.index] = len(text)
+                yield chunk([{"index": c.index, "text": text, "logprobs": None, "finish_reason": None}])
+        async for index, s in run_choices(server.client, rid, choices, body.priority):
+            text = s.visible_text()
+            delta = text[sent_text[index]:]
+            ntok = len(s.token_ids)
+            if not delta and not s.finished and ntok == sent_tokens[index]:
+                continue
+            lp = (_logprobs(server, s, sent_tokens[index], offsets[index])
+                  if body.logprobs is not None else None)
+            completion_tokens += ntok - sent_tokens[index]
+            sent_text[index], sent_tokens[index] = len(text), ntok
+            offsets[index] += len(delta)
+            yield chunk([{"index": index, "text": delta, "logprobs": lp,
+                          "finish_reason": s.finish_reason,
+                          "stop_reason": s.stop_reason if s.finished else None}])
+        if body.include_usage:
+            prompt_tokens = sum(len(p) for p in prompts)
+            yield chunk([], {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+                             "total_tokens": prompt_tokens + completion_tokens})
+        yield "data: [DONE]\n\n"
+    except Exception as e:  # headers are sent: report the error in-band, as OpenAI does
+        from pagedserve.server.errors import APIError, error_body
+
+        status = e.status if isinstance(e, APIError) else 500
+        yield f"data: {json.dumps(error_body(status, str(e)))}\n\n"

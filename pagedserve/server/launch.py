@@ -1,0 +1,55 @@
+"""`pagedserve serve`: build the engine config and the app from CLI flags, run uvicorn."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+
+from pagedserve import envs
+from pagedserve.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
+
+logger = logging.getLogger("pagedserve")
+
+
+def engine_config(kw: dict) -> tuple[EngineConfig, object, ModelConfig]:
+    """EngineConfig from LLM-style keyword arguments; also the model source and config."""
+    from pagedserve.models.loader import resolve_model
+
+    source = resolve_model(kw["model"])
+    model_cfg = ModelConfig.from_hf_config(source.hf_config)
+    max_len = kw["max_model_len"] or model_cfg.max_position_embeddings
+    if max_len > model_cfg.max_position_embeddings:
+        raise ValueError(f"--max-model-len {max_len} exceeds the model's max_position_embeddings "
+                         f"({model_cfg.max_position_embeddings})")
+    config = EngineConfig(
+        model=kw["model"], dtype=kw["dtype"], device=kw["device"], load_format=kw["load_format"],
+        scheduler=SchedulerConfig(kw["max_num_seqs"], kw["max_num_batched_tokens"], max_len),
+        cache=CacheConfig(kw["block_size"], kw["enable_prefix_caching"], kw["kv_cache_memory"],
+                          kw["gpu_memory_utilization"]),
+        enforce_eager=kw["enforce_eager"],
+    )
+    return config, source, model_cfg
+
+
+def serve(args: argparse.Namespace, kw: dict) -> int:
+    import uvicorn
+
+    from pagedserve.models.loader import load_tokenizer
+    from pagedserve.server.app import ServerSettings, create_app
+    from pagedserve.server.reasoning import get_reasoning_parser
+
+    config, source, model_cfg = engine_config(kw)
+    if args.reasoning_parser:
+        get_reasoning_parser(args.reasoning_parser)  # fail fast on a bad name
+    names = args.served_model_name or [kw["model"] or source.name]  # type: ignore[attr-defined]
+    settings = ServerSettings(
+        engine=config, tokenizer=load_tokenizer(source, model_cfg), served_names=names,
+        api_key=args.api_key or envs.api_key(), max_waiting_requests=args.max_waiting_requests,
+        reasoning_parser=args.reasoning_parser, max_body_bytes=args.max_request_body_bytes,
+        log_stats_interval=args.log_stats_interval, log_level=args.log_level.upper(),
+    )
+    app = create_app(settings)
+    logger.info("serving %s on http://%s:%d (OpenAI API under /v1)", names[0], args.host, args.port)
+    uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level.lower(),
+                timeout_graceful_shutdown=5)
+    return 0

@@ -1,0 +1,159 @@
+"""Shared plumbing of the generation endpoints: checks, fan-out of samples, disconnects."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+import uuid
+from collections.abc import AsyncIterator, Awaitable
+from dataclasses import dataclass
+
+from fastapi import Request
+
+from pagedserve.engine.output_processor import SampleState
+from pagedserve.sampling_params import SamplingParams
+from pagedserve.server.engine_client import AsyncEngineClient, EngineDeadError, RequestRejected
+from pagedserve.server.errors import APIError
+
+
+@dataclass
+class Choice:
+    """One output choice to generate: which prompt, with which params."""
+
+    index: int
+    prompt_ids: list[int]
+    params: SamplingParams
+
+
+class Server:
+    """What every endpoint needs: the engine client, names and limits."""
+
+    def __init__(self, client: AsyncEngineClient, served_names: list[str], max_waiting: int,
+                 reasoning_parser: str | None = None) -> None:
+        self.client = client
+        self.tokenizer = client.tokenizer
+        self.served_names = served_names
+        self.max_waiting = max_waiting
+        self.reasoning_parser = reasoning_parser
+        self.created = int(time.time())
+
+    @property
+    def max_model_len(self) -> int:
+        assert self.client.info is not None
+        return self.client.info.max_model_len
+
+    def check_model(self, name: str | None) -> str:
+        if name is None or name in self.served_names:
+            return self.served_names[0]
+        raise APIError(404, f"the model {name!r} does not exist; this server serves "
+                            f"{', '.join(repr(n) for n in self.served_names)}",
+                       param="model", code="model_not_found")
+
+    def check_capacity(self, extra: int) -> None:
+        """Refuse work when the engine is dead or the waiting queue is full."""
+        if not self.client.healthy:
+            raise APIError(503, self.client.dead_reason or "the engine is not ready",
+                           code="engine_unavailable", headers={"Retry-After": "5"})
+        info = self.client.info
+        assert info is not None
+        if self.client.num_in_flight + extra > info.max_num_seqs + self.max_waiting:
+            raise APIError(503, "the server is at capacity: too many requests are waiting; retry later",
+                           code="queue_full", headers={"Retry-After": "1"})
+
+    def resolve_max_tokens(self, prompt_ids: list[int], max_tokens: int | None, param: str) -> int:
+        """Check the prompt against max_model_len; return the output limit to use."""
+        limit = self.max_model_len
+        if not prompt_ids:
+            raise APIError(400, "the prompt is empty", param=param)
+        vocab = self.client.info.vocab_size  # type: ignore[union-attr]
+        bad = [t for t in prompt_ids if not 0 <= t < vocab]
+        if bad:
+            raise APIError(400, f"prompt token ids out of range [0, {vocab}): {bad[:5]}", param=param)
+        if len(prompt_ids) >= limit:
+            raise APIError(400, f"the prompt has {len(prompt_ids)} tokens but this model's context "
+                                f"is {limit} tokens (max_model_len), leaving no room for output",
+                           param=param, code="context_length_exceeded")
+        if max_tokens is None:
+            return limit - len(prompt_ids)
+        if len(prompt_ids) + max_tokens > limit:
+            raise APIError(400, f"this model's maximum context length is {limit} tokens; the prompt "
+                                f"has {len(prompt_ids)} and max_tokens asks for {max_tokens}; "
+                                "lower max_tokens or shorten the prompt",
+                           param="max_tokens", code="context_length_exceeded")
+        return max_tokens
+
+
+def make_params(build, max_tokens: int, logprobs: int | None) -> SamplingParams:
+    """Call a request's sampling_params builder, turning ValueError into a 400."""
+    try:
+        return build(max_tokens, logprobs)
+    except ValueError as e:
+        msg = str(e)
+        raise APIError(400, msg, param=msg.split(" ", 1)[0]) from None
+
+
+def new_id(prefix: str) -> str:
+    return f"{prefix}-{uuid.uuid4().hex}"
+
+
+async def run_choices(
+    client: AsyncEngineClient, request_id: str, choices: list[Choice], priority: int = 0
+) -> AsyncIterator[tuple[int, SampleState]]:
+    """Generate every choice concurrently; yield (choice index, state) as states change.
+
+    Leaving early (an error, or the consumer being cancelled) aborts every choice.
+    """
+    queue: asyncio.Queue = asyncio.Queue()
+    done = object()
+
+    async def pump(choice: Choice) -> None:
+        try:
+            rid = f"{request_id}-{choice.index}"
+            params = client.sample_params(choice.params, choice.index % max(choice.params.n, 1))
+            async for state in client.generate(rid, choice.prompt_ids, params, priority):
+                queue.put_nowait((choice.index, state))
+        except Exception as e:  # delivered to the consumer below
+            queue.put_nowait((choice.index, e))
+        finally:
+            queue.put_nowait((choice.index, done))
+
+    tasks = [asyncio.create_task(pump(c)) for c in choices]
+    remaining = len(tasks)
+    try:
+        while remaining:
+            index, item = await queue.get()
+            if item is done:
+                remaining -= 1
+            elif isinstance(item, Exception):
+                raise _as_api_error(item)
+            else:
+                yield index, item
+    finally:
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+
+def _as_api_error(e: Exception) -> Exception:
+    if isinstance(e, RequestRejected):
+        return APIError(400, str(e))
+    if isinstance(e, EngineDeadError):
+        return APIError(503, str(e), code="engine_unavailable", headers={"Retry-After": "5"})
+    return e
+
+
+async def unless_disconnected(request: Request, work: Awaitable):
+    """Run `work`; if the client disconnects first, cancel it (which aborts its requests)."""
+    task = asyncio.ensure_future(work)
+    try:
+        while True:
+            done, _ = await asyncio.wait({task}, timeout=0.5)
+            if done:
+                return task.result()
+            if await request.is_disconnected():
+                task.cancel()
+                await asyncio.gather(task, return_exceptions=True)
+                raise APIError(400, "the client disconnected")
+    finally:
+        if not task.done():
+            task.cancel()

