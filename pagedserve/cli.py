@@ -23,7 +23,10 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True)
     p.add_argument("--kv-cache-memory", type=int, default=None, help="bytes for the KV cache")
     p.add_argument("--gpu-memory-utilization", type=float, default=0.9)
-    p.add_argument("--enforce-eager", action="store_true")
+    p.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
+    p.add_argument("--attention-backend", default="auto", help="auto | triton | torch")
+    p.add_argument("--tokenizer", default=None, help="tokenizer folder (default: the model's own)")
+    p.add_argument("--seed", type=int, default=0, help="seed for dummy weights and datasets")
     p.add_argument("--log-level", default=envs.log_level(), help="DEBUG | INFO | WARNING | ERROR")
 
 
@@ -35,7 +38,8 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
         max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
         block_size=args.block_size, enable_prefix_caching=args.enable_prefix_caching,
         kv_cache_memory=args.kv_cache_memory, gpu_memory_utilization=args.gpu_memory_utilization,
-        enforce_eager=args.enforce_eager,
+        enforce_eager=args.enforce_eager, attention_backend=args.attention_backend,
+        tokenizer=args.tokenizer, seed=args.seed,
     )
 
 
@@ -51,7 +55,7 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--max-tokens", type=int, default=128)
     gen.add_argument("--temperature", type=float, default=0.0)
     gen.add_argument("--top-p", type=float, default=1.0)
-    gen.add_argument("--seed", type=int, default=None)
+    gen.add_argument("--sampling-seed", type=int, default=None)
     gen.set_defaults(func=_cmd_generate)
 
     srv = sub.add_parser("serve", help="run the OpenAI-compatible HTTP server")
@@ -69,7 +73,50 @@ def build_parser() -> argparse.ArgumentParser:
     srv.add_argument("--max-request-body-bytes", type=int, default=8 << 20)
     srv.add_argument("--log-stats-interval", type=float, default=10.0, help="seconds between status lines")
     srv.set_defaults(func=_cmd_serve)
+
+    bench = sub.add_parser("bench", help="benchmarks").add_subparsers(dest="bench", required=True)
+    thr = bench.add_parser("throughput", help="offline throughput through LLM, with roofline efficiency")
+    _add_engine_args(thr)
+    thr.add_argument("--num-prompts", type=int, default=256)
+    thr.add_argument("--dataset", default="fixed", choices=["fixed", "random"])
+    thr.add_argument("--input-len", type=int, default=1024)
+    thr.add_argument("--output-len", type=int, default=128)
+    thr.add_argument("--range-ratio", type=float, default=0.0,
+                     help="random dataset: lengths uniform in len*(1-r)..len*(1+r)")
+    thr.add_argument("--input-range", type=int, nargs=2, default=None, metavar=("MIN", "MAX"))
+    thr.add_argument("--output-range", type=int, nargs=2, default=None, metavar=("MIN", "MAX"))
+    thr.add_argument("--temperature", type=float, default=1.0)
+    thr.add_argument("--top-p", type=float, default=1.0)
+    thr.add_argument("--warmup", action="store_true", help="run a few requests before timing")
+    thr.add_argument("--no-progress", action="store_true")
+    thr.add_argument("--output-json", default=None, help="also write the result JSON here")
+    thr.set_defaults(func=_cmd_bench_throughput)
+
+    lat = bench.add_parser("latency", help="decode ms/step across batch sizes")
+    _add_engine_args(lat)
+    lat.add_argument("--batch-sizes", default="1,2,4,8,16,32,64,128,256")
+    lat.add_argument("--input-len", type=int, default=512)
+    lat.add_argument("--steps", type=int, default=64)
+    lat.add_argument("--output-json", default=None)
+    lat.set_defaults(func=_cmd_bench_latency)
     return parser
+
+
+def _cmd_bench_throughput(args: argparse.Namespace) -> int:
+    from pagedserve.bench.throughput import print_and_save, run_throughput
+
+    if (args.input_range is None) != (args.output_range is None):
+        raise ValueError("give both --input-range and --output-range, or neither")
+    print_and_save(run_throughput(args, engine_kwargs(args)), args.output_json)
+    return 0
+
+
+def _cmd_bench_latency(args: argparse.Namespace) -> int:
+    from pagedserve.bench.latency import run_latency
+    from pagedserve.bench.throughput import print_and_save
+
+    print_and_save(run_latency(args, engine_kwargs(args)), args.output_json)
+    return 0
 
 
 def _cmd_serve(args: argparse.Namespace) -> int:
@@ -83,7 +130,7 @@ def _cmd_generate(args: argparse.Namespace) -> int:
 
     llm = LLM(**engine_kwargs(args))
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature,
-                            top_p=args.top_p, seed=args.seed)
+                            top_p=args.top_p, seed=args.sampling_seed)
     if args.chat:
         convs = [[{"role": "user", "content": p}] for p in args.prompt]
         outs = llm.chat(convs, params)

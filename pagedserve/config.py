@@ -184,7 +184,7 @@ class EngineConfig:
     seed: int = 0  # for dummy weights
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     cache: CacheConfig = field(default_factory=CacheConfig)
-    attention_backend: str = "torch"
+    attention_backend: str = "auto"  # "auto" = triton on CUDA, torch elsewhere
     enforce_eager: bool = False
 
     def resolved_device(self) -> torch.device:

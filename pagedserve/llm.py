@@ -44,7 +44,8 @@ class LLM:
         load_format: str = "auto",
         seed: int = 0,
         enforce_eager: bool = False,
-        attention_backend: str = "torch",
+        attention_backend: str = "auto",
+        tokenizer: str | None = None,
     ) -> None:
         source = resolve_model(model)
         model_cfg = ModelConfig.from_hf_config(source.hf_config)
@@ -62,7 +63,7 @@ class LLM:
             attention_backend=attention_backend, enforce_eager=enforce_eager,
         )
         self.engine = EngineCore(config, source)
-        self.tokenizer = load_tokenizer(source, model_cfg)
+        self.tokenizer = load_tokenizer(source, model_cfg, tokenizer)
         self._ids = itertools.count()
 
     def get_tokenizer(self):

@@ -8,12 +8,14 @@ from pagedserve.attention.backend import (
     register_backend,
 )
 from pagedserve.attention.torch_ref import TorchReferenceBackend
+from pagedserve.attention.triton_backend import TritonBackend
 
 __all__ = [
     "AttentionBackend",
     "AttentionContext",
     "AttentionMetadata",
     "TorchReferenceBackend",
+    "TritonBackend",
     "get_backend_class",
     "register_backend",
 ]

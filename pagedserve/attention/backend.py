@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -27,6 +28,7 @@ class AttentionMetadata:
     # Host copies, for backends that loop over sequences in Python.
     query_start_loc_cpu: list[int]
     seq_lens_cpu: list[int]
+    backend_data: Any = None  # whatever the backend's prepare() derived from the above
 
     @property
     def num_seqs(self) -> int:
@@ -81,6 +83,10 @@ class AttentionBackend(ABC):
         meta: AttentionMetadata,
     ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
         """Write k/v into the cache at meta.slot_mapping, then attend causally."""
+
+    def prepare(self, meta: AttentionMetadata) -> None:
+        """Host-side, once per step before the forward: derive backend-specific metadata."""
+        meta.backend_data = None
 
     # Hooks for CUDA-graph capture and replay (no-ops for eager backends).
     def supports_cuda_graphs(self) -> bool:

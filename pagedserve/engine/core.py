@@ -70,16 +70,23 @@ class EngineCore:
         if max_len != sched.max_model_len:
             sched = SchedulerConfig(sched.max_num_seqs, sched.max_num_batched_tokens, max_len)
         self.scheduler_config = sched
-        backend = get_backend_class(config.attention_backend)(
+        backend_name = config.attention_backend
+        if backend_name == "auto":
+            backend_name = "triton" if device.type == "cuda" else "torch"
+        backend = get_backend_class(backend_name)(
             cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.head_dim**-0.5
         )
         num_blocks = determine_num_blocks(
             cfg, config.cache, sched, dtype, device,
-            profile=lambda: _profile_forward(model, backend, sched),
+            profile=lambda: _profile_forward(model, backend, sched, config.cache.block_size),
         )
         self.kv = KVCacheManager(num_blocks, config.cache.block_size, config.cache.enable_prefix_caching)
         self.scheduler = Scheduler(sched, self.kv)
         self.runner = ModelRunner(model, backend, num_blocks, config.cache.block_size)
+        self.graph_capture_seconds = 0.0
+        if device.type == "cuda" and not config.enforce_eager and backend.supports_cuda_graphs():
+            self.graph_capture_seconds = self.runner.enable_cuda_graphs(
+                min(sched.max_num_seqs, 512), max_len)
         self.requests: dict[str, Request] = {}
         self.num_prefill_tokens = 0  # cumulative tokens computed other than decodes
         self.num_generation_tokens = 0  # cumulative sampled tokens
@@ -179,14 +186,32 @@ def check_stop(req: Request, max_model_len: int) -> tuple[str, int | None] | Non
 
 
 @torch.inference_mode()
-def _profile_forward(model, backend, sched: SchedulerConfig) -> None:
-    """One forward over max_num_batched_tokens tokens (no KV cache) to measure peak memory."""
-    device = model.embed_tokens.weight.device
+def _profile_forward(model, backend, sched: SchedulerConfig, block_size: int) -> None:
+    """One forward over max_num_batched_tokens tokens (with a temporary KV cache just big
+    enough for them) to measure the activation peak."""
+    cfg = model.config
+    device, dtype = model.embed_tokens.weight.device, model.embed_tokens.weight.dtype
     total = sched.max_num_batched_tokens
-    per_seq = min(total, sched.max_model_len, 2048)
+    per_seq = min(total, sched.max_model_len)
     lens = [per_seq] * (total // per_seq) + ([total % per_seq] if total % per_seq else [])
+    blocks_per_seq = [-(-n // block_size) for n in lens]
+    num_blocks = sum(blocks_per_seq)
+    caches = [torch.empty((2, num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim),
+                          dtype=dtype, device=device) for _ in range(cfg.num_layers)]
+    tables = torch.zeros((len(lens), max(blocks_per_seq)), dtype=torch.int32)
+    slots, first = [], 0
+    for i, (n, nb) in enumerate(zip(lens, blocks_per_seq)):
+        tables[i, :nb] = torch.arange(first, first + nb)
+        slots.append(torch.arange(first * block_size, first * block_size + n))
+        first += nb
     meta = AttentionMetadata.for_prefill(lens, device)
+    meta.slot_mapping = torch.cat(slots).to(device)
+    meta.block_tables = tables.to(device)
+    backend.bind_kv_caches(caches)
+    backend.prepare(meta)
     ids = torch.zeros(total, dtype=torch.long, device=device)
     positions = torch.cat([torch.arange(n, device=device) for n in lens])
     hidden = model(ids, positions, AttentionContext(backend, meta))
     model.compute_logits(hidden[-min(sched.max_num_seqs, total):])
+    backend.bind_kv_caches([])
+    del caches

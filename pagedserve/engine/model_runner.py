@@ -50,6 +50,7 @@ class ModelRunner:
         ]
         backend.bind_kv_caches(self.kv_caches)
         self.sampler = Sampler()
+        self.graphs = None  # DecodeGraphRunner once enable_cuda_graphs() ran
 
     def prepare(self, out: SchedulerOutput, block_tables: list[list[int]]):
         """Host-side batch building; returns (input_ids, positions, meta, sample_rows)."""
@@ -87,11 +88,28 @@ class ModelRunner:
         logits_idx = torch.from_numpy(cu[1:][sample_rows] - 1).to(dev)
         return torch.from_numpy(ids).to(dev), torch.from_numpy(positions).to(dev), meta, sample_rows, logits_idx
 
+    def enable_cuda_graphs(self, max_batch: int, max_model_len: int) -> float:
+        """Capture decode graphs for batch sizes up to max_batch; returns the seconds it took."""
+        from pagedserve.engine.cuda_graphs import DecodeGraphRunner
+
+        max_blocks = -(-max_model_len // self.block_size)
+        self.graphs = DecodeGraphRunner(self.model, self.backend, max_batch, max_blocks, max_model_len)
+        return self.graphs.capture()
+
+    def _forward(self, ids, positions, meta: AttentionMetadata) -> torch.Tensor:
+        """Hidden states [T, hidden]: graph replay for decode steps that fit, else eager."""
+        graphs = self.graphs
+        if graphs is not None and meta.max_query_len == 1 and meta.num_seqs <= graphs.max_batch:
+            return graphs.run(ids, positions, meta.slot_mapping, meta.seq_lens, meta.block_tables,
+                              meta.num_seqs)
+        self.backend.prepare(meta)
+        return self.model(ids, positions, AttentionContext(self.backend, meta))
+
     @torch.inference_mode()
     def execute(self, out: SchedulerOutput, block_tables: list[list[int]]) -> StepResult:
         """Run one step; block_tables[i] is the block table of out.chunks[i]'s request."""
         ids, positions, meta, sample_rows, logits_idx = self.prepare(out, block_tables)
-        hidden = self.model(ids, positions, AttentionContext(self.backend, meta))  # [T, hidden]
+        hidden = self._forward(ids, positions, meta)  # [T, hidden]
         if not sample_rows:
             return StepResult({}, {})
         logits = self.model.compute_logits(hidden[logits_idx])  # [N, vocab]

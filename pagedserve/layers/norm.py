@@ -1,4 +1,4 @@
-"""RMSNorm, computed in float32 like the reference implementation."""
+"""RMSNorm, optionally fused with the residual add; Triton on CUDA, plain torch elsewhere."""
 
 from __future__ import annotations
 
@@ -7,15 +7,33 @@ from torch import nn
 
 
 class RMSNorm(nn.Module):
-    """y = weight * x / sqrt(mean(x^2) + eps), normalised over the last dimension."""
+    """y = weight * x / sqrt(mean(x^2) + eps), normalised over the last dimension.
+
+    Called with a residual, it first forms s = x + residual (the new residual stream) and
+    returns (norm(s), s), so one kernel does both on the GPU.
+    """
 
     def __init__(self, dim: int, eps: float) -> None:
         super().__init__()
         self.eps = eps
         self.weight = nn.Parameter(torch.ones(dim))
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # x: [..., dim]
+    def forward(
+        self, x: torch.Tensor, residual: torch.Tensor | None = None
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        # x, residual: [T, dim]
+        if x.is_cuda and x.dim() == 2:
+            from pagedserve.kernels.norm import fused_add_rms_norm, rms_norm
+
+            if residual is None:
+                return rms_norm(x, self.weight, self.eps)
+            return fused_add_rms_norm(x, residual, self.weight, self.eps)
+        if residual is not None:
+            x = x + residual
+            return self._norm(x), x
+        return self._norm(x)
+
+    def _norm(self, x: torch.Tensor) -> torch.Tensor:
         dtype = x.dtype
         xf = x.float()
         xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)

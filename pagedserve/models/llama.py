@@ -35,19 +35,30 @@ class Attention(nn.Module):
     def forward(
         self,
         x: torch.Tensor,  # [T, hidden]
-        cos: torch.Tensor,  # [T, 1, head_dim]
-        sin: torch.Tensor,
+        positions: torch.Tensor,  # [T]
+        rotary: RotaryEmbedding,
         attn: AttentionContext,
     ) -> torch.Tensor:
-        qkv = self.qkv_proj(x)
-        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = q.view(-1, self.num_heads, self.head_dim)  # [T, H, D]
-        k = k.view(-1, self.num_kv_heads, self.head_dim)  # [T, Hkv, D]
-        v = v.view(-1, self.num_kv_heads, self.head_dim)
-        if self.qk_norm:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q = RotaryEmbedding.apply(q, cos, sin)
-        k = RotaryEmbedding.apply(k, cos, sin)
+        qkv = self.qkv_proj(x)  # [T, q_size + 2 * kv_size]
+        if qkv.is_cuda:  # one kernel: split, per-head q/k norm (Qwen3), RoPE
+            from pagedserve.kernels.rope import qk_norm_rope
+
+            q, k, v = qk_norm_rope(
+                qkv, positions, rotary.inv_freq, self.num_heads, self.num_kv_heads, self.head_dim,
+                self.q_norm.weight if self.qk_norm else None,
+                self.k_norm.weight if self.qk_norm else None,
+                self.q_norm.eps if self.qk_norm else 0.0,
+            )
+        else:
+            q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+            q = q.view(-1, self.num_heads, self.head_dim)  # [T, H, D]
+            k = k.view(-1, self.num_kv_heads, self.head_dim)  # [T, Hkv, D]
+            v = v.view(-1, self.num_kv_heads, self.head_dim)
+            if self.qk_norm:
+                q, k = self.q_norm(q), self.k_norm(k)
+            cos, sin = rotary.cos_sin(positions, q.dtype)
+            q = RotaryEmbedding.apply(q, cos, sin)
+            k = RotaryEmbedding.apply(k, cos, sin)
         out = attn.backend.forward(self.layer_idx, q, k, v, attn.meta)  # [T, H, D]
         return self.o_proj(out.reshape(-1, self.q_size))
 
@@ -71,9 +82,21 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = MLP(cfg)
 
-    def forward(self, h, cos, sin, attn: AttentionContext) -> torch.Tensor:
-        h = h + self.self_attn(self.input_layernorm(h), cos, sin, attn)
-        return h + self.mlp(self.post_attention_layernorm(h))
+    def forward(
+        self,
+        h: torch.Tensor,  # [T, hidden]: the previous layer's output
+        residual: torch.Tensor | None,  # [T, hidden]: the residual stream before adding h
+        positions: torch.Tensor,
+        rotary: RotaryEmbedding,
+        attn: AttentionContext,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        if residual is None:
+            residual, h = h, self.input_layernorm(h)
+        else:
+            h, residual = self.input_layernorm(h, residual)
+        h = self.self_attn(h, positions, rotary, attn)
+        h, residual = self.post_attention_layernorm(h, residual)
+        return self.mlp(h), residual
 
 
 class LlamaForCausalLM(nn.Module):
@@ -99,10 +122,11 @@ class LlamaForCausalLM(nn.Module):
         self, input_ids: torch.Tensor, positions: torch.Tensor, attn: AttentionContext
     ) -> torch.Tensor:
         h = self.embed_tokens(input_ids)  # [T, hidden]
-        cos, sin = self.rotary.cos_sin(positions, h.dtype)
+        residual = None
         for layer in self.layers:
-            h = layer(h, cos, sin, attn)
-        return self.norm(h)
+            h, residual = layer(h, residual, positions, self.rotary, attn)
+        h, _ = self.norm(h, residual)
+        return h
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight

@@ -153,7 +153,7 @@ def iter_safetensors(folder: Path) -> Iterator[tuple[str, torch.Tensor]]:
             raise ValueError(f"cannot read weights from {path}: {e}") from e
 
 
-def load_tokenizer(source: ModelSource, cfg: ModelConfig):
+def load_tokenizer(source: ModelSource, cfg: ModelConfig, path: str | None = None):
     """The model's own tokenizer, or a stand-in built on the embedded model's tokenizer.
 
     Presets with dummy weights (and folders without tokenizer files) get the stand-in:
@@ -162,6 +162,11 @@ def load_tokenizer(source: ModelSource, cfg: ModelConfig):
     """
     from pagedserve.tokenizer import Tokenizer
 
+    if path is not None:
+        base = Tokenizer.from_pretrained(path)
+        if cfg.vocab_size <= base.known_vocab_size:
+            return base
+        return _stand_in(base, cfg)
     if source.gguf_file is not None:
         from transformers import AutoTokenizer
 
@@ -175,6 +180,12 @@ def load_tokenizer(source: ModelSource, cfg: ModelConfig):
 
     base = Tokenizer.from_pretrained(default_model_dir())
     logger.info("%s ships no tokenizer: using the embedded model's tokenizer as a stand-in", source.name)
+    return _stand_in(base, cfg)
+
+
+def _stand_in(base, cfg: ModelConfig):
+    from pagedserve.tokenizer import Tokenizer
+
     eos = cfg.eos_token_ids[0] if cfg.eos_token_ids else None
     return Tokenizer.stand_in(base, max(cfg.vocab_size, base.known_vocab_size),
                               eos_token_id=eos, bos_token_id=cfg.bos_token_id)

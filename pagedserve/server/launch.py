@@ -26,7 +26,8 @@ def engine_config(kw: dict) -> tuple[EngineConfig, object, ModelConfig]:
         scheduler=SchedulerConfig(kw["max_num_seqs"], kw["max_num_batched_tokens"], max_len),
         cache=CacheConfig(kw["block_size"], kw["enable_prefix_caching"], kw["kv_cache_memory"],
                           kw["gpu_memory_utilization"]),
-        enforce_eager=kw["enforce_eager"],
+        enforce_eager=kw["enforce_eager"], attention_backend=kw["attention_backend"],
+        seed=kw["seed"],
     )
     return config, source, model_cfg
 
@@ -43,7 +44,7 @@ def serve(args: argparse.Namespace, kw: dict) -> int:
         get_reasoning_parser(args.reasoning_parser)  # fail fast on a bad name
     names = args.served_model_name or [kw["model"] or source.name]  # type: ignore[attr-defined]
     settings = ServerSettings(
-        engine=config, tokenizer=load_tokenizer(source, model_cfg), served_names=names,
+        engine=config, tokenizer=load_tokenizer(source, model_cfg, kw["tokenizer"]), served_names=names,
         api_key=args.api_key or envs.api_key(), max_waiting_requests=args.max_waiting_requests,
         reasoning_parser=args.reasoning_parser, max_body_bytes=args.max_request_body_bytes,
         log_stats_interval=args.log_stats_interval, log_level=args.log_level.upper(),

@@ -1,0 +1,278 @@
+"""One device call: kernel checks, model parity against Transformers, and the benchmarks.
+
+Run on the GPU machine from the repository root:
+    PYTHONPATH=. python3 benchmarks/gpu_check.py [--quick] [--sections kernels,parity,bench]
+Writes $OUT/gpu_check.json (or ./gpu_check.json) and prints a short table last. Each section
+catches its own failures so one bug does not hide the other results.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import time
+import traceback
+from types import SimpleNamespace
+
+import torch
+
+from pagedserve.attention.backend import AttentionMetadata
+from pagedserve.attention.torch_ref import TorchReferenceBackend
+from pagedserve.attention.triton_backend import TritonBackend
+
+RESULTS: dict = {"sections": {}}
+TABLE: list[tuple[str, str, str]] = []  # (check, value, verdict)
+DEV = "cuda"
+
+
+def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
+    a, b = a.double(), b.double()
+    return float((a - b).norm() / b.norm().clamp_min(1e-30))
+
+
+def record(name: str, value, ok: bool | None = None, fmt: str = "{:.3g}") -> None:
+    shown = fmt.format(value) if isinstance(value, float) else str(value)
+    TABLE.append((name, shown, "" if ok is None else ("ok" if ok else "FAIL")))
+    RESULTS.setdefault("checks", {})[name] = {"value": value, "ok": ok}
+
+
+def section(fn):
+    def run(*a, **k):
+        t0 = time.perf_counter()
+        try:
+            fn(*a, **k)
+            RESULTS["sections"][fn.__name__] = {"ok": True, "seconds": round(time.perf_counter() - t0, 1)}
+        except Exception:
+            tb = traceback.format_exc()
+            print(tb, flush=True)
+            RESULTS["sections"][fn.__name__] = {"ok": False, "error": tb[-2000:]}
+            TABLE.append((fn.__name__, "exception", "FAIL"))
+    return run
+
+
+# ---- kernels ------------------------------------------------------------------------------
+
+def paged_step(q_lens, seq_lens, block_size, num_blocks, gen):
+    perm = torch.randperm(num_blocks, generator=gen).tolist()
+    tables, slots, cursor = [], [], 0
+    for q_len, seq_len in zip(q_lens, seq_lens):
+        n = -(-seq_len // block_size)
+        blocks = perm[cursor:cursor + n]
+        cursor += n
+        tables.append(blocks)
+        slots += [blocks[p // block_size] * block_size + p % block_size for p in range(seq_len - q_len, seq_len)]
+    bt = torch.zeros(len(tables), max(len(t) for t in tables), dtype=torch.int32)
+    for i, t in enumerate(tables):
+        bt[i, :len(t)] = torch.tensor(t)
+    starts = [0]
+    for n in q_lens:
+        starts.append(starts[-1] + n)
+    return AttentionMetadata(
+        query_start_loc=torch.tensor(starts, dtype=torch.int32, device=DEV),
+        seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=DEV),
+        slot_mapping=torch.tensor(slots, dtype=torch.int64, device=DEV),
+        block_tables=bt.to(DEV), max_query_len=max(q_lens), max_seq_len=max(seq_lens),
+        query_start_loc_cpu=starts, seq_lens_cpu=list(seq_lens))
+
+
+@section
+def kernels(quick: bool) -> None:
+    from pagedserve.kernels import activation, kv_cache, norm, rope
+
+    gen = torch.Generator().manual_seed(0)
+    bf = torch.bfloat16
+    for hidden in (2560,):
+        x = torch.randn(77, hidden, device=DEV, dtype=bf)
+        r = torch.randn(77, hidden, device=DEV, dtype=bf)
+        w = torch.rand(hidden, device=DEV, dtype=bf) + 0.5
+        e = rel_err(norm.rms_norm(x, w, 1e-6), norm.rms_norm_ref(x.float(), w.float(), 1e-6))
+        record(f"rms_norm bf16 H={hidden}", e, e < 1e-2)
+        y, s = norm.fused_add_rms_norm(x, r.clone(), w, 1e-6)
+        yr, sr = norm.fused_add_rms_norm_ref(x.float(), r.float(), w.float(), 1e-6)
+        e = max(rel_err(y, yr), rel_err(s, sr))
+        record("fused_add_rms_norm bf16", e, e < 1e-2)
+    gu = torch.randn(77, 2 * 9728, device=DEV, dtype=bf)
+    e = rel_err(activation.silu_and_mul(gu), activation.silu_and_mul_ref(gu.float()))
+    record("silu_and_mul bf16", e, e < 1e-2)
+    for hq, hkv, norm_w in ((32, 8, True), (20, 4, False)):
+        d = 128
+        qkv = torch.randn(45, (hq + 2 * hkv) * d, device=DEV, dtype=bf)
+        pos = torch.randint(0, 200000, (45,), device=DEV)
+        inv = 1.0 / (5e6 ** (torch.arange(0, d, 2, device=DEV).float() / d))
+        qw = torch.rand(d, device=DEV, dtype=bf) + 0.5 if norm_w else None
+        kw = torch.rand(d, device=DEV, dtype=bf) + 0.5 if norm_w else None
+        q, k, v = rope.qk_norm_rope(qkv, pos, inv, hq, hkv, d, qw, kw, 1e-6)
+        qr, kr, vr = rope.qk_norm_rope_ref(qkv.float(), pos, inv, hq, hkv, d,
+                                           None if qw is None else qw.float(),
+                                           None if kw is None else kw.float(), 1e-6)
+        e = max(rel_err(q, qr), rel_err(k, kr), rel_err(v, vr))
+        record(f"qk_norm_rope bf16 {hq}/{hkv}", e, e < 1e-2)
+        cache = torch.randn(2, 64, 16, hkv, d, device=DEV, dtype=bf)
+        ref_cache = cache.clone()
+        slots = torch.randperm(64 * 16, device=DEV)[:45]
+        slots[3] = -1
+        kv_cache.store_kv_cache(k, v, cache, slots)
+        kv_cache.store_kv_cache_ref(k, v, ref_cache, slots)
+        record(f"store_kv_cache {hkv} heads", rel_err(cache, ref_cache), bool(torch.equal(cache, ref_cache)))
+
+    # paged attention: decode (with and without split-KV), prefill, chunk with context, mixed
+    cases = {
+        "decode b64 ctx<=4096 splits=1": ([1] * 64, [int(x) for x in torch.randint(1, 4096, (64,), generator=gen)], 1),
+        "decode b4 ctx 8000 splits=8": ([1] * 4, [8000, 7000, 100, 3], 8),
+        "prefill 3x700": ([700, 300, 64], [700, 300, 64], None),
+        "chunk after cached ctx": ([256, 1, 1, 129], [2048, 3000, 17, 500], None),
+    }
+    for hq, hkv in ((32, 8), (20, 4)):
+        for name, (ql, sl, splits) in cases.items():
+            d, bs = 128, 16
+            nb = sum(-(-n // bs) for n in sl) + 8
+            meta = paged_step(ql, sl, bs, nb, gen)
+            T = sum(ql)
+            q = torch.randn(T, hq, d, device=DEV, dtype=bf)
+            k = torch.randn(T, hkv, d, device=DEV, dtype=bf)
+            v = torch.randn(T, hkv, d, device=DEV, dtype=bf)
+            cache = torch.randn(2, nb, bs, hkv, d, device=DEV, dtype=bf)
+            ref = TorchReferenceBackend(hq, hkv, d, d**-0.5)
+            ref.bind_kv_caches([cache.float()])
+            want = ref.forward(0, q.float(), k.float(), v.float(), meta)
+            tri = TritonBackend(hq, hkv, d, d**-0.5)
+            tri.bind_kv_caches([cache.clone()])
+            tri.prepare(meta, num_splits=splits)
+            got = tri.forward(0, q, k, v, meta)
+            e = rel_err(got, want)
+            record(f"attention {hq}/{hkv} {name}", e, e < 1e-2)
+    # decode attention bandwidth: batch 64 x 2048 context, Qwen3 one layer
+    hq, hkv, d, bs, b, ctx = 32, 8, 128, 16, 64, 2048
+    nb = b * ctx // bs
+    meta = paged_step([1] * b, [ctx] * b, bs, nb, gen)
+    cache = torch.randn(2, nb, bs, hkv, d, device=DEV, dtype=bf)
+    tri = TritonBackend(hq, hkv, d, d**-0.5)
+    tri.bind_kv_caches([cache])
+    tri.prepare(meta)
+    q = torch.randn(b, hq, d, device=DEV, dtype=bf)
+    k = torch.randn(b, hkv, d, device=DEV, dtype=bf)
+    import triton.testing
+
+    ms = triton.testing.do_bench(lambda: tri.forward(0, q, k, k, meta), return_mode="median")
+    gbps = b * ctx * hkv * d * 2 * 2 / (ms / 1e3) / 1e9
+    record("decode attention b64x2048 GB/s", gbps, None, "{:.0f}")
+    RESULTS["decode_attention_ms"] = ms
+
+
+# ---- model parity -------------------------------------------------------------------------
+
+@section
+def parity(quick: bool) -> None:
+    import transformers
+
+    from pagedserve.config import ModelConfig
+    from pagedserve.engine.kv_cache_manager import KVCacheManager
+    from pagedserve.engine.model_runner import ModelRunner
+    from pagedserve.engine.request import Request
+    from pagedserve.engine.scheduler import ScheduledChunk, SchedulerOutput
+    from pagedserve.models.loader import _materialise
+    from pagedserve.models.presets import load_preset
+    from pagedserve.sampling_params import SamplingParams
+
+    for preset in ("qwen3-4b-instruct-2507", "nanbeige4.1-3b"):
+        hf_cfg = load_preset(preset)
+        cfg = ModelConfig.from_hf_config(hf_cfg)
+        auto = transformers.AutoConfig.for_model(hf_cfg["model_type"], **{
+            k: v for k, v in hf_cfg.items() if not k.startswith("_") and k != "model_type"})
+        torch.manual_seed(0)
+        with torch.device(DEV):
+            hf = transformers.AutoModelForCausalLM.from_config(auto, dtype=torch.bfloat16).eval()
+        ours = _materialise(cfg, torch.bfloat16, torch.device(DEV))
+        ours.load_weights(hf.state_dict().items())
+        n = 512
+        ids = torch.randint(0, cfg.vocab_size, (n,), generator=torch.Generator().manual_seed(1)).tolist()
+        with torch.no_grad():
+            ref = hf(torch.tensor([ids], device=DEV)).logits[0].float()  # [n, vocab]
+        backend = TritonBackend(cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.head_dim**-0.5)
+        runner = ModelRunner(ours, backend, num_blocks=64, block_size=16)
+        runner.enable_cuda_graphs(8, 1024)
+        kv = KVCacheManager(64, 16)
+        req = Request("r", ids, SamplingParams(), max_tokens=1)
+        kv.allocate("r", n)
+        table = kv.block_ids("r")
+        logits = []
+        # chunks of 128 for the first 256 tokens (extend kernel, with context), then decode steps
+        plan = [(0, 128), (128, 128)] + [(p, 1) for p in range(256, n)]
+        with torch.inference_mode():
+            for start, cnt in plan:
+                out = SchedulerOutput([ScheduledChunk(req, start, cnt)])
+                tok, pos, meta, _, _ = runner.prepare(out, [table])
+                hidden = runner._forward(tok, pos, meta)
+                logits.append(ours.compute_logits(hidden))
+        got = torch.cat(logits)  # [n, vocab]
+        agree = float((got.argmax(-1) == ref.argmax(-1)).float().mean())
+        e = rel_err(got, ref)
+        record(f"parity {preset} top-1 agreement (512 pos)", agree, agree >= 0.99, "{:.4f}")
+        record(f"parity {preset} logits rel err", e, None)
+        del hf, ours, runner
+        torch.cuda.empty_cache()
+
+
+# ---- benchmarks ---------------------------------------------------------------------------
+
+@section
+def bench(quick: bool) -> None:
+    from pagedserve import LLM
+    from pagedserve.bench.latency import run_latency
+    from pagedserve.bench.throughput import run_throughput
+
+    out_dir = os.environ.get("OUT", ".")
+    for preset in ("qwen3-4b-instruct-2507", "nanbeige4.1-3b"):
+        t0 = time.perf_counter()
+        llm = LLM(preset, load_format="dummy", dtype="bfloat16", max_model_len=4096,
+                  max_num_seqs=256, max_num_batched_tokens=8192, tokenizer=os.environ.get("PS_TOKENIZER"))
+        startup = time.perf_counter() - t0
+        short = preset.split("-")[0]
+        record(f"{short} startup s (graphs {llm.engine.graph_capture_seconds:.1f} s)", startup, startup < 30, "{:.1f}")
+        lat = run_latency(SimpleNamespace(batch_sizes="1,8,32,64,128,256" if not quick else "1,64",
+                                          input_len=512, steps=64 if not quick else 16, seed=0), {}, llm)
+        for row in lat["rows"]:
+            record(f"{short} decode b{row['batch']} ms/step (eff {row['roofline_efficiency']:.0%})",
+                   row["ms_per_step"], None, "{:.3f}")
+        lat["startup_s"] = round(startup, 2)
+        RESULTS[f"latency_{short}"] = lat
+        workloads = {
+            "u100_1024": dict(num_prompts=256 if not quick else 64, input_range=[100, 1024],
+                              output_range=[100, 1024], temperature=0.6),
+            "1024_128": dict(num_prompts=1000 if not quick else 100, input_range=[1024, 1024],
+                             output_range=[128, 128], temperature=1.0),
+        }
+        for wname, w in workloads.items():
+            args = SimpleNamespace(seed=0, dataset="fixed", range_ratio=0.0, input_len=0, output_len=0,
+                                   top_p=1.0, warmup=True, no_progress=True, **w)
+            res = run_throughput(args, {}, llm)
+            res["startup_s"] = round(startup, 2)
+            RESULTS[f"throughput_{short}_{wname}"] = res
+            record(f"{short} {wname} out tok/s (eff {res['roofline_efficiency']:.0%})",
+                   res["output_tokens_per_s"], None, "{:.0f}")
+            with open(os.path.join(out_dir, f"throughput_{short}_{wname}.json"), "w") as f:
+                json.dump(res, f)
+        del llm
+        torch.cuda.empty_cache()
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--sections", default="kernels,parity,bench")
+    args = ap.parse_args()
+    RESULTS["env"] = {"torch": torch.__version__, "gpu": torch.cuda.get_device_name(),
+                      "triton": __import__("triton").__version__}
+    for name in args.sections.split(","):
+        globals()[name](args.quick)
+    out = os.path.join(os.environ.get("OUT", "."), "gpu_check.json")
+    with open(out, "w") as f:
+        json.dump(RESULTS, f, indent=1, default=str)
+    print("\n" + "-" * 78)
+    for name, value, verdict in TABLE:
+        print(f"{name:<58} {value:>12} {verdict:>5}")
+
+
+if __name__ == "__main__":
+    main()

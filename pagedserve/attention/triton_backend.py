@@ -1,0 +1,90 @@
+"""Triton attention backend: paged decode (split-KV) and paged extend kernels, CUDA-graph ready."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from pagedserve.attention.backend import AttentionBackend, AttentionMetadata, register_backend
+
+
+@dataclass
+class TritonStepData:
+    """Which sequences go to which kernel this step (built on the host, copied once)."""
+
+    decode_seq_ids: torch.Tensor  # [Nd] int32
+    tile_seq: torch.Tensor  # [num_tiles] int32
+    tile_start: torch.Tensor  # [num_tiles] int32
+    num_splits: int
+
+
+def choose_num_splits(num_decodes: int, num_kv_heads: int, max_seq_len: int, num_sms: int = 132) -> int:
+    """Split long decodes so that about two programs per multiprocessor are in flight."""
+    if num_decodes == 0 or max_seq_len <= 512:
+        return 1
+    splits = 1
+    while (splits < 16 and num_decodes * num_kv_heads * splits < 2 * num_sms
+           and max_seq_len // (splits * 2) >= 256):
+        splits *= 2
+    return splits
+
+
+@register_backend
+class TritonBackend(AttentionBackend):
+    name = "triton"
+
+    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float) -> None:
+        super().__init__(num_heads, num_kv_heads, head_dim, scale)
+        self._partials: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = {}
+
+    def supports_cuda_graphs(self) -> bool:
+        return True
+
+    def prepare(self, meta: AttentionMetadata, num_splits: int | None = None) -> None:
+        """Host side: sort sequences into decodes and extend tiles; attach to meta.backend_data."""
+        from pagedserve.kernels.paged_attention import EXTEND_BLOCK_M
+
+        qsl = np.asarray(meta.query_start_loc_cpu, dtype=np.int64)
+        q_lens = np.diff(qsl)
+        dec = np.flatnonzero(q_lens == 1)
+        ext = np.flatnonzero(q_lens > 1)
+        n_tiles = -(-q_lens[ext] // EXTEND_BLOCK_M)
+        tile_seq = np.repeat(ext, n_tiles)
+        first_tile = np.repeat(np.cumsum(n_tiles) - n_tiles, n_tiles)
+        tile_start = np.repeat(qsl[ext], n_tiles) + (np.arange(len(tile_seq)) - first_tile) * EXTEND_BLOCK_M
+        device = meta.query_start_loc.device
+        packed = torch.from_numpy(np.concatenate([dec, tile_seq, tile_start]).astype(np.int32))
+        packed = packed.to(device, non_blocking=True)
+        nd, nt = len(dec), len(tile_seq)
+        if num_splits is None:
+            num_splits = choose_num_splits(nd, self.num_kv_heads, meta.max_seq_len)
+        meta.backend_data = TritonStepData(packed[:nd], packed[nd:nd + nt], packed[nd + nt:], num_splits)
+
+    def partials(self, rows: int, splits: int, device) -> tuple[torch.Tensor, torch.Tensor]:
+        """Reusable split-KV scratch, at least [rows, splits, ...] (stable for graph capture)."""
+        from pagedserve.kernels.paged_attention import alloc_decode_partials
+
+        key = (rows, splits)
+        if key not in self._partials:
+            self._partials[key] = alloc_decode_partials(rows, splits, self.num_heads, self.head_dim, device)
+        return self._partials[key]
+
+    def forward(self, layer_idx, q, k, v, meta: AttentionMetadata) -> torch.Tensor:
+        from pagedserve.kernels.kv_cache import store_kv_cache
+        from pagedserve.kernels.paged_attention import paged_decode, paged_extend
+
+        cache = self.kv_caches[layer_idx]
+        store_kv_cache(k, v, cache, meta.slot_mapping)
+        data: TritonStepData = meta.backend_data
+        out = torch.empty_like(q)
+        nd = data.decode_seq_ids.shape[0]
+        if nd:
+            parts = self.partials(nd, data.num_splits, q.device) if data.num_splits > 1 else None
+            paged_decode(q, cache, out, data.decode_seq_ids, meta.query_start_loc, meta.seq_lens,
+                         meta.block_tables, self.scale, data.num_splits, parts)
+        if data.tile_seq.shape[0]:
+            paged_extend(q, cache, out, data.tile_seq, data.tile_start, meta.query_start_loc,
+                         meta.seq_lens, meta.block_tables, self.scale)
+        return out

@@ -1,0 +1,1 @@
+"""Benchmarks: offline throughput, decode latency sweep, roofline efficiency."""

@@ -1,0 +1,65 @@
+"""`pagedserve bench latency`: decode time per step across batch sizes, against the roofline."""
+
+from __future__ import annotations
+
+import random
+import time
+
+from pagedserve.bench.roofline import Roofline
+from pagedserve.bench.throughput import git_commit, gpu_name
+
+
+def run_latency(args, llm_kwargs: dict, llm=None) -> dict:
+    """For each batch size: prefill B prompts of --input-len, then time --steps decode steps."""
+    import torch
+
+    from pagedserve import LLM, SamplingParams
+    from pagedserve.engine.core import EngineRequest
+
+    sizes = [int(b) for b in args.batch_sizes.split(",")]
+    startup = None
+    if llm is None:
+        if not llm_kwargs.get("max_model_len"):
+            llm_kwargs["max_model_len"] = args.input_len + args.steps + 64
+        llm_kwargs["max_num_seqs"] = max(max(sizes), llm_kwargs.get("max_num_seqs") or 0)
+        t0 = time.perf_counter()
+        llm = LLM(**llm_kwargs)
+        startup = time.perf_counter() - t0
+    engine, cfg = llm.engine, llm.engine.model_config
+    roof = Roofline.for_model(cfg)
+    rng = random.Random(args.seed)
+    rows = []
+    for bs in sizes:
+        params = SamplingParams(temperature=0, max_tokens=args.steps + 8, ignore_eos=True)
+        ids = [f"lat-{bs}-{i}" for i in range(bs)]
+        for rid in ids:
+            prompt = [rng.randrange(10, min(cfg.vocab_size, 32000)) for _ in range(args.input_len)]
+            engine.add_request(EngineRequest(rid, prompt, params))
+        while any(engine.requests[r].num_output_tokens == 0 for r in ids):  # prefill
+            engine.step()
+        for _ in range(3):  # warm-up decode steps
+            engine.step()
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+        start = time.perf_counter()
+        for _ in range(args.steps):
+            engine.step()
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+        ms = (time.perf_counter() - start) / args.steps * 1e3
+        ctx = args.input_len + 4 + args.steps // 2  # mean context during the timed steps
+        ideal_ms = roof.decode_step_seconds(ctx, bs) * 1e3
+        moved = roof.weight_bytes + bs * ctx * roof.kv_bytes_per_token
+        rows.append({"batch": bs, "ms_per_step": round(ms, 3), "tokens_per_s": round(bs / ms * 1e3, 1),
+                     "ideal_ms": round(ideal_ms, 3), "roofline_efficiency": round(ideal_ms / ms, 4),
+                     "bandwidth_tb_s": round(moved / (ms / 1e3) / 1e12, 3),
+                     "bandwidth_utilisation": round(moved / (ms / 1e3) / roof.bandwidth, 4)})
+        engine.abort_requests(ids)
+        print(f"batch {bs:>4}: {ms:8.3f} ms/step  {bs / ms * 1e3:10.1f} tok/s  "
+              f"ideal {ideal_ms:.3f} ms  efficiency {ideal_ms / ms:.1%}  "
+              f"bandwidth {moved / (ms / 1e3) / 1e12:.2f} TB/s", flush=True)
+    engine.kv.check_integrity(expect_all_free=True)
+    return {"benchmark": "latency", "model": engine.source.name, "gpu": gpu_name(),
+            "commit": git_commit(), "input_len": args.input_len, "steps": args.steps,
+            "startup_s": round(startup, 2) if startup is not None else None, "graph_capture_s": round(engine.graph_capture_seconds, 2),
+            "rows": rows, "settings": {k: v for k, v in vars(args).items() if k != "func"}}

@@ -1,0 +1,121 @@
+"""`pagedserve bench throughput`: offline generation through `LLM`, with roofline efficiency."""
+
+from __future__ import annotations
+
+import json
+import random
+import subprocess
+import time
+from pathlib import Path
+
+from pagedserve.bench.roofline import Roofline
+
+
+def make_lengths(num: int, mean: int, range_ratio: float, rng: random.Random) -> list[int]:
+    """Lengths uniform in [mean * (1 - r), mean * (1 + r)] (vLLM's random dataset), at least 1."""
+    lo, hi = max(1, int(mean * (1 - range_ratio))), max(1, int(mean * (1 + range_ratio)))
+    return [rng.randint(lo, hi) for _ in range(num)]
+
+
+def random_prompts(input_lens: list[int], vocab: int, rng: random.Random) -> list[list[int]]:
+    """Random token-id prompts (ids below 32,000 decode as text with any stand-in tokenizer)."""
+    top = min(vocab, 32000)
+    return [[rng.randrange(10, top) for _ in range(n)] for n in input_lens]
+
+
+def git_commit() -> str:
+    try:
+        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
+                              text=True, check=True).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"
+
+
+def gpu_name() -> str:
+    import torch
+
+    return torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
+
+
+def run_throughput(args, llm_kwargs: dict, llm=None) -> dict:
+    """Run the workload `args` describes; builds an LLM from llm_kwargs unless one is given."""
+    import torch
+
+    from pagedserve import LLM, SamplingParams
+
+    rng = random.Random(args.seed)
+    if args.input_range:
+        input_lens = [rng.randint(*args.input_range) for _ in range(args.num_prompts)]
+        output_lens = [rng.randint(*args.output_range) for _ in range(args.num_prompts)]
+    else:
+        ratio = args.range_ratio if args.dataset == "random" else 0.0
+        input_lens = make_lengths(args.num_prompts, args.input_len, ratio, rng)
+        output_lens = make_lengths(args.num_prompts, args.output_len, ratio, rng)
+    need = max(i + o for i, o in zip(input_lens, output_lens))
+    startup = None
+    if llm is None:
+        if not llm_kwargs.get("max_model_len"):
+            llm_kwargs["max_model_len"] = need
+        t0 = time.perf_counter()
+        llm = LLM(**llm_kwargs)
+        startup = time.perf_counter() - t0
+    cfg = llm.engine.model_config
+    prompts = random_prompts(input_lens, cfg.vocab_size, rng)
+    params = [SamplingParams(temperature=args.temperature, top_p=args.top_p, max_tokens=o,
+                             ignore_eos=True, seed=None) for o in output_lens]
+    if args.warmup:
+        llm.generate(prompts[: min(8, len(prompts))], SamplingParams(max_tokens=4, ignore_eos=True),
+                     use_tqdm=False)
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+    t1 = time.perf_counter()
+    outs = llm.generate(prompts, params, use_tqdm=not args.no_progress)
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+    elapsed = time.perf_counter() - t1
+    out_tokens = sum(len(o.outputs[0].token_ids) for o in outs)
+    in_tokens = sum(input_lens)
+    assert out_tokens == sum(output_lens), "ignore_eos runs must produce exactly max_tokens each"
+    roof = Roofline.for_model(cfg)
+    ideal = roof.workload_seconds(input_lens, output_lens, llm.engine.scheduler_config.max_num_seqs)
+    kv = llm.engine.kv
+    result = {
+        "benchmark": "throughput",
+        "model": llm.engine.source.name,
+        "load_format": llm_kwargs.get("load_format"),
+        "gpu": gpu_name(),
+        "commit": git_commit(),
+        "num_prompts": args.num_prompts,
+        "input_tokens": in_tokens,
+        "output_tokens": out_tokens,
+        "elapsed_s": round(elapsed, 3),
+        "requests_per_s": round(args.num_prompts / elapsed, 3),
+        "output_tokens_per_s": round(out_tokens / elapsed, 1),
+        "total_tokens_per_s": round((in_tokens + out_tokens) / elapsed, 1),
+        "startup_s": round(startup, 2) if startup is not None else None,
+        "graph_capture_s": round(llm.engine.graph_capture_seconds, 2),
+        "peak_gpu_memory_gib": round(torch.cuda.max_memory_reserved() / 2**30, 2)
+        if torch.cuda.is_available() else None,
+        "kv_capacity_tokens": kv.num_blocks * kv.block_size,
+        "num_preemptions": llm.engine.scheduler.num_preemptions,
+        "ideal_s": round(ideal, 3),
+        "roofline_output_tokens_per_s": round(out_tokens / ideal, 1),
+        "roofline_efficiency": round(ideal / elapsed, 4),
+        "settings": {k: v for k, v in vars(args).items() if k not in ("func",)},
+    }
+    return result
+
+
+def print_and_save(result: dict, path: str | None) -> None:
+    """Print a readable summary, then the JSON object as the last line; save it if asked."""
+    for key in ("model", "gpu", "elapsed_s", "requests_per_s", "output_tokens_per_s",
+                "total_tokens_per_s", "startup_s", "peak_gpu_memory_gib", "kv_capacity_tokens",
+                "roofline_efficiency"):
+        if key in result:
+            print(f"{key:>24}: {result[key]}")
+    line = json.dumps(result)
+    if path:
+        Path(path).parent.mkdir(parents=True, exist_ok=True)
+        Path(path).write_text(line + "\n")
+    print(line)

@@ -1,0 +1,53 @@
+"""Small helpers shared by the Triton kernel wrappers.
+
+The kernel modules (`norm`, `activation`, `rope`, `kv_cache`) import triton at module level;
+check `triton_available()` before importing them on a machine that may lack triton.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib.util
+import os
+
+import torch
+
+SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+
+
+@functools.cache
+def triton_available() -> bool:
+    """True if the `triton` package can be imported (does not import it)."""
+    return importlib.util.find_spec("triton") is not None
+
+
+def interpreting() -> bool:
+    """True if Triton's CPU interpreter is switched on ($TRITON_INTERPRET=1)."""
+    return os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "on", "yes")
+
+
+def kernels_usable(t: torch.Tensor) -> bool:
+    """Whether the Triton kernels can run on `t`: a CUDA tensor, or any tensor under the interpreter."""
+    return triton_available() and (t.is_cuda or interpreting())
+
+
+def next_pow2(n: int) -> int:
+    """Smallest power of two >= n (>= 1)."""
+    return 1 << max(0, (int(n) - 1).bit_length())
+
+
+def num_warps_for(block_elems: int) -> int:
+    """Warps for a program that touches `block_elems` elements: about 256 per warp, 1..8."""
+    return max(1, min(8, block_elems // 256))
+
+
+def check_dtype(*tensors: torch.Tensor) -> None:
+    """Every tensor has one supported float dtype and the last dimension is contiguous."""
+    dtype = tensors[0].dtype
+    if dtype not in SUPPORTED_DTYPES:
+        raise TypeError(f"unsupported dtype {dtype}; expected one of {SUPPORTED_DTYPES}")
+    for t in tensors:
+        if t.dtype != dtype:
+            raise TypeError(f"dtype mismatch: {t.dtype} vs {dtype}")
+        if t.stride(-1) != 1 and t.shape[-1] > 1:
+            raise ValueError("the last dimension must be contiguous (stride 1)")

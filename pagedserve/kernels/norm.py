@@ -1,0 +1,113 @@
+"""RMSNorm and fused residual-add + RMSNorm as Triton kernels (one program per row).
+
+Semantics follow Hugging Face's LlamaRMSNorm exactly: the normalised value
+x * rsqrt(mean(x^2) + eps) is computed in float32 and rounded to x's dtype, then multiplied
+by the weight and rounded again (the product of two fp16/bf16 numbers is exact in float32, so
+one float32 multiply and a rounding equals HF's multiply in the activation dtype).
+The output always has x's dtype (HF would promote to the weight's dtype if it were wider).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from pagedserve.kernels._utils import check_dtype, next_pow2, num_warps_for
+
+
+@triton.jit
+def _rms_norm_kernel(
+    x_ptr, x_stride,  # [T, H], row stride x_stride, columns contiguous
+    res_ptr, res_stride,  # [T, H] residual (read and overwritten) if HAS_RESIDUAL
+    w_ptr,  # [H]
+    out_ptr, out_stride,  # [T, H]
+    H, eps,
+    HAS_RESIDUAL: tl.constexpr,
+    BLOCK: tl.constexpr,  # next power of two >= H
+):
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.arange(0, BLOCK)
+    mask = cols < H
+    x = tl.load(x_ptr + row * x_stride + cols, mask=mask, other=0.0)
+    if HAS_RESIDUAL:
+        r = tl.load(res_ptr + row * res_stride + cols, mask=mask, other=0.0)
+        x = (x.to(tl.float32) + r.to(tl.float32)).to(x.dtype)  # the sum, rounded once
+        tl.store(res_ptr + row * res_stride + cols, x, mask=mask)
+    xf = x.to(tl.float32)
+    var = tl.sum(xf * xf, axis=0) / H
+    rstd = 1.0 / tl.sqrt(var + eps)
+    y = (xf * rstd).to(x.dtype).to(tl.float32)  # HF: hidden.to(input_dtype)
+    w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+    tl.store(out_ptr + row * out_stride + cols, (w * y).to(out_ptr.dtype.element_ty), mask=mask)
+
+
+def _launch(x, residual, weight, eps, out) -> torch.Tensor:
+    if x.dim() != 2:
+        raise ValueError(f"expected x of shape [T, H], got {tuple(x.shape)}")
+    T, H = x.shape
+    if weight.shape != (H,) or not weight.is_contiguous():
+        raise ValueError(f"weight must be a contiguous [{H}] tensor, got {tuple(weight.shape)}")
+    if out is None:
+        out = torch.empty((T, H), dtype=x.dtype, device=x.device)
+    elif out.shape != x.shape:
+        raise ValueError(f"out has shape {tuple(out.shape)}, expected {tuple(x.shape)}")
+    tensors = (x, out) if residual is None else (x, out, residual)
+    check_dtype(*tensors)
+    if residual is not None and residual.shape != x.shape:
+        raise ValueError(f"residual has shape {tuple(residual.shape)}, expected {tuple(x.shape)}")
+    if T == 0:
+        return out
+    block = next_pow2(H)
+    res = x if residual is None else residual  # unused pointer when HAS_RESIDUAL is False
+    _rms_norm_kernel[(T,)](
+        x, x.stride(0), res, res.stride(0), weight, out, out.stride(0), H, float(eps),
+        HAS_RESIDUAL=residual is not None, BLOCK=block, num_warps=num_warps_for(block),
+    )
+    return out
+
+
+def rms_norm(
+    x: torch.Tensor, weight: torch.Tensor, eps: float, out: torch.Tensor | None = None
+) -> torch.Tensor:
+    """RMSNorm over the last dimension, HF LlamaRMSNorm semantics.
+
+    x: [T, H] float32/float16/bfloat16; rows may be strided (a slice), columns contiguous.
+    weight: [H], contiguous, any float dtype. Returns a new contiguous [T, H] tensor of x's
+    dtype, or writes into `out` ([T, H], columns contiguous) and returns it. x is not modified.
+    """
+    return _launch(x, None, weight, eps, out)
+
+
+def fused_add_rms_norm(
+    x: torch.Tensor,
+    residual: torch.Tensor,
+    weight: torch.Tensor,
+    eps: float,
+    out: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """s = x + residual (float32 sum, rounded to the dtype); returns (rms_norm(s), s).
+
+    The new residual s is written IN PLACE into `residual`, which is returned as the second
+    element; x is not modified. The normalised output is a new [T, H] tensor (or `out`).
+    x, residual: [T, H] of one dtype, rows may be strided, columns contiguous.
+    """
+    return _launch(x, residual, weight, eps, out), residual
+
+
+# ----- torch references (for tests and CPU fallbacks) ---------------------------------------
+
+
+def rms_norm_ref(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """HF LlamaRMSNorm in torch; the result has x's dtype."""
+    xf = x.float()
+    y = (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
+    return (weight.float() * y.float()).to(x.dtype)
+
+
+def fused_add_rms_norm_ref(
+    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(rms_norm(x + residual), x + residual) in torch; does not modify its inputs."""
+    s = (x.float() + residual.float()).to(x.dtype)
+    return rms_norm_ref(s, weight, eps), s

@@ -1,0 +1,238 @@
+"""Triton attention over the paged KV cache.
+
+Two kernels cover every step shape; the new tokens' K/V are in the cache before either runs.
+- decode: one query token per sequence. A program takes one (sequence, kv head, split) and
+  all query heads of that kv head's group, so each K/V block is read once per group. Long
+  contexts are split across programs (split-KV) and merged by a small reduce kernel.
+- extend: a tile of up to BLOCK_M query tokens of one sequence and one query head, over the
+  sequence's whole context (earlier chunks, prefix-cached blocks, and the tile itself,
+  causally masked). Covers prefills, prefill chunks and anything with more than one new token.
+
+Cache layout: [2, num_blocks, block_size, kv_heads, head_dim]; a sequence's token j lives at
+block_tables[seq, j // block_size], row j % block_size.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+LOG2E = 1.4426950408889634
+
+
+@triton.jit
+def _decode_kernel(
+    Q, KC, VC, Out, PartAcc, PartML,
+    seq_ids, query_start_loc, seq_lens, block_tables,
+    scale_log2,
+    stride_qt, stride_qh, stride_ot, stride_oh,
+    stride_cb, stride_cs, stride_ch, stride_bt,
+    GROUP: tl.constexpr, G_PAD: tl.constexpr, HEAD_DIM: tl.constexpr,
+    PAGE: tl.constexpr, BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr,
+):
+    row = tl.program_id(0)
+    kvh = tl.program_id(1)
+    split = tl.program_id(2)
+    seq = tl.load(seq_ids + row)
+    tok = tl.load(query_start_loc + seq)
+    seq_len = tl.load(seq_lens + seq)
+    g = tl.arange(0, G_PAD)
+    d = tl.arange(0, HEAD_DIM)
+    heads = kvh * GROUP + g
+    gmask = g < GROUP
+    q = tl.load(Q + tok * stride_qt + heads[:, None] * stride_qh + d[None, :],
+                mask=gmask[:, None], other=0.0)  # [G_PAD, D]
+
+    per_split = tl.cdiv(tl.cdiv(seq_len, NUM_SPLITS), BLOCK_N) * BLOCK_N
+    start = split * per_split
+    end = tl.minimum(start + per_split, seq_len)
+    m = tl.full([G_PAD], float("-inf"), tl.float32)
+    lsum = tl.zeros([G_PAD], tl.float32)
+    acc = tl.zeros([G_PAD, HEAD_DIM], tl.float32)
+    for n0 in range(start, end, BLOCK_N):
+        n = n0 + tl.arange(0, BLOCK_N)
+        nmask = n < end
+        page = tl.load(block_tables + seq * stride_bt + n // PAGE, mask=nmask, other=0)
+        off = page.to(tl.int64) * stride_cb + (n % PAGE) * stride_cs + kvh * stride_ch
+        k = tl.load(KC + off[:, None] + d[None, :], mask=nmask[:, None], other=0.0)  # [BLOCK_N, D]
+        s = tl.dot(q, tl.trans(k)) * scale_log2  # [G_PAD, BLOCK_N], log2 units
+        s = tl.where(nmask[None, :], s, float("-inf"))
+        m_new = tl.maximum(m, tl.max(s, 1))
+        p = tl.exp2(s - m_new[:, None])
+        alpha = tl.exp2(m - m_new)
+        lsum = lsum * alpha + tl.sum(p, 1)
+        v = tl.load(VC + off[:, None] + d[None, :], mask=nmask[:, None], other=0.0)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+        m = m_new
+
+    if NUM_SPLITS == 1:
+        out = acc / tl.where(lsum > 0, lsum, 1.0)[:, None]
+        tl.store(Out + tok * stride_ot + heads[:, None] * stride_oh + d[None, :],
+                 out.to(Out.dtype.element_ty), mask=gmask[:, None])
+    else:
+        # Partial results: acc [rows, splits, Hq, D], (m, l) [rows, splits, Hq, 2]
+        base = (row * NUM_SPLITS + split) * (GROUP * tl.num_programs(1))
+        tl.store(PartAcc + (base + heads[:, None]) * HEAD_DIM + d[None, :], acc, mask=gmask[:, None])
+        tl.store(PartML + (base + heads) * 2, m, mask=gmask)
+        tl.store(PartML + (base + heads) * 2 + 1, lsum, mask=gmask)
+
+
+@triton.jit
+def _reduce_kernel(
+    Out, PartAcc, PartML, seq_ids, query_start_loc,
+    stride_ot, stride_oh, num_heads,
+    HEAD_DIM: tl.constexpr, NUM_SPLITS: tl.constexpr,
+):
+    row = tl.program_id(0)
+    h = tl.program_id(1)
+    tok = tl.load(query_start_loc + tl.load(seq_ids + row))
+    sp = tl.arange(0, NUM_SPLITS)
+    d = tl.arange(0, HEAD_DIM)
+    base = (row * NUM_SPLITS + sp) * num_heads + h  # [S]
+    m = tl.load(PartML + base * 2)
+    lsum = tl.load(PartML + base * 2 + 1)
+    m_max = tl.max(m, 0)
+    m_safe = tl.where(m_max == float("-inf"), 0.0, m_max)
+    w = tl.exp2(m - m_safe)  # empty splits (m = -inf) weigh 0
+    total = tl.sum(lsum * w, 0)
+    acc = tl.load(PartAcc + base[:, None] * HEAD_DIM + d[None, :])  # [S, D]
+    out = tl.sum(acc * w[:, None], 0) / tl.where(total > 0, total, 1.0)
+    tl.store(Out + tok * stride_ot + h * stride_oh + d, out.to(Out.dtype.element_ty))
+
+
+@triton.jit
+def _extend_kernel(
+    Q, KC, VC, Out,
+    tile_seq, tile_start, query_start_loc, seq_lens, block_tables,
+    scale_log2,
+    stride_qt, stride_qh, stride_ot, stride_oh,
+    stride_cb, stride_cs, stride_ch, stride_bt,
+    GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+):
+    tile = tl.program_id(0)
+    h = tl.program_id(1)
+    kvh = h // GROUP
+    seq = tl.load(tile_seq + tile)
+    q0 = tl.load(tile_start + tile)  # first flat token index of this tile
+    first = tl.load(query_start_loc + seq)
+    last = tl.load(query_start_loc + seq + 1)
+    seq_len = tl.load(seq_lens + seq)
+    ctx_before = seq_len - (last - first)  # tokens already in the cache before this step
+    mi = q0 + tl.arange(0, BLOCK_M)
+    mmask = mi < last
+    q_pos = ctx_before + (mi - first)  # [BLOCK_M] absolute positions
+    d = tl.arange(0, HEAD_DIM)
+    q = tl.load(Q + mi[:, None] * stride_qt + h * stride_qh + d[None, :], mask=mmask[:, None], other=0.0)
+
+    kv_end = tl.minimum(seq_len, ctx_before + (q0 - first) + BLOCK_M)
+    m = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    lsum = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
+    for n0 in range(0, kv_end, BLOCK_N):
+        n = n0 + tl.arange(0, BLOCK_N)
+        nmask = n < kv_end
+        page = tl.load(block_tables + seq * stride_bt + n // PAGE, mask=nmask, other=0)
+        off = page.to(tl.int64) * stride_cb + (n % PAGE) * stride_cs + kvh * stride_ch
+        k = tl.load(KC + off[:, None] + d[None, :], mask=nmask[:, None], other=0.0)
+        s = tl.dot(q, tl.trans(k)) * scale_log2  # [BLOCK_M, BLOCK_N]
+        keep = (n[None, :] <= q_pos[:, None]) & nmask[None, :]
+        s = tl.where(keep, s, float("-inf"))
+        m_new = tl.maximum(m, tl.max(s, 1))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        p = tl.exp2(s - m_safe[:, None])
+        alpha = tl.exp2(m - m_safe)
+        lsum = lsum * alpha + tl.sum(p, 1)
+        v = tl.load(VC + off[:, None] + d[None, :], mask=nmask[:, None], other=0.0)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+        m = m_new
+    out = acc / tl.where(lsum > 0, lsum, 1.0)[:, None]
+    tl.store(Out + mi[:, None] * stride_ot + h * stride_oh + d[None, :],
+             out.to(Out.dtype.element_ty), mask=mmask[:, None])
+
+
+def _cache_strides(kv_cache: torch.Tensor) -> tuple[int, int, int]:
+    # kv_cache: [2, num_blocks, block_size, kv_heads, head_dim]; K = kv_cache[0], V = kv_cache[1]
+    assert kv_cache.stride(-1) == 1
+    return kv_cache.stride(1), kv_cache.stride(2), kv_cache.stride(3)
+
+
+def paged_decode(
+    q: torch.Tensor,  # [T, Hq, D]
+    kv_cache: torch.Tensor,  # [2, num_blocks, block_size, Hkv, D]
+    out: torch.Tensor,  # [T, Hq, D], written at the decode rows' tokens
+    seq_ids: torch.Tensor,  # [Nd] int32: which sequences are decodes
+    query_start_loc: torch.Tensor,  # [B + 1] int32
+    seq_lens: torch.Tensor,  # [B] int32
+    block_tables: torch.Tensor,  # [B, max_blocks] int32
+    scale: float,
+    num_splits: int = 1,
+    partials: tuple[torch.Tensor, torch.Tensor] | None = None,
+) -> None:
+    """Attention for sequences with one new token each (see the module docstring)."""
+    num_rows = seq_ids.shape[0]
+    if num_rows == 0:
+        return
+    num_heads, head_dim = q.shape[1], q.shape[2]
+    num_kv_heads, page = kv_cache.shape[3], kv_cache.shape[2]
+    group = num_heads // num_kv_heads
+    if partials is None and num_splits > 1:
+        partials = alloc_decode_partials(num_rows, num_splits, num_heads, head_dim, q.device)
+    acc_buf, ml_buf = partials if num_splits > 1 else (out, out)
+    scb, scs, sch = _cache_strides(kv_cache)
+    _decode_kernel[(num_rows, num_kv_heads, num_splits)](
+        q, kv_cache[0], kv_cache[1], out, acc_buf, ml_buf,
+        seq_ids, query_start_loc, seq_lens, block_tables,
+        scale * LOG2E,
+        q.stride(0), q.stride(1), out.stride(0), out.stride(1),
+        scb, scs, sch, block_tables.stride(0),
+        GROUP=group, G_PAD=max(16, triton.next_power_of_2(group)), HEAD_DIM=head_dim,
+        PAGE=page, BLOCK_N=64, NUM_SPLITS=num_splits, num_warps=4, num_stages=2,
+    )
+    if num_splits > 1:
+        _reduce_kernel[(num_rows, num_heads)](
+            out, acc_buf, ml_buf, seq_ids, query_start_loc,
+            out.stride(0), out.stride(1), num_heads,
+            HEAD_DIM=head_dim, NUM_SPLITS=num_splits, num_warps=4,
+        )
+
+
+def alloc_decode_partials(num_rows: int, num_splits: int, num_heads: int, head_dim: int,
+                          device) -> tuple[torch.Tensor, torch.Tensor]:
+    """Scratch for split-KV decode: ([rows, splits, Hq, D], [rows, splits, Hq, 2]) float32."""
+    acc = torch.empty((num_rows, num_splits, num_heads, head_dim), dtype=torch.float32, device=device)
+    ml = torch.empty((num_rows, num_splits, num_heads, 2), dtype=torch.float32, device=device)
+    return acc, ml
+
+
+EXTEND_BLOCK_M = 64
+
+
+def paged_extend(
+    q: torch.Tensor,  # [T, Hq, D]
+    kv_cache: torch.Tensor,
+    out: torch.Tensor,  # [T, Hq, D]
+    tile_seq: torch.Tensor,  # [num_tiles] int32: the sequence of each query tile
+    tile_start: torch.Tensor,  # [num_tiles] int32: the tile's first flat token index
+    query_start_loc: torch.Tensor,
+    seq_lens: torch.Tensor,
+    block_tables: torch.Tensor,
+    scale: float,
+) -> None:
+    """Causal attention for query tiles of EXTEND_BLOCK_M tokens over the paged context."""
+    num_tiles = tile_seq.shape[0]
+    if num_tiles == 0:
+        return
+    num_heads, head_dim = q.shape[1], q.shape[2]
+    num_kv_heads, page = kv_cache.shape[3], kv_cache.shape[2]
+    scb, scs, sch = _cache_strides(kv_cache)
+    _extend_kernel[(num_tiles, num_heads)](
+        q, kv_cache[0], kv_cache[1], out,
+        tile_seq, tile_start, query_start_loc, seq_lens, block_tables,
+        scale * LOG2E,
+        q.stride(0), q.stride(1), out.stride(0), out.stride(1),
+        scb, scs, sch, block_tables.stride(0),
+        GROUP=num_heads // num_kv_heads, HEAD_DIM=head_dim, PAGE=page,
+        BLOCK_M=EXTEND_BLOCK_M, BLOCK_N=64, num_warps=4, num_stages=2,
+    )

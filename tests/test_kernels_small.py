@@ -1,0 +1,225 @@
+"""Triton kernels for the decoder's small ops, run on the CPU by Triton's interpreter.
+
+fp32 and fp16 only: bf16 arithmetic is unreliable in the interpreter (bf16 is tested on a GPU).
+Outputs are poisoned with NaN first, so an element the kernel forgets to write fails the test.
+"""
+
+import os
+
+# Before triton or any kernel module is imported by this module. `triton.jit` decides at
+# decoration time whether a kernel is interpreted; see the reload below for modules that
+# another test module imported first.
+os.environ["TRITON_INTERPRET"] = "1"
+
+import importlib  # noqa: E402
+import sys  # noqa: E402
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+pytest.importorskip("triton")
+
+from pagedserve.kernels import _utils, activation, kv_cache, norm, rope  # noqa: E402
+
+
+def _rebuild_for_interpreter() -> None:
+    """Make kernels built before TRITON_INTERPRET was set run in the interpreter.
+
+    `triton.jit` picks GPU or interpreter when a function is decorated. If another test module
+    imported triton (whose `tl.sum` etc. are jit functions too) or a kernel module first, those
+    were built for the GPU and fail here ("Cannot call @triton.jit'd outside of the scope of a
+    kernel"). Reloading re-decorates them; reload refills the same module namespace, so wrappers
+    bound elsewhere see the new kernels. Setting TRITON_INTERPRET in conftest.py avoids all this.
+    """
+    import triton
+    import triton.language as tl
+
+    def built_for_gpu(mod) -> bool:
+        return any(isinstance(v, triton.runtime.JITFunction) for v in vars(mod).values())
+
+    if built_for_gpu(tl.standard):
+        importlib.reload(tl.standard)
+        importlib.reload(tl)
+    for name, mod in list(sys.modules.items()):
+        if name.startswith("pagedserve.kernels.") and built_for_gpu(mod):
+            importlib.reload(mod)
+
+
+_rebuild_for_interpreter()
+pytestmark = pytest.mark.filterwarnings("ignore:overflow encountered in exp:RuntimeWarning")
+
+DTYPES = [torch.float32, torch.float16]
+TOL = {torch.float32: dict(rtol=1e-5, atol=1e-5), torch.float16: dict(rtol=1e-3, atol=1e-3)}
+HEADS = [(9, 3, 64), (32, 8, 128), (20, 4, 128)]  # (Hq, Hkv, D): SmolLM2, Qwen3, Nanbeige
+
+
+def _close(actual, expected, dtype):
+    assert not torch.isnan(actual).any(), "some elements were not written"
+    torch.testing.assert_close(actual, expected, **TOL[dtype])
+    if dtype == torch.float16:  # same roundings as the reference: almost all bit-exact
+        assert (actual == expected).float().mean() > 0.99
+
+
+def _strided(T, H, dtype, pad=48, scale=1.0):
+    """A [T, H] view whose row stride is H + pad (a slice of a wider buffer)."""
+    return (torch.randn(T, H + pad) * scale).to(dtype)[:, :H]
+
+
+def test_interpreter_is_on():
+    assert _utils.interpreting() and _utils.kernels_usable(torch.empty(1))
+    assert type(norm._rms_norm_kernel).__name__ == "InterpretedFunction"
+
+
+# ----- RMSNorm --------------------------------------------------------------------------------
+
+NORM_SHAPES = [(1, 576), (7, 576), (33, 576), (7, 2560), (5, 100)]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("T,H", NORM_SHAPES)
+def test_rms_norm(T, H, dtype):
+    x = _strided(T, H, dtype, scale=3.0)
+    w = (torch.rand(H) + 0.5).to(dtype)
+    x_before = x.clone()
+    out = torch.full((T, H), float("nan"), dtype=dtype)
+    y = norm.rms_norm(x, w, 1e-5, out=out)
+    assert y is out
+    _close(y, norm.rms_norm_ref(x, w, 1e-5), dtype)
+    assert torch.equal(x, x_before)
+    _close(norm.rms_norm(x.contiguous(), w, 1e-6), norm.rms_norm_ref(x, w, 1e-6), dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("T,H", NORM_SHAPES)
+def test_fused_add_rms_norm(T, H, dtype):
+    x = _strided(T, H, dtype)
+    res = _strided(T, H, dtype, pad=16, scale=4.0)
+    w = (torch.rand(H) + 0.5).to(dtype)
+    y_ref, s_ref = norm.fused_add_rms_norm_ref(x, res, w, 1e-6)
+    x_before = x.clone()
+    out = torch.full((T, H), float("nan"), dtype=dtype)
+    y, new_res = norm.fused_add_rms_norm(x, res, w, 1e-6, out=out)
+    assert y is out and new_res is res  # the residual is updated in place
+    assert torch.equal(res, s_ref)  # one rounding of an exact-in-fp32 sum: bit-exact
+    _close(y, y_ref, dtype)
+    assert torch.equal(x, x_before)
+
+
+def test_rms_norm_ref_matches_hf():
+    from transformers.models.llama.modeling_llama import LlamaRMSNorm
+
+    layer = LlamaRMSNorm(576, eps=1e-5).to(torch.float16)
+    with torch.no_grad():
+        layer.weight.uniform_(0.5, 1.5)
+        x = torch.randn(7, 576).to(torch.float16)
+        assert torch.equal(norm.rms_norm_ref(x, layer.weight, 1e-5), layer(x))
+
+
+# ----- SiLU and multiply --------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("T,inter", [(1, 1536), (7, 1536), (33, 100), (3, 2600)])
+def test_silu_and_mul(T, inter, dtype):
+    gate_up = _strided(T, 2 * inter, dtype, pad=32, scale=4.0)
+    gate_up[0, :4] = torch.tensor([-200.0, -30.0, 30.0, 0.0], dtype=dtype)  # extremes
+    out = torch.full((T, inter), float("nan"), dtype=dtype)
+    assert activation.silu_and_mul(gate_up, out=out) is out
+    _close(out, activation.silu_and_mul_ref(gate_up), dtype)
+    _close(activation.silu_and_mul(gate_up.contiguous()), activation.silu_and_mul_ref(gate_up), dtype)
+
+
+# ----- q/k norm + RoPE ----------------------------------------------------------------------
+
+
+def _inv_freq(D, theta):
+    return 1.0 / (theta ** (torch.arange(0, D, 2, dtype=torch.int64).float() / D))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("qk_norm", [False, True])
+@pytest.mark.parametrize("hq,hkv,D", HEADS)
+@pytest.mark.parametrize("T", [1, 7, 33])
+def test_qk_norm_rope(T, hq, hkv, D, qk_norm, dtype):
+    width = (hq + 2 * hkv) * D
+    qkv = _strided(T, width, dtype, pad=64, scale=2.0)
+    positions = torch.randint(0, 200_000, (T,), dtype=torch.int64)
+    positions[0] = 199_999 if T > 1 else positions[0]
+    inv_freq = _inv_freq(D, 5e6)
+    qw = kw = None
+    if qk_norm:
+        qw, kw = (torch.rand(D) + 0.5).to(dtype), (torch.rand(D) + 0.5).to(dtype)
+    out_q = torch.full((T, hq, D), float("nan"), dtype=dtype)
+    out_k = torch.full((T, hkv, D), float("nan"), dtype=dtype)
+    qkv_before = qkv.clone()
+    q, k, v = rope.qk_norm_rope(qkv, positions, inv_freq, hq, hkv, D, qw, kw, 1e-6,
+                                out_q=out_q, out_k=out_k)
+    assert q is out_q and k is out_k
+    q_ref, k_ref, v_ref = rope.qk_norm_rope_ref(qkv, positions, inv_freq, hq, hkv, D, qw, kw, 1e-6)
+    _close(q, q_ref, dtype)
+    _close(k, k_ref, dtype)
+    assert torch.equal(v, v_ref) and v.data_ptr() == qkv.data_ptr() + (hq + hkv) * D * qkv.element_size()
+    assert torch.equal(qkv, qkv_before)
+
+
+def test_rope_ref_matches_hf():
+    from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
+
+    hq, hkv, D = 9, 3, 64
+    inv_freq = _inv_freq(D, 1e5)
+    qkv = torch.randn(5, (hq + 2 * hkv) * D)
+    positions = torch.tensor([0, 1, 17, 4000, 8191])
+    freqs = positions.float()[:, None] * inv_freq[None, :]
+    emb = torch.cat((freqs, freqs), dim=-1)  # [T, D]
+    q, k, _ = rope.qk_norm_rope_ref(qkv, positions, inv_freq, hq, hkv, D)
+    q_in = qkv[:, : hq * D].reshape(5, hq, D)
+    k_in = qkv[:, hq * D : (hq + hkv) * D].reshape(5, hkv, D)
+    q_hf, k_hf = apply_rotary_pos_emb(q_in, k_in, emb.cos(), emb.sin(), unsqueeze_dim=1)
+    torch.testing.assert_close(q, q_hf, rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(k, k_hf, rtol=1e-6, atol=1e-6)
+
+
+def test_qk_norm_rope_allocates_contiguous_outputs():
+    hq, hkv, D = 9, 3, 64
+    qkv = torch.randn(4, (hq + 2 * hkv) * D)
+    positions = torch.arange(4)
+    q, k, v = rope.qk_norm_rope(qkv, positions, _inv_freq(D, 1e5), hq, hkv, D)
+    assert q.shape == (4, hq, D) and q.is_contiguous() and k.shape == (4, hkv, D) and k.is_contiguous()
+    q_ref, k_ref, _ = rope.qk_norm_rope_ref(qkv, positions, _inv_freq(D, 1e5), hq, hkv, D)
+    _close(q, q_ref, torch.float32)
+    _close(k, k_ref, torch.float32)
+
+
+# ----- KV-cache store -----------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("hq,hkv,D", HEADS)
+@pytest.mark.parametrize("T", [1, 7, 33])
+def test_store_kv_cache(T, hq, hkv, D, dtype):
+    num_blocks, block_size = 6, 16
+    qkv = torch.randn(T, (hq + 2 * hkv) * D).to(dtype)
+    k = qkv[:, hq * D : (hq + hkv) * D].reshape(T, hkv, D).contiguous()
+    v = qkv[:, (hq + hkv) * D :].view(T, hkv, D)  # strided in the token dimension
+    slots = torch.randperm(num_blocks * block_size)[:T]
+    slots[torch.rand(T) < 0.3] = -1  # padding
+    if T > 1:
+        slots[-1] = -1
+    cache = torch.full((2, num_blocks, block_size, hkv, D), float("nan"), dtype=dtype)
+    expected = cache.clone()
+    kv_cache.store_kv_cache_ref(k, v, expected, slots)
+    kv_cache.store_kv_cache(k, v, cache, slots)
+    assert torch.equal(cache.isnan(), expected.isnan())  # written exactly where expected
+    assert torch.equal(cache.nan_to_num(0.0), expected.nan_to_num(0.0))  # a copy: bit-exact
+
+
+def test_empty_batches():
+    x = torch.randn(0, 64)
+    assert norm.rms_norm(x, torch.ones(64), 1e-6).shape == (0, 64)
+    assert activation.silu_and_mul(torch.randn(0, 64)).shape == (0, 32)
+    q, k, v = rope.qk_norm_rope(torch.randn(0, 5 * 64), torch.zeros(0, dtype=torch.int64),
+                                _inv_freq(64, 1e4), 3, 1, 64)
+    assert q.shape == (0, 3, 64) and k.shape == (0, 1, 64) and v.shape == (0, 1, 64)
+    cache = torch.zeros(2, 1, 4, 1, 64)
+    kv_cache.store_kv_cache(k, v, cache, torch.zeros(0, dtype=torch.int64))
+    assert not cache.any()
