@@ -206,11 +206,31 @@ def parity(quick: bool) -> None:
                 hidden = runner._forward(tok, pos, meta)
                 logits.append(ours.compute_logits(hidden))
         got = torch.cat(logits)  # [n, vocab]
-        agree = float((got.argmax(-1) == ref.argmax(-1)).float().mean())
+        match = got.argmax(-1) == ref.argmax(-1)
+        agree = float(match.float().mean())
         e = rel_err(got, ref)
         record(f"parity {preset} top-1 agreement (512 pos)", agree, agree >= 0.99, "{:.4f}")
+        record(f"parity {preset}   extend / decode positions",
+               f"{float(match[:256].float().mean()):.3f}/{float(match[256:].float().mean()):.3f}")
         record(f"parity {preset} logits rel err", e, None)
-        del hf, ours, runner
+        top2 = ref.topk(2, dim=-1).values
+        record(f"parity {preset}   ref top1-top2 gap median", float((top2[:, 0] - top2[:, 1]).median()))
+        # The noise floor: Transformers against itself with another attention implementation.
+        hf.config._attn_implementation = "eager"
+        for layer in hf.model.layers:
+            layer.self_attn.config._attn_implementation = "eager"
+        with torch.no_grad():
+            ref_eager = hf(torch.tensor([ids], device=DEV)).logits[0].float()
+        base = float((ref_eager.argmax(-1) == ref.argmax(-1)).float().mean())
+        record(f"parity {preset}   HF eager vs HF sdpa agreement", base, None, "{:.4f}")
+        # fp32 reference: how far each bf16 model is from exact arithmetic on the same weights
+        hf32 = hf.float()
+        with torch.no_grad():
+            ref32 = hf32(torch.tensor([ids], device=DEV)).logits[0].float()
+        record(f"parity {preset}   vs fp32: ours / HF bf16 agreement",
+               f"{float((got.argmax(-1) == ref32.argmax(-1)).float().mean()):.3f}/"
+               f"{float((ref.argmax(-1) == ref32.argmax(-1)).float().mean()):.3f}")
+        del hf, hf32, ours, runner
         torch.cuda.empty_cache()
 
 
@@ -230,6 +250,14 @@ def bench(quick: bool) -> None:
         startup = time.perf_counter() - t0
         short = preset.split("-")[0]
         record(f"{short} startup s (graphs {llm.engine.graph_capture_seconds:.1f} s)", startup, startup < 30, "{:.1f}")
+        graphs = llm.engine.runner.graphs
+        import triton.testing
+
+        for bs in (1, 64, 256):
+            b = graphs.bucket_for(bs)
+            g = graphs.graphs[b]
+            ms = triton.testing.do_bench(g.replay, return_mode="median")
+            record(f"{short} graph replay only b{b} ms (seq_len 0)", ms, None, "{:.3f}")
         lat = run_latency(SimpleNamespace(batch_sizes="1,8,32,64,128,256" if not quick else "1,64",
                                           input_len=512, steps=64 if not quick else 16, seed=0), {}, llm)
         for row in lat["rows"]:

@@ -186,6 +186,7 @@ class EngineConfig:
     cache: CacheConfig = field(default_factory=CacheConfig)
     attention_backend: str = "auto"  # "auto" = triton on CUDA, torch elsewhere
     enforce_eager: bool = False
+    async_scheduling: bool = True  # overlap host scheduling with the GPU (see EngineCore.step)
 
     def resolved_device(self) -> torch.device:
         if self.device == "auto":

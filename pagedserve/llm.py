@@ -46,6 +46,7 @@ class LLM:
         enforce_eager: bool = False,
         attention_backend: str = "auto",
         tokenizer: str | None = None,
+        async_scheduling: bool = True,
     ) -> None:
         source = resolve_model(model)
         model_cfg = ModelConfig.from_hf_config(source.hf_config)
@@ -61,6 +62,7 @@ class LLM:
             cache=CacheConfig(block_size, enable_prefix_caching, kv_cache_memory,
                               gpu_memory_utilization),
             attention_backend=attention_backend, enforce_eager=enforce_eager,
+            async_scheduling=async_scheduling,
         )
         self.engine = EngineCore(config, source)
         self.tokenizer = load_tokenizer(source, model_cfg, tokenizer)
@@ -90,7 +92,7 @@ class LLM:
         if len(prios) != len(prompts):
             raise ValueError("priority must have one entry per prompt")
         results: list[RequestOutput] = []
-        proc = OutputProcessor(self.tokenizer)
+        proc = OutputProcessor(self.tokenizer, stream_text=False)
         children: dict[str, tuple[RequestOutput, int]] = {}
         try:
             for prompt, p, prio in zip(prompts, params, prios):

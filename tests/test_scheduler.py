@@ -21,12 +21,18 @@ def fake_next_token(tokens: list[int]) -> int:
 
 
 class FakeEngine:
-    """Drives the scheduler like the engine core does, checking KV invariants each step."""
+    """Drives the scheduler like the engine core does, checking KV invariants each step.
 
-    def __init__(self, num_blocks=64, block_size=4, prefix=True, **sched):
+    With overlap=True a step's tokens are resolved only after the next step was scheduled,
+    as the engine core does with async scheduling.
+    """
+
+    def __init__(self, num_blocks=64, block_size=4, prefix=True, overlap=False, **sched):
         self.kv = KVCacheManager(num_blocks, block_size, prefix)
         self.sched = Scheduler(SchedulerConfig(**sched), self.kv)
         self.steps = []
+        self.overlap = overlap
+        self.inflight = None
 
     def add(self, rid, prompt, max_tokens, priority=0):
         req = Request(rid, prompt, SamplingParams(max_tokens=max_tokens), priority=priority,
@@ -39,32 +45,45 @@ class FakeEngine:
         self.steps.append(out)
         assert out.num_tokens <= self.sched.config.max_num_batched_tokens
         assert len(self.sched.running) <= self.sched.config.max_num_seqs
-        sampled = {}
         for c in out.chunks:
             req = c.request
-            # The KV for [0, start) must be computed already and the blocks must cover the chunk.
-            assert c.start == req.num_computed_tokens
+            # The chunk's KV counts as computed once scheduled; blocks must cover it.
+            assert c.start + c.num_tokens == req.num_computed_tokens
             assert len(self.kv.block_ids(req.request_id)) * self.kv.block_size >= c.start + c.num_tokens
-            if c.samples:
-                sampled[req.request_id] = fake_next_token(req.token_ids)
-        for req in self.sched.update_after_step(out, sampled):
-            if req.num_output_tokens >= req.max_tokens:
-                self.sched.finish(req, "length")
+        prev, self.inflight = self.inflight, (out if out.chunks else None)
+        if prev is not None:
+            self.resolve(prev)
+        if not self.overlap:
+            self.resolve(out)
+            self.inflight = None
         self.kv.check_integrity()
         return out
 
+    def resolve(self, out):
+        # The fake model's token depends on every token before it, all known by now.
+        sampled = {c.request.request_id: fake_next_token(c.request.token_ids)
+                   for c in out.chunks if c.samples}
+        for req in self.sched.apply_results(out, sampled):
+            if req.num_output_tokens - req.num_pending >= req.max_tokens:
+                self.sched.finish(req, "length")
+            elif req.token_ids[-1] % 97 == 0:  # an "EOS" the scheduler cannot foresee
+                self.sched.finish(req, "stop")
+
     def run(self, max_steps=10_000):
         for _ in range(max_steps):
-            if not self.sched.num_unfinished:
+            if not self.sched.num_unfinished and self.inflight is None:
                 return
             self.step()
         raise AssertionError("did not finish")
 
 
 def reference(prompt, n):
+    """What the fake model generates: n tokens, or fewer if an 'EOS' (a multiple of 97) comes."""
     toks = list(prompt)
     for _ in range(n):
         toks.append(fake_next_token(toks))
+        if toks[-1] % 97 == 0:
+            break
     return toks[len(prompt):]
 
 
@@ -107,10 +126,11 @@ def test_max_num_seqs_limits_running():
     eng.run()
 
 
-def test_preemption_recomputes_and_outputs_stay_exact():
+@pytest.mark.parametrize("overlap", [False, True])
+def test_preemption_recomputes_and_outputs_stay_exact(overlap):
     # 12 blocks of 4 tokens = 48 slots; four requests that grow to 25 tokens each cannot fit.
     eng = FakeEngine(num_blocks=12, block_size=4, max_num_batched_tokens=64, max_num_seqs=8,
-                     max_model_len=64)
+                     max_model_len=64, overlap=overlap)
     rng = random.Random(0)
     reqs = [eng.add(f"r{i}", [rng.randrange(VOCAB) for _ in range(10)], 15) for i in range(4)]
     eng.run()
@@ -121,16 +141,17 @@ def test_preemption_recomputes_and_outputs_stay_exact():
     assert first.preempted[0].request_id == "r3"
     for r in reqs:
         assert r.output_token_ids == reference(r.prompt_token_ids, 15)
-        assert r.status == RequestStatus.FINISHED
+        assert r.status == RequestStatus.FINISHED and r.num_pending == 0
     eng.kv.check_integrity(expect_all_free=True)
 
 
 @pytest.mark.parametrize("budget", [1, 3, 16, 200])
 @pytest.mark.parametrize("prefix", [True, False])
-def test_random_workloads_match_reference(budget, prefix):
+@pytest.mark.parametrize("overlap", [False, True])
+def test_random_workloads_match_reference(budget, prefix, overlap):
     rng = random.Random(budget)
-    eng = FakeEngine(num_blocks=40, block_size=4, prefix=prefix, max_num_batched_tokens=budget,
-                     max_num_seqs=6, max_model_len=128)
+    eng = FakeEngine(num_blocks=40, block_size=4, prefix=prefix, overlap=overlap,
+                     max_num_batched_tokens=budget, max_num_seqs=6, max_model_len=128)
     shared = [rng.randrange(VOCAB) for _ in range(13)]
     reqs = []
     for i in range(20):
@@ -141,6 +162,7 @@ def test_random_workloads_match_reference(budget, prefix):
     eng.run()
     for r in reqs:
         assert r.output_token_ids == reference(r.prompt_token_ids, r.max_tokens)
+        assert r.num_pending == 0
     eng.kv.check_integrity(expect_all_free=True)
     if prefix and budget > 1:
         assert eng.kv.stats.hits > 0

@@ -88,6 +88,7 @@ class EngineCore:
             self.graph_capture_seconds = self.runner.enable_cuda_graphs(
                 min(sched.max_num_seqs, 512), max_len)
         self.requests: dict[str, Request] = {}
+        self._inflight = None  # (SchedulerOutput, StepHandle) launched but not yet read back
         self.num_prefill_tokens = 0  # cumulative tokens computed other than decodes
         self.num_generation_tokens = 0  # cumulative sampled tokens
         capacity = num_blocks * config.cache.block_size
@@ -136,23 +137,48 @@ class EngineCore:
                 self.scheduler.finish(req, "abort")
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.num_unfinished > 0
+        return self.scheduler.num_unfinished > 0 or self._inflight is not None
 
     # ---- stepping ---------------------------------------------------------------------
 
     def step(self) -> list[TokenOutput]:
-        """Schedule, run the model once, and report new tokens and finished requests."""
+        """Launch the next forward pass and report the tokens of the previous one.
+
+        With async scheduling (the default) the host schedules and prepares step k+1 while
+        the GPU runs step k; step k+1 reads step k's sampled tokens on the device. A request
+        that stops at step k was already scheduled in step k+1: that extra token is dropped.
+        Requests with sampling penalties need every token on the host, so while one runs
+        each step is completed before the next is scheduled.
+        """
+        outputs: list[TokenOutput] = []
+        if self._inflight is not None and self._needs_sync():
+            outputs += self._complete(*self._inflight)
+            self._inflight = None
         out = self.scheduler.schedule()
-        if out.is_empty:
-            return []
-        tables = [self.kv.block_ids(c.request.request_id) for c in out.chunks]
-        result = self.runner.execute(out, tables)
-        updated = self.scheduler.update_after_step(out, result.token_ids)
+        launched = None
+        if not out.is_empty:
+            tables = [self.kv.block_ids(c.request.request_id) for c in out.chunks]
+            launched = (out, self.runner.execute(out, tables))
+            self.num_prefill_tokens += sum(
+                c.num_tokens for c in out.chunks
+                if not (c.num_tokens == 1 and c.start >= c.request.num_prompt_tokens)
+            )
+        if self._inflight is not None:
+            outputs += self._complete(*self._inflight)
+        self._inflight = launched
+        if launched is not None and not self.config.async_scheduling:
+            outputs += self._complete(*launched)
+            self._inflight = None
+        return outputs
+
+    def _needs_sync(self) -> bool:
+        return any(r.sampling_params.uses_penalties for r in self.scheduler.running)
+
+    def _complete(self, out, handle) -> list[TokenOutput]:
+        """Read a launched step's tokens back; apply them; stop what should stop."""
+        result = self.runner.collect(handle)
+        updated = self.scheduler.apply_results(out, result.token_ids)
         self.num_generation_tokens += len(updated)
-        self.num_prefill_tokens += sum(
-            c.num_tokens for c in out.chunks
-            if not (c.num_tokens == 1 and c.start >= c.request.num_prompt_tokens)
-        )
         outputs = []
         now = time.monotonic()
         for req in updated:
@@ -175,12 +201,14 @@ def check_stop(req: Request, max_model_len: int) -> tuple[str, int | None] | Non
     """Token-level stop test for a request that just got a token."""
     p = req.sampling_params
     token = req.token_ids[-1]
-    if req.num_output_tokens >= p.min_tokens:
+    num_known = len(req.token_ids)  # the state as of this token (later ones may be pending)
+    num_out = num_known - req.num_prompt_tokens
+    if num_out >= p.min_tokens:
         if not p.ignore_eos and token in req.eos_token_ids:
             return "stop", None
         if token in p.stop_token_ids:
             return "stop", token
-    if req.num_output_tokens >= req.max_tokens or req.num_tokens >= max_model_len:
+    if num_out >= req.max_tokens or num_known >= max_model_len:
         return "length", None
     return None
 

@@ -20,6 +20,24 @@ from pagedserve.models.llama import LlamaForCausalLM
 
 
 @dataclass
+class StepHandle:
+    """A launched step: the requests that sample, and their results still on the device."""
+
+    reqs: list
+    token_ids: torch.Tensor | None  # [N] int64
+    logprobs: torch.Tensor | None  # [N, 1 + k]
+    logprob_token_ids: torch.Tensor | None
+
+
+def _to_device(array: np.ndarray, device: torch.device) -> torch.Tensor:
+    """Host array -> device tensor without blocking on the GPU (pinned staging on CUDA)."""
+    t = torch.from_numpy(array)
+    if device.type == "cuda":
+        return t.pin_memory().to(device, non_blocking=True)
+    return t.to(device)
+
+
+@dataclass
 class StepResult:
     """Sampled tokens (and optional logprobs) of the requests that sampled this step."""
 
@@ -51,42 +69,66 @@ class ModelRunner:
         backend.bind_kv_caches(self.kv_caches)
         self.sampler = Sampler()
         self.graphs = None  # DecodeGraphRunner once enable_cuda_graphs() ran
+        self._prev_tokens: torch.Tensor | None = None  # the last launched step's samples [N]
+        self._prev_rows: dict[str, int] = {}  # request id -> row in _prev_tokens
 
     def prepare(self, out: SchedulerOutput, block_tables: list[list[int]]):
-        """Host-side batch building; returns (input_ids, positions, meta, sample_rows)."""
+        """Host-side batch building, one pinned copy per array.
+
+        Returns (input_ids [T], positions [T], meta, logits_idx [N], sampling requests).
+        A decode whose input token is still pending (sampled by the previous step, not yet
+        read back) gets it straight from that step's device output.
+        """
         bs = self.block_size
-        q_lens = np.fromiter((c.num_tokens for c in out.chunks), dtype=np.int64)
-        starts = np.fromiter((c.start for c in out.chunks), dtype=np.int64)
-        cu = np.zeros(len(q_lens) + 1, dtype=np.int64)
+        chunks = out.chunks
+        q_lens = np.fromiter((c.num_tokens for c in chunks), dtype=np.int64, count=len(chunks))
+        starts = np.fromiter((c.start for c in chunks), dtype=np.int64, count=len(chunks))
+        cu = np.zeros(len(chunks) + 1, dtype=np.int64)
         np.cumsum(q_lens, out=cu[1:])
         total = int(cu[-1])
-        ids = np.empty(total, dtype=np.int64)
-        positions = np.empty(total, dtype=np.int64)
-        slots = np.empty(total, dtype=np.int64)
+        ids = np.zeros(total, dtype=np.int64)
         max_blocks = max(len(t) for t in block_tables)
         tables = np.zeros((len(block_tables), max_blocks), dtype=np.int32)
-        for i, (chunk, table) in enumerate(zip(out.chunks, block_tables)):
-            s, e = int(cu[i]), int(cu[i + 1])
-            ids[s:e] = chunk.request.token_ids[chunk.start : chunk.start + chunk.num_tokens]
-            pos = np.arange(chunk.start, chunk.start + chunk.num_tokens)
-            positions[s:e] = pos
+        pending_at, pending_rows = [], []
+        for i, (chunk, table) in enumerate(zip(chunks, block_tables)):
+            s = int(cu[i])
+            known = chunk.request.token_ids[chunk.start : chunk.start + chunk.num_tokens]
+            ids[s : s + len(known)] = known
+            if len(known) < chunk.num_tokens:  # the last input token is still on the device
+                pending_at.append(s + chunk.num_tokens - 1)
+                pending_rows.append(self._prev_rows[chunk.request.request_id])
             tables[i, : len(table)] = table
-            slots[s:e] = tables[i, pos // bs].astype(np.int64) * bs + pos % bs
+        positions = np.repeat(starts - cu[:-1], q_lens) + np.arange(total)
+        row_of_token = np.repeat(np.arange(len(chunks)), q_lens)
+        slots = tables[row_of_token, positions // bs].astype(np.int64) * bs + positions % bs
         seq_lens = starts + q_lens
-        sample_rows = [i for i, c in enumerate(out.chunks) if c.samples]
+        sample_rows = [i for i, c in enumerate(chunks) if c.samples]
+        logits_idx = cu[1:][sample_rows] - 1
+        n_pend = len(pending_at)
+        packed = np.concatenate([ids, positions, slots, seq_lens, cu, logits_idx,
+                                 np.asarray(pending_at + pending_rows, dtype=np.int64)])
         dev = self.device
+        flat = _to_device(packed, dev)
+        o = 0
+        views = []
+        for n in (total, total, total, len(chunks), len(chunks) + 1, len(sample_rows), n_pend, n_pend):
+            views.append(flat[o : o + n])
+            o += n
+        ids_t, pos_t, slots_t, seq_lens_t, cu_t, logits_t, pend_at_t, pend_rows_t = views
+        if n_pend:
+            ids_t = ids_t.clone()
+            ids_t[pend_at_t] = self._prev_tokens[pend_rows_t]
         meta = AttentionMetadata(
-            query_start_loc=torch.from_numpy(cu.astype(np.int32)).to(dev),
-            seq_lens=torch.from_numpy(seq_lens.astype(np.int32)).to(dev),
-            slot_mapping=torch.from_numpy(slots).to(dev),
-            block_tables=torch.from_numpy(tables).to(dev),
+            query_start_loc=cu_t.to(torch.int32),
+            seq_lens=seq_lens_t.to(torch.int32),
+            slot_mapping=slots_t,
+            block_tables=_to_device(tables, dev),
             max_query_len=int(q_lens.max()),
             max_seq_len=int(seq_lens.max()),
             query_start_loc_cpu=cu.tolist(),
             seq_lens_cpu=seq_lens.tolist(),
         )
-        logits_idx = torch.from_numpy(cu[1:][sample_rows] - 1).to(dev)
-        return torch.from_numpy(ids).to(dev), torch.from_numpy(positions).to(dev), meta, sample_rows, logits_idx
+        return ids_t, pos_t, meta, logits_t, [chunks[i].request for i in sample_rows]
 
     def enable_cuda_graphs(self, max_batch: int, max_model_len: int) -> float:
         """Capture decode graphs for batch sizes up to max_batch; returns the seconds it took."""
@@ -106,29 +148,43 @@ class ModelRunner:
         return self.model(ids, positions, AttentionContext(self.backend, meta))
 
     @torch.inference_mode()
-    def execute(self, out: SchedulerOutput, block_tables: list[list[int]]) -> StepResult:
-        """Run one step; block_tables[i] is the block table of out.chunks[i]'s request."""
-        ids, positions, meta, sample_rows, logits_idx = self.prepare(out, block_tables)
+    def execute(self, out: SchedulerOutput, block_tables: list[list[int]]) -> StepHandle:
+        """Launch one step on the device and return at once; `collect` reads the results.
+
+        block_tables[i] is the block table of out.chunks[i]'s request.
+        """
+        ids, positions, meta, logits_idx, reqs = self.prepare(out, block_tables)
         hidden = self._forward(ids, positions, meta)  # [T, hidden]
-        if not sample_rows:
+        handle = StepHandle(reqs, None, None, None)
+        if reqs:
+            logits = self.model.compute_logits(hidden[logits_idx])  # [N, vocab]
+            batch = SamplingBatch.build(
+                [r.sampling_params for r in reqs],
+                [self._generator(r) for r in reqs],
+                [r.prompt_token_ids for r in reqs],
+                # outputs before this sample; pending ones only count (no penalties then)
+                [r.output_token_ids + [0] * (r.num_pending - 1) for r in reqs],
+                self.vocab_size,
+                self.device,
+                eos_token_ids=self.model.config.eos_token_ids,
+            )
+            result = self.sampler(logits, batch)
+            handle = StepHandle(reqs, result.token_ids, result.logprobs, result.logprob_token_ids)
+        self._prev_tokens = handle.token_ids
+        self._prev_rows = {r.request_id: i for i, r in enumerate(reqs)}
+        return handle
+
+    @staticmethod
+    def collect(handle: StepHandle) -> StepResult:
+        """Wait for a step's sampled tokens and bring them to the host."""
+        if not handle.reqs:
             return StepResult({}, {})
-        logits = self.model.compute_logits(hidden[logits_idx])  # [N, vocab]
-        reqs = [out.chunks[i].request for i in sample_rows]
-        batch = SamplingBatch.build(
-            [r.sampling_params for r in reqs],
-            [self._generator(r) for r in reqs],
-            [r.prompt_token_ids for r in reqs],
-            [r.output_token_ids for r in reqs],
-            self.vocab_size,
-            self.device,
-            eos_token_ids=self.model.config.eos_token_ids,
-        )
-        result = self.sampler(logits, batch)
-        tokens = result.token_ids.tolist()
+        reqs = handle.reqs
+        tokens = handle.token_ids.tolist()
         token_ids = {r.request_id: t for r, t in zip(reqs, tokens)}
         logprobs: dict[str, tuple[float, list[tuple[int, float]]]] = {}
-        if result.logprobs is not None:
-            lp, lp_ids = result.logprobs.tolist(), result.logprob_token_ids.tolist()
+        if handle.logprobs is not None:
+            lp, lp_ids = handle.logprobs.tolist(), handle.logprob_token_ids.tolist()
             for row, r in enumerate(reqs):
                 k = r.sampling_params.logprobs
                 if k is not None:

@@ -51,8 +51,16 @@ class SampleState:
 
 
 class OutputProcessor:
-    def __init__(self, tokenizer: Tokenizer) -> None:
+    """Per-sample detokenization and stop strings.
+
+    With stream_text=False (offline generation) a sample without stop strings is
+    detokenized once when it finishes instead of token by token: same text, less host
+    work per step.
+    """
+
+    def __init__(self, tokenizer: Tokenizer, stream_text: bool = True) -> None:
         self.tokenizer = tokenizer
+        self.stream_text = stream_text
         self.samples: dict[str, SampleState] = {}
 
     def add(self, request_id: str, index: int, prompt_ids: list[int], params: SamplingParams) -> None:
@@ -83,7 +91,10 @@ class OutputProcessor:
                     s.logprobs.append(entry)
                     s.cumulative_logprob += lp
             prev_len = len(s.text)
-            s.detok.step(o.new_token_ids)
+            if self.stream_text or s.params.stop:
+                s.detok.step(o.new_token_ids)
+            elif o.finished:
+                s.detok.step(s.token_ids)  # the whole output in one decode
             if o.finished:
                 s.detok.flush()
             s.text = s.detok.text

@@ -31,7 +31,10 @@ class Request:
     priority: int = 0  # lower runs first; FCFS within a priority
     max_tokens: int = 16  # resolved output limit (params.max_tokens capped by max_model_len)
     eos_token_ids: tuple[int, ...] = ()
-    token_ids: list[int] = field(init=False)
+    token_ids: list[int] = field(init=False)  # known tokens: prompt + resolved output
+    # Tokens sampled on the device but not yet copied back (overlapped scheduling): they
+    # count towards the sequence length and are fed to the next step straight from the GPU.
+    num_pending: int = 0
     num_computed_tokens: int = 0
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache (first schedule)
     num_preemptions: int = 0
@@ -51,15 +54,18 @@ class Request:
 
     @property
     def num_tokens(self) -> int:
-        return len(self.token_ids)
+        """Sequence length, pending tokens included."""
+        return len(self.token_ids) + self.num_pending
 
     @property
     def output_token_ids(self) -> list[int]:
+        """Known output tokens (pending ones excluded)."""
         return self.token_ids[len(self.prompt_token_ids) :]
 
     @property
     def num_output_tokens(self) -> int:
-        return len(self.token_ids) - len(self.prompt_token_ids)
+        """Output tokens, pending ones included."""
+        return len(self.token_ids) + self.num_pending - len(self.prompt_token_ids)
 
     @property
     def is_finished(self) -> bool:

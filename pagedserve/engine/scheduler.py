@@ -21,16 +21,16 @@ from pagedserve.engine.request import Request, RequestStatus
 
 @dataclass
 class ScheduledChunk:
-    """The tokens [start, start + num_tokens) of one request, computed this step."""
+    """The tokens [start, start + num_tokens) of one request, computed this step.
+
+    `samples` is True when the chunk reaches the request's last token, so its logits give
+    a new token (decided when scheduled).
+    """
 
     request: Request
     start: int
     num_tokens: int
-
-    @property
-    def samples(self) -> bool:
-        """True if this chunk reaches the request's last token, so its logits give a new token."""
-        return self.start + self.num_tokens == self.request.num_tokens
+    samples: bool = False
 
 
 @dataclass
@@ -91,6 +91,7 @@ class Scheduler:
             self.waiting.remove(req)
         req.status = RequestStatus.FINISHED
         req.finish_reason = reason
+        req.num_pending = 0  # a token still in flight is dropped
         self.kv.free(req.request_id)
 
     # ---- one step ---------------------------------------------------------------------
@@ -105,6 +106,9 @@ class Scheduler:
         while i < len(self.running) and budget > 0:
             req = self.running[i]
             n = min(req.num_tokens - req.num_computed_tokens, budget)
+            if n <= 0 or self._reached_length(req):
+                i += 1  # its last token is still pending: it finishes when that resolves
+                continue
             while not self.kv.allocate(req.request_id, req.num_computed_tokens + n):
                 victim = self._pick_victim(exclude=scheduled)
                 self._preempt(victim, out)
@@ -127,6 +131,8 @@ class Scheduler:
             and not out.preempted
         ):
             req = self.waiting[0]
+            if req.num_pending:  # preempted with a token in flight: wait for it
+                break
             cached: list[int] = []
             if req.num_computed_tokens == 0:
                 cached = self.kv.find_cached_prefix(req.token_ids)
@@ -144,7 +150,24 @@ class Scheduler:
             self.running.append(req)
             out.chunks.append(ScheduledChunk(req, start, n))
             budget -= n
+        self._mark_scheduled(out)
         return out
+
+    def _reached_length(self, req: Request) -> bool:
+        """No more tokens may be generated (pending ones counted)."""
+        return (req.num_output_tokens >= req.max_tokens
+                or req.num_tokens >= self.config.max_model_len)
+
+    @staticmethod
+    def _mark_scheduled(out: SchedulerOutput) -> None:
+        """Advance each request as if the step already ran: its chunk's tokens count as
+        computed, and a sampling chunk leaves one pending token."""
+        for chunk in out.chunks:
+            req = chunk.request
+            chunk.samples = chunk.start + chunk.num_tokens == req.num_tokens
+            req.num_computed_tokens = chunk.start + chunk.num_tokens
+            if chunk.samples:
+                req.num_pending += 1
 
     def _pick_victim(self, exclude: set[int]) -> Request:
         """The newest running request of the lowest priority (largest priority value)."""
@@ -164,17 +187,21 @@ class Scheduler:
 
     # ---- after the step ---------------------------------------------------------------
 
-    def update_after_step(self, out: SchedulerOutput, sampled: dict[str, int]) -> list[Request]:
-        """Advance computed counts, append sampled tokens; return requests that got a token."""
+    def apply_results(self, out: SchedulerOutput, sampled: dict[str, int]) -> list[Request]:
+        """Resolve a step's pending tokens; return the unfinished requests that got one.
+
+        Requests finished or aborted since the step was scheduled are skipped; preempted ones
+        still get their token (it was computed from the right context).
+        """
         got_token = []
         for chunk in out.chunks:
             req = chunk.request
-            if req.status != RequestStatus.RUNNING:
+            if not chunk.samples or req.status == RequestStatus.FINISHED:
                 continue
-            samples = chunk.samples
-            req.num_computed_tokens = chunk.start + chunk.num_tokens
-            self.kv.cache_computed_blocks(req.request_id, req.token_ids, req.num_computed_tokens)
-            if samples:
-                req.token_ids.append(sampled[req.request_id])
-                got_token.append(req)
+            req.token_ids.append(sampled[req.request_id])
+            req.num_pending -= 1
+            if req.status == RequestStatus.RUNNING:
+                known = min(req.num_computed_tokens, len(req.token_ids))
+                self.kv.cache_computed_blocks(req.request_id, req.token_ids, known)
+            got_token.append(req)
         return got_token

@@ -74,7 +74,8 @@ def rms_norm(
 
     x: [T, H] float32/float16/bfloat16; rows may be strided (a slice), columns contiguous.
     weight: [H], contiguous, any float dtype. Returns a new contiguous [T, H] tensor of x's
-    dtype, or writes into `out` ([T, H], columns contiguous) and returns it. x is not modified.
+    dtype, or writes into `out` ([T, H], columns contiguous; may be x itself) and returns it.
+    x is not modified unless it is `out`.
     """
     return _launch(x, None, weight, eps, out)
 
@@ -89,8 +90,10 @@ def fused_add_rms_norm(
     """s = x + residual (float32 sum, rounded to the dtype); returns (rms_norm(s), s).
 
     The new residual s is written IN PLACE into `residual`, which is returned as the second
-    element; x is not modified. The normalised output is a new [T, H] tensor (or `out`).
+    element; x is not modified unless it is `out`. The normalised output is a new [T, H] tensor
+    (or `out`).
     x, residual: [T, H] of one dtype, rows may be strided, columns contiguous.
+    `out` may be x itself (each row is read before it is written), never the residual.
     """
     return _launch(x, residual, weight, eps, out), residual
 
