@@ -96,7 +96,7 @@ class LLM:
         children: dict[str, tuple[RequestOutput, int]] = {}
         try:
             for prompt, p, prio in zip(prompts, params, prios):
-                ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
+                ids = self.tokenizer.encode(prompt, add_special_tokens=True) if isinstance(prompt, str) else list(prompt)
                 ro = RequestOutput(str(next(self._ids)), prompt if isinstance(prompt, str) else None, ids)
                 results.append(ro)
                 for i in range(p.n):

@@ -49,3 +49,14 @@ def smollm2_dir():
     from pagedserve.models.default_model import default_model_dir
 
     return default_model_dir()
+
+
+@pytest.fixture(scope="session")
+def server():
+    """A real `pagedserve serve` of the embedded SmolLM2 on 127.0.0.1 (shared by the server tests)."""
+    from server_helpers import ServerProcess
+
+    proc = ServerProcess().wait_ready()
+    yield proc
+    leftovers = proc.stop()
+    assert not leftovers, f"child processes outlived the server: {leftovers}\n{proc.log_tail()}"

@@ -36,13 +36,18 @@ class TorchReferenceBackend(AttentionBackend):
         # q: [q_len, H, D]; k, v: [ctx_len, Hkv, D]; query j sits at position ctx_len - q_len + j
         q_len, ctx_len = q.shape[0], k.shape[0]
         group = self.num_heads // self.num_kv_heads
-        k = k.repeat_interleave(group, dim=1)
-        v = v.repeat_interleave(group, dim=1)
-        q_pos = torch.arange(ctx_len - q_len, ctx_len, device=q.device)
-        mask = torch.arange(ctx_len, device=q.device)[None, :] <= q_pos[:, None]  # [q_len, ctx]
+        if group > 1:
+            k = k.repeat_interleave(group, dim=1)
+            v = v.repeat_interleave(group, dim=1)
+        mask, causal = None, False
+        if q_len == ctx_len:
+            causal = q_len > 1
+        elif q_len > 1:  # a chunk after cached context: causal with an offset
+            q_pos = torch.arange(ctx_len - q_len, ctx_len, device=q.device)
+            mask = torch.arange(ctx_len, device=q.device)[None, :] <= q_pos[:, None]  # [q_len, ctx]
         out = F.scaled_dot_product_attention(
             q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1),
-            attn_mask=mask, scale=self.scale,
+            attn_mask=mask, is_causal=causal, scale=self.scale,
         )  # [H, q_len, D]
         return out.transpose(0, 1)
 

@@ -41,23 +41,27 @@ def run_latency(args, llm_kwargs: dict, llm=None) -> dict:
             engine.step()
         if torch.cuda.is_available():
             torch.cuda.synchronize()
+        engine.timer.enable()
         start = time.perf_counter()
         for _ in range(args.steps):
             engine.step()
         if torch.cuda.is_available():
             torch.cuda.synchronize()
         ms = (time.perf_counter() - start) / args.steps * 1e3
+        phases = engine.timer.summary(args.steps)
+        engine.timer.enabled = False
         ctx = args.input_len + 4 + args.steps // 2  # mean context during the timed steps
         ideal_ms = roof.decode_step_seconds(ctx, bs) * 1e3
         moved = roof.weight_bytes + bs * ctx * roof.kv_bytes_per_token
         rows.append({"batch": bs, "ms_per_step": round(ms, 3), "tokens_per_s": round(bs / ms * 1e3, 1),
                      "ideal_ms": round(ideal_ms, 3), "roofline_efficiency": round(ideal_ms / ms, 4),
                      "bandwidth_tb_s": round(moved / (ms / 1e3) / 1e12, 3),
-                     "bandwidth_utilisation": round(moved / (ms / 1e3) / roof.bandwidth, 4)})
+                     "bandwidth_utilisation": round(moved / (ms / 1e3) / roof.bandwidth, 4),
+                     "host_ms_per_step": phases})
         engine.abort_requests(ids)
         print(f"batch {bs:>4}: {ms:8.3f} ms/step  {bs / ms * 1e3:10.1f} tok/s  "
               f"ideal {ideal_ms:.3f} ms  efficiency {ideal_ms / ms:.1%}  "
-              f"bandwidth {moved / (ms / 1e3) / 1e12:.2f} TB/s", flush=True)
+              f"bandwidth {moved / (ms / 1e3) / 1e12:.2f} TB/s  host {phases}", flush=True)
     engine.kv.check_integrity(expect_all_free=True)
     return {"benchmark": "latency", "model": engine.source.name, "gpu": gpu_name(),
             "commit": git_commit(), "input_len": args.input_len, "steps": args.steps,

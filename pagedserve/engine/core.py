@@ -21,6 +21,7 @@ from pagedserve.engine.kv_cache_manager import KVCacheManager
 from pagedserve.engine.model_runner import ModelRunner
 from pagedserve.engine.request import Request
 from pagedserve.engine.scheduler import Scheduler
+from pagedserve.engine.step_timer import StepTimer
 from pagedserve.models.loader import ModelSource, build_model, resolve_model
 from pagedserve.sampling_params import SamplingParams
 
@@ -89,6 +90,7 @@ class EngineCore:
                 min(sched.max_num_seqs, 512), max_len)
         self.requests: dict[str, Request] = {}
         self._inflight = None  # (SchedulerOutput, StepHandle) launched but not yet read back
+        self.timer = StepTimer()  # host-side phase timings; off unless enabled
         self.num_prefill_tokens = 0  # cumulative tokens computed other than decodes
         self.num_generation_tokens = 0  # cumulative sampled tokens
         capacity = num_blocks * config.cache.block_size
@@ -151,10 +153,13 @@ class EngineCore:
         each step is completed before the next is scheduled.
         """
         outputs: list[TokenOutput] = []
+        timer = self.timer
         if self._inflight is not None and self._needs_sync():
             outputs += self._complete(*self._inflight)
             self._inflight = None
+        timer.mark()
         out = self.scheduler.schedule()
+        timer.mark("schedule")
         launched = None
         if not out.is_empty:
             tables = [self.kv.block_ids(c.request.request_id) for c in out.chunks]
@@ -163,6 +168,7 @@ class EngineCore:
                 c.num_tokens for c in out.chunks
                 if not (c.num_tokens == 1 and c.start >= c.request.num_prompt_tokens)
             )
+        timer.mark("prepare+launch")
         if self._inflight is not None:
             outputs += self._complete(*self._inflight)
         self._inflight = launched
@@ -177,6 +183,7 @@ class EngineCore:
     def _complete(self, out, handle) -> list[TokenOutput]:
         """Read a launched step's tokens back; apply them; stop what should stop."""
         result = self.runner.collect(handle)
+        self.timer.mark("wait for GPU")
         updated = self.scheduler.apply_results(out, result.token_ids)
         self.num_generation_tokens += len(updated)
         outputs = []
@@ -194,6 +201,7 @@ class EngineCore:
                 self.scheduler.finish(req, o.finish_reason)
                 del self.requests[req.request_id]
             outputs.append(o)
+        self.timer.mark("apply results")
         return outputs
 
 

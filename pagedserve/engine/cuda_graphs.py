@@ -37,12 +37,16 @@ class DecodeGraphRunner:
         self.max_batch = max_batch
         self.max_seq_len = max_seq_len
         dev, b = self.device, max_batch
-        self.input_ids = torch.zeros(b, dtype=torch.long, device=dev)
-        self.positions = torch.zeros(b, dtype=torch.long, device=dev)
-        self.slot_mapping = torch.full((b,), -1, dtype=torch.long, device=dev)
-        self.seq_lens = torch.zeros(b, dtype=torch.int32, device=dev)
+        # All per-row inputs live in one [5, max_batch] int64 buffer so a step needs one copy:
+        # rows = input ids, positions, slots (-1 = padding), seq lens (0 = padding),
+        # and the previous step's sample row for a still-pending input token (-1 = none).
+        self.static = torch.zeros((5, b), dtype=torch.long, device=dev)
+        self.input_ids, self.positions, self.slot_mapping, self.seq_lens, self.src_rows = self.static
+        self.slot_mapping.fill_(-1)
+        self.src_rows.fill_(-1)
         self.query_start_loc = torch.arange(b + 1, dtype=torch.int32, device=dev)
         self.block_tables = torch.zeros((b, max_blocks_per_seq), dtype=torch.int32, device=dev)
+        self.host = torch.zeros((5, b), dtype=torch.long).pin_memory() if dev.type == "cuda" else None
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.outputs: dict[int, torch.Tensor] = {}
         self.metas: dict[int, AttentionMetadata] = {}
@@ -90,18 +94,24 @@ class DecodeGraphRunner:
                 return b
         return None
 
-    def run(self, input_ids, positions, slot_mapping, seq_lens, block_tables, num_seqs: int) -> torch.Tensor:
-        """Replay for a decode step of `num_seqs` rows; inputs are device tensors [num_seqs, ...]."""
+    def run_from_host(self, rows: torch.Tensor, tables: torch.Tensor, num_seqs: int,
+                      prev_tokens: torch.Tensor | None) -> torch.Tensor:
+        """Replay for a decode step of `num_seqs` rows.
+
+        rows: [5, max_batch] int64 host tensor laid out like `static` (padding included up to
+        the bucket); tables: [num_seqs, width] int32 host block tables. Returns the hidden
+        states [num_seqs, hidden].
+        """
+        from pagedserve.kernels.step_inputs import fill_pending_tokens
+
         bs = self.bucket_for(num_seqs)
         assert bs is not None
-        n = num_seqs
-        self.input_ids[:n].copy_(input_ids, non_blocking=True)
-        self.positions[:n].copy_(positions, non_blocking=True)
-        self.slot_mapping[:n].copy_(slot_mapping, non_blocking=True)
-        self.slot_mapping[n:bs].fill_(-1)
-        self.seq_lens[:n].copy_(seq_lens, non_blocking=True)
-        self.seq_lens[n:bs].fill_(0)
-        width = block_tables.shape[1]
-        self.block_tables[:n, :width].copy_(block_tables, non_blocking=True)
+        self.static.copy_(_pinned(rows), non_blocking=True)
+        self.block_tables[:num_seqs, : tables.shape[1]].copy_(_pinned(tables), non_blocking=True)
+        fill_pending_tokens(self.input_ids[:num_seqs], self.src_rows[:num_seqs], prev_tokens)
         self.graphs[bs].replay()
-        return self.outputs[bs][:n]
+        return self.outputs[bs][:num_seqs]
+
+
+def _pinned(t: torch.Tensor) -> torch.Tensor:
+    return t if t.is_pinned() else t.pin_memory()

@@ -139,13 +139,42 @@ class ModelRunner:
         return self.graphs.capture()
 
     def _forward(self, ids, positions, meta: AttentionMetadata) -> torch.Tensor:
-        """Hidden states [T, hidden]: graph replay for decode steps that fit, else eager."""
-        graphs = self.graphs
-        if graphs is not None and meta.max_query_len == 1 and meta.num_seqs <= graphs.max_batch:
-            return graphs.run(ids, positions, meta.slot_mapping, meta.seq_lens, meta.block_tables,
-                              meta.num_seqs)
+        """Hidden states [T, hidden], eagerly (prefills, mixed steps, no graphs)."""
         self.backend.prepare(meta)
         return self.model(ids, positions, AttentionContext(self.backend, meta))
+
+    def _graph_decode(self, out: SchedulerOutput, block_tables: list[list[int]]):
+        """A pure-decode step through the captured graphs: host arrays straight into the
+        static buffers (two copies), pending tokens filled on the device, one replay."""
+        graphs = self.graphs
+        chunks = out.chunks
+        n, bs, B = len(chunks), graphs.bucket_for(len(chunks)), self.block_size
+        rows = np.zeros((5, graphs.max_batch), dtype=np.int64)
+        ids, pos, slots, seq_lens, src = rows
+        slots[:bs] = -1
+        src[:bs] = -1
+        width = max(len(t) for t in block_tables)
+        tables = np.zeros((n, width), dtype=np.int32)
+        prev_rows = self._prev_rows
+        for i, (chunk, table) in enumerate(zip(chunks, block_tables)):
+            req, p = chunk.request, chunk.start
+            if p < len(req.token_ids):
+                ids[i] = req.token_ids[p]
+            else:
+                src[i] = prev_rows[req.request_id]
+            pos[i] = p
+            tables[i, : len(table)] = table
+        positions = pos[:n]
+        slots[:n] = tables[np.arange(n), positions // B].astype(np.int64) * B + positions % B
+        seq_lens[:n] = positions + 1
+        hidden = graphs.run_from_host(torch.from_numpy(rows), torch.from_numpy(tables), n,
+                                      self._prev_tokens)
+        return hidden, [c.request for c in chunks]
+
+    def _is_graph_decode(self, out: SchedulerOutput) -> bool:
+        g = self.graphs
+        return (g is not None and len(out.chunks) <= g.max_batch
+                and all(c.num_tokens == 1 and c.samples for c in out.chunks))
 
     @torch.inference_mode()
     def execute(self, out: SchedulerOutput, block_tables: list[list[int]]) -> StepHandle:
@@ -153,11 +182,14 @@ class ModelRunner:
 
         block_tables[i] is the block table of out.chunks[i]'s request.
         """
-        ids, positions, meta, logits_idx, reqs = self.prepare(out, block_tables)
-        hidden = self._forward(ids, positions, meta)  # [T, hidden]
+        if self._is_graph_decode(out):
+            hidden, reqs = self._graph_decode(out, block_tables)  # every row samples
+        else:
+            ids, positions, meta, logits_idx, reqs = self.prepare(out, block_tables)
+            hidden = self._forward(ids, positions, meta)[logits_idx]  # [T, hidden] -> [N, hidden]
         handle = StepHandle(reqs, None, None, None)
         if reqs:
-            logits = self.model.compute_logits(hidden[logits_idx])  # [N, vocab]
+            logits = self.model.compute_logits(hidden)  # [N, vocab]
             batch = SamplingBatch.build(
                 [r.sampling_params for r in reqs],
                 [self._generator(r) for r in reqs],

@@ -22,6 +22,14 @@ LOG2E = 1.4426950408889634
 
 
 @triton.jit
+def _dot(a, b, IEEE: tl.constexpr):
+    # float32 inputs get true fp32 products (the default would be tf32 on the GPU)
+    if IEEE:
+        return tl.dot(a, b, input_precision="ieee")
+    return tl.dot(a, b)
+
+
+@triton.jit
 def _decode_kernel(
     Q, KC, VC, Out, PartAcc, PartML,
     seq_ids, query_start_loc, seq_lens, block_tables,
@@ -29,7 +37,7 @@ def _decode_kernel(
     stride_qt, stride_qh, stride_ot, stride_oh,
     stride_cb, stride_cs, stride_ch, stride_bt,
     GROUP: tl.constexpr, G_PAD: tl.constexpr, HEAD_DIM: tl.constexpr,
-    PAGE: tl.constexpr, BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr,
+    PAGE: tl.constexpr, BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr, IEEE: tl.constexpr,
 ):
     row = tl.program_id(0)
     kvh = tl.program_id(1)
@@ -56,14 +64,14 @@ def _decode_kernel(
         page = tl.load(block_tables + seq * stride_bt + n // PAGE, mask=nmask, other=0)
         off = page.to(tl.int64) * stride_cb + (n % PAGE) * stride_cs + kvh * stride_ch
         k = tl.load(KC + off[:, None] + d[None, :], mask=nmask[:, None], other=0.0)  # [BLOCK_N, D]
-        s = tl.dot(q, tl.trans(k)) * scale_log2  # [G_PAD, BLOCK_N], log2 units
+        s = _dot(q, tl.trans(k), IEEE) * scale_log2  # [G_PAD, BLOCK_N], log2 units
         s = tl.where(nmask[None, :], s, float("-inf"))
         m_new = tl.maximum(m, tl.max(s, 1))
         p = tl.exp2(s - m_new[:, None])
         alpha = tl.exp2(m - m_new)
         lsum = lsum * alpha + tl.sum(p, 1)
         v = tl.load(VC + off[:, None] + d[None, :], mask=nmask[:, None], other=0.0)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+        acc = acc * alpha[:, None] + _dot(p.to(v.dtype), v, IEEE)
         m = m_new
 
     if NUM_SPLITS == 1:
@@ -109,7 +117,7 @@ def _extend_kernel(
     stride_qt, stride_qh, stride_ot, stride_oh,
     stride_cb, stride_cs, stride_ch, stride_bt,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, IEEE: tl.constexpr,
 ):
     tile = tl.program_id(0)
     h = tl.program_id(1)
@@ -136,7 +144,7 @@ def _extend_kernel(
         page = tl.load(block_tables + seq * stride_bt + n // PAGE, mask=nmask, other=0)
         off = page.to(tl.int64) * stride_cb + (n % PAGE) * stride_cs + kvh * stride_ch
         k = tl.load(KC + off[:, None] + d[None, :], mask=nmask[:, None], other=0.0)
-        s = tl.dot(q, tl.trans(k)) * scale_log2  # [BLOCK_M, BLOCK_N]
+        s = _dot(q, tl.trans(k), IEEE) * scale_log2  # [BLOCK_M, BLOCK_N]
         keep = (n[None, :] <= q_pos[:, None]) & nmask[None, :]
         s = tl.where(keep, s, float("-inf"))
         m_new = tl.maximum(m, tl.max(s, 1))
@@ -145,7 +153,7 @@ def _extend_kernel(
         alpha = tl.exp2(m - m_safe)
         lsum = lsum * alpha + tl.sum(p, 1)
         v = tl.load(VC + off[:, None] + d[None, :], mask=nmask[:, None], other=0.0)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+        acc = acc * alpha[:, None] + _dot(p.to(v.dtype), v, IEEE)
         m = m_new
     out = acc / tl.where(lsum > 0, lsum, 1.0)[:, None]
     tl.store(Out + mi[:, None] * stride_ot + h * stride_oh + d[None, :],
@@ -188,7 +196,8 @@ def paged_decode(
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         scb, scs, sch, block_tables.stride(0),
         GROUP=group, G_PAD=max(16, triton.next_power_of_2(group)), HEAD_DIM=head_dim,
-        PAGE=page, BLOCK_N=64, NUM_SPLITS=num_splits, num_warps=4, num_stages=2,
+        PAGE=page, BLOCK_N=64, NUM_SPLITS=num_splits, IEEE=q.dtype == torch.float32,
+        num_warps=4, num_stages=2,
     )
     if num_splits > 1:
         _reduce_kernel[(num_rows, num_heads)](
@@ -234,5 +243,6 @@ def paged_extend(
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         scb, scs, sch, block_tables.stride(0),
         GROUP=num_heads // num_kv_heads, HEAD_DIM=head_dim, PAGE=page,
-        BLOCK_M=EXTEND_BLOCK_M, BLOCK_N=64, num_warps=4, num_stages=2,
+        BLOCK_M=EXTEND_BLOCK_M, BLOCK_N=64, IEEE=q.dtype == torch.float32, num_warps=4,
+        num_stages=2,
     )

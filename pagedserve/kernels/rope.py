@@ -66,7 +66,7 @@ def _qk_norm_rope_kernel(
     # k*C2 are exact for k < 2**16, i.e. angles < 4e5): accurate whether tl.cos/tl.sin lower to
     # precise libdevice calls or to fast approximations that are only good near zero.
     k = tl.floor(freqs * 0.15915493667125702 + 0.5)
-    r = ((freqs - k * 6.28125) - k * 0.0019378662109375) - k * -2.5590313510230747e-06
+    r = ((freqs - k * 6.28125) - k * 0.0019378662109375) + k * 2.5590313510230747e-06
     cos = tl.cos(r)[None, :]
     sin = tl.sin(r)[None, :]
     row = qkv_ptr + t * qkv_stride

@@ -10,6 +10,9 @@ from dataclasses import dataclass, field
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
+from starlette.datastructures import Headers
+from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from pagedserve.config import EngineConfig
 from pagedserve.sampling_params import SamplingParams
@@ -77,19 +80,7 @@ def create_app(settings: ServerSettings) -> FastAPI:
     app = FastAPI(title="pagedserve", lifespan=lifespan)
     app.state.server, app.state.metrics = server, metrics
     install_error_handlers(app)
-
-    @app.middleware("http")
-    async def guard(request: Request, call_next):
-        if settings.api_key and request.url.path not in OPEN_PATHS:
-            auth = request.headers.get("authorization", "")
-            token = auth[7:] if auth.lower().startswith("bearer ") else ""
-            if not hmac.compare_digest(token.encode(), settings.api_key.encode()):
-                return error_response(401, "missing or invalid API key: send 'Authorization: Bearer <key>'",
-                                      code="invalid_api_key")
-        length = request.headers.get("content-length")
-        if length is not None and length.isdigit() and int(length) > settings.max_body_bytes:
-            return error_response(413, f"the request body is larger than {settings.max_body_bytes} bytes")
-        return await call_next(request)
+    app.add_middleware(_Guard, api_key=settings.api_key, max_body_bytes=settings.max_body_bytes)
 
     @app.get("/health")
     async def health():
@@ -160,3 +151,47 @@ def create_app(settings: ServerSettings) -> FastAPI:
                                        "total_tokens": len(ids) + n}})
 
     return app
+
+
+class _Guard:
+    """API-key check and request-body size limit, as plain ASGI middleware.
+
+    Not `@app.middleware("http")`: Starlette's BaseHTTPMiddleware hides the client's disconnect
+    from the endpoint, so a non-streaming request whose client went away would run to the end.
+    The size limit also covers bodies sent without Content-Length (chunked).
+    """
+
+    def __init__(self, app: ASGIApp, api_key: str | None, max_body_bytes: int) -> None:
+        self.app, self.api_key, self.max_body_bytes = app, api_key, max_body_bytes
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        headers = Headers(scope=scope)
+        if self.api_key and scope["path"] not in OPEN_PATHS:
+            auth = headers.get("authorization", "")
+            token = auth[7:] if auth.lower().startswith("bearer ") else ""
+            if not hmac.compare_digest(token.encode(), self.api_key.encode()):
+                response = error_response(401, "missing or invalid API key: send "
+                                               "'Authorization: Bearer <key>'", code="invalid_api_key")
+                await response(scope, receive, send)
+                return
+        limit = self.max_body_bytes
+        too_big = f"the request body is larger than {limit} bytes"
+        length = headers.get("content-length")
+        if length is not None and length.isdigit() and int(length) > limit:
+            await error_response(413, too_big)(scope, receive, send)
+            return
+        received = 0
+
+        async def limited_receive() -> Message:
+            nonlocal received
+            message = await receive()
+            if message["type"] == "http.request":
+                received += len(message.get("body", b""))
+                if received > limit:  # FastAPI re-raises this while reading the body
+                    raise StarletteHTTPException(413, too_big)
+            return message
+
+        await self.app(scope, limited_receive, send)

@@ -54,8 +54,8 @@ def install_error_handlers(app: FastAPI) -> None:
         first = errors[0] if errors else {}
         loc = [str(x) for x in first.get("loc", ()) if x != "body"]
         param = ".".join(loc) or None
-        if first.get("type") == "json_invalid":
-            msg = "the request body is not valid JSON"
+        if first.get("type") == "json_invalid":  # its loc is ("body", character offset)
+            msg, param = "the request body is not valid JSON", None
         else:
             msg = "; ".join(_describe(err) for err in errors[:5])
         return error_response(400, msg, param, "invalid_value")

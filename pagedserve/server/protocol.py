@@ -31,7 +31,8 @@ class _SamplingFields(BaseModel):
     top_p: float | None = Field(None, gt=0.0, le=1.0)
     top_k: int | None = None
     min_p: float | None = Field(None, ge=0.0, le=1.0)
-    seed: int | None = None
+    # A 64-bit signed seed (as vLLM): torch's generators reject larger ones, and n > 1 uses seed + i.
+    seed: int | None = Field(None, ge=-(2**63), le=2**63 - 1)
     stop: str | list[str] | None = None
     stop_token_ids: list[int] | None = None
     stream: bool = False

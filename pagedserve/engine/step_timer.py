@@ -1,0 +1,32 @@
+"""Host-side time per phase of engine steps, to see whether the CPU or the GPU limits speed."""
+
+from __future__ import annotations
+
+import time
+from collections import defaultdict
+
+
+class StepTimer:
+    """`mark(name)` adds the time since the previous mark to `name`; no-op while disabled."""
+
+    def __init__(self) -> None:
+        self.enabled = False
+        self.totals: dict[str, float] = defaultdict(float)
+        self._last = 0.0
+
+    def enable(self) -> None:
+        self.enabled = True
+        self.totals.clear()
+        self._last = time.perf_counter()
+
+    def mark(self, name: str | None = None) -> None:
+        if not self.enabled:
+            return
+        now = time.perf_counter()
+        if name is not None:
+            self.totals[name] += now - self._last
+        self._last = now
+
+    def summary(self, steps: int) -> dict[str, float]:
+        """Milliseconds per step for each phase."""
+        return {k: round(v / max(steps, 1) * 1e3, 3) for k, v in self.totals.items()}

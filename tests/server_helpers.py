@@ -1,0 +1,131 @@
+"""Start and stop real `pagedserve serve` processes for the server tests."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import httpx
+
+MODEL = "smollm2-135m-instruct"
+# Small enough for a CPU test run (the default on CPU is 2 GiB per server), big enough for
+# 64 concurrent short chats without preemption.
+KV_CACHE_BYTES = 512 << 20
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def child_pids(pid: int) -> list[int]:
+    """Every descendant of `pid` (from /proc), children before grandchildren."""
+    parents: dict[int, list[int]] = {}
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            stat = (entry / "stat").read_text()
+        except OSError:
+            continue
+        ppid = int(stat.rsplit(")", 1)[1].split()[1])
+        parents.setdefault(ppid, []).append(int(entry.name))
+    out, todo = [], [pid]
+    while todo:
+        kids = parents.get(todo.pop(0), [])
+        out += kids
+        todo += kids
+    return out
+
+
+def cmdline(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()
+    except OSError:
+        return ""
+
+
+def alive(pid: int) -> bool:
+    """True while `pid` exists and is not a zombie."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return False
+    return stat.rsplit(")", 1)[1].split()[0] != "Z"
+
+
+class ServerProcess:
+    """One `pagedserve serve` subprocess on a free port of 127.0.0.1."""
+
+    def __init__(self, *args: str, api_key: str | None = None) -> None:
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.api_key = api_key
+        self.log_path = Path(tempfile.mkstemp(prefix="pagedserve-test-", suffix=".log")[1])
+        cmd = [sys.executable, "-m", "pagedserve.cli", "serve", "--host", "127.0.0.1",
+               "--port", str(self.port), "--dtype", "float32", "--device", "cpu",
+               "--max-model-len", "2048", "--kv-cache-memory", str(KV_CACHE_BYTES),
+               "--log-stats-interval", "3600", "--log-level", "WARNING", *args]
+        if api_key:
+            cmd += ["--api-key", api_key]
+        env = dict(os.environ)
+        env.pop("PAGEDSERVE_API_KEY", None)
+        # Two cores: one torch thread per engine avoids oversubscription when several servers
+        # and the test process compute at once.
+        env.setdefault("OMP_NUM_THREADS", "1")
+        env.setdefault("TOKENIZERS_PARALLELISM", "false")
+        with open(self.log_path, "wb") as log:
+            self.proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env,
+                                         start_new_session=True)
+
+    def log_tail(self, n: int = 4000) -> str:
+        return self.log_path.read_text(errors="replace")[-n:]
+
+    def wait_ready(self, timeout: float = 180.0) -> ServerProcess:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"the server exited with {self.proc.returncode}:\n{self.log_tail()}")
+            with contextlib.suppress(httpx.HTTPError):
+                if httpx.get(self.url + "/health", timeout=2).status_code == 200:
+                    return self
+            time.sleep(0.25)
+        self.stop()
+        raise RuntimeError(f"the server was not healthy after {timeout} s:\n{self.log_tail()}")
+
+    @property
+    def headers(self) -> dict[str, str]:
+        return {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
+
+    def engine_core_pid(self) -> int:
+        """The engine-core child (a multiprocessing 'spawn' child, not the resource tracker)."""
+        pids = [p for p in child_pids(self.proc.pid) if "multiprocessing.spawn" in cmdline(p)]
+        assert len(pids) == 1, f"expected one engine-core child, found {pids}"
+        return pids[0]
+
+    def stop(self, timeout: float = 20.0) -> list[int]:
+        """SIGTERM the server and wait; kill what is left. Returns descendants that outlived it."""
+        kids = child_pids(self.proc.pid)
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(10)
+        deadline = time.monotonic() + 10
+        while any(alive(p) for p in kids) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        leftovers = [p for p in kids if alive(p)]
+        for p in leftovers:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(p, signal.SIGKILL)
+        return leftovers

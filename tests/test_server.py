@@ -1,0 +1,334 @@
+"""The OpenAI-compatible server, end to end: a real `pagedserve serve` of SmolLM2 on the CPU,
+driven by the official `openai` client and plain HTTP.
+
+The server fixture (`server`, in conftest.py) is shared with test_server_errors.py. Outputs are
+kept short: SmolLM2 in float32 on two CPU cores makes a few dozen tokens a second.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import re
+import time
+
+import httpx
+import openai
+import pytest
+import torch
+from server_helpers import MODEL
+
+CHAT = [{"role": "user", "content": "What is the capital of France? Answer in one sentence."}]
+PROMPT = "The three primary colors are"
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=120)
+
+
+@pytest.fixture(scope="module")
+def offline():
+    """The offline engine on the same model, for parity with the server.
+
+    One torch thread, like the server's engine in these tests (OMP_NUM_THREADS=1).
+    """
+    from pagedserve import LLM
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield LLM(dtype="float32", device="cpu", max_model_len=2048, kv_cache_memory=64 << 20)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def metrics(server) -> dict[str, float]:
+    """The unlabelled-by-reason gauges and counters of /metrics, by metric name."""
+    text = httpx.get(server.url + "/metrics", timeout=10).text
+    out = {}
+    for m in re.finditer(r"^(pagedserve_\w+)\{[^}]*\} (\S+)$", text, re.M):
+        out.setdefault(m.group(1), float(m.group(2)))
+    return out
+
+
+def wait_idle(server, timeout: float = 15.0) -> dict[str, float]:
+    """Poll /metrics until nothing runs or waits and the KV cache is empty (aborts are async)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        m = metrics(server)
+        idle = (m["pagedserve_num_requests_running"] == 0 and m["pagedserve_num_requests_waiting"] == 0
+                and m["pagedserve_kv_cache_usage_perc"] == 0)
+        if idle or time.monotonic() > deadline:
+            return m
+        time.sleep(0.2)
+
+
+# ---- parity with the offline engine ------------------------------------------------------
+
+
+def test_greedy_chat_matches_offline_llm(client, offline):
+    from pagedserve import SamplingParams
+
+    r = client.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=24, temperature=0)
+    want = offline.chat(CHAT, SamplingParams(temperature=0, max_tokens=24), use_tqdm=False)[0]
+    choice = r.choices[0]
+    assert choice.message.role == "assistant"
+    assert choice.message.content == want.outputs[0].text
+    assert "Paris" in choice.message.content
+    assert choice.finish_reason == want.outputs[0].finish_reason
+    assert r.usage.prompt_tokens == want.num_prompt_tokens
+    assert r.usage.completion_tokens == len(want.outputs[0].token_ids)
+    assert r.usage.total_tokens == r.usage.prompt_tokens + r.usage.completion_tokens
+    assert r.model == MODEL and r.object == "chat.completion" and r.id.startswith("chatcmpl-")
+
+
+def test_greedy_completion_matches_offline_llm(client, offline):
+    from pagedserve import SamplingParams
+
+    r = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=16, temperature=0)
+    want = offline.generate(PROMPT, SamplingParams(temperature=0, max_tokens=16), use_tqdm=False)[0]
+    assert r.choices[0].text == want.outputs[0].text
+    assert r.choices[0].finish_reason == "length"
+    assert r.usage.prompt_tokens == want.num_prompt_tokens
+    assert r.usage.completion_tokens == 16
+
+
+def test_seeded_sampling_matches_offline_llm(client, offline):
+    """A seeded sample has its own generator: same tokens in the server and offline."""
+    from pagedserve import SamplingParams
+
+    r = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=12, temperature=1.0,
+                                  seed=1234)
+    want = offline.generate(PROMPT, SamplingParams(temperature=1.0, max_tokens=12, seed=1234),
+                            use_tqdm=False)[0]
+    assert r.choices[0].text == want.outputs[0].text
+
+
+# ---- sampling features -------------------------------------------------------------------
+
+
+def test_seed_reproducibility(client):
+    def sample(seed):
+        r = client.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=16,
+                                           temperature=1.0, seed=seed)
+        return r.choices[0].message.content
+
+    a, b = sample(7), sample(7)
+    assert a == b
+    assert len({a, sample(8), sample(9)}) > 1, "different seeds all gave the same sample"
+
+
+def test_n_greater_than_one(client):
+    r = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=8, temperature=1.0,
+                                  n=3, seed=11, extra_body={"ignore_eos": True})
+    assert sorted(c.index for c in r.choices) == [0, 1, 2]
+    texts = [c.text for c in sorted(r.choices, key=lambda c: c.index)]
+    assert len(set(texts)) > 1, "n=3 seeded samples are all identical"
+    assert r.usage.completion_tokens == 24  # 3 x 8 (EOS ignored)
+    assert r.usage.prompt_tokens > 0
+    again = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=8, temperature=1.0,
+                                      n=3, seed=11, extra_body={"ignore_eos": True})
+    assert [c.text for c in sorted(again.choices, key=lambda c: c.index)] == texts
+
+    chat = client.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=6, n=2,
+                                          temperature=0)
+    assert [c.index for c in chat.choices] == [0, 1]
+    assert chat.choices[0].message.content == chat.choices[1].message.content  # greedy
+
+
+def test_stop_string(client):
+    full = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=16, temperature=0)
+    text = full.choices[0].text
+    words = text.split()
+    assert len(words) >= 4, text
+    stop = words[2]
+    cut = text.index(stop)
+    r = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=16, temperature=0,
+                                  stop=[stop, "@@never@@"])
+    assert r.choices[0].text == text[:cut]
+    assert r.choices[0].finish_reason == "stop"
+    assert r.usage.completion_tokens < 16
+
+    kept = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=16, temperature=0,
+                                     stop=stop, extra_body={"include_stop_str_in_output": True})
+    assert kept.choices[0].text == text[:cut + len(stop)]
+
+    streamed = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=16, temperature=0,
+                                         stop=[stop], stream=True)
+    chunks = list(streamed)
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == text[:cut]
+    assert chunks[-1].choices[0].finish_reason == "stop"
+
+
+def test_echo_and_logprobs(client):
+    r = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=5, temperature=0,
+                                  echo=True, logprobs=2)
+    c = r.choices[0]
+    assert c.text.startswith(PROMPT) and len(c.text) > len(PROMPT)
+    lp = c.logprobs
+    assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == 5
+    assert "".join(lp.tokens) == c.text[len(PROMPT):]
+    assert lp.text_offset[0] == len(PROMPT)
+    for token, logprob, top in zip(lp.tokens, lp.token_logprobs, lp.top_logprobs):
+        assert logprob <= 0 and token in top
+        assert logprob == pytest.approx(max(top.values()))  # greedy takes the most likely
+
+
+def test_chat_logprobs(client):
+    r = client.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=4, temperature=0,
+                                       logprobs=True, top_logprobs=3)
+    content = r.choices[0].logprobs.content
+    assert len(content) == 4
+    assert "".join(t.token for t in content) == r.choices[0].message.content
+    for t in content:
+        assert len(t.top_logprobs) == 3
+        values = [x.logprob for x in t.top_logprobs]
+        assert values == sorted(values, reverse=True) and t.logprob == pytest.approx(values[0])
+        assert bytes(t.bytes).decode() == t.token
+
+
+# ---- streaming ---------------------------------------------------------------------------
+
+
+def test_streaming_chat_matches_non_streaming(client):
+    plain = client.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=20, temperature=0)
+    stream = client.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=20,
+                                            temperature=0, stream=True,
+                                            stream_options={"include_usage": True})
+    chunks = list(stream)
+    assert chunks[0].choices[0].delta.role == "assistant"
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == plain.choices[0].message.content
+    finishes = [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason]
+    assert finishes == [plain.choices[0].finish_reason]
+    # usage only in the final chunk, which has no choices
+    assert chunks[-1].choices == [] and chunks[-1].usage is not None
+    assert all(c.usage is None for c in chunks[:-1])
+    assert chunks[-1].usage.model_dump() == plain.usage.model_dump()
+    assert len({c.id for c in chunks}) == 1 and chunks[0].object == "chat.completion.chunk"
+
+
+def test_streaming_completion_n2_with_usage(client):
+    kw = dict(model=MODEL, prompt=PROMPT, max_tokens=8, temperature=0.8, seed=5, n=2,
+              extra_body={"ignore_eos": True})
+    plain = client.completions.create(**kw)
+    stream = client.completions.create(**kw, stream=True, stream_options={"include_usage": True})
+    texts, finish = {0: "", 1: ""}, {}
+    chunks = list(stream)
+    for c in chunks[:-1]:
+        for ch in c.choices:
+            texts[ch.index] += ch.text
+            if ch.finish_reason:
+                finish[ch.index] = ch.finish_reason
+    assert texts == {c.index: c.text for c in plain.choices}
+    assert finish == {0: "length", 1: "length"}
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 16
+    assert chunks[-1].usage.prompt_tokens == plain.usage.prompt_tokens
+
+
+def test_streaming_without_usage_has_no_usage(client):
+    chunks = list(client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=3,
+                                            temperature=0, stream=True))
+    assert chunks and all(c.usage is None for c in chunks)
+    assert chunks[-1].choices[0].finish_reason == "length"
+
+
+def test_concurrent_streams_with_early_disconnects(server):
+    """64 streaming chats at once; 16 close their stream after a few chunks. The closed ones
+    ask for 1000 tokens ignoring EOS, so unless the server aborts them they keep running (and
+    hold KV blocks) long after the others are done."""
+
+    async def run():
+        client = openai.AsyncOpenAI(base_url=server.url + "/v1", api_key="unused",
+                                    max_retries=0, timeout=300)
+
+        async def one(i: int):
+            early = i % 4 == 0
+            stream = await client.chat.completions.create(
+                model=MODEL, messages=[{"role": "user", "content": f"Tell me about the number {i}."}],
+                max_tokens=1000 if early else 12, temperature=0, stream=True,
+                extra_body={"ignore_eos": early})
+            text, finish, n = "", None, 0
+            async for chunk in stream:
+                n += 1
+                for c in chunk.choices:
+                    text += c.delta.content or ""
+                    finish = c.finish_reason or finish
+                if early and n >= 3:
+                    await stream.close()
+                    return "closed", text, finish
+            return "done", text, finish
+
+        try:
+            return await asyncio.wait_for(asyncio.gather(*(one(i) for i in range(64))), 240)
+        finally:
+            await client.close()
+
+    results = asyncio.run(run())
+    closed = [r for r in results if r[0] == "closed"]
+    done = [r for r in results if r[0] == "done"]
+    assert len(closed) == 16 and len(done) == 48
+    assert all(r[2] is None for r in closed)
+    for _, text, finish in done:
+        assert finish in ("stop", "length") and text
+    m = wait_idle(server)
+    assert m["pagedserve_num_requests_running"] == 0, m
+    assert m["pagedserve_num_requests_waiting"] == 0, m
+    assert m["pagedserve_kv_cache_usage_perc"] == 0, m
+    assert m["pagedserve_generation_tokens_total"] > 48 * 5
+
+
+def test_non_streaming_disconnect_aborts(server):
+    """A non-streaming client that gives up must not leave its request running."""
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(server.url + "/v1/completions", timeout=2,
+                   json={"prompt": "Once upon a time", "max_tokens": 1500, "ignore_eos": True})
+    m = wait_idle(server, timeout=10)
+    assert m["pagedserve_num_requests_running"] == 0, m
+    assert m["pagedserve_kv_cache_usage_perc"] == 0, m
+
+
+# ---- the other endpoints -----------------------------------------------------------------
+
+
+def test_models_and_health(server, client):
+    models = client.models.list().data
+    assert [m.id for m in models] == [MODEL]
+    raw = httpx.get(server.url + "/v1/models").json()
+    assert raw["object"] == "list" and raw["data"][0]["max_model_len"] == 2048
+    assert httpx.get(server.url + "/health").status_code == 200
+    text = httpx.get(server.url + "/metrics").text
+    for name in ("pagedserve_num_requests_running", "pagedserve_kv_cache_usage_perc",
+                 "pagedserve_time_to_first_token_seconds_bucket", "pagedserve_request_success_total"):
+        assert name in text
+
+
+def test_generate_endpoint(server, client):
+    r = httpx.post(server.url + "/generate", timeout=60,
+                   json={"prompt": PROMPT, "max_tokens": 10, "temperature": 0})
+    assert r.status_code == 200
+    body = r.json()
+    want = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=10, temperature=0)
+    assert body["text"] == want.choices[0].text
+    assert body["finish_reason"] == "length"
+    assert body["usage"] == {"prompt_tokens": want.usage.prompt_tokens, "completion_tokens": 10,
+                             "total_tokens": want.usage.prompt_tokens + 10}
+
+
+def test_tokenize_detokenize(server, client):
+    url = server.url
+    tok = httpx.post(url + "/tokenize", json={"prompt": "Hello world, héllo 🌍"}).json()
+    assert tok["count"] == len(tok["tokens"]) > 0 and tok["max_model_len"] == 2048
+    back = httpx.post(url + "/detokenize", json={"tokens": tok["tokens"]}).json()
+    assert back["prompt"] == "Hello world, héllo 🌍"
+    # the chat template's token count is what a chat completion reports as prompt_tokens
+    chat_tok = httpx.post(url + "/tokenize", json={"messages": CHAT}).json()
+    r = client.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=1)
+    assert chat_tok["count"] == r.usage.prompt_tokens
+    special = httpx.post(url + "/detokenize", json={"tokens": chat_tok["tokens"]}).json()["prompt"]
+    assert special.startswith("<|im_start|>") and CHAT[0]["content"] in special
+    # a completion of token ids equals the completion of the text they encode
+    by_ids = client.completions.create(model=MODEL, prompt=tok["tokens"], max_tokens=4, temperature=0)
+    by_text = client.completions.create(model=MODEL, prompt="Hello world, héllo 🌍", max_tokens=4,
+                                        temperature=0)
+    assert by_ids.choices[0].text == by_text.choices[0].text
