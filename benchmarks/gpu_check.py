@@ -203,7 +203,7 @@ def batch1_breakdown() -> None:
     nbytes = sum(o * i * 2 for o, i in shapes) * L
     record("b1 breakdown: 144 weight GEMMs M=1 ms", ms, None, "{:.3f}")
     record("b1 breakdown: GEMM bandwidth TB/s", nbytes / (ms / 1e3) / 1e12, None, "{:.2f}")
-    del weights
+    weights.clear()
     w = torch.ones(2560, device=DEV, dtype=bf)
     res = torch.randn(1, 2560, device=DEV, dtype=bf)
     qkv = torch.randn(1, 6144, device=DEV, dtype=bf)
