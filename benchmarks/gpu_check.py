@@ -178,46 +178,63 @@ def graph_ms(fn) -> float:
 
 
 def batch1_breakdown() -> None:
-    """Where a Qwen3-4B batch-1 decode step goes: the 4 weight GEMMs per layer alone, and
-    the small kernels alone, each for 36 layers in one CUDA graph."""
+    """Where decode steps of a Qwen3-4B go: the 4 weight matmuls per layer alone (cuBLAS and
+    the Triton GEMV) and the small kernels alone, each for 36 layers in one CUDA graph."""
     import torch.nn.functional as F
 
-    from pagedserve.kernels import activation, kv_cache, norm, rope
-    from pagedserve.kernels.paged_attention import paged_decode
+    from pagedserve.kernels.gemv import gemv
 
     bf, L = torch.bfloat16, 36
     shapes = [(6144, 2560), (2560, 4096), (19456, 2560), (2560, 9728)]
     weights = [[torch.randn(o, i, device=DEV, dtype=bf) * 0.02 for o, i in shapes] for _ in range(L)]
-    x = torch.randn(1, 2560, device=DEV, dtype=bf)
-    x4 = torch.randn(1, 4096, device=DEV, dtype=bf)
-    x9 = torch.randn(1, 9728, device=DEV, dtype=bf)
-
-    def gemms():
-        for wq, wo, wgu, wd in weights:
-            F.linear(x, wq)
-            F.linear(x4, wo)
-            F.linear(x, wgu)
-            F.linear(x9, wd)
-
-    ms = graph_ms(gemms)
     nbytes = sum(o * i * 2 for o, i in shapes) * L
-    record("b1 breakdown: 144 weight GEMMs M=1 ms", ms, None, "{:.3f}")
-    record("b1 breakdown: GEMM bandwidth TB/s", nbytes / (ms / 1e3) / 1e12, None, "{:.2f}")
+    for m in (1, 2, 4):
+        xs = [torch.randn(m, i, device=DEV, dtype=bf) for _, i in shapes]
+        for wq, _, _, _ in weights[:1]:
+            e = rel_err(gemv(xs[0], wq), xs[0].float() @ wq.float().t())
+            record(f"gemv M={m} rel err", e, e < 1e-2)
+        for name, fn in (("cuBLAS", F.linear), ("gemv", gemv)):
+            def run(fn=fn, xs=xs):
+                for ws in weights:
+                    for x, w in zip(xs, ws):
+                        fn(x, w)
+            ms = graph_ms(run)
+            record(f"decode GEMMs M={m} {name} ms ({nbytes / (ms / 1e3) / 1e12:.2f} TB/s)", ms, None, "{:.3f}")
+    for m in (64, 256):
+        xs = [torch.randn(m, i, device=DEV, dtype=bf) for _, i in shapes]
+
+        def run(xs=xs):
+            for ws in weights:
+                for x, w in zip(xs, ws):
+                    F.linear(x, w)
+        ms = graph_ms(run)
+        tflops = 2 * m * nbytes / 2 / (ms / 1e3) / 1e12
+        record(f"decode GEMMs M={m} cuBLAS ms ({tflops:.0f} TFLOP/s)", ms, None, "{:.3f}")
     weights.clear()
+    for t in (1, 256):
+        small_kernels(t, L)
+
+
+def small_kernels(t: int, L: int) -> None:
+    from pagedserve.kernels import activation, kv_cache, norm, rope
+    from pagedserve.kernels.paged_attention import paged_decode
+
+    bf = torch.bfloat16
     w = torch.ones(2560, device=DEV, dtype=bf)
-    res = torch.randn(1, 2560, device=DEV, dtype=bf)
-    qkv = torch.randn(1, 6144, device=DEV, dtype=bf)
-    pos = torch.zeros(1, dtype=torch.long, device=DEV)
+    x = torch.randn(t, 2560, device=DEV, dtype=bf)
+    res = torch.randn(t, 2560, device=DEV, dtype=bf)
+    qkv = torch.randn(t, 6144, device=DEV, dtype=bf)
+    pos = torch.zeros(t, dtype=torch.long, device=DEV)
     inv = torch.ones(64, device=DEV)
     qn = torch.ones(128, device=DEV, dtype=bf)
-    cache = torch.zeros(2, 8, 16, 8, 128, device=DEV, dtype=bf)
-    slot = torch.zeros(1, dtype=torch.long, device=DEV)
-    gu = torch.randn(1, 19456, device=DEV, dtype=bf)
-    qsl = torch.tensor([0, 1], dtype=torch.int32, device=DEV)
-    sl = torch.tensor([1], dtype=torch.int32, device=DEV)
-    bt = torch.zeros(1, 8, dtype=torch.int32, device=DEV)
-    sid = torch.zeros(1, dtype=torch.int32, device=DEV)
-    out = torch.empty(1, 32, 128, device=DEV, dtype=bf)
+    cache = torch.zeros(2, t + 8, 16, 8, 128, device=DEV, dtype=bf)
+    slot = torch.arange(t, dtype=torch.long, device=DEV) * 16
+    gu = torch.randn(t, 19456, device=DEV, dtype=bf)
+    qsl = torch.arange(t + 1, dtype=torch.int32, device=DEV)
+    sl = torch.ones(t, dtype=torch.int32, device=DEV)
+    bt = torch.arange(t, dtype=torch.int32, device=DEV)[:, None]
+    sid = torch.arange(t, dtype=torch.int32, device=DEV)
+    out = torch.empty(t, 32, 128, device=DEV, dtype=bf)
 
     def small():
         for _ in range(L):
@@ -228,8 +245,7 @@ def batch1_breakdown() -> None:
             norm.fused_add_rms_norm(x, res, w, 1e-6)
             activation.silu_and_mul(gu)
 
-    ms = graph_ms(small)
-    record("b1 breakdown: 216 small kernels ms", ms, None, "{:.3f}")
+    record(f"decode small kernels x216 T={t} ms", graph_ms(small), None, "{:.3f}")
 
 
 # ---- model parity -------------------------------------------------------------------------
@@ -283,21 +299,27 @@ def parity(quick: bool) -> None:
             k: v for k, v in hf_cfg.items() if not k.startswith("_") and k != "model_type"})
         torch.manual_seed(0)
         with torch.device(DEV):
-            hf = transformers.AutoModelForCausalLM.from_config(auto, dtype=torch.float32).eval()
+            hf = transformers.AutoModelForCausalLM.from_config(auto, dtype=torch.bfloat16).eval()
         n = 512
         ids = torch.randint(0, cfg.vocab_size, (n,), generator=torch.Generator().manual_seed(1)).tolist()
         x = torch.tensor([ids], device=DEV)
         short = preset.split("-")[0]
+        # fp32 truth on the very same (bf16-representable) weights; the rotary buffer stays fp32
+        sd32 = {k: v.float() for k, v in hf.state_dict().items()}
+        with torch.device(DEV):
+            hf32 = transformers.AutoModelForCausalLM.from_config(auto, dtype=torch.float32).eval()
+        hf32.load_state_dict(sd32, strict=False)
         with torch.no_grad():
-            ref32 = hf(x).logits[0].float()
+            ref32 = hf32(x).logits[0].float()
+        del hf32
         # fp32: the same weights and arithmetic precision on both sides
-        got32 = run_ours(cfg, hf.state_dict(), torch.float32, ids)
+        got32 = run_ours(cfg, sd32, torch.float32, ids)
+        del sd32
         m32 = got32.argmax(-1) == ref32.argmax(-1)
         a32 = float(m32.float().mean())
         record(f"parity {short} fp32 top-1 agreement (512 pos)", a32, a32 >= 0.99, "{:.4f}")
         record(f"parity {short} fp32 logits rel err", rel_err(got32, ref32), rel_err(got32, ref32) < 1e-3)
         del got32
-        hf = hf.to(torch.bfloat16)
         with torch.no_grad():
             ref = hf(x).logits[0].float()
         got = run_ours(cfg, hf.state_dict(), torch.bfloat16, ids)
@@ -347,6 +369,9 @@ def bench(quick: bool) -> None:
             g = graphs.graphs[b]
             ms = triton.testing.do_bench(g.replay, return_mode="median")
             record(f"{short} graph replay only b{b} ms (seq_len 0)", ms, None, "{:.3f}")
+        prefill_ms = time_prefill(llm.engine, 8, 1024)
+        tflops = 2 * llm.engine.model_config.num_parameters() * 8192 / (prefill_ms / 1e3) / 1e12
+        record(f"{short} prefill step 8x1024 tokens ms ({tflops:.0f} TFLOP/s)", prefill_ms, None, "{:.1f}")
         lat = run_latency(SimpleNamespace(batch_sizes="1,8,32,64,128,256" if not quick else "1,64",
                                           input_len=512, steps=64 if not quick else 16, seed=0), {}, llm)
         for row in lat["rows"]:
@@ -375,6 +400,30 @@ def bench(quick: bool) -> None:
 
         gc.collect()
         torch.cuda.empty_cache()
+
+
+def time_prefill(engine, num_seqs: int, length: int) -> float:
+    """Milliseconds of one eager prefill step of num_seqs prompts of `length` tokens."""
+    from pagedserve.engine.request import Request
+    from pagedserve.engine.scheduler import ScheduledChunk, SchedulerOutput
+    from pagedserve.sampling_params import SamplingParams
+
+    reqs = [Request(f"pf{i}", [5 + i] * length, SamplingParams(max_tokens=1), max_tokens=1)
+            for i in range(num_seqs)]
+    for r in reqs:
+        assert engine.kv.allocate(r.request_id, length)
+    out = SchedulerOutput([ScheduledChunk(r, 0, length, samples=True) for r in reqs])
+    tables = [engine.kv.block_ids(r.request_id) for r in reqs]
+    for _ in range(2):
+        engine.runner.collect(engine.runner.execute(out, tables))
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(5):
+        engine.runner.collect(engine.runner.execute(out, tables))
+    torch.cuda.synchronize()
+    for r in reqs:
+        engine.kv.free(r.request_id)
+    return (time.perf_counter() - t0) / 5 * 1e3
 
 
 def main() -> None:

@@ -136,11 +136,12 @@ def create_app(settings: ServerSettings) -> FastAPI:
         params = make_params(
             lambda mt, _lp: SamplingParams(max_tokens=mt, temperature=body.temperature, top_p=body.top_p),
             max_tokens, None)
-        server.check_capacity(1)
+        choices = [Choice(0, ids, params)]
+        server.check_capacity(choices)
 
         async def collect():
             last = None
-            async for _, state in run_choices(client, new_id("gen"), [Choice(0, ids, params)]):
+            async for _, state in run_choices(client, new_id("gen"), choices):
                 last = state
             return last
 

@@ -39,7 +39,7 @@ def _prepare(server: Server, body: ChatCompletionRequest) -> tuple[list[Choice],
     max_tokens = server.resolve_max_tokens(ids, body.output_limit, "messages")
     params = make_params(body.sampling_params, max_tokens, body.num_logprobs)
     choices = [Choice(i, ids, params) for i in range(body.n)]
-    server.check_capacity(len(choices))
+    server.check_capacity(choices)
     return choices, ids, text.rstrip().endswith("<think>")
 
 

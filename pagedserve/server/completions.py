@@ -30,7 +30,7 @@ def _prepare(server: Server, body: CompletionRequest) -> tuple[list[Choice], lis
         max_tokens = server.resolve_max_tokens(ids, body.max_tokens, "prompt")
         params = make_params(body.sampling_params, max_tokens, body.logprobs)
         choices += [Choice(p_idx * n + i, ids, params) for i in range(n)]
-    server.check_capacity(len(choices))
+    server.check_capacity(choices)
     return choices, prompts
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import time
 import uuid
+import weakref
 from collections.abc import AsyncIterator, Awaitable
 from dataclasses import dataclass
 
@@ -16,7 +17,7 @@ from pagedserve.server.engine_client import AsyncEngineClient, EngineDeadError, 
 from pagedserve.server.errors import APIError
 
 
-@dataclass
+@dataclass(eq=False)  # hashed by identity: Server counts the live ones in a WeakSet
 class Choice:
     """One output choice to generate: which prompt, with which params."""
 
@@ -36,6 +37,10 @@ class Server:
         self.max_waiting = max_waiting
         self.reasoning_parser = reasoning_parser
         self.created = int(time.time())
+        # Choices admitted by check_capacity and still alive (a choice lives as long as the
+        # request that holds it). Counted here, not by the engine client, which only learns of
+        # a sample when its generation starts: a burst would all pass the check before that.
+        self._admitted: weakref.WeakSet[Choice] = weakref.WeakSet()
 
     @property
     def max_model_len(self) -> int:
@@ -49,16 +54,21 @@ class Server:
                             f"{', '.join(repr(n) for n in self.served_names)}",
                        param="model", code="model_not_found")
 
-    def check_capacity(self, extra: int) -> None:
-        """Refuse work when the engine is dead or the waiting queue is full."""
+    def check_capacity(self, choices: list[Choice]) -> None:
+        """Admit `choices`, or refuse them when the engine is dead or the waiting queue is full."""
         if not self.client.healthy:
             raise APIError(503, self.client.dead_reason or "the engine is not ready",
                            code="engine_unavailable", headers={"Retry-After": "5"})
         info = self.client.info
         assert info is not None
-        if self.client.num_in_flight + extra > info.max_num_seqs + self.max_waiting:
+        extra, limit = len(choices), info.max_num_seqs + self.max_waiting
+        if extra > limit:  # retrying would never help
+            raise APIError(400, f"the request asks for {extra} samples (prompts x n) but this server "
+                                f"holds at most {limit} at once", param="n")
+        if len(self._admitted) + extra > limit:
             raise APIError(503, "the server is at capacity: too many requests are waiting; retry later",
                            code="queue_full", headers={"Retry-After": "1"})
+        self._admitted.update(choices)
 
     def resolve_max_tokens(self, prompt_ids: list[int], max_tokens: int | None, param: str) -> int:
         """Check the prompt against max_model_len; return the output limit to use."""

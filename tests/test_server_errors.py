@@ -1,0 +1,351 @@
+"""Bad requests, authentication, the waiting-queue limit, reasoning output and engine death,
+against real `pagedserve serve` processes.
+
+Every bad request must get its 4xx with an OpenAI-style body, never a 500, and must leave the
+server able to serve. The `guarded` server (API key, tiny queue, reasoning parser) is used in
+file order: its last test kills its engine core.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import threading
+import time
+
+import httpx
+import openai
+import pytest
+from server_helpers import MODEL, ServerProcess
+
+KEY = "test-key-123"
+USER = [{"role": "user", "content": "Hi"}]
+LONG = "hello " * 2100  # more tokens than max_model_len (2048)
+
+
+def assert_openai_error(r: httpx.Response, status: int, param: str | None = "?",
+                        code: str | None = "?") -> dict:
+    assert r.status_code == status, (r.status_code, r.text[:500])
+    body = r.json()
+    assert set(body) == {"error"}, body
+    err = body["error"]
+    assert set(err) == {"message", "type", "param", "code"}, err
+    assert isinstance(err["message"], str) and err["message"], err
+    assert isinstance(err["type"], str) and err["type"], err
+    if param != "?":
+        assert err["param"] == param, err
+    if code != "?":
+        assert err["code"] == code, err
+    return err
+
+
+# (name, path, body, status, param): body is a dict (sent as JSON) or raw bytes.
+BAD_REQUESTS = [
+    ("prompt wrong type", "/v1/completions", {"prompt": 5}, 400, "?"),
+    ("prompt missing", "/v1/completions", {"max_tokens": 2}, 400, "prompt"),
+    ("prompt empty", "/v1/completions", {"prompt": ""}, 400, "prompt"),
+    ("prompt empty list", "/v1/completions", {"prompt": []}, 400, "prompt"),
+    ("prompt empty id list", "/v1/completions", {"prompt": [[]]}, 400, "prompt"),
+    ("prompt id out of vocab", "/v1/completions", {"prompt": [10**9]}, 400, "prompt"),
+    ("prompt id negative", "/v1/completions", {"prompt": [1, -1]}, 400, "prompt"),
+    ("max_tokens negative", "/v1/completions", {"prompt": "x", "max_tokens": -1}, 400, "max_tokens"),
+    ("max_tokens zero", "/v1/completions", {"prompt": "x", "max_tokens": 0}, 400, "max_tokens"),
+    ("max_tokens string", "/v1/completions", {"prompt": "x", "max_tokens": "ten"}, 400, "max_tokens"),
+    ("max_tokens fraction", "/v1/completions", {"prompt": "x", "max_tokens": 1.5}, 400, "max_tokens"),
+    ("temperature -1", "/v1/completions", {"prompt": "x", "temperature": -1}, 400, "temperature"),
+    ("temperature string", "/v1/completions", {"prompt": "x", "temperature": "hot"}, 400, "temperature"),
+    ("temperature too high", "/v1/completions", {"prompt": "x", "temperature": 9}, 400, "temperature"),
+    ("top_p zero", "/v1/completions", {"prompt": "x", "top_p": 0}, 400, "top_p"),
+    ("top_k negative", "/v1/completions", {"prompt": "x", "top_k": -5}, 400, "top_k"),
+    ("min_p above one", "/v1/completions", {"prompt": "x", "min_p": 1.5}, 400, "min_p"),
+    ("n huge", "/v1/completions", {"prompt": "x", "n": 10**6}, 400, "n"),
+    ("n zero", "/v1/chat/completions", {"messages": USER, "n": 0}, 400, "n"),
+    ("seed beyond 64 bits", "/v1/completions", {"prompt": "x", "seed": 2**64 + 1}, 400, "seed"),
+    ("seed string", "/v1/completions", {"prompt": "x", "seed": "abc"}, 400, "seed"),
+    ("stop empty string", "/v1/completions", {"prompt": "x", "stop": [""]}, 400, "stop"),
+    ("stop too many", "/v1/completions", {"prompt": "x", "stop": [str(i) for i in range(17)]}, 400, "stop"),
+    ("stop wrong type", "/v1/completions", {"prompt": "x", "stop": 3}, 400, "?"),
+    ("stop_token_ids negative", "/v1/completions", {"prompt": "x", "stop_token_ids": [-1]}, 400,
+     "stop_token_ids"),
+    ("logprobs too many", "/v1/completions", {"prompt": "x", "logprobs": 50}, 400, "logprobs"),
+    ("min_tokens above max_tokens", "/v1/completions",
+     {"prompt": "x", "min_tokens": 9, "max_tokens": 3}, 400, "min_tokens"),
+    ("presence_penalty out of range", "/v1/completions", {"prompt": "x", "presence_penalty": 3},
+     400, "presence_penalty"),
+    ("repetition_penalty zero", "/v1/completions", {"prompt": "x", "repetition_penalty": 0}, 400,
+     "repetition_penalty"),
+    ("stream_options wrong type", "/v1/completions",
+     {"prompt": "x", "stream": True, "stream_options": {"include_usage": "maybe"}}, 400,
+     "stream_options.include_usage"),
+    ("prompt too long", "/v1/completions", {"prompt": LONG}, 400, "prompt"),
+    ("prompt + max_tokens too long", "/v1/completions", {"prompt": "hello " * 1000, "max_tokens": 1500},
+     400, "max_tokens"),
+    ("streamed prompt too long", "/v1/completions", {"prompt": LONG, "stream": True}, 400, "prompt"),
+    ("more samples than the server holds", "/v1/completions",
+     {"prompt": ["a"] * 20, "n": 128, "max_tokens": 1}, 400, "n"),
+    ("messages empty", "/v1/chat/completions", {"messages": []}, 400, "messages"),
+    ("messages missing", "/v1/chat/completions", {"max_tokens": 3}, 400, "messages"),
+    ("messages a string", "/v1/chat/completions", {"messages": "hi"}, 400, "messages"),
+    ("unknown role", "/v1/chat/completions", {"messages": [{"role": "wizard", "content": "x"}]}, 400,
+     "messages.0.role"),
+    ("role missing", "/v1/chat/completions", {"messages": [{"content": "x"}]}, 400, "messages.0.role"),
+    ("content wrong type", "/v1/chat/completions", {"messages": [{"role": "user", "content": 7}]},
+     400, "?"),
+    ("image content part", "/v1/chat/completions",
+     {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]},
+     400, "?"),
+    ("chat max_tokens negative", "/v1/chat/completions", {"messages": USER, "max_tokens": -3}, 400,
+     "max_tokens"),
+    ("chat max_completion_tokens zero", "/v1/chat/completions",
+     {"messages": USER, "max_completion_tokens": 0}, 400, "max_completion_tokens"),
+    ("top_logprobs too many", "/v1/chat/completions",
+     {"messages": USER, "logprobs": True, "top_logprobs": 21}, 400, "top_logprobs"),
+    ("chat prompt too long", "/v1/chat/completions", {"messages": [{"role": "user", "content": LONG}]},
+     400, "messages"),
+    ("chat prompt + max_tokens too long", "/v1/chat/completions",
+     {"messages": USER, "max_tokens": 2040}, 400, "max_tokens"),
+    ("broken chat template", "/v1/chat/completions",
+     {"messages": USER, "chat_template_kwargs": {"chat_template": "{% for %}"}}, 400, "messages"),
+    ("chat_template_kwargs clash", "/v1/chat/completions",
+     {"messages": USER, "chat_template_kwargs": {"tokenize": True}}, 400, "messages"),
+    ("wrong model completions", "/v1/completions", {"prompt": "x", "model": "gpt-4"}, 404, "model"),
+    ("wrong model chat", "/v1/chat/completions", {"messages": USER, "model": "gpt-4"}, 404, "model"),
+    ("wrong model tokenize", "/tokenize", {"prompt": "x", "model": "gpt-4"}, 404, "model"),
+    ("malformed JSON", "/v1/completions", b'{"prompt": "x",', 400, None),
+    ("malformed JSON chat", "/v1/chat/completions", b'{"messages": [}', 400, None),
+    ("JSON list body", "/v1/completions", b"[1, 2]", 400, "?"),
+    ("JSON null body", "/v1/chat/completions", b"null", 400, "?"),
+    ("empty body", "/v1/completions", b"", 400, "?"),
+    ("invalid UTF-8 body", "/v1/completions", b'{"prompt": "\xff\xfe\xfa", "max_tokens": 2}', 400, "?"),
+    ("10 MB body", "/v1/completions", b'{"prompt": "' + b"a" * (10 << 20) + b'"}', 413, None),
+    ("generate empty prompt", "/generate", {"prompt": ""}, 400, "prompt"),
+    ("generate max_tokens zero", "/generate", {"prompt": "x", "max_tokens": 0}, 400, "max_tokens"),
+    ("generate temperature -1", "/generate", {"prompt": "x", "temperature": -1}, 400, "temperature"),
+    ("generate prompt too long", "/generate", {"prompt": LONG}, 400, "prompt"),
+    ("tokenize prompt and messages", "/tokenize", {"prompt": "x", "messages": USER}, 400, "prompt"),
+    ("tokenize nothing", "/tokenize", {}, 400, "prompt"),
+    ("detokenize wrong type", "/detokenize", {"tokens": "abc"}, 400, "tokens"),
+]
+
+
+@pytest.mark.parametrize("name,path,body,status,param", BAD_REQUESTS, ids=[c[0] for c in BAD_REQUESTS])
+def test_bad_request(server, name, path, body, status, param):
+    if isinstance(body, bytes):
+        r = httpx.post(server.url + path, content=body, timeout=60,
+                       headers={"content-type": "application/json"})
+    else:
+        r = httpx.post(server.url + path, json=body, timeout=60)
+    assert_openai_error(r, status, param)
+    assert httpx.get(server.url + "/health", timeout=10).status_code == 200, server.log_tail()
+
+
+def test_chunked_body_over_the_limit(server):
+    """The size limit also holds for a body sent without Content-Length."""
+
+    def chunks():
+        yield b'{"prompt": "'
+        for _ in range(10):
+            yield b"a" * (1 << 20)
+        yield b'", "max_tokens": 2}'
+
+    r = httpx.post(server.url + "/v1/completions", content=chunks(), timeout=60,
+                   headers={"content-type": "application/json"})
+    assert_openai_error(r, 413)
+
+
+def test_unknown_route_and_method(server):
+    assert_openai_error(httpx.get(server.url + "/v1/nothing-here"), 404)
+    assert_openai_error(httpx.get(server.url + "/v1/completions"), 405)
+
+
+def test_openai_client_exceptions(server):
+    client = openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0)
+    with pytest.raises(openai.NotFoundError) as e:
+        client.chat.completions.create(model="gpt-4", messages=USER, max_tokens=2)
+    assert e.value.body["code"] == "model_not_found"
+    with pytest.raises(openai.BadRequestError) as e:
+        client.completions.create(model=MODEL, prompt="x", max_tokens=-1)
+    assert e.value.body["param"] == "max_tokens"
+    with pytest.raises(openai.BadRequestError) as e:
+        client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": LONG}])
+    assert e.value.body["code"] == "context_length_exceeded"
+
+
+def test_every_post_route_rejects_garbage(server):
+    """Driven by the generated OpenAPI schema: every POST route answers 4xx, never 500, to an
+    empty object, wrong-typed fields and a non-object body."""
+    schema = httpx.get(server.url + "/openapi.json").json()
+    posts = [p for p, ops in schema["paths"].items() if "post" in ops]
+    assert {"/v1/completions", "/v1/chat/completions", "/generate", "/tokenize",
+            "/detokenize"} <= set(posts)
+    components = schema["components"]["schemas"]
+    for path in posts:
+        ref = schema["paths"][path]["post"]["requestBody"]["content"]["application/json"]["schema"]
+        fields = components[ref["$ref"].rsplit("/", 1)[1]]["properties"]
+        bodies = [{"prompt": None, "messages": None, "tokens": None},
+                  dict.fromkeys(fields, {"nested": [1]}), dict.fromkeys(fields, -(10**30)), "text",
+                  [[]]]
+        for body in bodies:
+            r = httpx.post(server.url + path, json=body, timeout=60)
+            assert 400 <= r.status_code < 500, (path, body, r.status_code, r.text[:300])
+            assert_openai_error(r, r.status_code)
+    assert httpx.get(server.url + "/health").status_code == 200
+
+
+def test_good_request_after_the_bad_ones(server):
+    r = httpx.post(server.url + "/v1/chat/completions", timeout=60,
+                   json={"messages": USER, "max_tokens": 3, "temperature": 0})
+    assert r.status_code == 200, r.text
+    assert r.json()["choices"][0]["message"]["content"]
+
+
+# ---- a server with an API key, a tiny queue and a reasoning parser -------------------------
+
+
+@pytest.fixture(scope="module")
+def guarded():
+    proc = ServerProcess("--max-num-seqs", "2", "--max-waiting-requests", "2",
+                         "--reasoning-parser", "think", api_key=KEY).wait_ready()
+    yield proc
+    leftovers = proc.stop()
+    assert not leftovers, f"child processes outlived the server: {leftovers}\n{proc.log_tail()}"
+
+
+def test_api_key_required(guarded):
+    url, good = guarded.url, {"Authorization": f"Bearer {KEY}"}
+    body = {"prompt": "x", "max_tokens": 1}
+    for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": KEY},
+                    {"Authorization": f"Basic {KEY}"}, {"Authorization": "Bearer"}):
+        for method, path, payload in (("POST", "/v1/completions", body),
+                                      ("POST", "/v1/chat/completions", {"messages": USER}),
+                                      ("GET", "/v1/models", None), ("POST", "/tokenize", {"prompt": "x"}),
+                                      ("POST", "/generate", {"prompt": "x"})):
+            r = httpx.request(method, url + path, json=payload, headers=headers)
+            assert_openai_error(r, 401, code="invalid_api_key")
+    # /health and /metrics stay open
+    assert httpx.get(url + "/health").status_code == 200
+    assert httpx.get(url + "/metrics").status_code == 200
+    # the key works, with either spelling of the scheme
+    assert httpx.get(url + "/v1/models", headers=good).status_code == 200
+    r = httpx.post(url + "/v1/completions", json=body, headers={"Authorization": f"bearer {KEY}"},
+                   timeout=60)
+    assert r.status_code == 200, r.text
+    # a bad request with the right key is still a 400, not a 401
+    assert_openai_error(httpx.post(url + "/v1/completions", json={"prompt": 5}, headers=good), 400)
+
+    with pytest.raises(openai.AuthenticationError):
+        openai.OpenAI(base_url=url + "/v1", api_key="wrong", max_retries=0).models.list()
+    ok = openai.OpenAI(base_url=url + "/v1", api_key=KEY, max_retries=0)
+    assert [m.id for m in ok.models.list().data] == [MODEL]
+
+
+def test_queue_limit_answers_503_with_retry_after(guarded):
+    """max_num_seqs 2 + 2 waiting: a flood of 24 requests gets some 503s, the rest succeed."""
+
+    async def flood():
+        async with httpx.AsyncClient(timeout=180, headers=guarded.headers) as c:
+            async def one(i):
+                stream = i % 2 == 1
+                r = await c.post(guarded.url + "/v1/completions", json={
+                    "prompt": f"Item {i}:", "max_tokens": 16, "ignore_eos": True,
+                    "temperature": 0, "stream": stream})
+                return r, stream
+            return await asyncio.gather(*(one(i) for i in range(24)))
+
+    results = asyncio.run(flood())
+    rejected = [r for r, _ in results if r.status_code == 503]
+    accepted = [(r, s) for r, s in results if r.status_code == 200]
+    assert len(rejected) + len(accepted) == len(results), [r.status_code for r, _ in results]
+    assert rejected, "no request was turned away"
+    assert 4 <= len(accepted) <= 8, [r.status_code for r, _ in results]
+    for r in rejected:
+        assert_openai_error(r, 503, code="queue_full")
+        assert int(r.headers["retry-after"]) >= 1
+    for r, stream in accepted:
+        if stream:
+            assert r.text.rstrip().endswith("data: [DONE]"), r.text[-300:]
+        else:
+            assert r.json()["usage"]["completion_tokens"] == 16
+    # the queue drains and the server serves again
+    r = httpx.post(guarded.url + "/v1/completions", headers=guarded.headers, timeout=60,
+                   json={"prompt": "x", "max_tokens": 2})
+    assert r.status_code == 200, r.text
+
+
+# A template that opens <think> at the end of the prompt, and a few-shot pattern SmolLM2 follows:
+# it writes "1+1=2</think>\nThree.\n<think>..." (reasoning, the closing tag, then content).
+THINK_TEMPLATE = ("{% for m in messages %}{{ m['content'] }}{% endfor %}"
+                  "{% if add_generation_prompt %}<think>{% endif %}")
+THINK_SHOTS = ("<think>2+2=4</think>\nFour.\n<think>3+3=6</think>\nSix.\n<think>1+1=2</think>\n"
+               "Two.\n<think>5+5=10</think>\nTen.\n")
+
+
+def test_reasoning_split(server, guarded):
+    """The chat path splits <think> output into reasoning_content and content, streamed and not.
+    The raw text comes from the server without a reasoning parser."""
+    body = {"model": MODEL, "messages": [{"role": "user", "content": THINK_SHOTS}], "max_tokens": 24,
+            "temperature": 0, "chat_template_kwargs": {"chat_template": THINK_TEMPLATE}}
+    raw = httpx.post(server.url + "/v1/chat/completions", json=body, timeout=60).json()
+    raw_text = raw["choices"][0]["message"]["content"]
+    assert "reasoning_content" not in raw["choices"][0]["message"]
+    if "</think>" not in raw_text:
+        pytest.skip(f"SmolLM2 did not close the think block: {raw_text!r}")
+    reasoning_want, _, rest = raw_text.partition("</think>")
+    content_want = rest.lstrip("\r\n")
+    assert reasoning_want and content_want
+
+    r = httpx.post(guarded.url + "/v1/chat/completions", json=body, headers=guarded.headers,
+                   timeout=60)
+    msg = r.json()["choices"][0]["message"]
+    assert msg["reasoning_content"] == reasoning_want
+    assert msg["content"] == content_want
+
+    reasoning, content = "", ""
+    with httpx.stream("POST", guarded.url + "/v1/chat/completions", headers=guarded.headers,
+                      json={**body, "stream": True}, timeout=60) as s:
+        for line in s.iter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            for c in json.loads(line[6:])["choices"]:
+                reasoning += c["delta"].get("reasoning_content") or ""
+                content += c["delta"].get("content") or ""
+    assert reasoning == reasoning_want
+    assert content == content_want
+
+
+def test_engine_death_gives_503(guarded):
+    """Kill the engine-core process: in-flight requests fail fast, /health and new requests 503."""
+    url, headers = guarded.url, guarded.headers
+    assert httpx.get(url + "/health").status_code == 200
+    pid = guarded.engine_core_pid()
+    result: dict = {}
+
+    def in_flight():
+        result["response"] = httpx.post(url + "/v1/completions", headers=headers, timeout=60, json={
+            "prompt": "Once upon a time", "max_tokens": 1000, "ignore_eos": True})
+
+    t = threading.Thread(target=in_flight)
+    t.start()
+    time.sleep(1.5)  # let it start generating
+    os.kill(pid, signal.SIGKILL)
+    killed = time.monotonic()
+    t.join(30)
+    assert not t.is_alive(), "the in-flight request hangs after the engine died"
+    assert time.monotonic() - killed < 10
+    assert_openai_error(result["response"], 503, code="engine_unavailable")
+
+    deadline = time.monotonic() + 10
+    while httpx.get(url + "/health").status_code != 503:
+        assert time.monotonic() < deadline, "/health still 200 after the engine died"
+        time.sleep(0.2)
+    assert_openai_error(httpx.get(url + "/health"), 503)
+    for path, body in (("/v1/completions", {"prompt": "x", "max_tokens": 2}),
+                       ("/v1/chat/completions", {"messages": USER, "max_tokens": 2, "stream": True}),
+                       ("/generate", {"prompt": "x", "max_tokens": 2})):
+        start = time.monotonic()
+        r = httpx.post(url + path, json=body, headers=headers, timeout=30)
+        assert time.monotonic() - start < 5
+        assert_openai_error(r, 503, code="engine_unavailable")
+        assert "retry-after" in r.headers
