@@ -24,7 +24,3 @@ def log_level() -> str:
     """$PAGEDSERVE_LOG_LEVEL (default INFO)."""
     return os.environ.get("PAGEDSERVE_LOG_LEVEL", "INFO").upper()
 
-
-def skinny_gemv() -> bool:
-    """$PAGEDSERVE_SKINNY_GEMV (default on): Triton GEMV for 1-4 row matmuls on CUDA."""
-    return os.environ.get("PAGEDSERVE_SKINNY_GEMV", "1") not in ("0", "false", "off")

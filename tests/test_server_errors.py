@@ -274,6 +274,38 @@ def test_queue_limit_answers_503_with_retry_after(guarded):
     assert r.status_code == 200, r.text
 
 
+def test_abandoned_requests_release_their_queue_slots(guarded):
+    """Clients that go away (mid-stream, or before reading anything) give their slots back: four
+    requests at once (the limit) are all admitted afterwards."""
+    url, headers = guarded.url, guarded.headers
+    body = {"prompt": "Once upon a time", "max_tokens": 500, "ignore_eos": True}
+    for i in range(6):
+        if i % 3 == 2:
+            with pytest.raises(httpx.ReadTimeout):
+                httpx.post(url + "/v1/completions", json=body, headers=headers, timeout=0.5)
+            continue
+        with httpx.stream("POST", url + "/v1/completions", json={**body, "stream": True},
+                          headers=headers, timeout=30) as s:
+            if i % 3 == 1:
+                assert s.status_code in (200, 503)
+                next(s.iter_lines(), None)
+            # leaving the block closes the connection
+
+    async def four():
+        async with httpx.AsyncClient(timeout=120, headers=headers) as c:
+            return await asyncio.gather(*(
+                c.post(url + "/v1/completions", json={"prompt": f"{i}", "max_tokens": 2})
+                for i in range(4)))
+
+    deadline = time.monotonic() + 15
+    while True:
+        codes = [r.status_code for r in asyncio.run(four())]
+        if codes == [200] * 4 or time.monotonic() > deadline:
+            break
+        time.sleep(0.5)
+    assert codes == [200] * 4
+
+
 # A template that opens <think> at the end of the prompt, and a few-shot pattern SmolLM2 follows:
 # it writes "1+1=2</think>\nThree.\n<think>..." (reasoning, the closing tag, then content).
 THINK_TEMPLATE = ("{% for m in messages %}{{ m['content'] }}{% endfor %}"

@@ -8,6 +8,7 @@ import numpy as np
 import torch
 
 from pagedserve.attention.backend import AttentionBackend, AttentionMetadata, register_backend
+from pagedserve.engine.host_copy import to_device
 
 
 @dataclass
@@ -55,8 +56,7 @@ class TritonBackend(AttentionBackend):
         first_tile = np.repeat(np.cumsum(n_tiles) - n_tiles, n_tiles)
         tile_start = np.repeat(qsl[ext], n_tiles) + (np.arange(len(tile_seq)) - first_tile) * EXTEND_BLOCK_M
         device = meta.query_start_loc.device
-        packed = torch.from_numpy(np.concatenate([dec, tile_seq, tile_start]).astype(np.int32))
-        packed = packed.to(device, non_blocking=True)
+        packed = to_device(np.concatenate([dec, tile_seq, tile_start]).astype(np.int32), device)
         nd, nt = len(dec), len(tile_seq)
         if num_splits is None:
             num_splits = choose_num_splits(nd, self.num_kv_heads, meta.max_seq_len)

@@ -69,11 +69,17 @@ def run_throughput(args, llm_kwargs: dict, llm=None) -> dict:
     if torch.cuda.is_available():
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
+    runner = llm.engine.runner
+    graph0, eager0 = runner.num_graph_steps, runner.num_eager_steps
+    llm.engine.timer.enable()
     t1 = time.perf_counter()
     outs = llm.generate(prompts, params, use_tqdm=not args.no_progress)
     if torch.cuda.is_available():
         torch.cuda.synchronize()
     elapsed = time.perf_counter() - t1
+    llm.engine.timer.enabled = False
+    steps = {"graph_decode": runner.num_graph_steps - graph0, "eager": runner.num_eager_steps - eager0}
+    host_s = {k: round(v, 3) for k, v in llm.engine.timer.totals.items()}
     out_tokens = sum(len(o.outputs[0].token_ids) for o in outs)
     in_tokens = sum(input_lens)
     assert out_tokens == sum(output_lens), "ignore_eos runs must produce exactly max_tokens each"
@@ -102,6 +108,8 @@ def run_throughput(args, llm_kwargs: dict, llm=None) -> dict:
         "ideal_s": round(ideal, 3),
         "roofline_output_tokens_per_s": round(out_tokens / ideal, 1),
         "roofline_efficiency": round(ideal / elapsed, 4),
+        "steps": steps,
+        "host_seconds_by_phase": host_s,
         "settings": {k: v for k, v in vars(args).items() if k not in ("func",)},
     }
     return result

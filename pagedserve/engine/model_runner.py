@@ -14,6 +14,7 @@ import numpy as np
 import torch
 
 from pagedserve.attention.backend import AttentionBackend, AttentionContext, AttentionMetadata
+from pagedserve.engine.host_copy import to_device
 from pagedserve.engine.scheduler import SchedulerOutput
 from pagedserve.layers.sampler import Sampler, SamplingBatch
 from pagedserve.models.llama import LlamaForCausalLM
@@ -27,14 +28,6 @@ class StepHandle:
     token_ids: torch.Tensor | None  # [N] int64
     logprobs: torch.Tensor | None  # [N, 1 + k]
     logprob_token_ids: torch.Tensor | None
-
-
-def _to_device(array: np.ndarray, device: torch.device) -> torch.Tensor:
-    """Host array -> device tensor without blocking on the GPU (pinned staging on CUDA)."""
-    t = torch.from_numpy(array)
-    if device.type == "cuda":
-        return t.pin_memory().to(device, non_blocking=True)
-    return t.to(device)
 
 
 @dataclass
@@ -71,6 +64,8 @@ class ModelRunner:
         self.graphs = None  # DecodeGraphRunner once enable_cuda_graphs() ran
         self._prev_tokens: torch.Tensor | None = None  # the last launched step's samples [N]
         self._prev_rows: dict[str, int] = {}  # request id -> row in _prev_tokens
+        self.num_graph_steps = 0  # decode steps replayed from CUDA graphs
+        self.num_eager_steps = 0
 
     def prepare(self, out: SchedulerOutput, block_tables: list[list[int]]):
         """Host-side batch building, one pinned copy per array.
@@ -108,7 +103,7 @@ class ModelRunner:
         packed = np.concatenate([ids, positions, slots, seq_lens, cu, logits_idx,
                                  np.asarray(pending_at + pending_rows, dtype=np.int64)])
         dev = self.device
-        flat = _to_device(packed, dev)
+        flat = to_device(packed, dev)
         o = 0
         views = []
         for n in (total, total, total, len(chunks), len(chunks) + 1, len(sample_rows), n_pend, n_pend):
@@ -122,7 +117,7 @@ class ModelRunner:
             query_start_loc=cu_t.to(torch.int32),
             seq_lens=seq_lens_t.to(torch.int32),
             slot_mapping=slots_t,
-            block_tables=_to_device(tables, dev),
+            block_tables=to_device(tables, dev),
             max_query_len=int(q_lens.max()),
             max_seq_len=int(seq_lens.max()),
             query_start_loc_cpu=cu.tolist(),
@@ -183,8 +178,10 @@ class ModelRunner:
         block_tables[i] is the block table of out.chunks[i]'s request.
         """
         if self._is_graph_decode(out):
+            self.num_graph_steps += 1
             hidden, reqs = self._graph_decode(out, block_tables)  # every row samples
         else:
+            self.num_eager_steps += 1
             ids, positions, meta, logits_idx, reqs = self.prepare(out, block_tables)
             hidden = self._forward(ids, positions, meta)[logits_idx]  # [T, hidden] -> [N, hidden]
         handle = StepHandle(reqs, None, None, None)

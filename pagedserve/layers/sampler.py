@@ -16,6 +16,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from pagedserve.engine.host_copy import to_device
 from pagedserve.sampling_params import SamplingParams
 
 
@@ -82,7 +83,7 @@ class SamplingBatch:
             rows = [_scalars(p, g, vocab_size) for p, g in zip(params, greedy, strict=True)]
             # [N, 7] -> one host-to-device copy for all scalars (top_k is exact in float32:
             # vocab sizes are far below 2**24), then [7, N] column views.
-            table = torch.tensor(rows, dtype=torch.float32).to(device, non_blocking=True)
+            table = to_device(torch.tensor(rows, dtype=torch.float32), device)
             temperature, top_p, k_col, min_p, rep, pres, freq = table.t().unbind(0)
             active_k = [r[2] for r in rows if r[2] < vocab_size]
             need_top_k = bool(active_k)
@@ -137,7 +138,7 @@ def _bans(params: Sequence[SamplingParams], output_ids: Sequence[Sequence[int]],
             toks += banned
     if not rows:
         return None, None
-    ban_rows, ban_toks = torch.tensor([rows, toks], dtype=torch.int64).to(device)  # [M] each
+    ban_rows, ban_toks = to_device(torch.tensor([rows, toks], dtype=torch.int64), device)  # [M] each
     return ban_rows, ban_toks
 
 
@@ -147,7 +148,7 @@ def _pad(seqs: Sequence[Sequence[int]], pad: int, device: torch.device | str) ->
     out = np.full((len(seqs), width), pad, dtype=np.int64)
     for i, s in enumerate(seqs):
         out[i, : len(s)] = s  # numpy copies a list far faster than torch.tensor parses one
-    return torch.from_numpy(out).to(device)
+    return to_device(out, device)
 
 
 @dataclass
