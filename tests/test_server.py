@@ -108,8 +108,10 @@ def test_seeded_sampling_matches_offline_llm(client, offline):
 
 
 def test_seed_reproducibility(client):
+    story = [{"role": "user", "content": "Invent a name for a pet dragon and describe it."}]
+
     def sample(seed):
-        r = client.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=16,
+        r = client.chat.completions.create(model=MODEL, messages=story, max_tokens=16,
                                            temperature=1.0, seed=seed)
         return r.choices[0].message.content
 

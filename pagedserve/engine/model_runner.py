@@ -22,12 +22,24 @@ from pagedserve.models.llama import LlamaForCausalLM
 
 @dataclass
 class StepHandle:
-    """A launched step: the requests that sample, and their results still on the device."""
+    """A launched step: the requests that sample, and their results on their way to the host.
+
+    On CUDA the results are copied into pinned host tensors right after sampling and `ready`
+    is recorded behind that copy, so reading them waits for this step only, not for the
+    step launched after it.
+    """
 
     reqs: list
-    token_ids: torch.Tensor | None  # [N] int64
-    logprobs: torch.Tensor | None  # [N, 1 + k]
-    logprob_token_ids: torch.Tensor | None
+    token_ids: torch.Tensor | None  # [N] int64 (the device tensor; the next step reads it)
+    host: tuple | None = None  # (tokens [N], logprobs [N, 1+k] | None, ids [N, 1+k] | None)
+    ready: torch.cuda.Event | None = None
+
+
+def _to_pinned_async(t: torch.Tensor) -> torch.Tensor:
+    """Start copying a device tensor into pinned host memory; valid once an event after it fired."""
+    host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+    host.copy_(t, non_blocking=True)
+    return host
 
 
 @dataclass
@@ -184,7 +196,7 @@ class ModelRunner:
             self.num_eager_steps += 1
             ids, positions, meta, logits_idx, reqs = self.prepare(out, block_tables)
             hidden = self._forward(ids, positions, meta)[logits_idx]  # [T, hidden] -> [N, hidden]
-        handle = StepHandle(reqs, None, None, None)
+        handle = StepHandle(reqs, None)
         if reqs:
             logits = self.model.compute_logits(hidden)  # [N, vocab]
             batch = SamplingBatch.build(
@@ -198,7 +210,14 @@ class ModelRunner:
                 eos_token_ids=self.model.config.eos_token_ids,
             )
             result = self.sampler(logits, batch)
-            handle = StepHandle(reqs, result.token_ids, result.logprobs, result.logprob_token_ids)
+            handle = StepHandle(reqs, result.token_ids)
+            outs = (result.token_ids, result.logprobs, result.logprob_token_ids)
+            if self.device.type == "cuda":
+                handle.host = tuple(None if t is None else _to_pinned_async(t) for t in outs)
+                handle.ready = torch.cuda.Event()
+                handle.ready.record()
+            else:
+                handle.host = outs
         self._prev_tokens = handle.token_ids
         self._prev_rows = {r.request_id: i for i, r in enumerate(reqs)}
         return handle
@@ -209,11 +228,14 @@ class ModelRunner:
         if not handle.reqs:
             return StepResult({}, {})
         reqs = handle.reqs
-        tokens = handle.token_ids.tolist()
+        if handle.ready is not None:
+            handle.ready.synchronize()
+        tokens_t, logprobs_t, logprob_ids_t = handle.host
+        tokens = tokens_t.tolist()
         token_ids = {r.request_id: t for r, t in zip(reqs, tokens)}
         logprobs: dict[str, tuple[float, list[tuple[int, float]]]] = {}
-        if handle.logprobs is not None:
-            lp, lp_ids = handle.logprobs.tolist(), handle.logprob_token_ids.tolist()
+        if logprobs_t is not None:
+            lp, lp_ids = logprobs_t.tolist(), logprob_ids_t.tolist()
             for row, r in enumerate(reqs):
                 k = r.sampling_params.logprobs
                 if k is not None:
