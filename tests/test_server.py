@@ -323,6 +323,10 @@ def test_tokenize_detokenize(server, client):
     assert tok["count"] == len(tok["tokens"]) > 0 and tok["max_model_len"] == 2048
     back = httpx.post(url + "/detokenize", json={"tokens": tok["tokens"]}).json()
     assert back["prompt"] == "Hello world, héllo 🌍"
+    # an escaped surrogate pair is one character
+    pair = httpx.post(url + "/tokenize", content=b'{"prompt": "\\ud83c\\udf0d"}',
+                      headers={"content-type": "application/json"}).json()
+    assert pair["tokens"] == httpx.post(url + "/tokenize", json={"prompt": "🌍"}).json()["tokens"]
     # the chat template's token count is what a chat completion reports as prompt_tokens
     chat_tok = httpx.post(url + "/tokenize", json={"messages": CHAT}).json()
     r = client.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=1)

@@ -119,9 +119,14 @@ def create_app(settings: ServerSettings) -> FastAPI:
             raise APIError(400, "send exactly one of 'prompt' or 'messages'", param="prompt")
         if body.messages is not None:
             msgs = [m.as_template_dict() for m in body.messages]
-            tokens = server.tokenizer.apply_chat_template(msgs, body.add_generation_prompt)
+            try:
+                text = server.tokenizer.render_chat(msgs, body.add_generation_prompt)
+            except Exception as e:  # no template, or one that raises on these messages
+                raise APIError(400, f"the chat template cannot render these messages: {e}",
+                               param="messages") from None
+            tokens = server.encode(text, False, "messages")  # what apply_chat_template does
         else:
-            tokens = server.tokenizer.encode(body.prompt, add_special_tokens=body.add_special_tokens)
+            tokens = server.encode(body.prompt, body.add_special_tokens, "prompt")
         return {"tokens": tokens, "count": len(tokens), "max_model_len": server.max_model_len}
 
     @app.post("/detokenize")
@@ -131,7 +136,7 @@ def create_app(settings: ServerSettings) -> FastAPI:
 
     @app.post("/generate")
     async def generate(body: GenerateRequest, request: Request):
-        ids = server.tokenizer.encode(body.prompt, add_special_tokens=True)
+        ids = server.encode(body.prompt, True, "prompt")
         max_tokens = server.resolve_max_tokens(ids, body.max_tokens, "prompt")
         params = make_params(
             lambda mt, _lp: SamplingParams(max_tokens=mt, temperature=body.temperature, top_p=body.top_p),

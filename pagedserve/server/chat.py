@@ -35,7 +35,7 @@ def _prepare(server: Server, body: ChatCompletionRequest) -> tuple[list[Choice],
     except Exception as e:  # a template that raises on these messages (jinja2 errors)
         raise APIError(400, f"the chat template cannot render these messages: {e}",
                        param="messages") from None
-    ids = server.tokenizer.encode(text, add_special_tokens=False)
+    ids = server.encode(text, False, "messages")
     max_tokens = server.resolve_max_tokens(ids, body.output_limit, "messages")
     params = make_params(body.sampling_params, max_tokens, body.num_logprobs)
     choices = [Choice(i, ids, params) for i in range(body.n)]

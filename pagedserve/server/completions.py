@@ -23,7 +23,7 @@ from pagedserve.server.serving import (
 
 def _prepare(server: Server, body: CompletionRequest) -> tuple[list[Choice], list[list[int]]]:
     server.check_model(body.model)
-    prompts = [server.tokenizer.encode(p, add_special_tokens=True) if isinstance(p, str) else p
+    prompts = [server.encode(p, True, "prompt") if isinstance(p, str) else p
                for p in body.prompts()]
     choices, n = [], body.n
     for p_idx, ids in enumerate(prompts):

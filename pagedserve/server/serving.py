@@ -70,6 +70,16 @@ class Server:
                            code="queue_full", headers={"Retry-After": "1"})
         self._admitted.update(choices)
 
+    def encode(self, text: str, add_special_tokens: bool, param: str) -> list[int]:
+        """Token ids of request text; a 400 for a lone surrogate (a JSON escape like \\ud800
+        without its pair), which the tokenizer would reject with a TypeError."""
+        try:
+            text.encode("utf-8")
+        except UnicodeEncodeError:
+            raise APIError(400, f"{param} is not valid Unicode: it holds a lone surrogate "
+                                "(an escape such as \\ud800 without its pair)", param=param) from None
+        return self.tokenizer.encode(text, add_special_tokens=add_special_tokens)
+
     def resolve_max_tokens(self, prompt_ids: list[int], max_tokens: int | None, param: str) -> int:
         """Check the prompt against max_model_len; return the output limit to use."""
         limit = self.max_model_len
