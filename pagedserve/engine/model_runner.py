@@ -154,29 +154,12 @@ class ModelRunner:
         """A pure-decode step through the captured graphs: host arrays straight into the
         static buffers (two copies), pending tokens filled on the device, one replay."""
         graphs = self.graphs
-        chunks = out.chunks
-        n, bs, B = len(chunks), graphs.bucket_for(len(chunks)), self.block_size
-        rows = np.zeros((5, graphs.max_batch), dtype=np.int64)
-        ids, pos, slots, seq_lens, src = rows
-        slots[:bs] = -1
-        src[:bs] = -1
-        width = max(len(t) for t in block_tables)
-        tables = np.zeros((n, width), dtype=np.int32)
-        prev_rows = self._prev_rows
-        for i, (chunk, table) in enumerate(zip(chunks, block_tables)):
-            req, p = chunk.request, chunk.start
-            if p < len(req.token_ids):
-                ids[i] = req.token_ids[p]
-            else:
-                src[i] = prev_rows[req.request_id]
-            pos[i] = p
-            tables[i, : len(table)] = table
-        positions = pos[:n]
-        slots[:n] = tables[np.arange(n), positions // B].astype(np.int64) * B + positions % B
-        seq_lens[:n] = positions + 1
+        n = len(out.chunks)
+        rows, tables = pack_decode_inputs(out.chunks, block_tables, self._prev_rows,
+                                          graphs.max_batch, graphs.bucket_for(n), self.block_size)
         hidden = graphs.run_from_host(torch.from_numpy(rows), torch.from_numpy(tables), n,
                                       self._prev_tokens)
-        return hidden, [c.request for c in chunks]
+        return hidden, [c.request for c in out.chunks]
 
     def _is_graph_decode(self, out: SchedulerOutput) -> bool:
         g = self.graphs
@@ -252,3 +235,32 @@ class ModelRunner:
             gen = torch.Generator(device=self.device).manual_seed(seed)
             req.extras["generator"] = gen
         return gen
+
+
+def pack_decode_inputs(chunks, block_tables: list[list[int]], prev_rows: dict[str, int],
+                       max_batch: int, bucket: int, block_size: int) -> tuple[np.ndarray, np.ndarray]:
+    """Host inputs of a graph decode step.
+
+    Returns rows [5, max_batch] int64 (input ids, positions, slots, seq lens, pending-source
+    rows) with rows [n, bucket) as padding (slot -1, seq len 0, no source), and the block
+    tables [n, widest table] int32. A chunk whose input token is still pending gets id 0 and
+    the row of its request in the previous step's samples.
+    """
+    n, B = len(chunks), block_size
+    rows = np.zeros((5, max_batch), dtype=np.int64)
+    ids, pos, slots, seq_lens, src = rows
+    slots[:bucket] = -1
+    src[:bucket] = -1
+    tables = np.zeros((n, max(len(t) for t in block_tables)), dtype=np.int32)
+    for i, (chunk, table) in enumerate(zip(chunks, block_tables)):
+        req, p = chunk.request, chunk.start
+        if p < len(req.token_ids):
+            ids[i] = req.token_ids[p]
+        else:
+            src[i] = prev_rows[req.request_id]
+        pos[i] = p
+        tables[i, : len(table)] = table
+    positions = pos[:n]
+    slots[:n] = tables[np.arange(n), positions // B].astype(np.int64) * B + positions % B
+    seq_lens[:n] = positions + 1
+    return rows, tables

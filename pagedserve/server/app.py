@@ -31,10 +31,9 @@ from pagedserve.server.protocol import (
 from pagedserve.server.serving import (
     Choice,
     Server,
+    generate_all,
     make_params,
     new_id,
-    run_choices,
-    unless_disconnected,
 )
 from pagedserve.tokenizer import Tokenizer
 
@@ -144,13 +143,7 @@ def create_app(settings: ServerSettings) -> FastAPI:
         choices = [Choice(0, ids, params)]
         server.check_capacity(choices)
 
-        async def collect():
-            last = None
-            async for _, state in run_choices(client, new_id("gen"), choices):
-                last = state
-            return last
-
-        state = await unless_disconnected(request, collect())
+        state = (await generate_all(client, request, new_id("gen"), choices))[0]
         n = len(state.token_ids)
         return JSONResponse({"text": state.visible_text(), "finish_reason": state.finish_reason,
                              "usage": {"prompt_tokens": len(ids), "completion_tokens": n,

@@ -16,10 +16,10 @@ from pagedserve.server.reasoning import ReasoningParser, get_reasoning_parser
 from pagedserve.server.serving import (
     Choice,
     Server,
+    generate_all,
     make_params,
     new_id,
     run_choices,
-    unless_disconnected,
 )
 
 
@@ -71,13 +71,7 @@ async def create_chat_completion(server: Server, body: ChatCompletionRequest, re
         gen = _stream(server, body, choices, prompt_ids, opened, rid, created, model)
         return StreamingResponse(gen, media_type="text/event-stream")
 
-    async def collect() -> dict[int, SampleState]:
-        final: dict[int, SampleState] = {}
-        async for index, state in run_choices(server.client, rid, choices, body.priority):
-            final[index] = state
-        return final
-
-    final = await unless_disconnected(request, collect())
+    final = await generate_all(server.client, request, rid, choices, body.priority)
     out = []
     for c in choices:
         s = final[c.index]

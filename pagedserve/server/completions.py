@@ -14,10 +14,10 @@ from pagedserve.server.protocol import CompletionRequest
 from pagedserve.server.serving import (
     Choice,
     Server,
+    generate_all,
     make_params,
     new_id,
     run_choices,
-    unless_disconnected,
 )
 
 
@@ -58,13 +58,7 @@ async def create_completion(server: Server, body: CompletionRequest, request: Re
         gen = _stream(server, body, choices, prompts, prompt_texts, rid, created, model)
         return StreamingResponse(gen, media_type="text/event-stream")
 
-    async def collect() -> dict[int, SampleState]:
-        final: dict[int, SampleState] = {}
-        async for index, state in run_choices(server.client, rid, choices, body.priority):
-            final[index] = state
-        return final
-
-    final = await unless_disconnected(request, collect())
+    final = await generate_all(server.client, request, rid, choices, body.priority)
     out_choices = []
     for c in choices:
         s = final[c.index]

@@ -177,3 +177,18 @@ async def unless_disconnected(request: Request, work: Awaitable):
     finally:
         if not task.done():
             task.cancel()
+
+
+async def generate_all(client: AsyncEngineClient, request: Request, request_id: str,
+                       choices: list[Choice], priority: int = 0) -> dict[int, SampleState]:
+    """Run every choice to the end (non-streaming); the final state per choice index.
+
+    A client that disconnects first cancels the work, which aborts its engine requests.
+    """
+    async def collect() -> dict[int, SampleState]:
+        final: dict[int, SampleState] = {}
+        async for index, state in run_choices(client, request_id, choices, priority):
+            final[index] = state
+        return final
+
+    return await unless_disconnected(request, collect())
