@@ -26,3 +26,15 @@ def greedy_nocache(model, prompt: list[int], n: int) -> list[int]:
     for _ in range(n):
         seq.append(int(run_prefill(model, [seq])[0][-1].argmax()))
     return seq[len(prompt):]
+
+
+@torch.no_grad()
+def hf_greedy(hf, prompt: list[int], n: int) -> list[int]:
+    """Greedy continuation with a Transformers model, n tokens, EOS neither stopping nor banned."""
+    out = hf(torch.tensor([prompt]), use_cache=True)
+    tokens = []
+    for _ in range(n):
+        tok = int(out.logits[0, -1].argmax())
+        tokens.append(tok)
+        out = hf(torch.tensor([[tok]]), past_key_values=out.past_key_values, use_cache=True)
+    return tokens

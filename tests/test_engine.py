@@ -10,6 +10,7 @@ import textwrap
 import pytest
 import torch
 
+from helpers import hf_greedy
 from pagedserve import LLM, SamplingParams
 
 NUM_NEW = 8
@@ -33,18 +34,6 @@ def corpus_ids(smollm2_dir):
     ids = tok.encode(text)
     assert len(ids) > 5000
     return ids
-
-
-@torch.no_grad()
-def hf_greedy(hf, prompt: list[int], n: int) -> list[int]:
-    """Greedy continuation with Transformers, no EOS stopping."""
-    out = hf(torch.tensor([prompt]), use_cache=True)
-    tokens = []
-    for _ in range(n):
-        tok = int(out.logits[0, -1].argmax())
-        tokens.append(tok)
-        out = hf(torch.tensor([[tok]]), past_key_values=out.past_key_values, use_cache=True)
-    return tokens
 
 
 @pytest.fixture(scope="module")
