@@ -182,15 +182,19 @@ class ModelRunner:
         handle = StepHandle(reqs, None)
         if reqs:
             logits = self.model.compute_logits(hidden)  # [N, vocab]
+            params = [r.sampling_params for r in reqs]
+            # Token lists only for penalties (then the engine runs in sync, so none is
+            # pending); otherwise just the counts of outputs before this sample.
+            penalties = any(p.uses_penalties for p in params)
             batch = SamplingBatch.build(
-                [r.sampling_params for r in reqs],
+                params,
                 [self._generator(r) for r in reqs],
                 [r.prompt_token_ids for r in reqs],
-                # outputs before this sample; pending ones only count (no penalties then)
-                [r.output_token_ids + [0] * (r.num_pending - 1) for r in reqs],
+                [r.output_token_ids for r in reqs] if penalties else None,
                 self.vocab_size,
                 self.device,
                 eos_token_ids=self.model.config.eos_token_ids,
+                num_outputs=[r.num_output_tokens - 1 for r in reqs],
             )
             result = self.sampler(logits, batch)
             handle = StepHandle(reqs, result.token_ids)

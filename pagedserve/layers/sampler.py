@@ -62,13 +62,15 @@ class SamplingBatch:
         params: Sequence[SamplingParams],
         generators: Sequence[torch.Generator | None],
         prompt_ids: Sequence[Sequence[int]],
-        output_ids: Sequence[Sequence[int]],
+        output_ids: Sequence[Sequence[int]] | None,
         vocab_size: int,
         device: torch.device | str,
         eos_token_ids: Sequence[int] = (),
+        num_outputs: Sequence[int] | None = None,
     ) -> SamplingBatch:
-        """Gather one step's rows. `output_ids[i]` are the tokens row i generated so far (its
-        length drives min_tokens); the token lists are only read when a penalty needs them.
+        """Gather one step's rows. `output_ids[i]` are the tokens row i generated so far; they
+        are only read when a penalty needs them, and may be None when no row has one if
+        `num_outputs` (the counts, which drive min_tokens) is given instead.
         A seeded row's generator must live on `device`; `eos_token_ids` are banned (with the
         row's stop_token_ids) until min_tokens is reached, unless the row ignores eos."""
         n = len(params)
@@ -95,7 +97,9 @@ class SamplingBatch:
         prompt_t = _pad(prompt_ids, vocab_size, device) if need_rep else None
         output_t = _pad(output_ids, vocab_size, device) if need_penalties else None
 
-        ban_rows, ban_toks = _bans(params, output_ids, eos_token_ids, vocab_size, device)
+        if num_outputs is None:
+            num_outputs = [len(o) for o in output_ids]  # type: ignore[union-attr]
+        ban_rows, ban_toks = _bans(params, num_outputs, eos_token_ids, vocab_size, device)
         seeded = [(i, gen) for i, (gen, g) in enumerate(zip(generators, greedy, strict=True))
                   if gen is not None and not g]
         wanted = [p.logprobs for p in params if p.logprobs is not None]
@@ -124,14 +128,14 @@ def _scalars(p: SamplingParams, greedy: bool, vocab_size: int) -> tuple[float, .
             p.frequency_penalty)
 
 
-def _bans(params: Sequence[SamplingParams], output_ids: Sequence[Sequence[int]],
+def _bans(params: Sequence[SamplingParams], num_outputs: Sequence[int],
           eos_token_ids: Sequence[int], vocab_size: int,
           device: torch.device | str) -> tuple[Tensor, Tensor] | tuple[None, None]:
     """(row, token) pairs to forbid: stop ids (and eos unless ignored) below min_tokens."""
     rows: list[int] = []
     toks: list[int] = []
     for i, p in enumerate(params):
-        if p.min_tokens and len(output_ids[i]) < p.min_tokens:
+        if p.min_tokens and num_outputs[i] < p.min_tokens:
             banned = set(p.stop_token_ids) | (set() if p.ignore_eos else set(eos_token_ids))
             banned = sorted(t for t in banned if 0 <= t < vocab_size)
             rows += [i] * len(banned)
