@@ -17,7 +17,7 @@ from types import SimpleNamespace
 
 import torch
 
-from pagedserve.attention.backend import AttentionMetadata
+from pagedserve.attention.testing import random_paged_step
 from pagedserve.attention.torch_ref import TorchReferenceBackend
 from pagedserve.attention.triton_backend import TritonBackend
 
@@ -54,26 +54,7 @@ def section(fn):
 # ---- kernels ------------------------------------------------------------------------------
 
 def paged_step(q_lens, seq_lens, block_size, num_blocks, gen):
-    perm = torch.randperm(num_blocks, generator=gen).tolist()
-    tables, slots, cursor = [], [], 0
-    for q_len, seq_len in zip(q_lens, seq_lens):
-        n = -(-seq_len // block_size)
-        blocks = perm[cursor:cursor + n]
-        cursor += n
-        tables.append(blocks)
-        slots += [blocks[p // block_size] * block_size + p % block_size for p in range(seq_len - q_len, seq_len)]
-    bt = torch.zeros(len(tables), max(len(t) for t in tables), dtype=torch.int32)
-    for i, t in enumerate(tables):
-        bt[i, :len(t)] = torch.tensor(t)
-    starts = [0]
-    for n in q_lens:
-        starts.append(starts[-1] + n)
-    return AttentionMetadata(
-        query_start_loc=torch.tensor(starts, dtype=torch.int32, device=DEV),
-        seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=DEV),
-        slot_mapping=torch.tensor(slots, dtype=torch.int64, device=DEV),
-        block_tables=bt.to(DEV), max_query_len=max(q_lens), max_seq_len=max(seq_lens),
-        query_start_loc_cpu=starts, seq_lens_cpu=list(seq_lens))
+    return random_paged_step(q_lens, seq_lens, block_size, num_blocks, gen, DEV)
 
 
 @section

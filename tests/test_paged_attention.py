@@ -11,37 +11,9 @@ import torch  # noqa: E402
 
 pytest.importorskip("triton")
 
-from pagedserve.attention.backend import AttentionMetadata  # noqa: E402
+from pagedserve.attention.testing import random_paged_step  # noqa: E402
 from pagedserve.attention.torch_ref import TorchReferenceBackend  # noqa: E402
 from pagedserve.attention.triton_backend import TritonBackend  # noqa: E402
-
-
-def _step(q_lens, seq_lens, num_blocks, block_size, gen):
-    """Random block tables and slot mapping for one step (new tokens at the end of each seq)."""
-    perm = torch.randperm(num_blocks, generator=gen).tolist()
-    tables, slots, cursor = [], [], 0
-    for q_len, seq_len in zip(q_lens, seq_lens):
-        n = -(-seq_len // block_size)
-        blocks = perm[cursor:cursor + n]
-        cursor += n
-        tables.append(blocks)
-        for pos in range(seq_len - q_len, seq_len):
-            slots.append(blocks[pos // block_size] * block_size + pos % block_size)
-    width = max(len(t) for t in tables)
-    bt = torch.zeros(len(tables), width, dtype=torch.int32)
-    for i, t in enumerate(tables):
-        bt[i, : len(t)] = torch.tensor(t)
-    starts = [0]
-    for n in q_lens:
-        starts.append(starts[-1] + n)
-    return AttentionMetadata(
-        query_start_loc=torch.tensor(starts, dtype=torch.int32),
-        seq_lens=torch.tensor(seq_lens, dtype=torch.int32),
-        slot_mapping=torch.tensor(slots, dtype=torch.int64),
-        block_tables=bt, max_query_len=max(q_lens), max_seq_len=max(seq_lens),
-        query_start_loc_cpu=starts, seq_lens_cpu=list(seq_lens),
-    )
-
 
 CASES = [
     # (heads, kv_heads, head_dim, block_size, q_lens, seq_lens, num_splits)
@@ -59,7 +31,7 @@ def test_triton_matches_reference(case, dtype):
     heads, kv_heads, dim, bs, q_lens, seq_lens, splits = case
     gen = torch.Generator().manual_seed(hash(str(case)) % 1000)
     num_blocks = sum(-(-n // bs) for n in seq_lens) + 3
-    meta = _step(q_lens, seq_lens, num_blocks, bs, gen)
+    meta = random_paged_step(q_lens, seq_lens, bs, num_blocks, gen)
     T = sum(q_lens)
     q = torch.randn(T, heads, dim, generator=gen).to(dtype)
     k = torch.randn(T, kv_heads, dim, generator=gen).to(dtype)

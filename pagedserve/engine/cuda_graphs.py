@@ -49,6 +49,7 @@ class DecodeGraphRunner:
         self.host = torch.zeros((5, b), dtype=torch.long).pin_memory() if dev.type == "cuda" else None
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.outputs: dict[int, torch.Tensor] = {}
+        # Kept so the tensors the graphs read (e.g. the backend's decode row ids) stay alive.
         self.metas: dict[int, AttentionMetadata] = {}
 
     def _meta(self, bs: int) -> AttentionMetadata:
