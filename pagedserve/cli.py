@@ -71,6 +71,9 @@ def build_parser() -> argparse.ArgumentParser:
     srv.add_argument("--reasoning-parser", default=None,
                      help="split <think>...</think> into reasoning_content (think, deepseek_r1, qwen3, nanbeige)")
     srv.add_argument("--max-request-body-bytes", type=int, default=8 << 20)
+    srv.add_argument("--engine", default="pagedserve", choices=["pagedserve", "hf", "hf-batched"],
+                     help="pagedserve, or a naive Transformers baseline: hf (one request at a time) "
+                          "or hf-batched (static batches of up to --max-num-seqs)")
     srv.add_argument("--log-stats-interval", type=float, default=10.0, help="seconds between status lines")
     srv.set_defaults(func=_cmd_serve)
 
@@ -99,7 +102,50 @@ def build_parser() -> argparse.ArgumentParser:
     lat.add_argument("--steps", type=int, default=64)
     lat.add_argument("--output-json", default=None)
     lat.set_defaults(func=_cmd_bench_latency)
+
+    srv_b = bench.add_parser("serve", help="load an OpenAI-compatible server and measure it")
+    srv_b.add_argument("--base-url", required=True, help="e.g. http://127.0.0.1:8000")
+    srv_b.add_argument("--model", default=None, help="model name (default: the server's first)")
+    srv_b.add_argument("--api-key", default=None)
+    srv_b.add_argument("--label", default=None, help="name of this engine in saved results")
+    srv_b.add_argument("--endpoint", default="completions", choices=["completions", "chat"])
+    srv_b.add_argument("--dataset", default="random",
+                       help="random | prefix | a JSON/JSONL file of ShareGPT conversations or prompts")
+    srv_b.add_argument("--input-len", type=int, default=1024)
+    srv_b.add_argument("--output-len", type=int, default=128)
+    srv_b.add_argument("--range-ratio", type=float, default=0.0)
+    srv_b.add_argument("--prefix-len", type=int, default=512, help="prefix dataset: shared tokens")
+    srv_b.add_argument("--num-prefixes", type=int, default=1)
+    srv_b.add_argument("--num-prompts", type=int, default=100)
+    srv_b.add_argument("--num-prompts-per-level", default=None, help="with a sweep: counts per level")
+    srv_b.add_argument("--request-rate", type=float, default=float("inf"))
+    srv_b.add_argument("--burstiness", type=float, default=1.0, help="gamma shape; 1 = Poisson")
+    srv_b.add_argument("--max-concurrency", type=int, default=None)
+    srv_b.add_argument("--concurrency-sweep", default=None, help="e.g. 1,16,64,256")
+    srv_b.add_argument("--warmup", type=int, default=2, help="requests sent first, not measured")
+    srv_b.add_argument("--temperature", type=float, default=0.0)
+    srv_b.add_argument("--ignore-eos", action=argparse.BooleanOptionalAction, default=True)
+    srv_b.add_argument("--goodput", nargs="*", default=None, help="SLOs, e.g. ttft:500 tpot:50")
+    srv_b.add_argument("--timeout", type=float, default=600.0, help="seconds per request")
+    srv_b.add_argument("--seed", type=int, default=0)
+    srv_b.add_argument("--no-progress", action="store_true")
+    srv_b.add_argument("--save-result", default=None, help="write the result JSON here")
+    srv_b.add_argument("--log-level", default=envs.log_level())
+    srv_b.set_defaults(func=_cmd_bench_serve)
+
+    from pagedserve.bench.compare import add_compare_parser
+
+    add_compare_parser(bench)
     return parser
+
+
+def _cmd_bench_serve(args: argparse.Namespace) -> int:
+    import json
+
+    from pagedserve.bench.serve_run import run_serve
+
+    print(json.dumps(run_serve(args)))
+    return 0
 
 
 def _cmd_bench_throughput(args: argparse.Namespace) -> int:

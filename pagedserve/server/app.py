@@ -53,11 +53,18 @@ class ServerSettings:
     max_body_bytes: int = 8 << 20
     log_stats_interval: float = 10.0
     log_level: str = "INFO"
+    engine_kind: str = "pagedserve"  # pagedserve | hf | hf-batched (baseline engines)
     extra: dict = field(default_factory=dict)
 
 
 def create_app(settings: ServerSettings) -> FastAPI:
-    client = AsyncEngineClient(settings.engine, settings.tokenizer, settings.log_level)
+    if settings.engine_kind == "pagedserve":
+        client = AsyncEngineClient(settings.engine, settings.tokenizer, settings.log_level)
+    else:  # the naive Transformers baselines, behind the same API
+        from pagedserve.baseline.hf_engine import HFEngineClient
+
+        client = HFEngineClient(settings.engine, settings.tokenizer, settings.log_level,
+                                batched=settings.engine_kind == "hf-batched")
     server = Server(client, settings.served_names, settings.max_waiting_requests,
                     settings.reasoning_parser)
     metrics = Metrics(settings.served_names[0])

@@ -48,6 +48,7 @@ def serve(args: argparse.Namespace, kw: dict) -> int:
         api_key=args.api_key or envs.api_key(), max_waiting_requests=args.max_waiting_requests,
         reasoning_parser=args.reasoning_parser, max_body_bytes=args.max_request_body_bytes,
         log_stats_interval=args.log_stats_interval, log_level=args.log_level.upper(),
+        engine_kind=getattr(args, "engine", "pagedserve"),
     )
     app = create_app(settings)
     logger.info("serving %s on http://%s:%d (OpenAI API under /v1)", names[0], args.host, args.port)

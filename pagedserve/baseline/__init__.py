@@ -1,0 +1,1 @@
+"""Deliberately naive baselines ("before" pictures) behind pagedserve's own HTTP API."""

@@ -1,0 +1,94 @@
+"""Benchmark prompts: random (token ids or text), shared prefixes, or a JSON/JSONL file."""
+
+from __future__ import annotations
+
+import json
+import random
+from dataclasses import dataclass
+from pathlib import Path
+
+_WORDS = ["the", "model", "serves", "many", "users", "at", "once", "and", "every", "token", "counts", "so", "we", "measure", "time", "to", "first", "token", "throughput", "latency", "under", "load", "with", "prompts", "of", "many", "lengths", "in", "english", "and", "中文", "用户", "服务", "模型", "速度"]
+
+
+@dataclass
+class BenchRequest:
+    """One prompt: token ids (completions endpoint) or text (either endpoint)."""
+
+    prompt: str | list[int]
+    output_len: int
+    input_len: int | None = None  # when known exactly (token-id prompts)
+
+
+def _lengths(n: int, mean: int, ratio: float, rng: random.Random) -> list[int]:
+    lo, hi = max(1, round(mean * (1 - ratio))), max(1, round(mean * (1 + ratio)))
+    return [rng.randint(lo, hi) for _ in range(n)]
+
+
+def random_dataset(n: int, input_len: int, output_len: int, range_ratio: float, seed: int,
+                   text: bool = False, vocab_cap: int = 32000) -> list[BenchRequest]:
+    """Random prompts, lengths uniform in len*(1-r)..len*(1+r); token ids below vocab_cap
+    (exact lengths) or text of about input_len words."""
+    rng = random.Random(seed)
+    ins, outs = _lengths(n, input_len, range_ratio, rng), _lengths(n, output_len, range_ratio, rng)
+    reqs = []
+    for i, o in zip(ins, outs):
+        if text:
+            reqs.append(BenchRequest(" ".join(rng.choice(_WORDS) for _ in range(i)), o))
+        else:
+            reqs.append(BenchRequest([rng.randrange(10, vocab_cap) for _ in range(i)], o, i))
+    return reqs
+
+
+def prefix_dataset(n: int, prefix_len: int, input_len: int, output_len: int, num_prefixes: int,
+                   seed: int, vocab_cap: int = 32000) -> list[BenchRequest]:
+    """Prompts made of one of `num_prefixes` shared prefixes plus a random suffix (token ids),
+    to measure prefix caching."""
+    rng = random.Random(seed)
+    prefixes = [[rng.randrange(10, vocab_cap) for _ in range(prefix_len)] for _ in range(num_prefixes)]
+    reqs = []
+    for i in range(n):
+        suffix = [rng.randrange(10, vocab_cap) for _ in range(max(1, input_len - prefix_len))]
+        ids = prefixes[i % num_prefixes] + suffix
+        reqs.append(BenchRequest(ids, output_len, len(ids)))
+    return reqs
+
+
+def file_dataset(path: str, n: int, output_len: int, seed: int) -> list[BenchRequest]:
+    """Prompts from a JSON list or JSONL file of ShareGPT conversations
+    ({"conversations": [{"from": "human", "value": ...}, ...]}) or of {"prompt": ...} / strings.
+    The first human turn is the prompt; the first reply's length in words, if any, sets the
+    output length, else output_len."""
+    p = Path(path)
+    if not p.is_file():
+        raise ValueError(f"dataset file {path} does not exist")
+    text = p.read_text(encoding="utf-8")
+    try:
+        items = json.loads(text) if text.lstrip().startswith("[") else [
+            json.loads(line) for line in text.splitlines() if line.strip()]
+    except json.JSONDecodeError as e:
+        raise ValueError(f"dataset file {path} is not JSON or JSONL: {e}") from None
+    reqs = []
+    for item in items:
+        prompt, out = _parse_item(item), output_len
+        if prompt is None:
+            continue
+        if isinstance(item, dict) and len(item.get("conversations", [])) > 1:
+            out = max(1, len(str(item["conversations"][1].get("value", "")).split()))
+        reqs.append(BenchRequest(prompt, out))
+    if not reqs:
+        raise ValueError(f"dataset file {path} holds no usable prompts")
+    random.Random(seed).shuffle(reqs)
+    return (reqs * (n // len(reqs) + 1))[:n]
+
+
+def _parse_item(item) -> str | None:
+    if isinstance(item, str):
+        return item or None
+    if not isinstance(item, dict):
+        return None
+    if "prompt" in item:
+        return str(item["prompt"]) or None
+    for turn in item.get("conversations", []):
+        if turn.get("from") in ("human", "user"):
+            return str(turn.get("value", "")) or None
+    return None

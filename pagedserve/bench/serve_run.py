@@ -1,0 +1,62 @@
+"""The `pagedserve bench serve` command: levels, the readable table, the saved JSON."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from pathlib import Path
+
+from pagedserve.bench.serve import build_dataset, discover_model, run_level
+
+
+def run_serve(args) -> dict:
+    base_url = args.base_url.rstrip("/")
+    model = args.model or discover_model(base_url, args.api_key)
+    levels: list[int | None]
+    if args.concurrency_sweep:
+        levels = [int(x) for x in args.concurrency_sweep.split(",")]
+    else:
+        levels = [args.max_concurrency]
+    counts = [int(x) for x in args.num_prompts_per_level.split(",")] if args.num_prompts_per_level else None
+    if counts and len(counts) != len(levels):
+        raise ValueError("--num-prompts-per-level needs one count per concurrency level")
+    runs = []
+    for i, level in enumerate(levels):
+        if counts:
+            args.num_prompts = counts[i]
+        reqs = build_dataset(args)
+        runs.append(asyncio.run(run_level(base_url, reqs, args, model, level)))
+        print_run(runs[-1])
+    result = {
+        "benchmark": "serve", "label": args.label or model, "base_url": base_url, "model": model,
+        "endpoint": args.endpoint, "date": time.strftime("%Y-%m-%d %H:%M:%S"),
+        "dataset": {"name": args.dataset, "input_len": args.input_len, "output_len": args.output_len,
+                    "range_ratio": args.range_ratio, "seed": args.seed},
+        "runs": runs,
+    }
+    if args.save_result:
+        Path(args.save_result).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.save_result).write_text(json.dumps(result, indent=1) + "\n")
+    return result
+
+
+def print_run(run: dict) -> None:
+    """One readable block per level."""
+    level = run["max_concurrency"] or "inf"
+    print(f"\n==== concurrency {level}, request rate {run['request_rate']} ====")
+    rows = [("completed / failed", f"{run['completed']} / {run['failed']}"),
+            ("duration (s)", f"{run['duration_s']:.2f}"),
+            ("request throughput (req/s)", f"{run['request_throughput']:.2f}"),
+            ("output throughput (tok/s)", f"{run['output_throughput']:.1f}"),
+            ("total throughput (tok/s)", f"{run['total_token_throughput']:.1f}")]
+    for key, name in (("ttft_ms", "TTFT"), ("tpot_ms", "TPOT"), ("itl_ms", "ITL"), ("e2el_ms", "E2E latency")):
+        s = run[key]
+        if s["mean"] is not None:
+            rows.append((f"{name} mean / p50 / p99 (ms)", f"{s['mean']:.1f} / {s['median']:.1f} / {s['p99']:.1f}"))
+    if run["goodput_rps"] is not None:
+        rows.append(("goodput (req/s)", f"{run['goodput_rps']:.2f}"))
+    if run["errors"]:
+        rows.append(("errors", "; ".join(run["errors"])))
+    for name, value in rows:
+        print(f"{name:<32} {value}")

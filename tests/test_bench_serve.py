@@ -1,0 +1,127 @@
+"""`pagedserve bench serve`: metrics on hand-made timelines, arrivals, datasets, a real run."""
+
+from __future__ import annotations
+
+import json
+import statistics
+from types import SimpleNamespace
+
+import pytest
+
+from pagedserve.bench.datasets import file_dataset, prefix_dataset, random_dataset
+from pagedserve.bench.serve import arrival_gaps
+from pagedserve.bench.serve_metrics import RequestRecord, compute_metrics, parse_goodput, summarize
+
+
+def _rec(start, first, chunks, end, out_tokens, prompt_tokens=10):
+    return RequestRecord(start=start, prompt_tokens=prompt_tokens, output_tokens=out_tokens,
+                         first_token=first, chunk_times=chunks, end=end)
+
+
+def test_metrics_on_a_hand_computed_timeline():
+    a = _rec(0.0, 0.1, [0.1, 0.3, 0.4], 0.4, 3)  # ttft 100, tpot (0.4-0.1)/2 = 150, itl 200, 100
+    b = _rec(1.0, 1.5, [1.5, 1.6], 1.6, 2)  # ttft 500, tpot 100, itl 100
+    c = RequestRecord(start=0.5, error="HTTP 503: busy")
+    m = compute_metrics([a, b, c], duration_s=2.0, goodput={"ttft": 200, "tpot": 200})
+    assert (m["completed"], m["failed"]) == (2, 1)
+    assert m["output_tokens"] == 5 and m["input_tokens"] == 20
+    assert m["output_throughput"] == pytest.approx(2.5) and m["request_throughput"] == pytest.approx(1.0)
+    assert m["total_token_throughput"] == pytest.approx(12.5)
+    assert m["ttft_ms"]["mean"] == pytest.approx(300) and m["ttft_ms"]["median"] == pytest.approx(300)
+    assert m["tpot_ms"]["mean"] == pytest.approx(125)
+    assert m["itl_ms"]["median"] == pytest.approx(100) and m["itl_ms"]["mean"] == pytest.approx(400 / 3)
+    assert m["e2el_ms"]["mean"] == pytest.approx(500)
+    assert m["goodput_rps"] == pytest.approx(0.5)  # only a meets ttft <= 200 ms
+    assert m["errors"] == ["HTTP 503: busy"]
+
+
+def test_percentiles_interpolate_like_numpy():
+    s = summarize([i / 1000 for i in range(1, 101)])  # 1..100 ms
+    assert s["median"] == pytest.approx(50.5) and s["p99"] == pytest.approx(99.01)
+    assert s["p90"] == pytest.approx(90.1) and s["mean"] == pytest.approx(50.5)
+    assert summarize([])["median"] is None
+
+
+def test_single_token_outputs_have_no_tpot():
+    m = compute_metrics([_rec(0.0, 0.2, [0.2], 0.2, 1)], 1.0)
+    assert m["tpot_ms"]["mean"] is None and m["ttft_ms"]["mean"] == pytest.approx(200)
+
+
+def test_goodput_parsing():
+    assert parse_goodput(["ttft:500", "tpot:50"]) == {"ttft": 500.0, "tpot": 50.0}
+    for bad in (["ttft"], ["speed:3"], ["tpot:fast"]):
+        with pytest.raises(ValueError, match="--goodput"):
+            parse_goodput(bad)
+
+
+def test_arrivals_match_the_requested_rate_and_burstiness():
+    assert arrival_gaps(5, float("inf"), 1.0, 0) == [0.0] * 5
+    poisson = arrival_gaps(20000, 10.0, 1.0, 0)
+    assert statistics.mean(poisson) == pytest.approx(0.1, rel=0.03)
+    assert statistics.pstdev(poisson) / statistics.mean(poisson) == pytest.approx(1.0, rel=0.05)
+    bursty = arrival_gaps(20000, 10.0, 0.25, 0)  # gamma shape 0.25: coefficient of variation 2
+    assert statistics.mean(bursty) == pytest.approx(0.1, rel=0.06)
+    assert statistics.pstdev(bursty) / statistics.mean(bursty) == pytest.approx(2.0, rel=0.08)
+    assert arrival_gaps(10, 5.0, 1.0, 7) == arrival_gaps(10, 5.0, 1.0, 7)
+    with pytest.raises(ValueError):
+        arrival_gaps(3, -1.0, 1.0, 0)
+
+
+def test_datasets_are_reproducible_by_seed(tmp_path):
+    a = random_dataset(20, 100, 10, 0.5, seed=3)
+    assert a == random_dataset(20, 100, 10, 0.5, seed=3) and a != random_dataset(20, 100, 10, 0.5, seed=4)
+    assert all(50 <= len(r.prompt) <= 150 and r.input_len == len(r.prompt) for r in a)
+    texts = random_dataset(5, 30, 10, 0.0, seed=0, text=True)
+    assert all(isinstance(r.prompt, str) and len(r.prompt.split()) == 30 for r in texts)
+    p = prefix_dataset(6, 32, 40, 8, num_prefixes=2, seed=0)
+    assert p[0].prompt[:32] == p[2].prompt[:32] != p[1].prompt[:32]
+    assert all(len(r.prompt) == 40 for r in p)
+    convs = [{"conversations": [{"from": "human", "value": "hi there"},
+                                {"from": "gpt", "value": "hello you two"}]}, {"prompt": "plain"}]
+    path = tmp_path / "d.jsonl"
+    path.write_text("\n".join(json.dumps(c) for c in convs))
+    got = file_dataset(str(path), 4, 16, seed=0)
+    assert sorted({(r.prompt, r.output_len) for r in got}) == [("hi there", 3), ("plain", 16)]
+    with pytest.raises(ValueError, match="no usable prompts"):
+        bad = tmp_path / "e.json"
+        bad.write_text("[1, 2]")
+        file_dataset(str(bad), 2, 4, 0)
+
+
+def _args(**kw):
+    base = dict(model=None, api_key=None, label="ours", endpoint="completions", dataset="random",
+                input_len=24, output_len=6, range_ratio=0.0, prefix_len=16, num_prefixes=1,
+                num_prompts=6, num_prompts_per_level=None, request_rate=float("inf"),
+                burstiness=1.0, max_concurrency=None, concurrency_sweep="1,3", warmup=1,
+                temperature=0.0, ignore_eos=True, goodput=None, timeout=120.0, seed=0,
+                no_progress=True, save_result=None)
+    base.update(kw)
+    return SimpleNamespace(**base)
+
+
+def test_end_to_end_against_a_real_server(server, tmp_path):
+    from pagedserve.bench.serve_run import run_serve
+
+    out = tmp_path / "r.json"
+    result = run_serve(_args(base_url=server.url, save_result=str(out)))
+    assert json.loads(out.read_text()) == result
+    assert result["model"] == "smollm2-135m-instruct"
+    assert [r["max_concurrency"] for r in result["runs"]] == [1, 3]
+    for run in result["runs"]:
+        assert run["completed"] == 6 and run["failed"] == 0
+        assert run["output_tokens"] == 6 * 6  # from the server's usage; ignore_eos
+        assert run["input_tokens"] == 6 * 24  # token-id prompts of exact length
+        assert run["ttft_ms"]["median"] > 0 and run["tpot_ms"]["median"] > 0
+    chat = run_serve(_args(base_url=server.url, endpoint="chat", concurrency_sweep=None,
+                           max_concurrency=2, num_prompts=3))
+    assert chat["runs"][0]["completed"] == 3 and chat["runs"][0]["output_tokens"] == 18
+
+
+def test_failures_are_counted_not_raised(server):
+    from pagedserve.bench.serve_run import run_serve
+
+    # 3000-token prompts exceed the server's 2048-token context: every request gets a 400.
+    result = run_serve(_args(base_url=server.url, input_len=3000, concurrency_sweep=None,
+                             num_prompts=2, warmup=0))
+    run = result["runs"][0]
+    assert run["completed"] == 0 and run["failed"] == 2 and "HTTP 400" in run["errors"][0]
