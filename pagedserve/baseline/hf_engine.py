@@ -213,16 +213,9 @@ class HFEngineClient:
             self._cond.notify_all()
         self.stats = self._make_stats()
         try:
-            while True:
-                await pending.wake.wait()
-                pending.wake.clear()
-                if pending.error is not None:
-                    raise pending.error
-                state = pending.state
+            async for state in pending.states():
                 finished = state.finished
                 yield state
-                if finished:
-                    return
         finally:
             self._pending.pop(request_id, None)
             self.processor.remove(request_id)

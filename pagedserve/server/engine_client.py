@@ -49,6 +49,17 @@ class _Pending:
     arrival: float = field(default_factory=time.monotonic)
     first_token: float | None = None
 
+    async def states(self) -> AsyncIterator[SampleState]:
+        """Each state the sample is woken with, up to the finished one; a delivered error raises."""
+        while True:
+            await self.wake.wait()
+            self.wake.clear()
+            if self.error is not None:
+                raise self.error
+            yield self.state
+            if self.state.finished:
+                return
+
 
 class AsyncEngineClient:
     def __init__(self, config: EngineConfig, tokenizer: Tokenizer, log_level: str = "INFO") -> None:
@@ -134,16 +145,9 @@ class AsyncEngineClient:
         finished = False
         try:
             await self._in.send_pyobj(("add", EngineRequest(request_id, prompt_ids, params, priority)))
-            while True:
-                await pending.wake.wait()
-                pending.wake.clear()
-                if pending.error is not None:
-                    raise pending.error
-                state = pending.state
+            async for state in pending.states():
                 finished = state.finished
                 yield state
-                if finished:
-                    return
         finally:
             self._pending.pop(request_id, None)
             self.processor.remove(request_id)
