@@ -34,6 +34,7 @@ from pagedserve.server.serving import (
     generate_all,
     make_params,
     new_id,
+    usage,
 )
 from pagedserve.tokenizer import Tokenizer
 
@@ -151,10 +152,8 @@ def create_app(settings: ServerSettings) -> FastAPI:
         server.check_capacity(choices)
 
         state = (await generate_all(client, request, new_id("gen"), choices))[0]
-        n = len(state.token_ids)
         return JSONResponse({"text": state.visible_text(), "finish_reason": state.finish_reason,
-                             "usage": {"prompt_tokens": len(ids), "completion_tokens": n,
-                                       "total_tokens": len(ids) + n}})
+                             "usage": usage(len(ids), len(state.token_ids))})
 
     return app
 

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import time
 from collections.abc import AsyncIterator
 
@@ -10,7 +9,7 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
 from pagedserve.engine.output_processor import SampleState
-from pagedserve.server.errors import APIError, error_body
+from pagedserve.server.errors import APIError
 from pagedserve.server.protocol import ChatCompletionRequest
 from pagedserve.server.reasoning import ReasoningParser, get_reasoning_parser
 from pagedserve.server.serving import (
@@ -20,6 +19,9 @@ from pagedserve.server.serving import (
     make_params,
     new_id,
     run_choices,
+    sse_chunk,
+    sse_error,
+    usage,
 )
 
 
@@ -88,9 +90,7 @@ async def create_chat_completion(server: Server, body: ChatCompletionRequest, re
     completion = sum(len(final[c.index].token_ids) for c in choices)
     return JSONResponse({
         "id": rid, "object": "chat.completion", "created": created, "model": model,
-        "choices": out,
-        "usage": {"prompt_tokens": len(prompt_ids), "completion_tokens": completion,
-                  "total_tokens": len(prompt_ids) + completion},
+        "choices": out, "usage": usage(len(prompt_ids), completion),
     })
 
 
@@ -102,12 +102,10 @@ async def _stream(server: Server, body: ChatCompletionRequest, choices: list[Cho
     parsers = {c.index: _parser(server, opened) for c in choices}
     completion_tokens = 0
 
-    def chunk(choice_list: list[dict], usage: dict | None = None) -> str:
-        data = {"id": rid, "object": "chat.completion.chunk", "created": created, "model": model,
-                "choices": choice_list}
-        if usage is not None or body.include_usage:
-            data["usage"] = usage
-        return f"data: {json.dumps(data, ensure_ascii=False)}\n\n"
+    header = {"id": rid, "object": "chat.completion.chunk", "created": created, "model": model}
+
+    def chunk(choice_list: list[dict], usage_obj: dict | None = None) -> str:
+        return sse_chunk(header, choice_list, body.include_usage, usage_obj)
 
     try:
         for c in choices:
@@ -142,9 +140,7 @@ async def _stream(server: Server, body: ChatCompletionRequest, choices: list[Cho
                           "finish_reason": s.finish_reason,
                           "stop_reason": s.stop_reason if s.finished else None}])
         if body.include_usage:
-            yield chunk([], {"prompt_tokens": len(prompt_ids), "completion_tokens": completion_tokens,
-                             "total_tokens": len(prompt_ids) + completion_tokens})
+            yield chunk([], usage(len(prompt_ids), completion_tokens))
         yield "data: [DONE]\n\n"
-    except Exception as e:  # headers are sent: report the error in-band
-        status = e.status if isinstance(e, APIError) else 500
-        yield f"data: {json.dumps(error_body(status, str(e)))}\n\n"
+    except Exception as e:
+        yield sse_error(e)

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import time
 from collections.abc import AsyncIterator
 
@@ -18,6 +17,9 @@ from pagedserve.server.serving import (
     make_params,
     new_id,
     run_choices,
+    sse_chunk,
+    sse_error,
+    usage,
 )
 
 
@@ -69,12 +71,9 @@ async def create_completion(server: Server, body: CompletionRequest, request: Re
             "finish_reason": s.finish_reason, "stop_reason": s.stop_reason,
         })
     completion = sum(len(final[c.index].token_ids) for c in choices)
-    prompt_tokens = sum(len(p) for p in prompts)
     return JSONResponse({
         "id": rid, "object": "text_completion", "created": created, "model": model,
-        "choices": out_choices,
-        "usage": {"prompt_tokens": prompt_tokens, "completion_tokens": completion,
-                  "total_tokens": prompt_tokens + completion},
+        "choices": out_choices, "usage": usage(sum(len(p) for p in prompts), completion),
     })
 
 
@@ -86,12 +85,10 @@ async def _stream(server: Server, body: CompletionRequest, choices: list[Choice]
     offsets = {c.index: 0 for c in choices}
     completion_tokens = 0
 
-    def chunk(choice_list: list[dict], usage: dict | None = None) -> str:
-        data = {"id": rid, "object": "text_completion", "created": created, "model": model,
-                "choices": choice_list}
-        if usage is not None or body.include_usage:
-            data["usage"] = usage
-        return f"data: {json.dumps(data, ensure_ascii=False)}\n\n"
+    header = {"id": rid, "object": "text_completion", "created": created, "model": model}
+
+    def chunk(choice_list: list[dict], usage_obj: dict | None = None) -> str:
+        return sse_chunk(header, choice_list, body.include_usage, usage_obj)
 
     try:
         if body.echo:
@@ -114,12 +111,7 @@ async def _stream(server: Server, body: CompletionRequest, choices: list[Choice]
                           "finish_reason": s.finish_reason,
                           "stop_reason": s.stop_reason if s.finished else None}])
         if body.include_usage:
-            prompt_tokens = sum(len(p) for p in prompts)
-            yield chunk([], {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-                             "total_tokens": prompt_tokens + completion_tokens})
+            yield chunk([], usage(sum(len(p) for p in prompts), completion_tokens))
         yield "data: [DONE]\n\n"
-    except Exception as e:  # headers are sent: report the error in-band, as OpenAI does
-        from pagedserve.server.errors import APIError, error_body
-
-        status = e.status if isinstance(e, APIError) else 500
-        yield f"data: {json.dumps(error_body(status, str(e)))}\n\n"
+    except Exception as e:
+        yield sse_error(e)

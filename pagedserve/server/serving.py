@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import json
 import time
 import uuid
 import weakref
@@ -14,7 +15,7 @@ from fastapi import Request
 from pagedserve.engine.output_processor import SampleState
 from pagedserve.sampling_params import SamplingParams
 from pagedserve.server.engine_client import AsyncEngineClient, EngineDeadError, RequestRejected
-from pagedserve.server.errors import APIError
+from pagedserve.server.errors import APIError, error_body
 
 
 @dataclass(eq=False)  # hashed by identity: Server counts the live ones in a WeakSet
@@ -192,3 +193,25 @@ async def generate_all(client: AsyncEngineClient, request: Request, request_id: 
         return final
 
     return await unless_disconnected(request, collect())
+
+
+def usage(prompt_tokens: int, completion_tokens: int) -> dict:
+    """The OpenAI usage object."""
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens}
+
+
+def sse_chunk(header: dict, choices: list[dict], include_usage: bool,
+              usage_obj: dict | None = None) -> str:
+    """One server-sent event of a stream: header (id, object, created, model) + choices; with
+    stream_options.include_usage every chunk carries "usage" (null until the last)."""
+    data = {**header, "choices": choices}
+    if usage_obj is not None or include_usage:
+        data["usage"] = usage_obj
+    return f"data: {json.dumps(data, ensure_ascii=False)}\n\n"
+
+
+def sse_error(e: Exception) -> str:
+    """An error after the stream's headers went out is reported in-band, as OpenAI does."""
+    status = e.status if isinstance(e, APIError) else 500
+    return f"data: {json.dumps(error_body(status, str(e)))}\n\n"
