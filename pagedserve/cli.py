@@ -104,13 +104,18 @@ def build_parser() -> argparse.ArgumentParser:
     lat.set_defaults(func=_cmd_bench_latency)
 
     srv_b = bench.add_parser("serve", help="load an OpenAI-compatible server and measure it")
-    srv_b.add_argument("--base-url", required=True, help="e.g. http://127.0.0.1:8000")
+    srv_b.add_argument("--base-url", default="http://127.0.0.1:8000", help="the server to measure")
+    srv_b.add_argument("--launch", default=None, metavar="CMD",
+                       help="start this server command first (e.g. 'pagedserve serve qwen3-4b-instruct-2507 "
+                            "--load-format dummy'), record its start-up time and peak GPU memory, stop it after")
+    srv_b.add_argument("--launch-timeout", type=float, default=900.0, help="seconds to wait for /health")
     srv_b.add_argument("--model", default=None, help="model name (default: the server's first)")
     srv_b.add_argument("--api-key", default=None)
     srv_b.add_argument("--label", default=None, help="name of this engine in saved results")
     srv_b.add_argument("--endpoint", default="completions", choices=["completions", "chat"])
     srv_b.add_argument("--dataset", default="random",
-                       help="random | prefix | a JSON/JSONL file of ShareGPT conversations or prompts")
+                       help="random | prefix | short (15 short English and Chinese chat prompts, "
+                            "as blog-post wrapper benchmarks use) | a JSON/JSONL file of ShareGPT conversations or prompts")
     srv_b.add_argument("--input-len", type=int, default=1024)
     srv_b.add_argument("--output-len", type=int, default=128)
     srv_b.add_argument("--range-ratio", type=float, default=0.0)
@@ -136,6 +141,9 @@ def build_parser() -> argparse.ArgumentParser:
     from pagedserve.bench.compare import add_compare_parser
 
     add_compare_parser(bench)
+    from pagedserve.monitor.top import add_top_parser
+
+    add_top_parser(sub)
     return parser
 
 

@@ -6,6 +6,7 @@ import json
 import statistics
 from types import SimpleNamespace
 
+import httpx
 import pytest
 
 from pagedserve.bench.datasets import file_dataset, prefix_dataset, random_dataset
@@ -94,7 +95,7 @@ def _args(**kw):
                 num_prompts=6, num_prompts_per_level=None, request_rate=float("inf"),
                 burstiness=1.0, max_concurrency=None, concurrency_sweep="1,3", warmup=1,
                 temperature=0.0, ignore_eos=True, goodput=None, timeout=120.0, seed=0,
-                no_progress=True, save_result=None)
+                no_progress=True, save_result=None, launch=None, launch_timeout=60.0)
     base.update(kw)
     return SimpleNamespace(**base)
 
@@ -125,3 +126,103 @@ def test_failures_are_counted_not_raised(server):
                              num_prompts=2, warmup=0))
     run = result["runs"][0]
     assert run["completed"] == 0 and run["failed"] == 2 and "HTTP 400" in run["errors"][0]
+
+
+def test_short_dataset_is_the_fifteen_prompts_in_order():
+    from pagedserve.bench.datasets import SHORT_PROMPTS, short_dataset
+
+    reqs = short_dataset(17, 100)
+    assert len(SHORT_PROMPTS) == 15 and len(set(SHORT_PROMPTS)) == 15
+    assert [r.prompt for r in reqs[:15]] == SHORT_PROMPTS
+    assert reqs[15].prompt == SHORT_PROMPTS[0] and {r.output_len for r in reqs} == {100}
+    assert any("首都" in p for p in SHORT_PROMPTS) and any("France" in p for p in SHORT_PROMPTS)
+
+
+class _FakeNvml:
+    """pynvml stand-in: two GPUs whose used memory climbs by 1 GiB per reading to +5 GiB, then drops."""
+
+    def __init__(self):
+        self.readings = 0
+
+    def nvmlInit(self):
+        pass
+
+    def nvmlDeviceGetCount(self):
+        return 2
+
+    def nvmlDeviceGetHandleByIndex(self, i):
+        return i
+
+    def nvmlDeviceGetMemoryInfo(self, handle):
+        self.readings += handle == 0  # one reading = both GPUs
+        step = min(self.readings - 1, 5) if self.readings < 20 else 0
+        return SimpleNamespace(used=(handle + 1 + step) << 30)
+
+
+def test_gpu_memory_sampler_keeps_the_peak_above_the_baseline(monkeypatch):
+    import sys
+    import time
+
+    from pagedserve.bench.launcher import GpuMemorySampler
+
+    monkeypatch.setitem(sys.modules, "pynvml", _FakeNvml())
+    sampler = GpuMemorySampler(interval_s=0.005)
+    sampler.start()
+    assert sampler.baseline == 3 << 30  # 1 + 2 GiB at the first reading
+    time.sleep(0.5)  # the fake climbs to +5 GiB per GPU, then falls back to the baseline
+    sampler.stop()
+    assert sampler.peak_above_baseline() == 10 << 30
+
+
+def test_gpu_memory_sampler_without_nvml_reports_none(monkeypatch):
+    import sys
+
+    from pagedserve.bench.launcher import GpuMemorySampler
+
+    monkeypatch.setitem(sys.modules, "pynvml", None)  # import fails
+    sampler = GpuMemorySampler()
+    sampler.start()
+    sampler.stop()
+    assert sampler.peak_above_baseline() is None
+
+
+def test_launch_measures_startup_and_stops_the_server(tmp_path):
+    import sys
+
+    from server_helpers import KV_CACHE_BYTES, free_port
+
+    from pagedserve.bench.serve_run import run_serve
+
+    port = free_port()
+    cmd = (f"{sys.executable} -m pagedserve.cli serve --host 127.0.0.1 --port {port} --device cpu "
+           f"--dtype float32 --max-model-len 1024 --kv-cache-memory {KV_CACHE_BYTES} --log-level WARNING")
+    url = f"http://127.0.0.1:{port}"
+    result = run_serve(_args(base_url=url, launch=cmd, launch_timeout=300.0, dataset="short",
+                             endpoint="chat", output_len=4, num_prompts=3, warmup=0,
+                             concurrency_sweep=None, max_concurrency=3))
+    launch = result["launch"]
+    assert launch["command"] == cmd and 0 < launch["startup_s"] < 300
+    assert launch["peak_gpu_memory_bytes"] is None  # no GPU on the test machine
+    assert result["runs"][0]["completed"] == 3 and result["runs"][0]["output_tokens"] == 12
+    with pytest.raises(httpx.HTTPError):  # the launched server and its engine are gone
+        httpx.get(f"{url}/health", timeout=2)
+
+
+def test_launch_reports_a_server_that_dies_with_its_log():
+    import sys
+
+    from server_helpers import free_port
+
+    from pagedserve.bench.launcher import LaunchedServer, LaunchError
+
+    cmd = f"{sys.executable} -c \"print('model file is missing'); raise SystemExit(3)\""
+    with pytest.raises(LaunchError, match=r"(?s)exited with code 3.*model file is missing"), \
+            LaunchedServer(cmd, f"http://127.0.0.1:{free_port()}", timeout_s=60):
+        pass
+
+
+def test_launch_refuses_a_port_already_serving(server):
+    from pagedserve.bench.launcher import LaunchedServer, LaunchError
+
+    with pytest.raises(LaunchError, match="already answers"), LaunchedServer("true", server.url):
+        pass

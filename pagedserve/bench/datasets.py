@@ -10,6 +10,27 @@ from pathlib import Path
 _WORDS = ["the", "model", "serves", "many", "users", "at", "once", "and", "every", "token", "counts", "so", "we", "measure", "time", "to", "first", "token", "throughput", "latency", "under", "load", "with", "prompts", "of", "many", "lengths", "in", "english", "and", "中文", "用户", "服务", "模型", "速度"]
 
 
+# The kind of prompt list hand-written wrapper benchmarks in blog posts send: short questions,
+# English and Chinese, each a chat turn with max_tokens around 100.
+SHORT_PROMPTS = [
+    "What is the capital of France?",
+    "Explain what a large language model is in two sentences.",
+    "Write a haiku about autumn rain.",
+    "Give three tips for staying focused while working from home.",
+    "What is the difference between a list and a tuple in Python?",
+    "Summarize the plot of Romeo and Juliet in one paragraph.",
+    "How does a refrigerator keep food cold?",
+    "Translate 'Good morning, how are you?' into Spanish.",
+    "请用一句话介绍一下你自己。",
+    "中国的首都是哪里？",
+    "写一首关于春天的五言绝句。",
+    "解释一下什么是机器学习。",
+    "给我推荐三本适合初学者的编程书。",
+    "如何提高睡眠质量？请给出三条建议。",
+    "用简单的语言解释相对论。",
+]
+
+
 @dataclass
 class BenchRequest:
     """One prompt: token ids (completions endpoint) or text (either endpoint)."""
@@ -51,6 +72,11 @@ def prefix_dataset(n: int, prefix_len: int, input_len: int, output_len: int, num
         ids = prefixes[i % num_prefixes] + suffix
         reqs.append(BenchRequest(ids, output_len, len(ids)))
     return reqs
+
+
+def short_dataset(n: int, output_len: int) -> list[BenchRequest]:
+    """The 15 SHORT_PROMPTS in order, repeated to n requests (text, for the chat endpoint)."""
+    return [BenchRequest(SHORT_PROMPTS[i % len(SHORT_PROMPTS)], output_len) for i in range(n)]
 
 
 def file_dataset(path: str, n: int, output_len: int, seed: int) -> list[BenchRequest]:

@@ -16,7 +16,13 @@ from collections.abc import AsyncIterator
 
 import httpx
 
-from pagedserve.bench.datasets import BenchRequest, file_dataset, prefix_dataset, random_dataset
+from pagedserve.bench.datasets import (
+    BenchRequest,
+    file_dataset,
+    prefix_dataset,
+    random_dataset,
+    short_dataset,
+)
 from pagedserve.bench.serve_metrics import RequestRecord, compute_metrics, parse_goodput
 
 
@@ -39,6 +45,8 @@ def build_dataset(args) -> list[BenchRequest]:
     if args.dataset == "prefix":
         return prefix_dataset(n, args.prefix_len, args.input_len, args.output_len,
                               args.num_prefixes, args.seed)
+    if args.dataset == "short":
+        return short_dataset(n, args.output_len)
     return file_dataset(args.dataset, n, args.output_len, args.seed)
 
 

@@ -7,11 +7,28 @@ import json
 import time
 from pathlib import Path
 
+from pagedserve.bench.launcher import LaunchedServer
 from pagedserve.bench.serve import build_dataset, discover_model, run_level
 
 
 def run_serve(args) -> dict:
+    """Measure the server at --base-url (first starting it with --launch); print, save, return."""
     base_url = args.base_url.rstrip("/")
+    if args.launch:
+        with LaunchedServer(args.launch, base_url, args.launch_timeout) as server:
+            print(f"launched server healthy after {server.startup_s:.1f} s: {args.launch}")
+            result = _measure(args, base_url)
+            result["launch"] = server.info().as_dict()
+        print_launch(result["launch"])
+    else:
+        result = _measure(args, base_url)
+    if args.save_result:
+        Path(args.save_result).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.save_result).write_text(json.dumps(result, indent=1) + "\n")
+    return result
+
+
+def _measure(args, base_url: str) -> dict:
     model = args.model or discover_model(base_url, args.api_key)
     levels: list[int | None]
     if args.concurrency_sweep:
@@ -35,10 +52,13 @@ def run_serve(args) -> dict:
                     "range_ratio": args.range_ratio, "seed": args.seed},
         "runs": runs,
     }
-    if args.save_result:
-        Path(args.save_result).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.save_result).write_text(json.dumps(result, indent=1) + "\n")
     return result
+
+
+def print_launch(launch: dict) -> None:
+    gib = launch["peak_gpu_memory_gib"]
+    print(f"\n==== launched server ====\n{'start-up to healthy (s)':<32} {launch['startup_s']:.2f}\n"
+          f"{'peak GPU memory (GiB)':<32} {'n/a (no NVML GPU)' if gib is None else f'{gib:.2f}'}")
 
 
 def print_run(run: dict) -> None:

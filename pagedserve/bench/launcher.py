@@ -1,0 +1,182 @@
+"""`pagedserve bench serve --launch CMD`: start the server under test, time its start-up, watch
+its GPU memory, and stop it afterwards.
+
+Start-up time runs from spawning the command to the first 200 from `GET /health` (vLLM, SGLang
+and pagedserve all serve it). Peak GPU memory is NVML's device-wide "used" memory, sampled
+every 100 ms while the server lives, minus what was used just before the launch: the whole
+server (every process it forks) without needing per-process accounting, which containers hide.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import shlex
+import signal
+import subprocess
+import tempfile
+import threading
+import time
+from collections import deque
+from dataclasses import dataclass
+
+import httpx
+
+
+class LaunchError(ValueError):
+    """The launched server exited or did not become healthy; the message carries its log tail."""
+
+
+@dataclass
+class LaunchInfo:
+    """What the launch measured (saved under "launch" in the result JSON)."""
+
+    command: str
+    startup_s: float
+    peak_gpu_memory_bytes: int | None = None  # None: no NVML / no GPU
+
+    def as_dict(self) -> dict:
+        gib = None if self.peak_gpu_memory_bytes is None else round(self.peak_gpu_memory_bytes / 2**30, 2)
+        return {"command": self.command, "startup_s": round(self.startup_s, 2),
+                "peak_gpu_memory_bytes": self.peak_gpu_memory_bytes, "peak_gpu_memory_gib": gib}
+
+
+class GpuMemorySampler:
+    """Background thread recording the peak of NVML's used memory summed over all GPUs."""
+
+    def __init__(self, interval_s: float = 0.1) -> None:
+        self.interval_s = interval_s
+        self.baseline: int | None = None
+        self.peak: int | None = None
+        self._handles: list = []
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        try:
+            import pynvml
+
+            pynvml.nvmlInit()
+            self._nvml = pynvml
+            self._handles = [pynvml.nvmlDeviceGetHandleByIndex(i) for i in range(pynvml.nvmlDeviceGetCount())]
+        except Exception:  # no nvidia-ml-py, no driver or no GPU: nothing to sample
+            self._nvml = None
+
+    def used(self) -> int | None:
+        if not self._handles:
+            return None
+        try:
+            return sum(int(self._nvml.nvmlDeviceGetMemoryInfo(h).used) for h in self._handles)
+        except Exception:
+            return None
+
+    def start(self) -> None:
+        self.baseline = self.used()
+        if self.baseline is None:
+            return
+        self.peak = self.baseline
+        self._thread = threading.Thread(target=self._run, name="gpu-memory-sampler", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.interval_s):
+            used = self.used()
+            if used is not None and used > (self.peak or 0):
+                self.peak = used
+
+    def peak_above_baseline(self) -> int | None:
+        """Bytes used at the peak beyond the baseline taken at start() (None without NVML)."""
+        if self.baseline is None or self.peak is None:
+            return None
+        return max(0, self.peak - self.baseline)
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=2)
+
+
+class LaunchedServer:
+    """Context manager: spawn `command` in its own process group, wait for `base_url/health`,
+    and on exit stop the whole group (SIGINT, then SIGKILL after `stop_timeout_s`)."""
+
+    def __init__(self, command: str, base_url: str, timeout_s: float = 900.0,
+                 stop_timeout_s: float = 30.0) -> None:
+        self.command = command
+        self.base_url = base_url.rstrip("/")
+        self.timeout_s = timeout_s
+        self.stop_timeout_s = stop_timeout_s
+        self.sampler = GpuMemorySampler()
+        self.startup_s: float | None = None
+        self._proc: subprocess.Popen | None = None
+        self._log_fd, self._log_path = tempfile.mkstemp(prefix="pagedserve-launch-", suffix=".log")
+
+    def __enter__(self) -> LaunchedServer:
+        argv = shlex.split(self.command)
+        if not argv:
+            raise LaunchError("--launch needs a command, e.g. --launch 'pagedserve serve --port 8000'")
+        if self._port_answers():
+            raise LaunchError(f"something already answers at {self.base_url}; stop it or pick another port")
+        self.sampler.start()
+        t0 = time.perf_counter()
+        try:
+            self._proc = subprocess.Popen(argv, stdout=self._log_fd, stderr=subprocess.STDOUT,
+                                          stdin=subprocess.DEVNULL, start_new_session=True)
+        except OSError as e:
+            self.sampler.stop()
+            raise LaunchError(f"cannot start {argv[0]!r}: {e}") from None
+        try:
+            self._wait_healthy(t0)
+        except BaseException:
+            self.__exit__(None, None, None)
+            raise
+        self.startup_s = time.perf_counter() - t0
+        return self
+
+    def _port_answers(self) -> bool:
+        try:
+            httpx.get(f"{self.base_url}/health", timeout=1.0)
+            return True
+        except httpx.HTTPError:
+            return False
+
+    def _wait_healthy(self, t0: float) -> None:
+        assert self._proc is not None
+        while time.perf_counter() - t0 < self.timeout_s:
+            if self._proc.poll() is not None:
+                raise LaunchError(f"the launched server exited with code {self._proc.returncode} "
+                                  f"before it was healthy; its last lines:\n{self.log_tail()}")
+            try:
+                if httpx.get(f"{self.base_url}/health", timeout=2.0).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.1)
+        raise LaunchError(f"the launched server was not healthy at {self.base_url}/health after "
+                          f"{self.timeout_s:.0f} s; its last lines:\n{self.log_tail()}")
+
+    def log_tail(self, lines: int = 20) -> str:
+        with open(self._log_path, encoding="utf-8", errors="replace") as f:
+            return "".join(deque(f, maxlen=lines))
+
+    def info(self) -> LaunchInfo:
+        """Start-up time and the GPU memory peak so far (call before leaving the context)."""
+        return LaunchInfo(self.command, self.startup_s or 0.0, self.sampler.peak_above_baseline())
+
+    def __exit__(self, *exc) -> None:
+        proc, self._proc = self._proc, None
+        if proc is not None and proc.poll() is None:
+            try:
+                os.killpg(proc.pid, signal.SIGINT)
+                proc.wait(timeout=self.stop_timeout_s)
+            except subprocess.TimeoutExpired:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
+            except ProcessLookupError:
+                pass
+        if proc is not None:
+            with contextlib.suppress(ProcessLookupError):  # whatever the server forked and left
+                os.killpg(proc.pid, signal.SIGKILL)
+        self.sampler.stop()
+        if self._log_fd >= 0:
+            os.close(self._log_fd)
+            os.unlink(self._log_path)
+            self._log_fd = -1
