@@ -15,6 +15,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from pagedserve.config import EngineConfig
+from pagedserve.monitor.collectors import register_system_collectors
 from pagedserve.sampling_params import SamplingParams
 from pagedserve.server.chat import create_chat_completion
 from pagedserve.server.completions import create_completion
@@ -70,6 +71,8 @@ def create_app(settings: ServerSettings) -> FastAPI:
                     settings.reasoning_parser)
     metrics = Metrics(settings.served_names[0])
     client.on_finish = metrics.on_finish
+    # GPU (NVML) and process CPU/memory, read on each scrape; the baselines have no engine pid.
+    register_system_collectors(metrics.registry, lambda: getattr(client, "engine_pid", None))
 
     @contextlib.asynccontextmanager
     async def lifespan(_: FastAPI):

@@ -127,6 +127,12 @@ class AsyncEngineClient:
     def num_in_flight(self) -> int:
         return len(self._pending)
 
+    @property
+    def engine_pid(self) -> int | None:
+        """The engine-core process's pid (for the process metrics), once started."""
+        proc = getattr(self, "_proc", None)
+        return proc.pid if proc is not None else None
+
     # ---- requests ---------------------------------------------------------------------
 
     async def generate(

@@ -46,9 +46,9 @@ class Metrics:
         self._logged = (time.monotonic(), 0, 0)
 
     def update(self, stats: CoreStats | None) -> None:
-        """Bring gauges and counters up to the core's latest stats."""
+        """Bring gauges and counters up to the core's latest stats (zeros before the first)."""
         if stats is None:
-            return
+            stats = self._last
         m, last = self.model_name, self._last
         self.running.labels(m).set(stats.num_running)
         self.waiting.labels(m).set(stats.num_waiting)

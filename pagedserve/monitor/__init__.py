@@ -1,0 +1,1 @@
+"""Monitoring: GPU and process collectors for /metrics, and `pagedserve top`."""
