@@ -144,6 +144,9 @@ def build_parser() -> argparse.ArgumentParser:
     from pagedserve.monitor.top import add_top_parser
 
     add_top_parser(sub)
+    from pagedserve.ui.cli import add_ui_parsers
+
+    add_ui_parsers(sub)  # `ui` and `up` (up takes serve's flags, so it comes after serve)
     return parser
 
 
@@ -200,6 +203,7 @@ def _cmd_generate(args: argparse.Namespace) -> int:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.getLogger("httpx").setLevel(logging.WARNING)  # one INFO line per request otherwise
     from pagedserve.models.default_model import DefaultModelError
 
     try:

@@ -1,0 +1,51 @@
+#!/usr/bin/env bash
+# Serving benchmarks on the GPU machine (issue 6), one device call per part:
+#   bash benchmarks/serve_check.sh ours   # pagedserve: vLLM's sweep, short chats, prefix caching on/off
+#   bash benchmarks/serve_check.sh hf     # the Transformers baselines (--engine hf, hf-batched)
+# Every server is started by `pagedserve bench serve --launch`, which records its start-up time
+# and peak GPU memory. Results go to $OUT (or ./serve_results). The GPU machine has no network:
+# the HTTP stack comes from wheels in .whl/ (see docs/performance.md) and the stand-in tokenizer
+# from .devtok/ (SmolLM2's tokenizer files).
+set -uo pipefail
+PART="${1:-ours}"
+OUT="${OUT:-serve_results}"
+mkdir -p "$OUT"
+if [ -d .whl ]; then
+    python3 -m pip install -q --no-index --find-links .whl --target /tmp/pydeps \
+        fastapi uvicorn pyzmq prometheus-client httpx nvidia-ml-py opentelemetry-api tqdm psutil rich
+fi
+export PYTHONPATH="$PWD:/tmp/pydeps"
+MODEL="${MODEL:-qwen3-4b-instruct-2507}"
+PORT=8000
+SERVE="python3 -m pagedserve.cli serve $MODEL --load-format dummy --tokenizer .devtok --port $PORT --log-level WARNING"
+BENCH="python3 -m pagedserve.cli bench serve --base-url http://127.0.0.1:$PORT --no-progress"
+tag="$(echo "$MODEL" | cut -d- -f1)"
+
+run() {  # name, then bench flags
+    local name="$1"; shift
+    echo "=== $name ==="
+    $BENCH "$@" --save-result "$OUT/serve_${tag}_${name}.json" 2>&1 | grep -v '^{' | tail -40
+}
+
+if [ "$PART" = "ours" ]; then
+    run pagedserve --launch "$SERVE" --label pagedserve --input-len 1024 --output-len 128 \
+        --concurrency-sweep 1,16,64,256 --num-prompts-per-level 32,64,256,1024 --warmup 4
+    run pagedserve_short --launch "$SERVE" --label pagedserve --dataset short --endpoint chat \
+        --output-len 100 --concurrency-sweep 1,3,5,10 --num-prompts 15 --warmup 2
+    run pagedserve_prefix_on --launch "$SERVE" --label "prefix caching on" --dataset prefix \
+        --prefix-len 1536 --input-len 2048 --output-len 64 --num-prefixes 4 --num-prompts 256 \
+        --max-concurrency 32 --warmup 0
+    run pagedserve_prefix_off --launch "$SERVE --no-enable-prefix-caching" --label "prefix caching off" \
+        --dataset prefix --prefix-len 1536 --input-len 2048 --output-len 64 --num-prefixes 4 \
+        --num-prompts 256 --max-concurrency 32 --warmup 0
+elif [ "$PART" = "hf" ]; then
+    run hf --launch "$SERVE --engine hf" --label "hf (naive)" --input-len 1024 --output-len 128 \
+        --concurrency-sweep 1,16 --num-prompts-per-level 8,16 --warmup 1
+    run hf_batched --launch "$SERVE --engine hf-batched --max-num-seqs 256" --label "hf-batched" \
+        --input-len 1024 --output-len 128 --concurrency-sweep 1,16,64,256 \
+        --num-prompts-per-level 8,32,64,256 --warmup 1
+    run hf_short --launch "$SERVE --engine hf" --label "hf (naive)" --dataset short --endpoint chat \
+        --output-len 100 --concurrency-sweep 1,3,5,10 --num-prompts 15 --warmup 1
+fi
+nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader > "$OUT/gpu.txt" 2>&1
+echo "done: $(ls "$OUT")"
