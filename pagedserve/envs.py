@@ -24,3 +24,30 @@ def log_level() -> str:
     """$PAGEDSERVE_LOG_LEVEL (default INFO)."""
     return os.environ.get("PAGEDSERVE_LOG_LEVEL", "INFO").upper()
 
+
+
+# The chat UI (`pagedserve ui` sets these for the Chainlit app it starts).
+UI_BASE_URL = "PAGEDSERVE_UI_BASE_URL"
+UI_API_KEY = "PAGEDSERVE_UI_API_KEY"
+UI_MODEL = "PAGEDSERVE_UI_MODEL"
+UI_TEMPERATURE = "PAGEDSERVE_UI_TEMPERATURE"
+
+
+def ui_base_url() -> str:
+    """$PAGEDSERVE_UI_BASE_URL: the OpenAI-compatible server the chat UI talks to."""
+    return os.environ.get(UI_BASE_URL) or "http://127.0.0.1:8000/v1"
+
+
+def ui_api_key() -> str:
+    """$PAGEDSERVE_UI_API_KEY, else $PAGEDSERVE_API_KEY, else a placeholder (no key needed)."""
+    return os.environ.get(UI_API_KEY) or api_key() or "unused"
+
+
+def ui_model() -> str | None:
+    """$PAGEDSERVE_UI_MODEL: the model the chat UI asks for (default: the server's first)."""
+    return os.environ.get(UI_MODEL) or None
+
+
+def ui_temperature() -> float:
+    """$PAGEDSERVE_UI_TEMPERATURE: the chat UI's initial temperature (default 0.7)."""
+    return float(os.environ.get(UI_TEMPERATURE) or 0.7)

@@ -1,0 +1,1 @@
+"""The chat UI (a Chainlit app) and the launchers `pagedserve ui` and `pagedserve up`."""

@@ -1,0 +1,200 @@
+"""The chat UI's logic without Chainlit: settings, history, streaming, server status, errors.
+
+`ChatSession` is one browser chat: its conversation and the reply being streamed. The
+Chainlit glue (`ui/app.py`) only maps its callbacks onto messages and steps, so everything
+here can be tested against a real server with no browser.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+from typing import Literal
+
+import openai
+
+from pagedserve import envs
+
+
+@dataclass(frozen=True)
+class UIConfig:
+    """Where the UI sends requests: an OpenAI-compatible base URL (ending in /v1), key, model."""
+
+    base_url: str
+    api_key: str
+    model: str | None = None  # None: the first model the server lists
+    temperature: float = 0.7  # the settings panel's initial value
+
+    @classmethod
+    def from_env(cls) -> UIConfig:
+        return cls(envs.ui_base_url(), envs.ui_api_key(), envs.ui_model(), envs.ui_temperature())
+
+
+@dataclass(frozen=True)
+class GenerationSettings:
+    """What the settings panel controls."""
+
+    temperature: float = 0.7
+    top_p: float = 1.0
+    max_tokens: int = 512
+    system_prompt: str = ""
+
+    @classmethod
+    def from_dict(cls, values: dict | None, default: GenerationSettings) -> GenerationSettings:
+        """Settings from the panel's {id: value} dict; missing or empty entries keep `default`."""
+        v = values or {}
+
+        def pick(key, cast):
+            x = v.get(key)
+            return getattr(default, key) if x is None or x == "" else cast(x)
+
+        return cls(temperature=pick("temperature", float), top_p=pick("top_p", float),
+                   max_tokens=max(1, pick("max_tokens", int)),
+                   system_prompt=pick("system_prompt", str).strip())
+
+
+@dataclass(frozen=True)
+class Delta:
+    """A piece of a streamed reply: the answer, or the model's reasoning (`reasoning_content`)."""
+
+    kind: Literal["content", "reasoning"]
+    text: str
+
+
+@dataclass
+class TurnResult:
+    content: str = ""
+    reasoning: str = ""
+    finish_reason: str | None = None
+    error: str | None = None  # a message for the user; None when the reply arrived
+
+
+@dataclass(frozen=True)
+class ServerStatus:
+    ok: bool
+    model: str | None
+    message: str  # one line for the user
+
+
+def describe_error(exc: BaseException, base_url: str) -> str:
+    """One clear sentence for the user about a failed request (never a stack trace)."""
+    if isinstance(exc, openai.APITimeoutError):
+        return f"The model server at {base_url} did not answer in time."
+    if isinstance(exc, openai.APIConnectionError):
+        return (f"Cannot reach the model server at {base_url}. Is it running? "
+                "Start one with `pagedserve serve`, or server and UI together with `pagedserve up`.")
+    if isinstance(exc, openai.AuthenticationError):
+        return "The model server refused the API key (HTTP 401); pass the right one with --api-key."
+    if isinstance(exc, openai.APIStatusError):
+        return f"The model server answered with an error (HTTP {exc.status_code}): {_message(exc)}"
+    if isinstance(exc, openai.APIError):  # an error sent inside the stream
+        return f"The model server reported an error: {_message(exc)}"
+    return f"Unexpected error: {type(exc).__name__}: {exc}"
+
+
+def _message(exc: openai.APIError) -> str:
+    body = exc.body
+    if isinstance(body, dict):
+        inner = body.get("error", body)
+        if isinstance(inner, dict) and inner.get("message"):
+            return str(inner["message"])
+    return exc.message
+
+
+@dataclass
+class ChatSession:
+    """One chat: its history and the streaming request in flight (so a stop can close it)."""
+
+    config: UIConfig
+    client: openai.AsyncOpenAI
+    model: str | None = None
+    history: list[dict] = field(default_factory=list)  # user/assistant turns, no system prompt
+    _stream: openai.AsyncStream | None = None
+
+    @classmethod
+    def create(cls, config: UIConfig) -> ChatSession:
+        client = openai.AsyncOpenAI(base_url=config.base_url, api_key=config.api_key,
+                                    max_retries=0, timeout=openai.Timeout(600.0, connect=5.0))
+        return cls(config, client, config.model)
+
+    async def probe(self) -> ServerStatus:
+        """Ask /v1/models; pick the model (the configured one, else the first listed)."""
+        try:
+            models = (await self.client.models.list()).data
+        except Exception as e:
+            return ServerStatus(False, self.model, describe_error(e, self.config.base_url))
+        names = [m.id for m in models]
+        if not names:
+            return ServerStatus(False, None, f"The server at {self.config.base_url} lists no models.")
+        if self.config.model and self.config.model not in names:
+            return ServerStatus(False, self.config.model,
+                                f"The server at {self.config.base_url} does not serve "
+                                f"'{self.config.model}'; it serves: {', '.join(names)}.")
+        self.model = self.config.model or names[0]
+        ctx = getattr(models[names.index(self.model)], "max_model_len", None)
+        extra = f", context {ctx} tokens" if ctx else ""
+        return ServerStatus(True, self.model, f"Connected to {self.config.base_url}: "
+                                              f"model **{self.model}**{extra}.")
+
+    def request_messages(self, settings: GenerationSettings) -> list[dict]:
+        system = [{"role": "system", "content": settings.system_prompt}] if settings.system_prompt else []
+        return system + self.history
+
+    async def turn(self, text: str, settings: GenerationSettings,
+                   on_delta: Callable[[Delta], Awaitable[None]],
+                   extra_body: dict | None = None) -> TurnResult:
+        """Send `text` with the history, stream the reply into `on_delta`, record the turn.
+
+        A failed request leaves the history as it was and returns the error message. A
+        cancelled one (the user pressed stop) closes the HTTP stream, which makes the server
+        abort the request, keeps what had arrived, and re-raises CancelledError.
+        """
+        result = TurnResult()
+        if self.model is None:
+            status = await self.probe()
+            if not status.ok:
+                result.error = status.message
+                return result
+        self.history.append({"role": "user", "content": text})
+        try:
+            self._stream = await self.client.chat.completions.create(
+                model=self.model, messages=self.request_messages(settings), stream=True,
+                temperature=settings.temperature, top_p=settings.top_p,
+                max_tokens=settings.max_tokens, extra_body=extra_body)
+            async for chunk in self._stream:
+                for choice in chunk.choices:
+                    d = choice.delta
+                    reasoning = getattr(d, "reasoning_content", None)
+                    if reasoning:
+                        result.reasoning += reasoning
+                        await on_delta(Delta("reasoning", reasoning))
+                    if d.content:
+                        result.content += d.content
+                        await on_delta(Delta("content", d.content))
+                    result.finish_reason = choice.finish_reason or result.finish_reason
+        except asyncio.CancelledError:
+            self._record_reply(result.content)
+            raise
+        except Exception as e:
+            self.history.pop()
+            result.error = describe_error(e, self.config.base_url)
+            return result
+        finally:
+            await self.stop()
+        self._record_reply(result.content)
+        return result
+
+    def _record_reply(self, content: str) -> None:
+        if content:
+            self.history.append({"role": "assistant", "content": content})
+        else:  # nothing to answer with: forget the question too, so roles keep alternating
+            self.history.pop()
+
+    async def stop(self) -> None:
+        """Close the reply's HTTP stream, if one is open (idempotent)."""
+        stream, self._stream = self._stream, None
+        if stream is not None:
+            with contextlib.suppress(Exception):
+                await stream.close()

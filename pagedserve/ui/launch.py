@@ -1,0 +1,93 @@
+"""`pagedserve ui`: run the Chainlit chat app against an OpenAI-compatible server.
+
+Chainlit writes its config (`.chainlit/`), uploaded files (`.files/`) and `chainlit.md` into
+its app root and reads `.env` from the working directory, so both point at a folder of the
+pagedserve cache, never at the user's working directory or the repository.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import sys
+from pathlib import Path
+
+from pagedserve import envs
+
+APP_FILE = Path(__file__).with_name("app.py")
+# Chainlit's click options read these unprefixed variables (CI=true would turn on its CI mode).
+_CHAINLIT_OPTION_VARS = ("CI", "DEBUG", "WATCH", "HEADLESS", "NO_CACHE", "RUN_TARGET")
+_NO_TELEMETRY = {"DO_NOT_TRACK": "1", "TRACELOOP_TELEMETRY": "false",
+                 "ANONYMIZED_TELEMETRY": "false", "HF_HUB_DISABLE_TELEMETRY": "1"}
+WELCOME = """# pagedserve chat
+
+Chat with the model served by pagedserve. The settings (temperature, top p, max tokens,
+system prompt) are behind the gear icon next to the message box; the stop button aborts a
+reply on the server.
+"""
+
+
+def app_root() -> Path:
+    """Chainlit's working folder: <cache>/ui."""
+    root = envs.cache_dir() / "ui"
+    root.mkdir(parents=True, exist_ok=True)
+    readme = root / "chainlit.md"
+    if not readme.exists():
+        readme.write_text(WELCOME)
+    return root
+
+
+def normalize_base_url(url: str) -> str:
+    """'host:port', 'http://host:port' or '.../v1' -> 'http://host:port/v1'."""
+    url = url.strip().rstrip("/")
+    if "://" not in url:
+        url = "http://" + url
+    return url if url.endswith("/v1") else url + "/v1"
+
+
+def check_port_free(host: str, port: int, what: str) -> None:
+    """Raise ValueError (a one-line CLI error) if host:port cannot be bound."""
+    with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn does
+        try:
+            s.bind((host, port))
+        except OSError as e:
+            raise ValueError(f"{what} port {port} on {host} is already in use ({e.strerror}); "
+                             f"stop what uses it or pick another port") from None
+
+
+def ui_command(host: str, port: int) -> list[str]:
+    return [sys.executable, "-m", "chainlit", "run", str(APP_FILE), "--headless",
+            "--host", host, "--port", str(port)]
+
+
+def ui_env(base_url: str, api_key: str | None, model: str | None, temperature: float | None,
+           base: dict[str, str] | None = None) -> dict[str, str]:
+    """The environment for the Chainlit process: the UI's settings, telemetry off."""
+    env = dict(os.environ if base is None else base)
+    for var in _CHAINLIT_OPTION_VARS:
+        env.pop(var, None)
+    env.update(_NO_TELEMETRY)
+    root = app_root()
+    env["CHAINLIT_APP_ROOT"] = str(root)
+    env["CHAINLIT_ENV_FILE"] = str(root / ".env")
+    env[envs.UI_BASE_URL] = normalize_base_url(base_url)
+    for var, value in ((envs.UI_API_KEY, api_key), (envs.UI_MODEL, model),
+                       (envs.UI_TEMPERATURE, None if temperature is None else str(temperature))):
+        if value is None:
+            env.pop(var, None)
+        else:
+            env[var] = value
+    return env
+
+
+def run_ui(base_url: str, api_key: str | None, model: str | None, temperature: float | None,
+           host: str, port: int) -> int:
+    """Replace this process with Chainlit serving the chat app (signals then reach it directly)."""
+    check_port_free(host, port, "the chat UI's")
+    env = ui_env(base_url, api_key, model, temperature)
+    os.chdir(env["CHAINLIT_APP_ROOT"])
+    print(f"pagedserve ui: chat UI on http://{host}:{port} -> {env[envs.UI_BASE_URL]}", flush=True)
+    cmd = ui_command(host, port)
+    os.execve(cmd[0], cmd, env)
+    return 0  # not reached
