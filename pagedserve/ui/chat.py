@@ -112,6 +112,7 @@ class ChatSession:
     model: str | None = None
     history: list[dict] = field(default_factory=list)  # user/assistant turns, no system prompt
     _stream: openai.AsyncStream | None = None
+    _stopped: bool = False
 
     @classmethod
     def create(cls, config: UIConfig) -> ChatSession:
@@ -148,10 +149,12 @@ class ChatSession:
         """Send `text` with the history, stream the reply into `on_delta`, record the turn.
 
         A failed request leaves the history as it was and returns the error message. A
-        cancelled one (the user pressed stop) closes the HTTP stream, which makes the server
-        abort the request, keeps what had arrived, and re-raises CancelledError.
+        stopped one (`stop()`, or the task cancelled: Chainlit's stop button does both) closes
+        the HTTP stream, which makes the server abort the request, and keeps what had arrived;
+        a cancelled one then re-raises CancelledError.
         """
         result = TurnResult()
+        self._stopped = False
         if self.model is None:
             status = await self.probe()
             if not status.ok:
@@ -178,6 +181,10 @@ class ChatSession:
             self._record_reply(result.content)
             raise
         except Exception as e:
+            if self._stopped:  # reading a stream that stop() closed
+                result.finish_reason = "abort"
+                self._record_reply(result.content)
+                return result
             self.history.pop()
             result.error = describe_error(e, self.config.base_url)
             return result
@@ -196,5 +203,6 @@ class ChatSession:
         """Close the reply's HTTP stream, if one is open (idempotent)."""
         stream, self._stream = self._stream, None
         if stream is not None:
+            self._stopped = True
             with contextlib.suppress(Exception):
                 await stream.close()

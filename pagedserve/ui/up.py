@@ -50,6 +50,11 @@ class Child:
             return ""
         return "\n".join(lines[-n:])
 
+    def terminate(self) -> None:
+        """Ask it to stop (SIGTERM); `stop` then waits."""
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+
     def stop(self, timeout: float = 20.0) -> None:
         """SIGTERM, wait, SIGKILL; then end whatever it left in its process group."""
         if self.proc is None:
@@ -132,7 +137,7 @@ class Up:
             child = e.child
             print(f"\npagedserve up: error: the {child.name} exited with code {child.exit_code()}; "
                   f"stopping the rest. Last lines of its log ({child.log_path}):\n"
-                  f"{child.tail(20)}", file=sys.stderr, flush=True)
+                  f"{child.tail(20) or '(empty)'}", file=sys.stderr, flush=True)
             return self._shutdown(stop, 1)
         finally:
             stop.restore()
@@ -167,6 +172,8 @@ class Up:
     def _shutdown(self, stop: _Stop, code: int) -> int:
         if stop.signum is not None:
             print("\npagedserve up: stopping the chat UI and the server", flush=True)
+        self.ui.terminate()  # both at once; then wait for each
+        self.server.terminate()
         self.ui.stop()
         self.server.stop()
         return code

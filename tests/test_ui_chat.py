@@ -1,0 +1,165 @@
+"""The chat UI's logic (pagedserve/ui/chat.py) without a browser: streaming, history, reasoning,
+errors, and the stop button closing the stream so the server aborts the request."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import re
+import time
+
+import httpx
+import openai
+import pytest
+from server_helpers import MODEL, free_port
+
+from pagedserve.ui.chat import ChatSession, Delta, GenerationSettings, UIConfig
+
+
+def sse(chunks: list[dict]) -> bytes:
+    return b"".join(f"data: {json.dumps(c)}\n\n".encode() for c in chunks) + b"data: [DONE]\n\n"
+
+
+def chunk(delta: dict, finish: str | None = None) -> dict:
+    return {"id": "c1", "object": "chat.completion.chunk", "created": 0, "model": "m",
+            "choices": [{"index": 0, "delta": delta, "finish_reason": finish}]}
+
+
+def mock_session(handler) -> ChatSession:
+    """A ChatSession whose HTTP requests go to `handler(request) -> httpx.Response`."""
+    config = UIConfig(base_url="http://mock/v1", api_key="k")
+    http = httpx.AsyncClient(transport=httpx.MockTransport(handler))
+    return ChatSession(config, openai.AsyncOpenAI(base_url=config.base_url, api_key="k",
+                                                  http_client=http, max_retries=0))
+
+
+def run_turn(chat: ChatSession, text: str, settings: GenerationSettings | None = None) -> tuple:
+    deltas: list[Delta] = []
+
+    async def on_delta(d: Delta) -> None:
+        deltas.append(d)
+
+    result = asyncio.run(chat.turn(text, settings or GenerationSettings(), on_delta))
+    return result, deltas
+
+
+def test_reasoning_and_answer_stream_apart_and_history_grows():
+    bodies = []
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        if request.url.path.endswith("/models"):
+            return httpx.Response(200, json={"object": "list", "data": [
+                {"id": "thinker", "object": "model", "created": 0, "owned_by": "x"}]})
+        bodies.append(json.loads(request.content))
+        return httpx.Response(200, headers={"content-type": "text/event-stream"}, content=sse([
+            chunk({"role": "assistant", "content": ""}),
+            chunk({"reasoning_content": "The user asks "}), chunk({"reasoning_content": "a sum."}),
+            chunk({"content": "2 + 2 "}), chunk({"content": "= 4."}), chunk({}, "stop")]))
+
+    chat = mock_session(handler)
+    settings = GenerationSettings(temperature=0.0, top_p=0.9, max_tokens=64, system_prompt="Be brief.")
+    result, deltas = run_turn(chat, "What is 2 + 2?", settings)
+    assert result.error is None and result.finish_reason == "stop"
+    assert result.reasoning == "The user asks a sum." and result.content == "2 + 2 = 4."
+    assert [d.kind for d in deltas] == ["reasoning", "reasoning", "content", "content"]
+    assert chat.model == "thinker"  # the first model the server lists
+    body = bodies[0]
+    assert body["stream"] is True and body["model"] == "thinker"
+    assert (body["temperature"], body["top_p"], body["max_tokens"]) == (0.0, 0.9, 64)
+    assert body["messages"] == [{"role": "system", "content": "Be brief."},
+                                {"role": "user", "content": "What is 2 + 2?"}]
+
+    run_turn(chat, "And 3 + 3?", GenerationSettings())
+    assert [m["role"] for m in bodies[1]["messages"]] == ["user", "assistant", "user"]
+    assert bodies[1]["messages"][1]["content"] == "2 + 2 = 4."  # the answer, not the reasoning
+    assert len(chat.history) == 4
+
+
+def test_server_error_is_one_clear_line_and_history_is_unchanged():
+    def handler(request: httpx.Request) -> httpx.Response:
+        return httpx.Response(400, json={"error": {
+            "message": "this model's maximum context length is 2048 tokens", "type": "invalid_request_error",
+            "param": "max_tokens", "code": "context_length_exceeded"}})
+
+    chat = mock_session(handler)
+    chat.model = "m"
+    result, deltas = run_turn(chat, "Hi")
+    assert result.error == ("The model server answered with an error (HTTP 400): "
+                            "this model's maximum context length is 2048 tokens")
+    assert not deltas and chat.history == []
+
+
+def test_unreachable_server_gives_a_clear_message():
+    url = f"http://127.0.0.1:{free_port()}/v1"  # nothing listens there
+    chat = ChatSession.create(UIConfig(base_url=url, api_key="k"))
+    status = asyncio.run(chat.probe())
+    assert not status.ok and status.message.startswith(f"Cannot reach the model server at {url}")
+    result, _ = run_turn(chat, "Hello?")
+    assert result.error == status.message and "Traceback" not in result.error
+    assert chat.history == []
+
+
+def test_settings_from_the_panel():
+    default = GenerationSettings(temperature=0.0)
+    assert GenerationSettings.from_dict(None, default) == default
+    s = GenerationSettings.from_dict({"temperature": 0.5, "top_p": 0.8, "max_tokens": 256.0,
+                                      "system_prompt": "  Be nice. "}, default)
+    assert s == GenerationSettings(0.5, 0.8, 256, "Be nice.")
+    assert GenerationSettings.from_dict({"system_prompt": "", "max_tokens": 0}, default).max_tokens == 1
+
+
+def running_requests(server) -> tuple[float, float]:
+    text = httpx.get(server.url + "/metrics", timeout=10).text
+    get = lambda name: float(re.search(rf"^{name}\{{[^}}]*\}} (\S+)$", text, re.M).group(1))  # noqa: E731
+    return get("pagedserve_num_requests_running"), get("pagedserve_kv_cache_usage_perc")
+
+
+async def wait_idle(server, timeout: float = 10.0) -> tuple[float, float]:
+    deadline = time.monotonic() + timeout
+    while running_requests(server) != (0, 0) and time.monotonic() < deadline:
+        await asyncio.sleep(0.1)
+    return running_requests(server)
+
+
+@pytest.mark.parametrize("how", ["stop", "cancel"])
+def test_stop_closes_the_stream_and_the_server_aborts(server, how):
+    """The stop button: Chainlit cancels the turn's task and calls on_stop (chat.stop()). Either
+    alone must end the request on the server; it asks for 1000 tokens ignoring EOS, so only an
+    abort frees it. Idleness is checked while the client (its connection pool) is still open:
+    closing the client would end the request whatever the stop did."""
+
+    async def go():
+        chat = ChatSession.create(UIConfig(base_url=server.url + "/v1", api_key="unused"))
+        got = asyncio.Event()
+        seen: list[str] = []
+
+        async def on_delta(d: Delta) -> None:
+            seen.append(d.text)
+            if len(seen) >= 3:
+                got.set()
+
+        task = asyncio.create_task(chat.turn("Count from 1 to 1000.", GenerationSettings(
+            temperature=0, max_tokens=1000), on_delta, extra_body={"ignore_eos": True}))
+        try:
+            await asyncio.wait_for(got.wait(), 60)
+            assert running_requests(server)[0] == 1
+            if how == "stop":
+                await chat.stop()
+                result = await asyncio.wait_for(task, 10)
+                assert result.error is None and result.finish_reason == "abort"
+            else:
+                task.cancel()
+                with pytest.raises(asyncio.CancelledError):
+                    await task
+            idle = await wait_idle(server)
+        finally:
+            task.cancel()
+            await chat.client.close()
+        return chat, seen, idle
+
+    chat, seen, idle = asyncio.run(go())
+    assert idle == (0, 0), "the server kept generating after the stop"
+    # The partial answer stays in the history, after the question.
+    assert [m["role"] for m in chat.history] == ["user", "assistant"]
+    assert chat.history[1]["content"] == "".join(seen)
+    assert chat.model == MODEL

@@ -1,0 +1,100 @@
+"""Start `pagedserve ui` processes and drive them with headless Chromium (Debian's package)."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import httpx
+from server_helpers import free_port
+
+CHROMIUM = "/usr/bin/chromium"
+CHROMIUM_FLAGS = ["--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
+                  "--disable-background-networking", "--disable-component-update", "--disable-sync"]
+ARTIFACTS = Path(__file__).parent / "artifacts"
+
+
+class UIProcess:
+    """One `pagedserve ui` (Chainlit) on a free port of 127.0.0.1, temperature 0 by default."""
+
+    def __init__(self, base_url: str, *args: str) -> None:
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.log_path = Path(tempfile.mkstemp(prefix="pagedserve-ui-test-", suffix=".log")[1])
+        cmd = [sys.executable, "-m", "pagedserve.cli", "ui", "--base-url", base_url,
+               "--host", "127.0.0.1", "--port", str(self.port), "--temperature", "0", *args]
+        with open(self.log_path, "wb") as log:
+            self.proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT,
+                                         stdin=subprocess.DEVNULL, start_new_session=True)
+
+    def log_tail(self, n: int = 4000) -> str:
+        return self.log_path.read_text(errors="replace")[-n:]
+
+    def wait_ready(self, timeout: float = 90.0) -> UIProcess:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"the UI exited with {self.proc.returncode}:\n{self.log_tail()}")
+            with contextlib.suppress(httpx.HTTPError):
+                if httpx.get(self.url, timeout=2).status_code == 200:
+                    return self
+            time.sleep(0.25)
+        self.stop()
+        raise RuntimeError(f"the UI did not answer after {timeout} s:\n{self.log_tail()}")
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(15)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+                self.proc.wait(10)
+
+
+@contextlib.contextmanager
+def chromium_page(origin: str):
+    """A headless Chromium page (fresh profile) that may load only `origin`: requests anywhere
+    else (the web fonts and CSS Chainlit's page links to) are aborted, never sent."""
+    from playwright.sync_api import sync_playwright
+
+    assert os.path.exists(CHROMIUM), (f"{CHROMIUM} is missing: `apt-get install -y chromium` "
+                                      "(scripts/install.sh test does it)")
+    with sync_playwright() as p:
+        browser = p.chromium.launch(executable_path=CHROMIUM, headless=True, args=CHROMIUM_FLAGS)
+        try:
+            page = browser.new_page(viewport={"width": 1200, "height": 800})
+            page.route("**/*", lambda route: route.continue_()
+                       if route.request.url.startswith(origin) else route.abort())
+            yield page
+        finally:
+            browser.close()
+
+
+def send_message(page, text: str, timeout: float = 30.0) -> None:
+    """Type `text` and send it, once the chat has started: the composer takes text before the
+    page's socket session is up but drops the send. The settings button appears when the app's
+    on_chat_start has sent the settings panel."""
+    page.locator("#chat-settings-open-modal").wait_for(timeout=timeout * 1000)
+    page.fill("#chat-input", text)
+    deadline = time.monotonic() + timeout
+    while page.input_value("#chat-input") == text:
+        assert time.monotonic() < deadline, "the chat UI never took the message"
+        page.focus("#chat-input")
+        page.keyboard.press("Enter")
+        page.wait_for_timeout(500)
+
+
+def screenshot(page, name: str) -> Path:
+    """Save a screenshot under tests/artifacts/ and say where."""
+    ARTIFACTS.mkdir(exist_ok=True)
+    path = ARTIFACTS / name
+    page.screenshot(path=str(path))
+    print(f"screenshot: {path}")
+    return path
