@@ -5,21 +5,31 @@ from __future__ import annotations
 
 import pytest
 from server_helpers import MODEL, free_port
-from ui_helpers import UIProcess, chromium_page, screenshot, send_message
+from ui_helpers import (
+    ANSWER,
+    REASONING,
+    UIProcess,
+    chromium_page,
+    fake_reasoning_server,
+    screenshot,
+    send_message,
+)
 
 QUESTION = "What is the capital of France?"
 
 
 @pytest.fixture(scope="module")
 def uis(server):
-    """Two UIs, started together: one on the session's SmolLM2 server, one on a dead port."""
-    live = UIProcess(server.url)
-    dead = UIProcess(f"http://127.0.0.1:{free_port()}")
-    try:
-        yield live.wait_ready(), dead.wait_ready()
-    finally:
-        live.stop()
-        dead.stop()
+    """Three UIs, started together: on the session's SmolLM2 server, on a dead port, and on a
+    fake server that streams reasoning."""
+    with fake_reasoning_server() as fake_url:
+        procs = [UIProcess(server.url), UIProcess(f"http://127.0.0.1:{free_port()}"),
+                 UIProcess(fake_url)]
+        try:
+            yield [p.wait_ready() for p in procs]
+        finally:
+            for p in procs:
+                p.stop()
 
 
 def body_text(page) -> str:
@@ -27,7 +37,7 @@ def body_text(page) -> str:
 
 
 def test_chat_streams_an_answer_in_the_browser(uis):
-    live, _ = uis
+    live = uis[0]
     with chromium_page(live.url) as page:
         page.goto(live.url)
         # The welcome screen: server status with the model name, and the starter prompts.
@@ -47,7 +57,7 @@ def test_chat_streams_an_answer_in_the_browser(uis):
 
 
 def test_unreachable_server_is_a_clear_message_in_the_browser(uis):
-    _, dead = uis
+    dead = uis[1]
     with chromium_page(dead.url) as page:
         page.goto(dead.url)
         page.get_by_text("Cannot reach the model server").first.wait_for(timeout=30_000)
@@ -60,3 +70,18 @@ def test_unreachable_server_is_a_clear_message_in_the_browser(uis):
             screenshot(page, "ui_server_down.png")
         text = body_text(page)
         assert "Hello?" in text and "Traceback" not in text, text
+
+
+def test_reasoning_shows_in_a_collapsible_step_apart_from_the_answer(uis):
+    ui = uis[2]
+    with chromium_page(ui.url) as page:
+        page.goto(ui.url)
+        send_message(page, "What is the capital of France?")
+        answer = page.get_by_text(ANSWER, exact=True)
+        answer.wait_for(timeout=30_000)
+        reasoning = page.get_by_text(REASONING, exact=True)
+        assert reasoning.is_visible() and answer.is_visible()
+        screenshot(page, "ui_reasoning_open.png")
+        page.get_by_text("Thinking").first.click()  # collapse the step: the answer stays
+        reasoning.wait_for(state="hidden", timeout=5_000)
+        assert answer.is_visible()

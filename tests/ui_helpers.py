@@ -98,3 +98,59 @@ def screenshot(page, name: str) -> Path:
     page.screenshot(path=str(path))
     print(f"screenshot: {path}")
     return path
+
+
+REASONING = "The user asks about France, whose capital is Paris."
+ANSWER = "The capital of France is Paris."
+
+
+@contextlib.contextmanager
+def fake_reasoning_server():
+    """An OpenAI-style server in a thread of this process whose chat replies stream
+    `reasoning_content` (REASONING) and then `content` (ANSWER), word by word. Yields its URL."""
+    import asyncio
+    import json
+    import threading
+
+    import uvicorn
+    from fastapi import FastAPI
+    from fastapi.responses import StreamingResponse
+
+    app = FastAPI()
+
+    @app.get("/v1/models")
+    async def models():
+        return {"object": "list", "data": [{"id": "fake-thinker", "object": "model", "created": 0,
+                                            "owned_by": "test"}]}
+
+    @app.post("/v1/chat/completions")
+    async def chat():
+        def sse(delta: dict, finish: str | None = None) -> str:
+            return "data: " + json.dumps({
+                "id": "c", "object": "chat.completion.chunk", "created": 0, "model": "fake-thinker",
+                "choices": [{"index": 0, "delta": delta, "finish_reason": finish}]}) + "\n\n"
+
+        async def stream():
+            yield sse({"role": "assistant", "content": ""})
+            for key, text in (("reasoning_content", REASONING), ("content", ANSWER)):
+                for i, word in enumerate(text.split(" ")):
+                    yield sse({key: (" " if i else "") + word})
+                    await asyncio.sleep(0.02)
+            yield sse({}, "stop")
+            yield "data: [DONE]\n\n"
+
+        return StreamingResponse(stream(), media_type="text/event-stream")
+
+    port = free_port()
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 30
+    while not server.started:
+        assert thread.is_alive() and time.monotonic() < deadline, "the fake server did not start"
+        time.sleep(0.05)
+    try:
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        server.should_exit = True
+        thread.join(10)
