@@ -38,6 +38,20 @@ if [ "$PART" = "ours" ]; then
     run pagedserve_prefix_off --launch "$SERVE --no-enable-prefix-caching" --label "prefix caching off" \
         --dataset prefix --prefix-len 1536 --input-len 2048 --output-len 64 --num-prefixes 4 \
         --num-prompts 256 --max-concurrency 32 --warmup 0
+elif [ "$PART" = "diag" ]; then  # slow steps and a py-spy profile of the server's processes
+    python3 -m pip install -q --no-index --find-links .whl --target /tmp/pyspy py-spy
+    export PAGEDSERVE_SLOW_STEP_MS=250
+    $SERVE --log-level INFO > "$OUT/server_diag.log" 2>&1 &
+    SERVER_PID=$!
+    until python3 -c "import urllib.request as u; u.urlopen('http://127.0.0.1:$PORT/health')" 2>/dev/null; do sleep 0.5; done
+    /tmp/pyspy/bin/py-spy record --subprocesses --pid "$SERVER_PID" --rate 200 --duration 45 \
+        --format raw -o "$OUT/pyspy_raw.txt" > "$OUT/pyspy.log" 2>&1 &
+    SPY=$!
+    sleep 2
+    run diag --label diag --input-len 1024 --output-len 128 --concurrency-sweep 16,16,256 \
+        --num-prompts-per-level 64,64,1024 --warmup 4
+    wait "$SPY"
+    kill -INT "$SERVER_PID"; wait "$SERVER_PID"
 elif [ "$PART" = "hf" ]; then
     run hf --launch "$SERVE --engine hf" --label "hf (naive)" --input-len 1024 --output-len 128 \
         --concurrency-sweep 1,16 --num-prompts-per-level 8,16 --warmup 1

@@ -109,6 +109,7 @@ def build_parser() -> argparse.ArgumentParser:
                        help="start this server command first (e.g. 'pagedserve serve qwen3-4b-instruct-2507 "
                             "--load-format dummy'), record its start-up time and peak GPU memory, stop it after")
     srv_b.add_argument("--launch-timeout", type=float, default=900.0, help="seconds to wait for /health")
+    srv_b.add_argument("--launch-log", default=None, help="keep the launched server's output in this file")
     srv_b.add_argument("--model", default=None, help="model name (default: the server's first)")
     srv_b.add_argument("--api-key", default=None)
     srv_b.add_argument("--label", default=None, help="name of this engine in saved results")

@@ -25,6 +25,11 @@ def log_level() -> str:
     return os.environ.get("PAGEDSERVE_LOG_LEVEL", "INFO").upper()
 
 
+def slow_step_ms() -> float:
+    """$PAGEDSERVE_SLOW_STEP_MS: log engine steps slower than this, with their make-up (0 = off)."""
+    return float(os.environ.get("PAGEDSERVE_SLOW_STEP_MS") or 0)
+
+
 
 # The chat UI (`pagedserve ui` sets these for the Chainlit app it starts).
 UI_BASE_URL = "PAGEDSERVE_UI_BASE_URL"

@@ -95,7 +95,7 @@ def _args(**kw):
                 num_prompts=6, num_prompts_per_level=None, request_rate=float("inf"),
                 burstiness=1.0, max_concurrency=None, concurrency_sweep="1,3", warmup=1,
                 temperature=0.0, ignore_eos=True, goodput=None, timeout=120.0, seed=0,
-                no_progress=True, save_result=None, launch=None, launch_timeout=60.0)
+                no_progress=True, save_result=None, launch=None, launch_timeout=60.0, launch_log=None)
     base.update(kw)
     return SimpleNamespace(**base)
 
@@ -195,9 +195,10 @@ def test_launch_measures_startup_and_stops_the_server(tmp_path):
 
     port = free_port()
     cmd = (f"{sys.executable} -m pagedserve.cli serve --host 127.0.0.1 --port {port} --device cpu "
-           f"--dtype float32 --max-model-len 1024 --kv-cache-memory {KV_CACHE_BYTES} --log-level WARNING")
+           f"--dtype float32 --max-model-len 1024 --kv-cache-memory {KV_CACHE_BYTES} --log-level INFO")
     url = f"http://127.0.0.1:{port}"
-    result = run_serve(_args(base_url=url, launch=cmd, launch_timeout=300.0, dataset="short",
+    log = tmp_path / "server.log"
+    result = run_serve(_args(base_url=url, launch=cmd, launch_timeout=300.0, launch_log=str(log), dataset="short",
                              endpoint="chat", output_len=4, num_prompts=3, warmup=0,
                              concurrency_sweep=None, max_concurrency=3))
     launch = result["launch"]
@@ -206,6 +207,7 @@ def test_launch_measures_startup_and_stops_the_server(tmp_path):
     assert result["runs"][0]["completed"] == 3 and result["runs"][0]["output_tokens"] == 12
     with pytest.raises(httpx.HTTPError):  # the launched server and its engine are gone
         httpx.get(f"{url}/health", timeout=2)
+    assert "engine ready" in log.read_text()  # --launch-log keeps the server's output
 
 
 def test_launch_reports_a_server_that_dies_with_its_log():

@@ -36,3 +36,16 @@ def test_pack_decode_inputs_pads_and_marks_pending_tokens():
     assert slots[:3].tolist() == [3 * bs + 0, 5 * bs + 2, -1]
     assert t.tolist() == [[7, 3], [5, 0]] and t.dtype == np.int32
     assert rows.shape == (5, 8) and rows.dtype == np.int64
+
+
+def test_device_views_are_aligned_and_hold_the_arrays():
+    import numpy as np
+
+    from pagedserve.engine.host_copy import ALIGN, to_device_views
+
+    arrays = [np.arange(n, dtype=np.int64) + 100 * i for i, n in enumerate([3, 0, 17, 1, 16])]
+    views = to_device_views(arrays, "cpu")
+    base = views[0].data_ptr()
+    for a, v in zip(arrays, views):
+        assert v.tolist() == a.tolist()
+        assert (v.data_ptr() - base) % (ALIGN * 8) == 0  # every view starts ALIGN elements apart

@@ -8,7 +8,7 @@ import numpy as np
 import torch
 
 from pagedserve.attention.backend import AttentionBackend, AttentionMetadata, register_backend
-from pagedserve.engine.host_copy import to_device
+from pagedserve.engine.host_copy import to_device_views
 
 
 @dataclass
@@ -55,12 +55,12 @@ class TritonBackend(AttentionBackend):
         tile_seq = np.repeat(ext, n_tiles)
         first_tile = np.repeat(np.cumsum(n_tiles) - n_tiles, n_tiles)
         tile_start = np.repeat(qsl[ext], n_tiles) + (np.arange(len(tile_seq)) - first_tile) * EXTEND_BLOCK_M
-        device = meta.query_start_loc.device
-        packed = to_device(np.concatenate([dec, tile_seq, tile_start]).astype(np.int32), device)
-        nd, nt = len(dec), len(tile_seq)
+        dec_t, tile_seq_t, tile_start_t = to_device_views(
+            [dec.astype(np.int32), tile_seq.astype(np.int32), tile_start.astype(np.int32)],
+            meta.query_start_loc.device)
         if num_splits is None:
-            num_splits = choose_num_splits(nd, self.num_kv_heads, meta.max_seq_len)
-        meta.backend_data = TritonStepData(packed[:nd], packed[nd:nd + nt], packed[nd + nt:], num_splits)
+            num_splits = choose_num_splits(len(dec), self.num_kv_heads, meta.max_seq_len)
+        meta.backend_data = TritonStepData(dec_t, tile_seq_t, tile_start_t, num_splits)
 
     def partials(self, rows: int, splits: int, device) -> tuple[torch.Tensor, torch.Tensor]:
         """Reusable split-KV scratch, at least [rows, splits, ...] (stable for graph capture)."""

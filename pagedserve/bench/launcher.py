@@ -96,10 +96,11 @@ class GpuMemorySampler:
 
 class LaunchedServer:
     """Context manager: spawn `command` in its own process group, wait for `base_url/health`,
-    and on exit stop the whole group (SIGINT, then SIGKILL after `stop_timeout_s`)."""
+    and on exit stop the whole group (SIGINT, then SIGKILL after `stop_timeout_s`). The
+    server's output goes to `log_path` if given (kept), else to a temporary file."""
 
     def __init__(self, command: str, base_url: str, timeout_s: float = 900.0,
-                 stop_timeout_s: float = 30.0) -> None:
+                 stop_timeout_s: float = 30.0, log_path: str | None = None) -> None:
         self.command = command
         self.base_url = base_url.rstrip("/")
         self.timeout_s = timeout_s
@@ -107,7 +108,12 @@ class LaunchedServer:
         self.sampler = GpuMemorySampler()
         self.startup_s: float | None = None
         self._proc: subprocess.Popen | None = None
-        self._log_fd, self._log_path = tempfile.mkstemp(prefix="pagedserve-launch-", suffix=".log")
+        self._keep_log = log_path is not None  # else a temporary file, deleted at the end
+        if log_path is None:
+            self._log_fd, self._log_path = tempfile.mkstemp(prefix="pagedserve-launch-", suffix=".log")
+        else:
+            self._log_path = log_path
+            self._log_fd = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
 
     def __enter__(self) -> LaunchedServer:
         argv = shlex.split(self.command)
@@ -178,5 +184,6 @@ class LaunchedServer:
         self.sampler.stop()
         if self._log_fd >= 0:
             os.close(self._log_fd)
-            os.unlink(self._log_path)
+            if not self._keep_log:
+                os.unlink(self._log_path)
             self._log_fd = -1

@@ -37,17 +37,19 @@ def arrival_gaps(n: int, rate: float, burstiness: float, seed: int) -> list[floa
     return [rng.gammavariate(burstiness, 1.0 / (rate * burstiness)) for _ in range(n)]
 
 
-def build_dataset(args) -> list[BenchRequest]:
+def build_dataset(args, seed: int | None = None) -> list[BenchRequest]:
+    """Warm-up plus measured prompts for one level (`seed` defaults to --seed)."""
     n = args.num_prompts + args.warmup
+    seed = args.seed if seed is None else seed
     if args.dataset == "random":
-        return random_dataset(n, args.input_len, args.output_len, args.range_ratio, args.seed,
+        return random_dataset(n, args.input_len, args.output_len, args.range_ratio, seed,
                               text=args.endpoint == "chat")
     if args.dataset == "prefix":
         return prefix_dataset(n, args.prefix_len, args.input_len, args.output_len,
-                              args.num_prefixes, args.seed)
+                              args.num_prefixes, seed)
     if args.dataset == "short":
         return short_dataset(n, args.output_len)
-    return file_dataset(args.dataset, n, args.output_len, args.seed)
+    return file_dataset(args.dataset, n, args.output_len, seed)
 
 
 def _body(req: BenchRequest, args, model: str) -> tuple[str, dict]:

@@ -15,7 +15,7 @@ def run_serve(args) -> dict:
     """Measure the server at --base-url (first starting it with --launch); print, save, return."""
     base_url = args.base_url.rstrip("/")
     if args.launch:
-        with LaunchedServer(args.launch, base_url, args.launch_timeout) as server:
+        with LaunchedServer(args.launch, base_url, args.launch_timeout, log_path=args.launch_log) as server:
             print(f"launched server healthy after {server.startup_s:.1f} s: {args.launch}")
             result = _measure(args, base_url)
             result["launch"] = server.info().as_dict()
@@ -42,7 +42,8 @@ def _measure(args, base_url: str) -> dict:
     for i, level in enumerate(levels):
         if counts:
             args.num_prompts = counts[i]
-        reqs = build_dataset(args)
+        # Fresh prompts per level (seed + level index): no prefix-cache hits carried over.
+        reqs = build_dataset(args, seed=args.seed + i)
         runs.append(asyncio.run(run_level(base_url, reqs, args, model, level)))
         print_run(runs[-1])
     result = {

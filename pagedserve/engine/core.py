@@ -14,6 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
+from pagedserve import envs
 from pagedserve.attention.backend import AttentionContext, AttentionMetadata, get_backend_class
 from pagedserve.config import EngineConfig, SchedulerConfig, resolve_dtype
 from pagedserve.engine.cache_sizing import bytes_per_block, determine_num_blocks
@@ -91,6 +92,7 @@ class EngineCore:
         self.requests: dict[str, Request] = {}
         self._inflight = None  # (SchedulerOutput, StepHandle) launched but not yet read back
         self.timer = StepTimer()  # host-side phase timings; off unless enabled
+        self._slow_step_ms = envs.slow_step_ms()
         self.num_prefill_tokens = 0  # cumulative tokens computed other than decodes
         self.num_generation_tokens = 0  # cumulative sampled tokens
         capacity = num_blocks * config.cache.block_size
@@ -154,6 +156,7 @@ class EngineCore:
         """
         outputs: list[TokenOutput] = []
         timer = self.timer
+        t0 = time.perf_counter()
         if self._inflight is not None and self._needs_sync():
             outputs += self._complete(*self._inflight)
             self._inflight = None
@@ -175,7 +178,17 @@ class EngineCore:
         if launched is not None and not self.config.async_scheduling:
             outputs += self._complete(*launched)
             self._inflight = None
+        ms = (time.perf_counter() - t0) * 1e3
+        if self._slow_step_ms and ms > self._slow_step_ms:
+            self._log_slow_step(ms, out)
         return outputs
+
+    def _log_slow_step(self, ms: float, out) -> None:
+        chunks = out.chunks
+        decodes = sum(1 for c in chunks if c.num_tokens == 1 and c.start >= c.request.num_prompt_tokens)
+        logger.warning("slow engine step: %.0f ms to schedule %d decodes and %d other chunks "
+                       "(%d tokens); it also waited for the previous step", ms, decodes,
+                       len(chunks) - decodes, sum(c.num_tokens for c in chunks))
 
     def _needs_sync(self) -> bool:
         return any(r.sampling_params.uses_penalties for r in self.scheduler.running)

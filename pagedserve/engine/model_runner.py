@@ -14,7 +14,7 @@ import numpy as np
 import torch
 
 from pagedserve.attention.backend import AttentionBackend, AttentionContext, AttentionMetadata
-from pagedserve.engine.host_copy import to_device
+from pagedserve.engine.host_copy import to_device, to_device_views
 from pagedserve.engine.scheduler import SchedulerOutput
 from pagedserve.layers.sampler import Sampler, SamplingBatch
 from pagedserve.models.llama import LlamaForCausalLM
@@ -111,17 +111,11 @@ class ModelRunner:
         seq_lens = starts + q_lens
         sample_rows = [i for i, c in enumerate(chunks) if c.samples]
         logits_idx = cu[1:][sample_rows] - 1
-        n_pend = len(pending_at)
-        packed = np.concatenate([ids, positions, slots, seq_lens, cu, logits_idx,
-                                 np.asarray(pending_at + pending_rows, dtype=np.int64)])
         dev = self.device
-        flat = to_device(packed, dev)
-        o = 0
-        views = []
-        for n in (total, total, total, len(chunks), len(chunks) + 1, len(sample_rows), n_pend, n_pend):
-            views.append(flat[o : o + n])
-            o += n
-        ids_t, pos_t, slots_t, seq_lens_t, cu_t, logits_t, pend_at_t, pend_rows_t = views
+        ids_t, pos_t, slots_t, seq_lens_t, cu_t, logits_t, pend_at_t, pend_rows_t = to_device_views(
+            [ids, positions, slots, seq_lens, cu, logits_idx,
+             np.asarray(pending_at, dtype=np.int64), np.asarray(pending_rows, dtype=np.int64)], dev)
+        n_pend = len(pending_at)
         if n_pend:
             ids_t = ids_t.clone()
             ids_t[pend_at_t] = self._prev_tokens[pend_rows_t]
