@@ -48,4 +48,5 @@ def test_device_views_are_aligned_and_hold_the_arrays():
     base = views[0].data_ptr()
     for a, v in zip(arrays, views):
         assert v.tolist() == a.tolist()
-        assert (v.data_ptr() - base) % (ALIGN * 8) == 0  # every view starts ALIGN elements apart
+        if len(a):  # (an empty view has no address)
+            assert (v.data_ptr() - base) % (ALIGN * 8) == 0  # views start ALIGN elements apart
