@@ -27,8 +27,11 @@ run() {  # name, then bench flags
     $BENCH "$@" --save-result "$OUT/serve_${tag}_${name}.json" 2>&1 | grep -v '^{' | tail -40
 }
 
-if [ "$PART" = "ours" ]; then
-    run pagedserve --launch "$SERVE" --label pagedserve --input-len 1024 --output-len 128 \
+if [ "$PART" = "sweep" ]; then
+    run pagedserve --launch "$SERVE --log-level INFO" --launch-log "$OUT/server_sweep.log" --label pagedserve --input-len 1024 --output-len 128 \
+        --concurrency-sweep 1,16,64,256 --num-prompts-per-level 32,64,256,1024 --warmup 4
+elif [ "$PART" = "ours" ]; then
+    run pagedserve --launch "$SERVE --log-level INFO" --launch-log "$OUT/server_sweep.log" --label pagedserve --input-len 1024 --output-len 128 \
         --concurrency-sweep 1,16,64,256 --num-prompts-per-level 32,64,256,1024 --warmup 4
     run pagedserve_short --launch "$SERVE" --label pagedserve --dataset short --endpoint chat \
         --output-len 100 --concurrency-sweep 1,3,5,10 --num-prompts 15 --warmup 2
@@ -53,11 +56,11 @@ elif [ "$PART" = "diag" ]; then  # slow steps and a py-spy profile of the server
     wait "$SPY"
     kill -INT "$SERVER_PID"; wait "$SERVER_PID"
 elif [ "$PART" = "hf" ]; then
-    run hf --launch "$SERVE --engine hf" --label "hf (naive)" --input-len 1024 --output-len 128 \
-        --concurrency-sweep 1,16 --num-prompts-per-level 8,16 --warmup 1
     run hf_batched --launch "$SERVE --engine hf-batched --max-num-seqs 256" --label "hf-batched" \
         --input-len 1024 --output-len 128 --concurrency-sweep 1,16,64,256 \
-        --num-prompts-per-level 8,32,64,256 --warmup 1
+        --num-prompts-per-level 4,32,64,256 --warmup 1
+    run hf --launch "$SERVE --engine hf" --label "hf (naive)" --input-len 1024 --output-len 128 \
+        --concurrency-sweep 1,16 --num-prompts-per-level 4,16 --warmup 1
     run hf_short --launch "$SERVE --engine hf" --label "hf (naive)" --dataset short --endpoint chat \
         --output-len 100 --concurrency-sweep 1,3,5,10 --num-prompts 15 --warmup 1
 fi

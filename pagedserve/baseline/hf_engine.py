@@ -91,7 +91,8 @@ def load_hf_model(config: EngineConfig):
         cfg = {k: v for k, v in source.hf_config.items() if not k.startswith("_")}
         hf_cfg = AutoConfig.for_model(cfg.pop("model_type"), **cfg)
         torch.manual_seed(config.seed)
-        model = AutoModelForCausalLM.from_config(hf_cfg, dtype=dtype)
+        with torch.device(device):  # random weights made where they will live (fast on a GPU)
+            model = AutoModelForCausalLM.from_config(hf_cfg, dtype=dtype)
     return source, model.to(device).eval()
 
 
