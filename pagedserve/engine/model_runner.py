@@ -94,7 +94,9 @@ class ModelRunner:
         np.cumsum(q_lens, out=cu[1:])
         total = int(cu[-1])
         ids = np.zeros(total, dtype=np.int64)
-        max_blocks = max(len(t) for t in block_tables)
+        # Width rounded up to 16: the kernels take the row stride as an argument, and Triton
+        # would compile a new variant each time its divisibility by 16 changed.
+        max_blocks = -(-max(len(t) for t in block_tables) // 16) * 16
         tables = np.zeros((len(block_tables), max_blocks), dtype=np.int32)
         pending_at, pending_rows = [], []
         for i, (chunk, table) in enumerate(zip(chunks, block_tables)):
