@@ -228,3 +228,35 @@ def test_launch_refuses_a_port_already_serving(server):
 
     with pytest.raises(LaunchError, match="already answers"), LaunchedServer("true", server.url):
         pass
+
+
+def test_a_terminated_benchmark_stops_the_server_it_launched(tmp_path):
+    """SIGTERM to `bench serve --launch` (e.g. from `timeout`) must not leave the server running."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    from server_helpers import alive, child_pids, free_port
+
+    (tmp_path / "health").write_text("ok")
+    port = free_port()
+    server_cmd = f"{sys.executable} -m http.server {port} --bind 127.0.0.1 --directory {tmp_path}"
+    script = ("import time\nfrom pagedserve.bench.launcher import LaunchedServer\n"
+              f"with LaunchedServer({server_cmd!r}, 'http://127.0.0.1:{port}'):\n"
+              "    print('healthy', flush=True)\n    time.sleep(120)\n")
+    bench = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True)
+    try:
+        assert bench.stdout.readline().strip() == "healthy"
+        servers = [p for p in child_pids(bench.pid) if alive(p)]
+        assert servers, "the launched server is not a child of the benchmark"
+        os.kill(bench.pid, signal.SIGTERM)
+        assert bench.wait(timeout=30) == 128 + signal.SIGTERM
+        deadline = time.monotonic() + 10
+        while any(alive(p) for p in servers) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert not any(alive(p) for p in servers), "the launched server outlived the benchmark"
+    finally:
+        bench.kill()
+        bench.wait()

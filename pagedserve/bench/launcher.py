@@ -121,6 +121,7 @@ class LaunchedServer:
             raise LaunchError("--launch needs a command, e.g. --launch 'pagedserve serve --port 8000'")
         if self._port_answers():
             raise LaunchError(f"something already answers at {self.base_url}; stop it or pick another port")
+        self._install_sigterm()
         self.sampler.start()
         t0 = time.perf_counter()
         try:
@@ -136,6 +137,15 @@ class LaunchedServer:
             raise
         self.startup_s = time.perf_counter() - t0
         return self
+
+    def _install_sigterm(self) -> None:
+        """Turn SIGTERM (e.g. from `timeout`) into SystemExit so that __exit__ stops the server."""
+        self._old_sigterm = None
+        if threading.current_thread() is threading.main_thread():
+            def on_term(signum, frame):
+                raise SystemExit(128 + signum)
+
+            self._old_sigterm = signal.signal(signal.SIGTERM, on_term)
 
     def _port_answers(self) -> bool:
         try:
@@ -182,6 +192,9 @@ class LaunchedServer:
             with contextlib.suppress(ProcessLookupError):  # whatever the server forked and left
                 os.killpg(proc.pid, signal.SIGKILL)
         self.sampler.stop()
+        if getattr(self, "_old_sigterm", None) is not None:
+            signal.signal(signal.SIGTERM, self._old_sigterm)
+            self._old_sigterm = None
         if self._log_fd >= 0:
             os.close(self._log_fd)
             if not self._keep_log:
