@@ -140,6 +140,14 @@ class EngineCore:
             if req is not None and not req.is_finished:
                 self.scheduler.finish(req, "abort")
 
+    def fail_all(self) -> list[str]:
+        """After a failed step: drop every request (their blocks are freed) and the step in
+        flight, so the engine can serve new requests. Returns the dropped request ids."""
+        ids = list(self.requests)
+        self._inflight = None
+        self.abort_requests(ids)
+        return ids
+
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.num_unfinished > 0 or self._inflight is not None
 

@@ -6,9 +6,12 @@ The front end (HTTP server) binds two IPC sockets; the core process connects to 
     front end  <--PULL--  [outputs]   <--PUSH--  core   ("ready", CoreInfo) / ("failed", text)
                                                         ("outputs", [TokenOutput], CoreStats)
                                                         ("rejected", request_id, message)
+                                                        ("step_failed", [request_id], message)
 
 Messages are pickled Python objects: both ends are pagedserve processes of one user.
 The core steps whenever it has unfinished requests and blocks on its input otherwise.
+A step that raises fails the requests it held ("step_failed") and the core serves on;
+MAX_CONSECUTIVE_FAILURES failed steps in a row end the process (the front end then answers 503).
 """
 
 from __future__ import annotations
@@ -18,6 +21,9 @@ import traceback
 from dataclasses import dataclass
 
 from pagedserve.config import EngineConfig
+
+logger = logging.getLogger("pagedserve")
+MAX_CONSECUTIVE_FAILURES = 3
 
 
 @dataclass
@@ -78,6 +84,7 @@ def run_engine_core(config: EngineConfig, in_addr: str, out_addr: str, log_level
 
 
 def _loop(core, inp, out) -> None:
+    failures = 0
     while True:
         # Block while idle; otherwise only drain what has already arrived.
         timeout = 0 if core.has_unfinished_requests() else None
@@ -96,7 +103,18 @@ def _loop(core, inp, out) -> None:
                 core.abort_requests(msg[1])
             changed, timeout = True, 0
         if core.has_unfinished_requests():
-            out.send_pyobj(("outputs", core.step(), core_stats(core)))
+            try:
+                outputs = core.step()
+                failures = 0
+            except Exception as e:
+                failures += 1
+                logger.exception("engine step failed (%d in a row); failing its requests", failures)
+                if failures >= MAX_CONSECUTIVE_FAILURES:
+                    raise
+                ids = core.fail_all()
+                out.send_pyobj(("step_failed", ids, f"{type(e).__name__}: {e}"[:500]))
+                outputs = []
+            out.send_pyobj(("outputs", outputs, core_stats(core)))
         elif changed:  # e.g. an abort emptied the engine: report the new state
             out.send_pyobj(("outputs", [], core_stats(core)))
 

@@ -39,6 +39,10 @@ class RequestRejected(ValueError):
     """The engine core refused a request (the message says why)."""
 
 
+class EngineStepError(RuntimeError):
+    """An engine step failed while this request was in it (the engine serves on)."""
+
+
 @dataclass
 class _Pending:
     """One sample in flight: its state and the event that wakes its consumer."""
@@ -191,10 +195,16 @@ class AsyncEngineClient:
                         self.on_finish(pending, state, now)
                     pending.wake.set()
             elif msg[0] == "rejected":
-                pending = self._pending.get(msg[1])
-                if pending is not None:
-                    pending.error = RequestRejected(msg[2])
-                    pending.wake.set()
+                self._fail([msg[1]], RequestRejected(msg[2]))
+            elif msg[0] == "step_failed":
+                self._fail(msg[1], EngineStepError(f"the engine failed while running this request ({msg[2]})"))
+
+    def _fail(self, request_ids: list[str], error: Exception) -> None:
+        for rid in request_ids:
+            pending = self._pending.get(rid)
+            if pending is not None:
+                pending.error = error
+                pending.wake.set()
 
     async def _watch(self) -> None:
         while self._proc.is_alive():

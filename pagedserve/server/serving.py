@@ -14,7 +14,12 @@ from fastapi import Request
 
 from pagedserve.engine.output_processor import SampleState
 from pagedserve.sampling_params import SamplingParams
-from pagedserve.server.engine_client import AsyncEngineClient, EngineDeadError, RequestRejected
+from pagedserve.server.engine_client import (
+    AsyncEngineClient,
+    EngineDeadError,
+    EngineStepError,
+    RequestRejected,
+)
 from pagedserve.server.errors import APIError, error_body
 
 
@@ -160,6 +165,8 @@ def _as_api_error(e: Exception) -> Exception:
         return APIError(400, str(e))
     if isinstance(e, EngineDeadError):
         return APIError(503, str(e), code="engine_unavailable", headers={"Retry-After": "5"})
+    if isinstance(e, EngineStepError):
+        return APIError(500, str(e), code="engine_error")
     return e
 
 

@@ -1,0 +1,106 @@
+"""The engine-core loop survives a failing step: its requests fail, the engine serves on."""
+
+from __future__ import annotations
+
+import pytest
+
+from pagedserve.engine.core_process import MAX_CONSECUTIVE_FAILURES, _loop
+
+
+class FakeSockets:
+    """inp/out stand-ins: `inp` hands out queued messages, `out` records what is sent."""
+
+    def __init__(self, messages):
+        self.messages, self.sent = list(messages), []
+
+    def poll(self, timeout):
+        return bool(self.messages)
+
+    def recv_pyobj(self):
+        return self.messages.pop(0)
+
+    def send_pyobj(self, msg):
+        self.sent.append(msg)
+
+
+class FakeCore:
+    """A core with two requests whose steps fail `fail_times` times, then finish them."""
+
+    def __init__(self, fail_times: int):
+        self.fail_times, self.requests, self.steps = fail_times, {"a": 1, "b": 2}, 0
+        self.kv = type("KV", (), {"usage": 0.0, "stats": type("S", (), {"queries": 0, "hits": 0})()})()
+        self.scheduler = type("Sch", (), {"running": [], "waiting": [], "num_preemptions": 0})()
+        self.num_prefill_tokens = self.num_generation_tokens = 0
+
+    def has_unfinished_requests(self):
+        return bool(self.requests)
+
+    def step(self):
+        self.steps += 1
+        if self.fail_times:
+            self.fail_times -= 1
+            raise RuntimeError("kernel exploded")
+        self.requests.clear()
+        return ["done"]
+
+    def fail_all(self):
+        ids, self.requests = list(self.requests), {}
+        return ids
+
+
+def _sockets_until_shutdown(core, rounds):
+    """Re-add a request before each round so the loop keeps stepping, then shut down."""
+    from pagedserve.engine.core import EngineRequest
+    from pagedserve.sampling_params import SamplingParams
+
+    class Inp(FakeSockets):
+        def poll(self, timeout):
+            if not core.requests and self.rounds_left:
+                self.rounds_left -= 1
+                self.messages.append(("add", EngineRequest("c", [1], SamplingParams())))
+            elif not core.requests:
+                self.messages.append(("shutdown",))
+            return bool(self.messages)
+
+    inp = Inp([])
+    inp.rounds_left = rounds
+    return inp
+
+
+def test_a_failed_step_fails_its_requests_and_the_loop_goes_on():
+    core = FakeCore(fail_times=1)
+    core.add_request = lambda er: core.requests.__setitem__(er.request_id, er)
+    inp, out = _sockets_until_shutdown(core, rounds=1), FakeSockets([])
+    _loop(core, inp, out)
+    kinds = [m[0] for m in out.sent]
+    assert kinds[:2] == ["step_failed", "outputs"]
+    assert out.sent[0][1] == ["a", "b"] and "RuntimeError: kernel exploded" in out.sent[0][2]
+    assert out.sent[1][1] == []  # the failed step produced no tokens
+    assert ("outputs", ["done"]) in [m[:2] for m in out.sent]  # the next request was served
+
+
+def test_repeated_failures_end_the_process():
+    core = FakeCore(fail_times=MAX_CONSECUTIVE_FAILURES)
+    core.add_request = lambda er: core.requests.__setitem__(er.request_id, er)
+    inp, out = _sockets_until_shutdown(core, rounds=MAX_CONSECUTIVE_FAILURES), FakeSockets([])
+    with pytest.raises(RuntimeError, match="kernel exploded"):
+        _loop(core, inp, out)
+    assert [m[0] for m in out.sent].count("step_failed") == MAX_CONSECUTIVE_FAILURES - 1
+
+
+def test_fail_all_frees_every_block_of_a_real_engine(monkeypatch):
+    from pagedserve import LLM, SamplingParams
+    from pagedserve.engine.core import EngineRequest
+
+    llm = LLM(dtype="float32", device="cpu", max_model_len=512)
+    core = llm.engine
+    for i in range(3):
+        core.add_request(EngineRequest(f"r{i}", list(range(10, 60 + 20 * i)), SamplingParams(max_tokens=50)))
+    core.step()
+    core.step()
+    assert core.kv.usage > 0
+    assert sorted(core.fail_all()) == ["r0", "r1", "r2"]
+    assert not core.has_unfinished_requests()
+    core.kv.check_integrity(expect_all_free=True)
+    out = llm.generate(["The capital of France is"], SamplingParams(max_tokens=4, temperature=0))
+    assert len(out[0].outputs[0].token_ids) == 4  # and it serves on
