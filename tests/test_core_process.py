@@ -104,3 +104,4 @@ def test_fail_all_frees_every_block_of_a_real_engine(monkeypatch):
     core.kv.check_integrity(expect_all_free=True)
     out = llm.generate(["The capital of France is"], SamplingParams(max_tokens=4, temperature=0))
     assert len(out[0].outputs[0].token_ids) == 4  # and it serves on
+

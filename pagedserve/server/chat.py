@@ -25,7 +25,7 @@ from pagedserve.server.serving import (
 )
 
 
-def _prepare(server: Server, body: ChatCompletionRequest) -> tuple[list[Choice], list[int], bool]:
+async def _prepare(server: Server, body: ChatCompletionRequest) -> tuple[list[Choice], list[int], bool]:
     """Render the chat template; return the choices, prompt ids, and whether it opened <think>."""
     server.check_model(body.model)
     messages = [m.as_template_dict() for m in body.messages]
@@ -37,7 +37,7 @@ def _prepare(server: Server, body: ChatCompletionRequest) -> tuple[list[Choice],
     except Exception as e:  # a template that raises on these messages (jinja2 errors)
         raise APIError(400, f"the chat template cannot render these messages: {e}",
                        param="messages") from None
-    ids = server.encode(text, False, "messages")
+    ids = await server.encode_async(text, False, "messages")
     max_tokens = server.resolve_max_tokens(ids, body.output_limit, "messages")
     params = make_params(body.sampling_params, max_tokens, body.num_logprobs)
     choices = [Choice(i, ids, params) for i in range(body.n)]
@@ -67,7 +67,7 @@ def _logprobs(server: Server, s: SampleState, start: int, top: int) -> dict:
 
 
 async def create_chat_completion(server: Server, body: ChatCompletionRequest, request: Request):
-    choices, prompt_ids, opened = _prepare(server, body)
+    choices, prompt_ids, opened = await _prepare(server, body)
     rid, created, model = new_id("chatcmpl"), int(time.time()), server.check_model(body.model)
     if body.stream:
         gen = _stream(server, body, choices, prompt_ids, opened, rid, created, model)

@@ -23,9 +23,9 @@ from pagedserve.server.serving import (
 )
 
 
-def _prepare(server: Server, body: CompletionRequest) -> tuple[list[Choice], list[list[int]]]:
+async def _prepare(server: Server, body: CompletionRequest) -> tuple[list[Choice], list[list[int]]]:
     server.check_model(body.model)
-    prompts = [server.encode(p, True, "prompt") if isinstance(p, str) else p
+    prompts = [await server.encode_async(p, True, "prompt") if isinstance(p, str) else p
                for p in body.prompts()]
     choices, n = [], body.n
     for p_idx, ids in enumerate(prompts):
@@ -53,7 +53,7 @@ def _logprobs(server: Server, s: SampleState, start: int, text_offset: int) -> d
 
 
 async def create_completion(server: Server, body: CompletionRequest, request: Request):
-    choices, prompts = _prepare(server, body)
+    choices, prompts = await _prepare(server, body)
     rid, created, model = new_id("cmpl"), int(time.time()), server.check_model(body.model)
     prompt_texts = [server.tokenizer.decode(p) for p in prompts] if body.echo else []
     if body.stream:

@@ -22,6 +22,8 @@ from pagedserve.server.engine_client import (
 )
 from pagedserve.server.errors import APIError, error_body
 
+OFFLOAD_CHARS = 16_384  # prompts at least this long are tokenized off the event loop
+
 
 @dataclass(eq=False)  # hashed by identity: Server counts the live ones in a WeakSet
 class Choice:
@@ -85,6 +87,13 @@ class Server:
             raise APIError(400, f"{param} is not valid Unicode: it holds a lone surrogate "
                                 "(an escape such as \\ud800 without its pair)", param=param) from None
         return self.tokenizer.encode(text, add_special_tokens=add_special_tokens)
+
+    async def encode_async(self, text: str, add_special_tokens: bool, param: str) -> list[int]:
+        """`encode`, in a worker thread for long texts so the event loop (every other
+        request's stream) does not stall while a long prompt is tokenized."""
+        if len(text) < OFFLOAD_CHARS:
+            return self.encode(text, add_special_tokens, param)
+        return await asyncio.to_thread(self.encode, text, add_special_tokens, param)
 
     def resolve_max_tokens(self, prompt_ids: list[int], max_tokens: int | None, param: str) -> int:
         """Check the prompt against max_model_len; return the output limit to use."""
