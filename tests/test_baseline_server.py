@@ -178,3 +178,20 @@ def test_hf_batched_runs_a_batch_together(servers):
     firsts, lasts = asyncio.run(main())
     assert sorted(lasts) == [0, 1, 2, 3]
     assert max(firsts.values()) < min(lasts.values())
+
+
+@pytest.mark.parametrize("engine", ["hf", "hf-batched"])
+def test_bench_serve_measures_the_baselines(servers, engine):
+    """`pagedserve bench serve` end to end against each Transformers baseline."""
+    from test_bench_serve import _args
+
+    from pagedserve.bench.serve_run import run_serve
+
+    result = run_serve(_args(base_url=servers[engine].url, label=engine, dataset="short",
+                             endpoint="chat", output_len=4, num_prompts=3, warmup=1,
+                             concurrency_sweep="1,3"))
+    assert result["label"] == engine and result["model"] == MODEL
+    for run in result["runs"]:
+        assert run["completed"] == 3 and run["failed"] == 0
+        assert run["output_tokens"] == 12  # usage from the baseline server; ignore_eos
+        assert run["ttft_ms"]["median"] > 0 and run["e2el_ms"]["median"] >= run["ttft_ms"]["median"]
