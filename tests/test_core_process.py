@@ -105,3 +105,22 @@ def test_fail_all_frees_every_block_of_a_real_engine(monkeypatch):
     out = llm.generate(["The capital of France is"], SamplingParams(max_tokens=4, temperature=0))
     assert len(out[0].outputs[0].token_ids) == 4  # and it serves on
 
+
+
+def test_warm_up_leaves_no_trace():
+    """The start-up warm-up (run on CUDA) frees its blocks and resets every counter."""
+    from pagedserve import LLM, SamplingParams
+
+    llm = LLM(dtype="float32", device="cpu", max_model_len=512)
+    prompt = ["The capital of France is"]
+    params = SamplingParams(max_tokens=6, temperature=0)
+    before = llm.generate(prompt, params)[0].outputs[0].token_ids
+    core = llm.engine
+    core.kv.reset_prefix_cache()
+    core.warm_up()
+    assert not core.has_unfinished_requests() and not core.requests
+    core.kv.check_integrity(expect_all_free=True)
+    assert core.kv.stats.queries == core.kv.stats.hits == 0
+    assert core.num_prefill_tokens == core.num_generation_tokens == 0
+    assert core.kv.find_cached_prefix(list(range(1, 34))) == []  # its blocks left the prefix cache
+    assert llm.generate(prompt, params)[0].outputs[0].token_ids == before

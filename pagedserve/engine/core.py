@@ -18,7 +18,7 @@ from pagedserve import envs
 from pagedserve.attention.backend import AttentionContext, AttentionMetadata, get_backend_class
 from pagedserve.config import EngineConfig, SchedulerConfig, resolve_dtype
 from pagedserve.engine.cache_sizing import bytes_per_block, determine_num_blocks
-from pagedserve.engine.kv_cache_manager import KVCacheManager
+from pagedserve.engine.kv_cache_manager import KVCacheManager, PrefixCacheStats
 from pagedserve.engine.model_runner import ModelRunner
 from pagedserve.engine.request import Request
 from pagedserve.engine.scheduler import Scheduler
@@ -102,8 +102,30 @@ class EngineCore:
             num_blocks * bytes_per_block(cfg, config.cache, dtype) / 2**30, dtype,
             max_len, capacity / max_len,
         )
+        if device.type == "cuda":
+            self.warm_up()
         self.startup_seconds = time.perf_counter() - t0
         logger.info("engine ready on %s in %.1f s", device, self.startup_seconds)
+
+    def warm_up(self) -> None:
+        """Run a prefill, a mixed step (a decode beside a prefill chunk) and graph decodes on
+        throw-away requests, so that first-use costs (Triton JIT of the eager variants,
+        allocator growth) are paid before the first user request, not during it. Leaves no
+        trace: blocks freed, prefix cache and counters reset."""
+        t0 = time.perf_counter()
+        vocab = self.model_config.vocab_size
+        greedy = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
+        self.add_request(EngineRequest("warmup-0", [i % vocab for i in range(1, 34)], greedy))
+        self.step()
+        self.add_request(EngineRequest("warmup-1", [i % vocab for i in range(7, 107)], greedy))
+        while self.has_unfinished_requests():
+            self.step()
+        self.kv.reset_prefix_cache()
+        self.kv.stats = PrefixCacheStats()
+        self.scheduler.num_preemptions = 0
+        self.num_prefill_tokens = self.num_generation_tokens = 0
+        self.runner.num_graph_steps = self.runner.num_eager_steps = 0
+        logger.info("warm-up steps in %.1f s", time.perf_counter() - t0)
 
     # ---- requests ---------------------------------------------------------------------
 
