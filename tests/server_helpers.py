@@ -62,14 +62,46 @@ def alive(pid: int) -> bool:
     return stat.rsplit(")", 1)[1].split()[0] != "Z"
 
 
-class ServerProcess:
+class SubprocessUnderTest:
+    """A subprocess under test, in its own session on a free port of 127.0.0.1, with its output
+    in a log file; ready once GET `url + READY_PATH` answers 200."""
+
+    WHAT, READY_PATH = "process", ""
+
+    def _spawn(self, cmd: list[str], env: dict[str, str] | None = None) -> None:
+        self.log_path = Path(tempfile.mkstemp(prefix=f"pagedserve-test-{self.WHAT}-", suffix=".log")[1])
+        with open(self.log_path, "wb") as log:
+            self.proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env,
+                                         stdin=subprocess.DEVNULL, start_new_session=True)
+
+    def log_tail(self, n: int = 4000) -> str:
+        return self.log_path.read_text(errors="replace")[-n:]
+
+    def wait_ready(self, timeout: float = 180.0):
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"the {self.WHAT} exited with {self.proc.returncode}:\n{self.log_tail()}")
+            with contextlib.suppress(httpx.HTTPError):
+                if httpx.get(self.url + self.READY_PATH, timeout=2).status_code == 200:
+                    return self
+            time.sleep(0.25)
+        self.stop()
+        raise RuntimeError(f"the {self.WHAT} was not ready after {timeout} s:\n{self.log_tail()}")
+
+    def stop(self) -> object:
+        raise NotImplementedError
+
+
+class ServerProcess(SubprocessUnderTest):
     """One `pagedserve serve` subprocess on a free port of 127.0.0.1."""
+
+    WHAT, READY_PATH = "server", "/health"
 
     def __init__(self, *args: str, api_key: str | None = None) -> None:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.api_key = api_key
-        self.log_path = Path(tempfile.mkstemp(prefix="pagedserve-test-", suffix=".log")[1])
         cmd = [sys.executable, "-m", "pagedserve.cli", "serve", "--host", "127.0.0.1",
                "--port", str(self.port), "--dtype", "float32", "--device", "cpu",
                "--max-model-len", "2048", "--kv-cache-memory", str(KV_CACHE_BYTES),
@@ -82,24 +114,7 @@ class ServerProcess:
         # and the test process compute at once.
         env.setdefault("OMP_NUM_THREADS", "1")
         env.setdefault("TOKENIZERS_PARALLELISM", "false")
-        with open(self.log_path, "wb") as log:
-            self.proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env,
-                                         start_new_session=True)
-
-    def log_tail(self, n: int = 4000) -> str:
-        return self.log_path.read_text(errors="replace")[-n:]
-
-    def wait_ready(self, timeout: float = 180.0) -> ServerProcess:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"the server exited with {self.proc.returncode}:\n{self.log_tail()}")
-            with contextlib.suppress(httpx.HTTPError):
-                if httpx.get(self.url + "/health", timeout=2).status_code == 200:
-                    return self
-            time.sleep(0.25)
-        self.stop()
-        raise RuntimeError(f"the server was not healthy after {timeout} s:\n{self.log_tail()}")
+        self._spawn(cmd, env)
 
     @property
     def headers(self) -> dict[str, str]:

@@ -7,12 +7,10 @@ import os
 import signal
 import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 
-import httpx
-from server_helpers import free_port
+from server_helpers import SubprocessUnderTest, free_port
 
 CHROMIUM = "/usr/bin/chromium"
 CHROMIUM_FLAGS = ["--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
@@ -20,33 +18,19 @@ CHROMIUM_FLAGS = ["--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first
 ARTIFACTS = Path(__file__).parent / "artifacts"
 
 
-class UIProcess:
+class UIProcess(SubprocessUnderTest):
     """One `pagedserve ui` (Chainlit) on a free port of 127.0.0.1, temperature 0 by default."""
+
+    WHAT, READY_PATH = "UI", ""
 
     def __init__(self, base_url: str, *args: str) -> None:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
-        self.log_path = Path(tempfile.mkstemp(prefix="pagedserve-ui-test-", suffix=".log")[1])
-        cmd = [sys.executable, "-m", "pagedserve.cli", "ui", "--base-url", base_url,
-               "--host", "127.0.0.1", "--port", str(self.port), "--temperature", "0", *args]
-        with open(self.log_path, "wb") as log:
-            self.proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT,
-                                         stdin=subprocess.DEVNULL, start_new_session=True)
-
-    def log_tail(self, n: int = 4000) -> str:
-        return self.log_path.read_text(errors="replace")[-n:]
+        self._spawn([sys.executable, "-m", "pagedserve.cli", "ui", "--base-url", base_url,
+                     "--host", "127.0.0.1", "--port", str(self.port), "--temperature", "0", *args])
 
     def wait_ready(self, timeout: float = 90.0) -> UIProcess:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"the UI exited with {self.proc.returncode}:\n{self.log_tail()}")
-            with contextlib.suppress(httpx.HTTPError):
-                if httpx.get(self.url, timeout=2).status_code == 200:
-                    return self
-            time.sleep(0.25)
-        self.stop()
-        raise RuntimeError(f"the UI did not answer after {timeout} s:\n{self.log_tail()}")
+        return super().wait_ready(timeout)
 
     def stop(self) -> None:
         if self.proc.poll() is None:

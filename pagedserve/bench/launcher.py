@@ -13,14 +13,15 @@ import contextlib
 import os
 import shlex
 import signal
-import subprocess
 import tempfile
 import threading
 import time
-from collections import deque
 from dataclasses import dataclass
+from pathlib import Path
 
 import httpx
+
+from pagedserve.child_process import Child, http_ok
 
 
 class LaunchError(ValueError):
@@ -95,9 +96,10 @@ class GpuMemorySampler:
 
 
 class LaunchedServer:
-    """Context manager: spawn `command` in its own process group, wait for `base_url/health`,
-    and on exit stop the whole group (SIGINT, then SIGKILL after `stop_timeout_s`). The
-    server's output goes to `log_path` if given (kept), else to a temporary file."""
+    """Context manager: spawn `command` in its own session (`child_process.Child`), wait for
+    `base_url/health`, and on exit stop it with everything it forked (SIGTERM, then SIGKILL
+    after `stop_timeout_s`). The server's output goes to `log_path` if given (kept), else to
+    a temporary file."""
 
     def __init__(self, command: str, base_url: str, timeout_s: float = 900.0,
                  stop_timeout_s: float = 30.0, log_path: str | None = None) -> None:
@@ -107,29 +109,26 @@ class LaunchedServer:
         self.stop_timeout_s = stop_timeout_s
         self.sampler = GpuMemorySampler()
         self.startup_s: float | None = None
-        self._proc: subprocess.Popen | None = None
         self._keep_log = log_path is not None  # else a temporary file, deleted at the end
         if log_path is None:
-            self._log_fd, self._log_path = tempfile.mkstemp(prefix="pagedserve-launch-", suffix=".log")
-        else:
-            self._log_path = log_path
-            self._log_fd = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+            fd, log_path = tempfile.mkstemp(prefix="pagedserve-launch-", suffix=".log")
+            os.close(fd)
+        self.child = Child("launched server", shlex.split(command), Path(log_path))
+        self._old_sigterm = None
 
     def __enter__(self) -> LaunchedServer:
-        argv = shlex.split(self.command)
-        if not argv:
+        if not self.child.cmd:
             raise LaunchError("--launch needs a command, e.g. --launch 'pagedserve serve --port 8000'")
-        if self._port_answers():
+        if http_answers(f"{self.base_url}/health"):
             raise LaunchError(f"something already answers at {self.base_url}; stop it or pick another port")
         self._install_sigterm()
         self.sampler.start()
         t0 = time.perf_counter()
         try:
-            self._proc = subprocess.Popen(argv, stdout=self._log_fd, stderr=subprocess.STDOUT,
-                                          stdin=subprocess.DEVNULL, start_new_session=True)
+            self.child.start()
         except OSError as e:
-            self.sampler.stop()
-            raise LaunchError(f"cannot start {argv[0]!r}: {e}") from None
+            self.__exit__(None, None, None)
+            raise LaunchError(f"cannot start {self.child.cmd[0]!r}: {e}") from None
         try:
             self._wait_healthy(t0)
         except BaseException:
@@ -140,63 +139,43 @@ class LaunchedServer:
 
     def _install_sigterm(self) -> None:
         """Turn SIGTERM (e.g. from `timeout`) into SystemExit so that __exit__ stops the server."""
-        self._old_sigterm = None
         if threading.current_thread() is threading.main_thread():
             def on_term(signum, frame):
                 raise SystemExit(128 + signum)
 
             self._old_sigterm = signal.signal(signal.SIGTERM, on_term)
 
-    def _port_answers(self) -> bool:
-        try:
-            httpx.get(f"{self.base_url}/health", timeout=1.0)
-            return True
-        except httpx.HTTPError:
-            return False
-
     def _wait_healthy(self, t0: float) -> None:
-        assert self._proc is not None
         while time.perf_counter() - t0 < self.timeout_s:
-            if self._proc.poll() is not None:
-                raise LaunchError(f"the launched server exited with code {self._proc.returncode} "
-                                  f"before it was healthy; its last lines:\n{self.log_tail()}")
-            try:
-                if httpx.get(f"{self.base_url}/health", timeout=2.0).status_code == 200:
-                    return
-            except httpx.HTTPError:
-                pass
+            code = self.child.exit_code()
+            if code is not None:
+                raise LaunchError(f"the launched server exited with code {code} before it was "
+                                  f"healthy; its last lines:\n{self.child.tail()}")
+            if http_ok(f"{self.base_url}/health"):
+                return
             time.sleep(0.1)
         raise LaunchError(f"the launched server was not healthy at {self.base_url}/health after "
-                          f"{self.timeout_s:.0f} s; its last lines:\n{self.log_tail()}")
-
-    def log_tail(self, lines: int = 20) -> str:
-        with open(self._log_path, encoding="utf-8", errors="replace") as f:
-            return "".join(deque(f, maxlen=lines))
+                          f"{self.timeout_s:.0f} s; its last lines:\n{self.child.tail()}")
 
     def info(self) -> LaunchInfo:
         """Start-up time and the GPU memory peak so far (call before leaving the context)."""
         return LaunchInfo(self.command, self.startup_s or 0.0, self.sampler.peak_above_baseline())
 
     def __exit__(self, *exc) -> None:
-        proc, self._proc = self._proc, None
-        if proc is not None and proc.poll() is None:
-            try:
-                os.killpg(proc.pid, signal.SIGINT)
-                proc.wait(timeout=self.stop_timeout_s)
-            except subprocess.TimeoutExpired:
-                os.killpg(proc.pid, signal.SIGKILL)
-                proc.wait()
-            except ProcessLookupError:
-                pass
-        if proc is not None:
-            with contextlib.suppress(ProcessLookupError):  # whatever the server forked and left
-                os.killpg(proc.pid, signal.SIGKILL)
+        self.child.stop(self.stop_timeout_s)
         self.sampler.stop()
-        if getattr(self, "_old_sigterm", None) is not None:
+        if self._old_sigterm is not None:
             signal.signal(signal.SIGTERM, self._old_sigterm)
             self._old_sigterm = None
-        if self._log_fd >= 0:
-            os.close(self._log_fd)
-            if not self._keep_log:
-                os.unlink(self._log_path)
-            self._log_fd = -1
+        if not self._keep_log:
+            with contextlib.suppress(OSError):
+                self.child.log_path.unlink()
+
+
+def http_answers(url: str) -> bool:
+    """True when anything at all answers HTTP at `url`."""
+    try:
+        httpx.get(url, timeout=1.0)
+        return True
+    except httpx.HTTPError:
+        return False

@@ -8,79 +8,17 @@ printed and the exit code is 1; Ctrl-C or SIGTERM stops both and exits 0.
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import os
 import signal
-import subprocess
 import sys
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
-from pathlib import Path
-
-import httpx
+from dataclasses import dataclass
 
 from pagedserve import envs
+from pagedserve.child_process import Child, http_ok
 from pagedserve.ui.launch import check_port_free
-
-
-@dataclass
-class Child:
-    """One child process whose output goes to a log file."""
-
-    name: str
-    cmd: list[str]
-    log_path: Path
-    proc: subprocess.Popen | None = field(default=None, repr=False)
-
-    def start(self, env: dict[str, str]) -> None:
-        self.log_path.parent.mkdir(parents=True, exist_ok=True)
-        with open(self.log_path, "wb") as log:
-            self.proc = subprocess.Popen(self.cmd, stdout=log, stderr=subprocess.STDOUT, env=env,
-                                         stdin=subprocess.DEVNULL, start_new_session=True)
-
-    def exit_code(self) -> int | None:
-        return None if self.proc is None else self.proc.poll()
-
-    def tail(self, n: int = 20) -> str:
-        try:
-            lines = self.log_path.read_text(errors="replace").splitlines()
-        except OSError:
-            return ""
-        return "\n".join(lines[-n:])
-
-    def terminate(self) -> None:
-        """Ask it to stop (SIGTERM); `stop` then waits."""
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-
-    def stop(self, timeout: float = 20.0) -> None:
-        """SIGTERM, wait, SIGKILL; then end whatever it left in its process group."""
-        if self.proc is None:
-            return
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(timeout)
-            except subprocess.TimeoutExpired:
-                _signal_group(self.proc.pid, signal.SIGKILL)
-                self.proc.wait(10)
-        # Leftovers (an engine core whose server was killed): its group outlives the leader.
-        if _signal_group(self.proc.pid, signal.SIGTERM):
-            deadline = time.monotonic() + 5
-            while _signal_group(self.proc.pid, 0) and time.monotonic() < deadline:
-                time.sleep(0.1)
-            _signal_group(self.proc.pid, signal.SIGKILL)
-
-
-def _signal_group(pgid: int, sig: int) -> bool:
-    """Send `sig` to the process group; False when the group no longer exists."""
-    try:
-        os.killpg(pgid, sig)
-        return True
-    except (ProcessLookupError, PermissionError):
-        return False
 
 
 class _Stop:
@@ -124,8 +62,8 @@ class Up:
                 child.start(env)
             print(f"pagedserve up: starting the server and the chat UI (logs: "
                   f"{self.server.log_path}, {self.ui.log_path})", flush=True)
-            ok = (self._wait(stop, "server", lambda: _get_ok(self.health_url))
-                  and self._wait(stop, "chat UI", lambda: _get_ok(self.ui_url)))
+            ok = (self._wait(stop, "server", lambda: http_ok(self.health_url))
+                  and self._wait(stop, "chat UI", lambda: http_ok(self.ui_url)))
             if ok:
                 print(f"\n  Chat UI:     {self.ui_url}\n  OpenAI API:  {self.api_url}\n\n"
                       "pagedserve up: ready; press Ctrl-C to stop both.", flush=True)
@@ -177,12 +115,6 @@ class Up:
         self.ui.stop()
         self.server.stop()
         return code
-
-
-def _get_ok(url: str) -> bool:
-    with contextlib.suppress(httpx.HTTPError):
-        return httpx.get(url, timeout=2).status_code == 200
-    return False
 
 
 def _client_host(host: str) -> str:
