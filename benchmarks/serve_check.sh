@@ -12,7 +12,7 @@ OUT="${OUT:-serve_results}"
 mkdir -p "$OUT"
 if [ -d .whl ]; then
     python3 -m pip install -q --no-index --find-links .whl --target /tmp/pydeps \
-        fastapi uvicorn pyzmq prometheus-client httpx nvidia-ml-py opentelemetry-api tqdm psutil rich
+        fastapi uvicorn uvloop httptools pyzmq prometheus-client httpx nvidia-ml-py opentelemetry-api tqdm psutil rich
 fi
 export PYTHONPATH="$PWD:/tmp/pydeps"
 MODEL="${MODEL:-qwen3-4b-instruct-2507}"
@@ -28,7 +28,7 @@ run() {  # name, then bench flags
 }
 
 if [ "$PART" = "sweep" ]; then
-    run pagedserve --launch "$SERVE --log-level INFO" --launch-log "$OUT/server_sweep.log" --label pagedserve --input-len 1024 --output-len 128 \
+    PAGEDSERVE_SLOW_STEP_MS=250 run pagedserve --launch "$SERVE --log-level INFO" --launch-log "$OUT/server_sweep.log" --label pagedserve --input-len 1024 --output-len 128 \
         --concurrency-sweep 1,16,64,256 --num-prompts-per-level 32,64,256,1024 --warmup 4
 elif [ "$PART" = "ours" ]; then
     run pagedserve --launch "$SERVE --log-level INFO" --launch-log "$OUT/server_sweep.log" --label pagedserve --input-len 1024 --output-len 128 \

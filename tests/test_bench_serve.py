@@ -205,6 +205,13 @@ def test_launch_measures_startup_and_stops_the_server(tmp_path):
     assert launch["command"] == cmd and 0 < launch["startup_s"] < 300
     assert launch["peak_gpu_memory_bytes"] is None  # no GPU on the test machine
     assert result["runs"][0]["completed"] == 3 and result["runs"][0]["output_tokens"] == 12
+    cpu = result["runs"][0]["cpu"]  # the client's and each server process's CPU while measuring
+    assert cpu["client_s"] > 0 and cpu["server_main_s"] > 0
+    assert cpu["server_children_s"] and cpu["server_children_s"][0] > 0  # the engine core stepped
+    side = result["runs"][0]["server_side_ms"]  # from /metrics, over the measured requests only
+    assert side["queue_mean"] >= 0 and side["prefill_mean"] > 0
+    # one monotonic clock: the HTTP process sees the first token after the engine made it
+    assert side["queue_mean"] + side["prefill_mean"] <= side["ttft_mean"] + 0.02
     with pytest.raises(httpx.HTTPError):  # the launched server and its engine are gone
         httpx.get(f"{url}/health", timeout=2)
     assert "engine ready" in log.read_text()  # --launch-log keeps the server's output
@@ -260,3 +267,13 @@ def test_a_terminated_benchmark_stops_the_server_it_launched(tmp_path):
     finally:
         bench.kill()
         bench.wait()
+
+
+def test_latency_means_cover_only_the_requests_between_two_scrapes():
+    from pagedserve.bench.serve import latency_means
+
+    before = {"ttft": (2.0, 4.0), "queue": (0.4, 4.0)}
+    after = {"ttft": (5.0, 10.0), "queue": (1.0, 10.0), "prefill": (0.6, 6.0)}
+    # 6 new requests: ttft (5 - 2) / 6 s, queue 0.6 / 6 s; prefill appeared after the first scrape
+    assert latency_means(before, after) == {"ttft_mean": 500.0, "queue_mean": 100.0, "prefill_mean": 100.0}
+    assert latency_means(after, after) == {}  # nothing finished in between

@@ -157,6 +157,27 @@ class LaunchedServer:
         raise LaunchError(f"the launched server was not healthy at {self.base_url}/health after "
                           f"{self.timeout_s:.0f} s; its last lines:\n{self.child.tail()}")
 
+    def cpu_seconds(self) -> dict:
+        """CPU seconds used so far by the launched process ("main") and each process it forked
+        ("children", largest first): e.g. the HTTP process and the engine core."""
+        import psutil
+
+        def used(p: psutil.Process) -> float:
+            t = p.cpu_times()
+            return t.user + t.system
+
+        try:
+            root = psutil.Process(self.child.proc.pid)
+            children = root.children(recursive=True)
+            main = used(root)
+        except psutil.Error:
+            return {"main": None, "children": {}}
+        kids = {}
+        for c in children:
+            with contextlib.suppress(psutil.Error):
+                kids[c.pid] = used(c)
+        return {"main": main, "children": kids}
+
     def info(self) -> LaunchInfo:
         """Start-up time and the GPU memory peak so far (call before leaving the context)."""
         return LaunchInfo(self.command, self.startup_s or 0.0, self.sampler.peak_above_baseline())

@@ -4,6 +4,10 @@ Requests stream through /v1/completions (token-id or text prompts) or /v1/chat/c
 (text), arrive at --request-rate (Poisson, or gamma with --burstiness) under an optional
 --max-concurrency cap, and each one's chunk arrival times give TTFT, TPOT, ITL and
 end-to-end latency. Token counts come from the server's usage (stream_options.include_usage).
+
+The client is aiohttp on uvloop (when installed), not httpx: at thousands of streamed tokens
+per second a load generator must cost less CPU per chunk than the server it measures (httpx
+took about 200 us per chunk on a 2-core machine, enough to saturate a core at 5,000 tok/s).
 """
 
 from __future__ import annotations
@@ -14,7 +18,7 @@ import random
 import time
 from collections.abc import AsyncIterator
 
-import httpx
+import aiohttp
 
 from pagedserve.bench.datasets import (
     BenchRequest,
@@ -63,24 +67,26 @@ def _body(req: BenchRequest, args, model: str) -> tuple[str, dict]:
     return "/v1/completions", {**common, "prompt": req.prompt}
 
 
-async def _sse(resp: httpx.Response) -> AsyncIterator[dict]:
-    async for line in resp.aiter_lines():
-        if line.startswith("data: "):
-            data = line[6:]
-            if data.strip() == "[DONE]":
-                return
-            yield json.loads(data)
+async def _sse(resp: aiohttp.ClientResponse) -> AsyncIterator[dict]:
+    async for line in resp.content:  # one line at a time; events are "data: {...}" lines
+        if not line.startswith(b"data: "):
+            continue
+        data = line[6:].strip()
+        if data == b"[DONE]":
+            return
+        yield json.loads(data)
 
 
-async def send_one(client: httpx.AsyncClient, req: BenchRequest, args, model: str) -> RequestRecord:
+async def send_one(session: aiohttp.ClientSession, base_url: str, req: BenchRequest, args,
+                   model: str) -> RequestRecord:
     """Stream one request and time its chunks."""
     path, body = _body(req, args, model)
     rec = RequestRecord(start=time.perf_counter())
     try:
-        async with client.stream("POST", path, json=body) as resp:
-            if resp.status_code != 200:
-                text = (await resp.aread()).decode(errors="replace")[:200]
-                rec.error = f"HTTP {resp.status_code}: {text}"
+        async with session.post(base_url.rstrip("/") + path, json=body) as resp:
+            if resp.status != 200:
+                text = (await resp.read()).decode(errors="replace")[:200]
+                rec.error = f"HTTP {resp.status}: {text}"
                 return rec
             async for chunk in _sse(resp):
                 if "error" in chunk:
@@ -103,33 +109,41 @@ async def send_one(client: httpx.AsyncClient, req: BenchRequest, args, model: st
             rec.first_token = rec.end  # output that decoded to no text (e.g. special tokens)
         if not rec.output_tokens:
             rec.error = rec.error or "the server sent no usage (stream_options.include_usage)"
-    except (httpx.HTTPError, json.JSONDecodeError, ValueError) as e:
+    except (aiohttp.ClientError, TimeoutError, json.JSONDecodeError, ValueError) as e:
         rec.error = f"{type(e).__name__}: {e}"[:200]
     return rec
 
 
 async def run_level(base_url: str, reqs: list[BenchRequest], args, model: str,
-                    concurrency: int | None) -> dict:
-    """Warm up, then run the measured requests at the given concurrency; returns metrics."""
+                    concurrency: int | None, server_cpu=None) -> dict:
+    """Warm up, then run the measured requests at the given concurrency; returns metrics.
+
+    The result includes the CPU this client used while measuring (a load generator that
+    saturates its core under-reports the server), and with `server_cpu` (a callable returning
+    `LaunchedServer.cpu_seconds()`) the CPU each server process used.
+    """
     headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
-    limits = httpx.Limits(max_connections=max(concurrency or len(reqs), 1) + 4)
-    timeout = httpx.Timeout(args.timeout, connect=30.0)
-    async with httpx.AsyncClient(base_url=base_url, headers=headers, limits=limits, timeout=timeout) as client:
+    connector = aiohttp.TCPConnector(limit=max(concurrency or len(reqs), 1) + 4)
+    timeout = aiohttp.ClientTimeout(total=args.timeout, sock_connect=30.0)
+    async with aiohttp.ClientSession(headers=headers, connector=connector, timeout=timeout) as session:
         warm, measured = reqs[: args.warmup], reqs[args.warmup :]
-        await asyncio.gather(*(send_one(client, r, args, model) for r in warm))
+        await asyncio.gather(*(send_one(session, base_url, r, args, model) for r in warm))
         sem = asyncio.Semaphore(concurrency) if concurrency else None
         gaps = arrival_gaps(len(measured), args.request_rate, args.burstiness, args.seed)
         bar = _progress(len(measured), args, concurrency)
 
         async def limited(r: BenchRequest) -> RequestRecord:
             if sem is None:
-                rec = await send_one(client, r, args, model)
+                rec = await send_one(session, base_url, r, args, model)
             else:
                 async with sem:
-                    rec = await send_one(client, r, args, model)
+                    rec = await send_one(session, base_url, r, args, model)
             bar.update(1)
             return rec
 
+        metrics_before = await scrape_latencies(session, base_url)
+        cpu_before = server_cpu() if server_cpu else None
+        client_cpu0 = time.process_time()
         start = time.perf_counter()
         tasks = []
         for r, gap in zip(measured, gaps):
@@ -138,10 +152,64 @@ async def run_level(base_url: str, reqs: list[BenchRequest], args, model: str,
                 await asyncio.sleep(gap)
         records = await asyncio.gather(*tasks)
         duration = time.perf_counter() - start
+        cpu = {"client_s": round(time.process_time() - client_cpu0, 3)}
+        if cpu_before is not None:
+            cpu.update(cpu_used(cpu_before, server_cpu()))
+        server_side = latency_means(metrics_before, await scrape_latencies(session, base_url))
         bar.close()
     metrics = compute_metrics(list(records), duration, parse_goodput(args.goodput))
     return {"max_concurrency": concurrency, "request_rate": str(args.request_rate),
-            "num_prompts": len(measured), **metrics}
+            "num_prompts": len(measured), **metrics, "cpu": cpu, "server_side_ms": server_side}
+
+
+# Server-side latency histograms (seconds) that split TTFT, by the name each server uses.
+_SERVER_HISTOGRAMS = {
+    "ttft": ("pagedserve_time_to_first_token_seconds", "vllm:time_to_first_token_seconds"),
+    "queue": ("pagedserve_request_queue_time_seconds", "vllm:request_queue_time_seconds"),
+    "prefill": ("pagedserve_request_prefill_time_seconds", "vllm:request_prefill_time_seconds"),
+}
+
+
+async def scrape_latencies(session: aiohttp.ClientSession, base_url: str) -> dict:
+    """(sum, count) of each server-side latency histogram in /metrics; {} when there is none."""
+    from pagedserve.monitor.promtext import Scrape
+
+    try:
+        async with session.get(base_url.rstrip("/") + "/metrics") as resp:
+            if resp.status != 200:
+                return {}
+            scrape = Scrape.parse(await resp.text(), time.monotonic())
+    except (aiohttp.ClientError, TimeoutError, ValueError):
+        return {}
+    found = {}
+    for key, names in _SERVER_HISTOGRAMS.items():
+        for name in names:
+            total, count = scrape.value(name + "_sum"), scrape.value(name + "_count")
+            if total is not None and count is not None:
+                found[key] = (total, count)
+                break
+    return found
+
+
+def latency_means(before: dict, after: dict) -> dict:
+    """Mean milliseconds of each histogram over the requests finished between two scrapes."""
+    means = {}
+    for key, (total, count) in after.items():
+        t0, c0 = before.get(key, (0.0, 0.0))
+        if count > c0:
+            means[f"{key}_mean"] = round(1e3 * (total - t0) / (count - c0), 2)
+    return means
+
+
+def cpu_used(before: dict, after: dict) -> dict:
+    """CPU seconds between two `LaunchedServer.cpu_seconds()` snapshots: the main process and
+    each child that used any (largest first)."""
+    if before["main"] is None or after["main"] is None:
+        return {}
+    kids = sorted((after["children"][pid] - before["children"].get(pid, 0.0)
+                   for pid in after["children"]), reverse=True)
+    return {"server_main_s": round(after["main"] - before["main"], 3),
+            "server_children_s": [round(k, 3) for k in kids if k > 0.005]}
 
 
 def _progress(total: int, args, concurrency):
@@ -150,7 +218,18 @@ def _progress(total: int, args, concurrency):
     return tqdm(total=total, desc=f"concurrency {concurrency or 'inf'}", disable=args.no_progress)
 
 
+def run_async(coro):
+    """asyncio.run on uvloop when it is installed (less CPU per streamed chunk)."""
+    try:
+        import uvloop
+    except ImportError:
+        return asyncio.run(coro)
+    return uvloop.run(coro)
+
+
 def discover_model(base_url: str, api_key: str | None) -> str:
+    import httpx
+
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
     try:
         data = httpx.get(f"{base_url}/v1/models", headers=headers, timeout=30).json()

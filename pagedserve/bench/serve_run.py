@@ -2,13 +2,12 @@
 
 from __future__ import annotations
 
-import asyncio
 import json
 import time
 from pathlib import Path
 
 from pagedserve.bench.launcher import LaunchedServer
-from pagedserve.bench.serve import build_dataset, discover_model, run_level
+from pagedserve.bench.serve import build_dataset, discover_model, run_async, run_level
 
 
 def run_serve(args) -> dict:
@@ -17,7 +16,7 @@ def run_serve(args) -> dict:
     if args.launch:
         with LaunchedServer(args.launch, base_url, args.launch_timeout, log_path=args.launch_log) as server:
             print(f"launched server healthy after {server.startup_s:.1f} s: {args.launch}")
-            result = _measure(args, base_url)
+            result = _measure(args, base_url, server.cpu_seconds)
             result["launch"] = server.info().as_dict()
         print_launch(result["launch"])
     else:
@@ -28,7 +27,7 @@ def run_serve(args) -> dict:
     return result
 
 
-def _measure(args, base_url: str) -> dict:
+def _measure(args, base_url: str, server_cpu=None) -> dict:
     model = args.model or discover_model(base_url, args.api_key)
     levels: list[int | None]
     if args.concurrency_sweep:
@@ -44,7 +43,7 @@ def _measure(args, base_url: str) -> dict:
             args.num_prompts = counts[i]
         # Fresh prompts per level (seed + level index): no prefix-cache hits carried over.
         reqs = build_dataset(args, seed=args.seed + i)
-        runs.append(asyncio.run(run_level(base_url, reqs, args, model, level)))
+        runs.append(run_async(run_level(base_url, reqs, args, model, level, server_cpu)))
         print_run(runs[-1])
     result = {
         "benchmark": "serve", "label": args.label or model, "base_url": base_url, "model": model,
@@ -75,6 +74,17 @@ def print_run(run: dict) -> None:
         s = run[key]
         if s["mean"] is not None:
             rows.append((f"{name} mean / p50 / p99 (ms)", f"{s['mean']:.1f} / {s['median']:.1f} / {s['p99']:.1f}"))
+    cpu, dur = run.get("cpu") or {}, max(run["duration_s"], 1e-9)
+    if cpu:
+        busy = f"client {100 * cpu['client_s'] / dur:.0f}%"
+        if "server_main_s" in cpu:
+            busy += f", server {100 * cpu['server_main_s'] / dur:.0f}%"
+            busy += "".join(f" + {100 * c / dur:.0f}%" for c in cpu["server_children_s"])
+        rows.append(("CPU (% of one core)", busy))
+    side = run.get("server_side_ms") or {}
+    if side:
+        parts = [f"{k.removesuffix('_mean')} {v:.1f}" for k, v in side.items()]
+        rows.append(("server-side means (ms)", ", ".join(parts)))
     if run["goodput_rps"] is not None:
         rows.append(("goodput (req/s)", f"{run['goodput_rps']:.2f}"))
     if run["errors"]:

@@ -53,6 +53,10 @@ class TokenOutput:
     stop_reason: int | str | None = None
     num_prompt_tokens: int = 0
     num_cached_tokens: int = 0
+    # With a request's first token only: seconds it waited to be scheduled, and from then
+    # to its first token (the prefill, chunks and all).
+    queue_s: float | None = None
+    prefill_s: float | None = None
 
 
 class EngineCore:
@@ -232,12 +236,14 @@ class EngineCore:
         outputs = []
         now = time.monotonic()
         for req in updated:
-            if req.first_token_time is None:
-                req.first_token_time = now
             lp = result.logprobs.get(req.request_id)
             o = TokenOutput(req.request_id, [req.token_ids[-1]], [lp] if lp else [],
                             num_prompt_tokens=req.num_prompt_tokens,
                             num_cached_tokens=req.num_cached_tokens)
+            if req.first_token_time is None:
+                req.first_token_time = now
+                scheduled = req.first_scheduled_time or now
+                o.queue_s, o.prefill_s = scheduled - req.arrival_time, now - scheduled
             stop = check_stop(req, self.scheduler_config.max_model_len)
             if stop is not None:
                 o.finished, (o.finish_reason, o.stop_reason) = True, stop

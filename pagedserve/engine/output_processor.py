@@ -30,6 +30,8 @@ class SampleState:
     finish_reason: str | None = None
     stop_reason: int | str | None = None
     num_cached_tokens: int = 0
+    queue_s: float | None = None  # engine-side: waiting to be scheduled
+    prefill_s: float | None = None  # engine-side: first scheduled -> first token
 
     @property
     def finished(self) -> bool:
@@ -83,6 +85,8 @@ class OutputProcessor:
             if s is None or s.finished:
                 continue
             s.num_cached_tokens = o.num_cached_tokens
+            if o.queue_s is not None:
+                s.queue_s, s.prefill_s = o.queue_s, o.prefill_s
             s.token_ids.extend(o.new_token_ids)
             if s.logprobs is not None:
                 for token, (lp, top) in zip(o.new_token_ids, o.new_logprobs):

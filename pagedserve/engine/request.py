@@ -41,6 +41,7 @@ class Request:
     status: RequestStatus = RequestStatus.WAITING
     finish_reason: str | None = None  # "stop" | "length" | "abort"
     stop_reason: int | str | None = None
+    first_scheduled_time: float | None = None  # when the scheduler first admitted it
     first_token_time: float | None = None
     # Per-request extras the runner/sampler may attach (e.g. a seeded torch.Generator).
     extras: dict[str, Any] = field(default_factory=dict)

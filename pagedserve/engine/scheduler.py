@@ -12,6 +12,7 @@ waiting queue, to be recomputed (prompt and output so far) later.
 from __future__ import annotations
 
 import bisect
+import time
 from dataclasses import dataclass, field
 
 from pagedserve.config import SchedulerConfig
@@ -146,6 +147,8 @@ class Scheduler:
                 if self.kv.enable_prefix_caching:
                     self.kv.record_lookup(req.num_tokens, start)
             req.num_computed_tokens = start
+            if req.first_scheduled_time is None:
+                req.first_scheduled_time = time.monotonic()
             req.status = RequestStatus.RUNNING
             self.running.append(req)
             out.chunks.append(ScheduledChunk(req, start, n))

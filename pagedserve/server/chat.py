@@ -15,11 +15,11 @@ from pagedserve.server.reasoning import ReasoningParser, get_reasoning_parser
 from pagedserve.server.serving import (
     Choice,
     Server,
+    SSEChunks,
     generate_all,
     make_params,
     new_id,
     run_choices,
-    sse_chunk,
     sse_error,
     usage,
 )
@@ -104,8 +104,7 @@ async def _stream(server: Server, body: ChatCompletionRequest, choices: list[Cho
 
     header = {"id": rid, "object": "chat.completion.chunk", "created": created, "model": model}
 
-    def chunk(choice_list: list[dict], usage_obj: dict | None = None) -> str:
-        return sse_chunk(header, choice_list, body.include_usage, usage_obj)
+    chunk = SSEChunks(header, body.include_usage)
 
     try:
         for c in choices:

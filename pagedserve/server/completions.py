@@ -13,11 +13,11 @@ from pagedserve.server.protocol import CompletionRequest
 from pagedserve.server.serving import (
     Choice,
     Server,
+    SSEChunks,
     generate_all,
     make_params,
     new_id,
     run_choices,
-    sse_chunk,
     sse_error,
     usage,
 )
@@ -87,8 +87,7 @@ async def _stream(server: Server, body: CompletionRequest, choices: list[Choice]
 
     header = {"id": rid, "object": "text_completion", "created": created, "model": model}
 
-    def chunk(choice_list: list[dict], usage_obj: dict | None = None) -> str:
-        return sse_chunk(header, choice_list, body.include_usage, usage_obj)
+    chunk = SSEChunks(header, body.include_usage)
 
     try:
         if body.echo:

@@ -154,7 +154,9 @@ class AsyncEngineClient:
         pending.state = self.processor.samples[request_id]
         finished = False
         try:
-            await self._in.send_pyobj(("add", EngineRequest(request_id, prompt_ids, params, priority)))
+            # arrival = when this process took the request: the queue time then covers the hop
+            await self._in.send_pyobj(("add", EngineRequest(request_id, prompt_ids, params, priority,
+                                                            arrival_time=pending.arrival)))
             async for state in pending.states():
                 finished = state.finished
                 yield state

@@ -40,6 +40,12 @@ class Metrics:
                               buckets=_LATENCY_BUCKETS, registry=r)
         self.tpot = Histogram("pagedserve_time_per_output_token_seconds", "Mean time per output token after the first",
                               labels, buckets=_TPOT_BUCKETS, registry=r)
+        self.queue_time = Histogram("pagedserve_request_queue_time_seconds",
+                                    "Time a request waited in the engine before it was first scheduled",
+                                    labels, buckets=_LATENCY_BUCKETS, registry=r)
+        self.prefill_time = Histogram("pagedserve_request_prefill_time_seconds",
+                                      "Engine time from first scheduled to the first token",
+                                      labels, buckets=_LATENCY_BUCKETS, registry=r)
         self.e2e = Histogram("pagedserve_e2e_request_latency_seconds", "End-to-end request latency", labels,
                              buckets=_LATENCY_BUCKETS, registry=r)
         self._last = CoreStats(0, 0, 0.0, 0, 0, 0, 0, 0)
@@ -66,6 +72,9 @@ class Metrics:
         m = self.model_name
         self.requests.labels(m, state.finish_reason or "unknown").inc()
         self.e2e.labels(m).observe(now - pending.arrival)
+        if state.queue_s is not None:
+            self.queue_time.labels(m).observe(max(state.queue_s, 0.0))
+            self.prefill_time.labels(m).observe(max(state.prefill_s, 0.0))
         if pending.first_token is not None:
             self.ttft.labels(m).observe(pending.first_token - pending.arrival)
             n = len(state.token_ids)

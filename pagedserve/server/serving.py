@@ -138,6 +138,16 @@ async def run_choices(
 
     Leaving early (an error, or the consumer being cancelled) aborts every choice.
     """
+    if len(choices) == 1:  # the common case: no helper task and queue hop per token
+        choice = choices[0]
+        try:
+            params = client.sample_params(choice.params, choice.index % max(choice.params.n, 1))
+            async for state in client.generate(f"{request_id}-{choice.index}", choice.prompt_ids,
+                                               params, priority):
+                yield choice.index, state
+        except Exception as e:
+            raise _as_api_error(e) from None
+        return
     queue: asyncio.Queue = asyncio.Queue()
     done = object()
 
@@ -217,14 +227,21 @@ def usage(prompt_tokens: int, completion_tokens: int) -> dict:
             "total_tokens": prompt_tokens + completion_tokens}
 
 
-def sse_chunk(header: dict, choices: list[dict], include_usage: bool,
-              usage_obj: dict | None = None) -> str:
-    """One server-sent event of a stream: header (id, object, created, model) + choices; with
-    stream_options.include_usage every chunk carries "usage" (null until the last)."""
-    data = {**header, "choices": choices}
-    if usage_obj is not None or include_usage:
-        data["usage"] = usage_obj
-    return f"data: {json.dumps(data, ensure_ascii=False)}\n\n"
+class SSEChunks:
+    """Server-sent events of one stream: a fixed header (id, object, created, model), then the
+    choices; with stream_options.include_usage every chunk carries "usage" (null until the
+    last). The header is serialised once per stream, not once per token."""
+
+    def __init__(self, header: dict, include_usage: bool) -> None:
+        head = json.dumps(header, ensure_ascii=False)
+        self._start = f'data: {head[:-1]}, "choices": '
+        self._end = ', "usage": null}\n\n' if include_usage else "}\n\n"
+
+    def __call__(self, choices: list[dict], usage_obj: dict | None = None) -> str:
+        body = json.dumps(choices, ensure_ascii=False)
+        if usage_obj is None:
+            return self._start + body + self._end
+        return f"{self._start}{body}, \"usage\": {json.dumps(usage_obj)}}}\n\n"
 
 
 def sse_error(e: Exception) -> str:
