@@ -2,6 +2,7 @@
 # Serving benchmarks on the GPU machine (issue 6), one device call per part:
 #   bash benchmarks/serve_check.sh ours   # pagedserve: vLLM's sweep, short chats, prefix caching on/off
 #   bash benchmarks/serve_check.sh hf     # the Transformers baselines (--engine hf, hf-batched)
+#   LEVELS=3,5 bash benchmarks/serve_check.sh hf_short   # the wrapper benchmark on --engine hf alone
 # Every server is started by `pagedserve bench serve --launch`, which records its start-up time
 # and peak GPU memory. Results go to $OUT (or ./serve_results). The GPU machine has no network:
 # the HTTP stack comes from wheels in .whl/ (see docs/performance.md) and the stand-in tokenizer
@@ -63,6 +64,9 @@ elif [ "$PART" = "hf" ]; then
         --concurrency-sweep 1,16 --num-prompts-per-level 4,16 --warmup 1
     run hf_short --launch "$SERVE --engine hf" --label "hf (naive)" --dataset short --endpoint chat \
         --output-len 100 --concurrency-sweep 1,3,5,10 --num-prompts 15 --warmup 1
+elif [ "$PART" = "hf_short" ]; then  # the wrapper benchmark alone, at the levels in $LEVELS
+    run hf_short --launch "$SERVE --engine hf" --label "hf (naive)" --dataset short --endpoint chat \
+        --output-len 100 --concurrency-sweep "${LEVELS:-1,3,5,10}" --num-prompts 15 --warmup 1
 fi
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader > "$OUT/gpu.txt" 2>&1
 echo "done: $(ls "$OUT")"
