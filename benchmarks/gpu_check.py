@@ -403,6 +403,81 @@ def time_prefill(engine, num_seqs: int, length: int) -> float:
     return (time.perf_counter() - t0) / 5 * 1e3
 
 
+@section
+def mixed(quick: bool) -> None:
+    """Where a serving step's time goes at concurrency 256 (1,024 in / 128 out): about 240
+    decodes of ~1,100-token contexts beside two 1,024-token prefill chunks. Times the step
+    back to back (host and GPU in series), its GPU time alone (CUDA events), the host's launch
+    time, and lists the kernels by GPU time (torch.profiler); the same for decode-only and
+    prefill-only steps of the same parts."""
+    from pagedserve import LLM
+    from pagedserve.engine.request import Request
+    from pagedserve.engine.scheduler import ScheduledChunk, SchedulerOutput
+    from pagedserve.sampling_params import SamplingParams
+
+    llm = LLM("qwen3-4b-instruct-2507", load_format="dummy", dtype="bfloat16", max_model_len=4096,
+              max_num_seqs=256, max_num_batched_tokens=8192, tokenizer=os.environ.get("PS_TOKENIZER"))
+    engine, runner = llm.engine, llm.engine.runner
+    params = SamplingParams(max_tokens=1, temperature=0.0)
+
+    def chunks(n_dec: int, ctx: int, n_pre: int, pre_len: int, tag: str):
+        reqs, out = [], []
+        for i in range(n_dec):
+            r = Request(f"{tag}d{i}", [7 + i % 1000] * ctx, params, max_tokens=1)
+            assert engine.kv.allocate(r.request_id, ctx)
+            reqs.append(r)
+            out.append(ScheduledChunk(r, ctx - 1, 1, samples=True))
+        for i in range(n_pre):
+            r = Request(f"{tag}p{i}", [11 + i] * pre_len, params, max_tokens=1)
+            assert engine.kv.allocate(r.request_id, pre_len)
+            reqs.append(r)
+            out.append(ScheduledChunk(r, 0, pre_len, samples=True))
+        return reqs, SchedulerOutput(out), [engine.kv.block_ids(r.request_id) for r in reqs]
+
+    shapes = {"mixed 240 dec + 2x1024": (240, 1100, 2, 1024), "decode 240 (graph)": (240, 1100, 0, 0),
+              "prefill 2x1024": (0, 0, 2, 1024)}
+    found = {}
+    for name, (nd, ctx, npre, plen) in shapes.items():
+        reqs, out, tables = chunks(nd, ctx, npre, plen, name[:3])
+        for _ in range(3):
+            runner.collect(runner.execute(out, tables))
+        torch.cuda.synchronize()
+        n = 10
+        t0 = time.perf_counter()
+        for _ in range(n):
+            runner.collect(runner.execute(out, tables))
+        serial_ms = (time.perf_counter() - t0) / n * 1e3
+        launch, gpu = [], []
+        for _ in range(n):
+            torch.cuda.synchronize()
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            h0 = time.perf_counter()
+            start.record()
+            handle = runner.execute(out, tables)
+            end.record()
+            launch.append((time.perf_counter() - h0) * 1e3)
+            runner.collect(handle)
+            end.synchronize()
+            gpu.append(start.elapsed_time(end))
+        row = {"serial_ms": round(serial_ms, 2), "host_launch_ms": round(sorted(launch)[n // 2], 2),
+               "gpu_ms": round(sorted(gpu)[n // 2], 2)}
+        from torch.profiler import ProfilerActivity, profile
+
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            for _ in range(3):
+                runner.collect(runner.execute(out, tables))
+            torch.cuda.synchronize()
+        table = prof.key_averages().table(sort_by="cuda_time_total", row_limit=14, max_name_column_width=60)
+        print(f"==== {name}: {row}\n{table}", flush=True)
+        row["kernels"] = table
+        found[name] = row
+        record(f"{name}: serial / GPU / host launch ms",
+               f"{row['serial_ms']} / {row['gpu_ms']} / {row['host_launch_ms']}")
+        for r in reqs:
+            engine.kv.free(r.request_id)
+    RESULTS["mixed_step"] = found
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--quick", action="store_true")

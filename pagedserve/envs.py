@@ -30,6 +30,11 @@ def slow_step_ms() -> float:
     return float(os.environ.get("PAGEDSERVE_SLOW_STEP_MS") or 0)
 
 
+def step_times_every() -> int:
+    """$PAGEDSERVE_STEP_TIMES=N: every N engine steps, log the host's milliseconds per step in
+    each phase (schedule, prepare+launch, wait for GPU, apply results); 0 = off."""
+    return int(os.environ.get("PAGEDSERVE_STEP_TIMES") or 0)
+
 
 # The chat UI (`pagedserve ui` sets these for the Chainlit app it starts).
 UI_BASE_URL = "PAGEDSERVE_UI_BASE_URL"

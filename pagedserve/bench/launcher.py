@@ -43,12 +43,14 @@ class LaunchInfo:
 
 
 class GpuMemorySampler:
-    """Background thread recording the peak of NVML's used memory summed over all GPUs."""
+    """Background thread recording the peak of NVML's used memory summed over all GPUs, and
+    the running sum of their utilisation readings (percent of time a kernel ran)."""
 
     def __init__(self, interval_s: float = 0.1) -> None:
         self.interval_s = interval_s
         self.baseline: int | None = None
         self.peak: int | None = None
+        self.util_sum, self.util_count = 0.0, 0  # mean over GPUs, one term per reading
         self._handles: list = []
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -82,6 +84,12 @@ class GpuMemorySampler:
             used = self.used()
             if used is not None and used > (self.peak or 0):
                 self.peak = used
+            try:
+                util = [self._nvml.nvmlDeviceGetUtilizationRates(h).gpu for h in self._handles]
+            except Exception:
+                continue
+            self.util_sum += sum(util) / len(util)
+            self.util_count += 1
 
     def peak_above_baseline(self) -> int | None:
         """Bytes used at the peak beyond the baseline taken at start() (None without NVML)."""
@@ -157,9 +165,10 @@ class LaunchedServer:
         raise LaunchError(f"the launched server was not healthy at {self.base_url}/health after "
                           f"{self.timeout_s:.0f} s; its last lines:\n{self.child.tail()}")
 
-    def cpu_seconds(self) -> dict:
+    def usage(self) -> dict:
         """CPU seconds used so far by the launched process ("main") and each process it forked
-        ("children", largest first): e.g. the HTTP process and the engine core."""
+        ("children", by pid): e.g. the HTTP process and the engine core; and the GPU
+        utilisation readings so far ("gpu_util": (sum, count))."""
         import psutil
 
         def used(p: psutil.Process) -> float:
@@ -171,12 +180,13 @@ class LaunchedServer:
             children = root.children(recursive=True)
             main = used(root)
         except psutil.Error:
-            return {"main": None, "children": {}}
+            main, children = None, []
         kids = {}
         for c in children:
             with contextlib.suppress(psutil.Error):
                 kids[c.pid] = used(c)
-        return {"main": main, "children": kids}
+        return {"main": main, "children": kids,
+                "gpu_util": (self.sampler.util_sum, self.sampler.util_count)}
 
     def info(self) -> LaunchInfo:
         """Start-up time and the GPU memory peak so far (call before leaving the context)."""

@@ -115,12 +115,12 @@ async def send_one(session: aiohttp.ClientSession, base_url: str, req: BenchRequ
 
 
 async def run_level(base_url: str, reqs: list[BenchRequest], args, model: str,
-                    concurrency: int | None, server_cpu=None) -> dict:
+                    concurrency: int | None, server_usage=None) -> dict:
     """Warm up, then run the measured requests at the given concurrency; returns metrics.
 
     The result includes the CPU this client used while measuring (a load generator that
-    saturates its core under-reports the server), and with `server_cpu` (a callable returning
-    `LaunchedServer.cpu_seconds()`) the CPU each server process used.
+    saturates its core under-reports the server), and with `server_usage` (a callable returning
+    `LaunchedServer.usage()`) the CPU each server process used and the GPU's mean utilisation.
     """
     headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
     connector = aiohttp.TCPConnector(limit=max(concurrency or len(reqs), 1) + 4)
@@ -142,7 +142,7 @@ async def run_level(base_url: str, reqs: list[BenchRequest], args, model: str,
             return rec
 
         metrics_before = await scrape_latencies(session, base_url)
-        cpu_before = server_cpu() if server_cpu else None
+        cpu_before = server_usage() if server_usage else None
         client_cpu0 = time.process_time()
         start = time.perf_counter()
         tasks = []
@@ -154,7 +154,7 @@ async def run_level(base_url: str, reqs: list[BenchRequest], args, model: str,
         duration = time.perf_counter() - start
         cpu = {"client_s": round(time.process_time() - client_cpu0, 3)}
         if cpu_before is not None:
-            cpu.update(cpu_used(cpu_before, server_cpu()))
+            cpu.update(cpu_used(cpu_before, server_usage()))
         server_side = latency_means(metrics_before, await scrape_latencies(session, base_url))
         bar.close()
     metrics = compute_metrics(list(records), duration, parse_goodput(args.goodput))
@@ -202,14 +202,18 @@ def latency_means(before: dict, after: dict) -> dict:
 
 
 def cpu_used(before: dict, after: dict) -> dict:
-    """CPU seconds between two `LaunchedServer.cpu_seconds()` snapshots: the main process and
-    each child that used any (largest first)."""
-    if before["main"] is None or after["main"] is None:
-        return {}
-    kids = sorted((after["children"][pid] - before["children"].get(pid, 0.0)
-                   for pid in after["children"]), reverse=True)
-    return {"server_main_s": round(after["main"] - before["main"], 3),
-            "server_children_s": [round(k, 3) for k in kids if k > 0.005]}
+    """Usage between two `LaunchedServer.usage()` snapshots: CPU seconds of the main process
+    and of each child that used any (largest first), and the mean GPU utilisation (percent)."""
+    used = {}
+    if before["main"] is not None and after["main"] is not None:
+        kids = sorted((after["children"][pid] - before["children"].get(pid, 0.0)
+                       for pid in after["children"]), reverse=True)
+        used["server_main_s"] = round(after["main"] - before["main"], 3)
+        used["server_children_s"] = [round(k, 3) for k in kids if k > 0.005]
+    (s0, n0), (s1, n1) = before["gpu_util"], after["gpu_util"]
+    if n1 > n0:
+        used["gpu_util_mean"] = round((s1 - s0) / (n1 - n0), 1)
+    return used
 
 
 def _progress(total: int, args, concurrency):

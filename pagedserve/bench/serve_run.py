@@ -16,7 +16,7 @@ def run_serve(args) -> dict:
     if args.launch:
         with LaunchedServer(args.launch, base_url, args.launch_timeout, log_path=args.launch_log) as server:
             print(f"launched server healthy after {server.startup_s:.1f} s: {args.launch}")
-            result = _measure(args, base_url, server.cpu_seconds)
+            result = _measure(args, base_url, server.usage)
             result["launch"] = server.info().as_dict()
         print_launch(result["launch"])
     else:
@@ -27,7 +27,7 @@ def run_serve(args) -> dict:
     return result
 
 
-def _measure(args, base_url: str, server_cpu=None) -> dict:
+def _measure(args, base_url: str, server_usage=None) -> dict:
     model = args.model or discover_model(base_url, args.api_key)
     levels: list[int | None]
     if args.concurrency_sweep:
@@ -43,7 +43,7 @@ def _measure(args, base_url: str, server_cpu=None) -> dict:
             args.num_prompts = counts[i]
         # Fresh prompts per level (seed + level index): no prefix-cache hits carried over.
         reqs = build_dataset(args, seed=args.seed + i)
-        runs.append(run_async(run_level(base_url, reqs, args, model, level, server_cpu)))
+        runs.append(run_async(run_level(base_url, reqs, args, model, level, server_usage)))
         print_run(runs[-1])
     result = {
         "benchmark": "serve", "label": args.label or model, "base_url": base_url, "model": model,
@@ -81,6 +81,8 @@ def print_run(run: dict) -> None:
             busy += f", server {100 * cpu['server_main_s'] / dur:.0f}%"
             busy += "".join(f" + {100 * c / dur:.0f}%" for c in cpu["server_children_s"])
         rows.append(("CPU (% of one core)", busy))
+    if "gpu_util_mean" in cpu:
+        rows.append(("GPU utilisation (NVML, mean %)", f"{cpu['gpu_util_mean']:.0f}"))
     side = run.get("server_side_ms") or {}
     if side:
         parts = [f"{k.removesuffix('_mean')} {v:.1f}" for k, v in side.items()]

@@ -97,6 +97,8 @@ class EngineCore:
         self._inflight = None  # (SchedulerOutput, StepHandle) launched but not yet read back
         self.timer = StepTimer()  # host-side phase timings; off unless enabled
         self._slow_step_ms = envs.slow_step_ms()
+        self._log_times_every = envs.step_times_every()
+        self._timed_steps = 0
         self.num_prefill_tokens = 0  # cumulative tokens computed other than decodes
         self.num_generation_tokens = 0  # cumulative sampled tokens
         capacity = num_blocks * config.cache.block_size
@@ -110,6 +112,8 @@ class EngineCore:
             self.warm_up()
         self.startup_seconds = time.perf_counter() - t0
         logger.info("engine ready on %s in %.1f s", device, self.startup_seconds)
+        if self._log_times_every:
+            self.timer.enable()
 
     def warm_up(self) -> None:
         """Run a prefill, a mixed step (a decode beside a prefill chunk) and graph decodes on
@@ -215,7 +219,22 @@ class EngineCore:
         ms = (time.perf_counter() - t0) * 1e3
         if self._slow_step_ms and ms > self._slow_step_ms:
             self._log_slow_step(ms, out)
+        if self._log_times_every:
+            self._log_step_times()
         return outputs
+
+    def _log_step_times(self) -> None:
+        """Every N steps: host milliseconds per step by phase, and how many steps were graphs."""
+        self._timed_steps += 1
+        if self._timed_steps < self._log_times_every:
+            return
+        runner, n = self.runner, self._timed_steps
+        phases = ", ".join(f"{k} {v:.2f}" for k, v in self.timer.summary(n).items())
+        logger.info("last %d steps (%d graph decodes, %d eager), host ms per step: %s", n,
+                    runner.num_graph_steps, runner.num_eager_steps, phases)
+        runner.num_graph_steps = runner.num_eager_steps = 0
+        self._timed_steps = 0
+        self.timer.enable()
 
     def _log_slow_step(self, ms: float, out) -> None:
         chunks = out.chunks
