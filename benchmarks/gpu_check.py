@@ -404,6 +404,66 @@ def time_prefill(engine, num_seqs: int, length: int) -> float:
 
 
 @section
+def extend_tune(quick: bool) -> None:
+    """The extend (prefill) attention kernel under each tile/launch setting, on prompt-shaped
+    steps (Qwen3: 32 query heads, 8 KV heads, head_dim 128): TFLOP/s (causal FLOPs) and the
+    error against the torch reference."""
+    import itertools
+
+    import numpy as np
+    import triton.testing
+
+    from pagedserve.attention.triton_backend import extend_tiles
+    from pagedserve.kernels.paged_attention import paged_extend
+
+    gen = torch.Generator().manual_seed(0)
+    hq, hkv, d, bs = 32, 8, 128, 16
+    shapes = {"8x1024": ([1024] * 8, [1024] * 8), "2x1024": ([1024] * 2, [1024] * 2),
+              "2x512 after 1536": ([512] * 2, [2048] * 2)}
+    configs = list(itertools.product((64, 128), (32, 64, 128), (4, 8), (2, 3)))
+    found = {}
+    for sname, (q_lens, seq_lens) in shapes.items():
+        meta = paged_step(q_lens, seq_lens, bs, 1024, gen)
+        t = sum(q_lens)
+        q = torch.randn(t, hq, d, device=DEV, dtype=torch.bfloat16)
+        cache = torch.randn(2, 1024, bs, hkv, d, device=DEV, dtype=torch.bfloat16)
+        ref = TorchReferenceBackend(hq, hkv, d, d ** -0.5)
+        ref.bind_kv_caches([cache.float()])
+        k_new = cache[0].view(-1, hkv, d)[meta.slot_mapping]  # the new tokens' K/V, already stored
+        v_new = cache[1].view(-1, hkv, d)[meta.slot_mapping]
+        want = ref.forward(0, q.float(), k_new.float(), v_new.float(), meta)
+        flops = sum(4 * hq * d * (n * (s - n) + n * (n + 1) / 2) for n, s in zip(q_lens, seq_lens))
+        qsl = np.asarray(meta.query_start_loc_cpu, dtype=np.int64)
+        rows = []
+        for bm, bn, warps, stages in configs:
+            ts, tst = extend_tiles(qsl, bm)
+            ts, tst = (torch.tensor(a, dtype=torch.int32, device=DEV) for a in (ts, tst))
+            out = torch.empty_like(q)
+            cfg = {"BLOCK_N": bn, "num_warps": warps, "num_stages": stages}
+
+            def run(q=q, cache=cache, out=out, ts=ts, tst=tst, meta=meta, bm=bm, cfg=cfg):
+                paged_extend(q, cache, out, ts, tst, meta.query_start_loc, meta.seq_lens,
+                             meta.block_tables, d ** -0.5, block_m=bm, config=cfg)
+            try:
+                run()
+                err = rel_err(out, want)
+                ms = triton.testing.do_bench(run, return_mode="median")
+            except Exception as e:  # e.g. out of shared memory for this tile size
+                rows.append({"config": [bm, bn, warps, stages], "error": str(e)[:120]})
+                continue
+            rows.append({"config": [bm, bn, warps, stages], "ms": round(ms, 4),
+                         "tflops": round(flops / ms / 1e9, 1), "rel_err": err})
+        good = sorted((r for r in rows if "ms" in r and r["rel_err"] < 1e-2), key=lambda r: r["ms"])
+        found[sname] = rows
+        base = next(r for r in rows if r["config"] == [64, 64, 4, 2])
+        best = good[0]
+        print(f"==== extend {sname}: base {base}; best {good[:4]}", flush=True)
+        record(f"extend {sname} TFLOP/s: now / best {best['config']}",
+               f"{base['tflops']} / {best['tflops']}")
+    RESULTS["extend_tune"] = found
+
+
+@section
 def mixed(quick: bool) -> None:
     """Where a serving step's time goes at concurrency 256 (1,024 in / 128 out): about 240
     decodes of ~1,100-token contexts beside two 1,024-token prefill chunks. Times the step

@@ -32,6 +32,21 @@ def choose_num_splits(num_decodes: int, num_kv_heads: int, max_seq_len: int, num
     return splits
 
 
+def extend_tiles(qsl: np.ndarray, block_m: int | None = None) -> tuple[np.ndarray, np.ndarray]:
+    """Query tiles of the sequences with more than one new token: (sequence index, first flat
+    token index) per tile of `block_m` tokens (default: the extend kernel's BLOCK_M)."""
+    from pagedserve.kernels.paged_attention import EXTEND_BLOCK_M
+
+    block_m = block_m or EXTEND_BLOCK_M
+    q_lens = np.diff(qsl)
+    ext = np.flatnonzero(q_lens > 1)
+    n_tiles = -(-q_lens[ext] // block_m)
+    tile_seq = np.repeat(ext, n_tiles)
+    first_tile = np.repeat(np.cumsum(n_tiles) - n_tiles, n_tiles)
+    tile_start = np.repeat(qsl[ext], n_tiles) + (np.arange(len(tile_seq)) - first_tile) * block_m
+    return tile_seq, tile_start
+
+
 @register_backend
 class TritonBackend(AttentionBackend):
     name = "triton"
@@ -45,16 +60,9 @@ class TritonBackend(AttentionBackend):
 
     def prepare(self, meta: AttentionMetadata, num_splits: int | None = None) -> None:
         """Host side: sort sequences into decodes and extend tiles; attach to meta.backend_data."""
-        from pagedserve.kernels.paged_attention import EXTEND_BLOCK_M
-
         qsl = np.asarray(meta.query_start_loc_cpu, dtype=np.int64)
-        q_lens = np.diff(qsl)
-        dec = np.flatnonzero(q_lens == 1)
-        ext = np.flatnonzero(q_lens > 1)
-        n_tiles = -(-q_lens[ext] // EXTEND_BLOCK_M)
-        tile_seq = np.repeat(ext, n_tiles)
-        first_tile = np.repeat(np.cumsum(n_tiles) - n_tiles, n_tiles)
-        tile_start = np.repeat(qsl[ext], n_tiles) + (np.arange(len(tile_seq)) - first_tile) * EXTEND_BLOCK_M
+        dec = np.flatnonzero(np.diff(qsl) == 1)
+        tile_seq, tile_start = extend_tiles(qsl)
         dec_t, tile_seq_t, tile_start_t = to_device_views(
             [dec.astype(np.int32), tile_seq.astype(np.int32), tile_start.astype(np.int32)],
             meta.query_start_loc.device)

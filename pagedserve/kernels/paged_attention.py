@@ -215,7 +215,10 @@ def alloc_decode_partials(num_rows: int, num_splits: int, num_heads: int, head_d
     return acc, ml
 
 
+# Tile sizes and launch settings of the extend kernel (benchmarks/gpu_check.py --sections
+# extend_tune measures the alternatives on the GPU).
 EXTEND_BLOCK_M = 64
+EXTEND_CONFIG = {"BLOCK_N": 64, "num_warps": 4, "num_stages": 2}
 
 
 def paged_extend(
@@ -228,8 +231,11 @@ def paged_extend(
     seq_lens: torch.Tensor,
     block_tables: torch.Tensor,
     scale: float,
+    block_m: int = EXTEND_BLOCK_M,
+    config: dict | None = None,
 ) -> None:
-    """Causal attention for query tiles of EXTEND_BLOCK_M tokens over the paged context."""
+    """Causal attention for query tiles of `block_m` tokens over the paged context (the tiles
+    must have been cut with the same block_m; `config` overrides EXTEND_CONFIG)."""
     num_tiles = tile_seq.shape[0]
     if num_tiles == 0:
         return
@@ -243,6 +249,5 @@ def paged_extend(
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         scb, scs, sch, block_tables.stride(0),
         GROUP=num_heads // num_kv_heads, HEAD_DIM=head_dim, PAGE=page,
-        BLOCK_M=EXTEND_BLOCK_M, BLOCK_N=64, IEEE=q.dtype == torch.float32, num_warps=4,
-        num_stages=2,
+        BLOCK_M=block_m, IEEE=q.dtype == torch.float32, **(config or EXTEND_CONFIG),
     )
