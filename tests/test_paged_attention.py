@@ -55,3 +55,53 @@ def test_triton_matches_reference(case, dtype):
 def _as_float(meta, backend):
     backend.kv_caches = [c.float() for c in backend.kv_caches]
     return meta
+
+
+def _sdpa_varlen(q, k, v, cu, max_len, scale):
+    """A torch stand-in for FlashAttention's causal varlen call (for the CPU)."""
+    out = torch.empty_like(q)
+    group = q.shape[1] // k.shape[1]
+    cu = cu.tolist()
+    for s, e in zip(cu[:-1], cu[1:]):
+        qs = q[s:e].transpose(0, 1).float()  # [H, n, D]
+        ks = k[s:e].repeat_interleave(group, 1).transpose(0, 1).float()
+        vs = v[s:e].repeat_interleave(group, 1).transpose(0, 1).float()
+        o = torch.nn.functional.scaled_dot_product_attention(qs, ks, vs, is_causal=True, scale=scale)
+        out[s:e] = o.transpose(0, 1).to(q.dtype)
+    return out
+
+
+@pytest.mark.parametrize("q_lens, seq_lens", [
+    ([1, 40, 17], [30, 40, 17]),  # fresh prompts last and consecutive: a slice
+    ([25, 1, 3, 9], [25, 8, 50, 9]),  # fresh prompts apart, a chunk with context between: a gather
+])
+def test_fresh_prompts_go_to_varlen_and_match_the_reference(monkeypatch, q_lens, seq_lens):
+    """Where FlashAttention is usable, sequences without cached context take the varlen path
+    (stood in for on the CPU by SDPA); the result equals the reference for every token."""
+    import pagedserve.attention.triton_backend as tb
+
+    calls = []
+
+    def fake_varlen(q, k, v, cu, max_len, scale):
+        calls.append((q.shape[0], cu.tolist(), max_len))
+        return _sdpa_varlen(q, k, v, cu, max_len, scale)
+
+    monkeypatch.setattr(tb, "varlen_usable", lambda device, dtype: True)
+    monkeypatch.setattr(tb, "causal_varlen", fake_varlen)
+    heads, kv_heads, dim, bs = 4, 2, 64, 16
+    gen = torch.Generator().manual_seed(7)
+    num_blocks = sum(-(-n // bs) for n in seq_lens) + 3
+    meta = random_paged_step(q_lens, seq_lens, bs, num_blocks, gen)
+    T = sum(q_lens)
+    q, k, v = (torch.randn(T, h, dim, generator=gen) for h in (heads, kv_heads, kv_heads))
+    cache = torch.randn(2, num_blocks, bs, kv_heads, dim, generator=gen)
+    ref_backend = TorchReferenceBackend(heads, kv_heads, dim, dim**-0.5)
+    ref_backend.bind_kv_caches([cache.clone()])
+    ref = ref_backend.forward(0, q, k, v, meta)
+    tri = TritonBackend(heads, kv_heads, dim, dim**-0.5)
+    tri.bind_kv_caches([cache.clone()])
+    tri.prepare(meta)
+    out = tri.forward(0, q, k, v, meta)
+    torch.testing.assert_close(out, ref, rtol=1e-4, atol=1e-4)
+    fresh = [n for n, s in zip(q_lens, seq_lens) if n == s and n > 1]
+    assert calls == [(sum(fresh), [0] + [sum(fresh[: i + 1]) for i in range(len(fresh))], max(fresh))]
