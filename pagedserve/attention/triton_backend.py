@@ -1,5 +1,4 @@
-"""Triton attention backend: paged decode (split-KV) and paged extend kernels, CUDA-graph ready;
-on CUDA in half precision, prompts without cached context go to FlashAttention (varlen.py)."""
+"""Triton attention backend: paged decode (split-KV) and paged extend kernels, CUDA-graph ready."""
 
 from __future__ import annotations
 
@@ -9,7 +8,6 @@ import numpy as np
 import torch
 
 from pagedserve.attention.backend import AttentionBackend, AttentionMetadata, register_backend
-from pagedserve.attention.varlen import causal_varlen, varlen_usable
 from pagedserve.engine.host_copy import to_device_views
 
 
@@ -21,12 +19,6 @@ class TritonStepData:
     tile_seq: torch.Tensor  # [num_tiles] int32
     tile_start: torch.Tensor  # [num_tiles] int32
     num_splits: int
-    # Sequences without cached context, for FlashAttention: their tokens [lo, hi) of the
-    # flat batch (they are consecutive: new prompts come last) or a gather index, and the
-    # cumulative lengths. None when there is none (or varlen is not usable).
-    fresh_tokens: slice | torch.Tensor | None = None
-    fresh_cu: torch.Tensor | None = None  # [Nf + 1] int32
-    fresh_max: int = 0
 
 
 def choose_num_splits(num_decodes: int, num_kv_heads: int, max_seq_len: int, num_sms: int = 132) -> int:
@@ -40,17 +32,14 @@ def choose_num_splits(num_decodes: int, num_kv_heads: int, max_seq_len: int, num
     return splits
 
 
-def extend_tiles(qsl: np.ndarray, block_m: int | None = None,
-                 ext: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
-    """Query tiles of the sequences `ext` (default: all with more than one new token):
-    (sequence index, first flat token index) per tile of `block_m` tokens (default: the
-    extend kernel's BLOCK_M)."""
+def extend_tiles(qsl: np.ndarray, block_m: int | None = None) -> tuple[np.ndarray, np.ndarray]:
+    """Query tiles of the sequences with more than one new token: (sequence index, first flat
+    token index) per tile of `block_m` tokens (default: the extend kernel's BLOCK_M)."""
     from pagedserve.kernels.paged_attention import EXTEND_BLOCK_M
 
     block_m = block_m or EXTEND_BLOCK_M
     q_lens = np.diff(qsl)
-    if ext is None:
-        ext = np.flatnonzero(q_lens > 1)
+    ext = np.flatnonzero(q_lens > 1)
     n_tiles = -(-q_lens[ext] // block_m)
     tile_seq = np.repeat(ext, n_tiles)
     first_tile = np.repeat(np.cumsum(n_tiles) - n_tiles, n_tiles)
@@ -72,30 +61,14 @@ class TritonBackend(AttentionBackend):
     def prepare(self, meta: AttentionMetadata, num_splits: int | None = None) -> None:
         """Host side: sort sequences into decodes and extend tiles; attach to meta.backend_data."""
         qsl = np.asarray(meta.query_start_loc_cpu, dtype=np.int64)
-        q_lens = np.diff(qsl)
-        dec = np.flatnonzero(q_lens == 1)
-        multi = q_lens > 1
-        device = meta.query_start_loc.device
-        fresh = np.zeros(0, dtype=np.int64)
-        if self.kv_caches and varlen_usable(device, self.kv_caches[0].dtype):
-            fresh = np.flatnonzero(multi & (q_lens == np.asarray(meta.seq_lens_cpu)))
-        tile_seq, tile_start = extend_tiles(qsl, ext=np.flatnonzero(multi & ~np.isin(np.arange(len(q_lens)), fresh)))
-        arrays = [dec.astype(np.int32), tile_seq.astype(np.int32), tile_start.astype(np.int32)]
-        if len(fresh):
-            lens = q_lens[fresh]
-            arrays.append(np.concatenate([[0], np.cumsum(lens)]).astype(np.int32))
-            consecutive = bool(np.all(np.diff(fresh) == 1))
-            if not consecutive:
-                arrays.append(np.concatenate([np.arange(qsl[i], qsl[i + 1]) for i in fresh]).astype(np.int32))
-        views = to_device_views(arrays, device)
+        dec = np.flatnonzero(np.diff(qsl) == 1)
+        tile_seq, tile_start = extend_tiles(qsl)
+        dec_t, tile_seq_t, tile_start_t = to_device_views(
+            [dec.astype(np.int32), tile_seq.astype(np.int32), tile_start.astype(np.int32)],
+            meta.query_start_loc.device)
         if num_splits is None:
             num_splits = choose_num_splits(len(dec), self.num_kv_heads, meta.max_seq_len)
-        data = TritonStepData(views[0], views[1], views[2], num_splits)
-        if len(fresh):
-            data.fresh_cu, data.fresh_max = views[3], int(lens.max())
-            data.fresh_tokens = (slice(int(qsl[fresh[0]]), int(qsl[fresh[-1] + 1])) if consecutive
-                                 else views[4].long())
-        meta.backend_data = data
+        meta.backend_data = TritonStepData(dec_t, tile_seq_t, tile_start_t, num_splits)
 
     def partials(self, rows: int, splits: int, device) -> tuple[torch.Tensor, torch.Tensor]:
         """Reusable split-KV scratch, at least [rows, splits, ...] (stable for graph capture)."""
@@ -122,11 +95,4 @@ class TritonBackend(AttentionBackend):
         if data.tile_seq.shape[0]:
             paged_extend(q, cache, out, data.tile_seq, data.tile_start, meta.query_start_loc,
                          meta.seq_lens, meta.block_tables, self.scale)
-        rows = data.fresh_tokens
-        if isinstance(rows, slice):
-            out[rows] = causal_varlen(q[rows], k[rows], v[rows], data.fresh_cu, data.fresh_max, self.scale)
-        elif rows is not None:
-            fresh_out = causal_varlen(q.index_select(0, rows), k.index_select(0, rows),
-                                      v.index_select(0, rows), data.fresh_cu, data.fresh_max, self.scale)
-            out.index_copy_(0, rows, fresh_out)
         return out
