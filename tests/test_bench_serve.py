@@ -153,6 +153,9 @@ class _FakeNvml:
     def nvmlDeviceGetHandleByIndex(self, i):
         return i
 
+    def nvmlDeviceGetUtilizationRates(self, handle):
+        return SimpleNamespace(gpu=40 + 20 * handle)  # 40% and 60%: a mean of 50
+
     def nvmlDeviceGetMemoryInfo(self, handle):
         self.readings += handle == 0  # one reading = both GPUs
         step = min(self.readings - 1, 5) if self.readings < 20 else 0
@@ -172,6 +175,17 @@ def test_gpu_memory_sampler_keeps_the_peak_above_the_baseline(monkeypatch):
     time.sleep(0.5)  # the fake climbs to +5 GiB per GPU, then falls back to the baseline
     sampler.stop()
     assert sampler.peak_above_baseline() == 10 << 30
+    assert sampler.util_count > 0 and sampler.util_sum == 50.0 * sampler.util_count
+
+
+def test_cpu_used_reports_processes_and_gpu_utilisation_between_snapshots():
+    from pagedserve.bench.serve import cpu_used
+
+    before = {"main": 1.0, "children": {10: 2.0, 11: 0.5}, "gpu_util": (100.0, 2)}
+    after = {"main": 1.5, "children": {10: 5.0, 11: 0.501, 12: 0.25}, "gpu_util": (400.0, 5)}
+    # main 0.5 s; children 3.0 s (pid 10), 0.25 s (new pid 12); pid 11's 1 ms is dropped
+    assert cpu_used(before, after) == {"server_main_s": 0.5, "server_children_s": [3.0, 0.25],
+                                       "gpu_util_mean": 100.0}
 
 
 def test_gpu_memory_sampler_without_nvml_reports_none(monkeypatch):

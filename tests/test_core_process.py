@@ -124,3 +124,40 @@ def test_warm_up_leaves_no_trace():
     assert core.num_prefill_tokens == core.num_generation_tokens == 0
     assert core.kv.find_cached_prefix(list(range(1, 34))) == []  # its blocks left the prefix cache
     assert llm.generate(prompt, params)[0].outputs[0].token_ids == before
+
+
+def test_step_times_are_logged_every_n_steps(monkeypatch, caplog):
+    """PAGEDSERVE_STEP_TIMES=N: a line every N steps with the host's ms per phase."""
+    import logging
+
+    from pagedserve import LLM, SamplingParams
+
+    monkeypatch.setenv("PAGEDSERVE_STEP_TIMES", "3")
+    llm = LLM(dtype="float32", device="cpu", max_model_len=512)
+    with caplog.at_level(logging.INFO, logger="pagedserve"):
+        llm.generate(["The capital of France is"], SamplingParams(max_tokens=7, temperature=0))
+    lines = [r.getMessage() for r in caplog.records if "host ms per step" in r.getMessage()]
+    assert lines and all(m.startswith("last 3 steps") for m in lines)
+    assert all(p in lines[0] for p in ("schedule", "prepare+launch", "wait for GPU", "apply results"))
+
+
+def test_first_token_carries_queue_and_prefill_time():
+    """The engine reports, with each request's first token only, how long it waited to be
+    scheduled and how long from then to that token; the two add up to the engine's TTFT."""
+    import time
+
+    from pagedserve import LLM, SamplingParams
+    from pagedserve.engine.core import EngineRequest
+
+    llm = LLM(dtype="float32", device="cpu", max_model_len=512)
+    core = llm.engine
+    t0 = time.monotonic()
+    core.add_request(EngineRequest("q", [1, 2, 3, 4], SamplingParams(max_tokens=3, temperature=0),
+                                   arrival_time=t0 - 0.25))  # arrived 250 ms ago upstream
+    outputs = []
+    while core.has_unfinished_requests():
+        outputs += core.step()
+    first, rest = outputs[0], outputs[1:]
+    assert first.queue_s >= 0.25 and first.prefill_s > 0
+    assert first.queue_s + first.prefill_s <= time.monotonic() - t0 + 0.25
+    assert all(o.queue_s is None and o.prefill_s is None for o in rest)
