@@ -291,3 +291,29 @@ def test_latency_means_cover_only_the_requests_between_two_scrapes():
     # 6 new requests: ttft (5 - 2) / 6 s, queue 0.6 / 6 s; prefill appeared after the first scrape
     assert latency_means(before, after) == {"ttft_mean": 500.0, "queue_mean": 100.0, "prefill_mean": 100.0}
     assert latency_means(after, after) == {}  # nothing finished in between
+
+
+def test_sse_lines_longer_than_aiohttp_buffers_are_parsed():
+    """One SSE event of 200 kB (e.g. an echoed long prompt) arrives in pieces and is still one event."""
+    import asyncio
+    import json as _json
+
+    from pagedserve.bench.serve import _sse
+
+    big = {"choices": [{"index": 0, "text": "x" * 200_000}]}
+    body = (f"data: {_json.dumps(big)}\n\n" + 'data: {"usage": {"completion_tokens": 1}}\n\n'
+            + "data: [DONE]\n\ndata: {\"after\": 1}\n\n").encode()
+
+    class Content:
+        async def iter_any(self):
+            for i in range(0, len(body), 7_000):  # arbitrary cuts, mid-line included
+                yield body[i : i + 7_000]
+
+    class Resp:
+        content = Content()
+
+    async def collect():
+        return [e async for e in _sse(Resp())]
+
+    events = asyncio.run(collect())
+    assert events == [big, {"usage": {"completion_tokens": 1}}]  # nothing after [DONE]

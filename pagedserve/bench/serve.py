@@ -68,13 +68,19 @@ def _body(req: BenchRequest, args, model: str) -> tuple[str, dict]:
 
 
 async def _sse(resp: aiohttp.ClientResponse) -> AsyncIterator[dict]:
-    async for line in resp.content:  # one line at a time; events are "data: {...}" lines
-        if not line.startswith(b"data: "):
-            continue
-        data = line[6:].strip()
-        if data == b"[DONE]":
-            return
-        yield json.loads(data)
+    """The JSON of each "data: {...}" line, up to "data: [DONE]". Lines are split here rather
+    than by aiohttp's readline, which refuses lines longer than its buffer (64 KiB)."""
+    pending = b""
+    async for data in resp.content.iter_any():
+        pending += data
+        *lines, pending = pending.split(b"\n")
+        for line in lines:
+            if not line.startswith(b"data: "):
+                continue
+            payload = line[6:].strip()
+            if payload == b"[DONE]":
+                return
+            yield json.loads(payload)
 
 
 async def send_one(session: aiohttp.ClientSession, base_url: str, req: BenchRequest, args,
