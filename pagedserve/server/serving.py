@@ -138,16 +138,6 @@ async def run_choices(
 
     Leaving early (an error, or the consumer being cancelled) aborts every choice.
     """
-    if len(choices) == 1:  # the common case: no helper task and queue hop per token
-        choice = choices[0]
-        try:
-            params = client.sample_params(choice.params, choice.index % max(choice.params.n, 1))
-            async for state in client.generate(f"{request_id}-{choice.index}", choice.prompt_ids,
-                                               params, priority):
-                yield choice.index, state
-        except Exception as e:
-            raise _as_api_error(e) from None
-        return
     queue: asyncio.Queue = asyncio.Queue()
     done = object()
 
