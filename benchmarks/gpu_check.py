@@ -3,7 +3,8 @@
 Run on the GPU machine from the repository root:
     PYTHONPATH=. python3 benchmarks/gpu_check.py [--quick] [--sections kernels,parity,bench]
 Writes $OUT/gpu_check.json (or ./gpu_check.json) and prints a short table last. Each section
-catches its own failures so one bug does not hide the other results.
+catches its own failures so one bug does not hide the other results. The profiling sections
+(`extend_tune`, `mixed`) live in gpu_profile.py; the shared helpers in gpu_common.py.
 """
 
 from __future__ import annotations
@@ -12,50 +13,16 @@ import argparse
 import json
 import os
 import time
-import traceback
 from types import SimpleNamespace
 
 import torch
 
-from pagedserve.attention.testing import random_paged_step
+from gpu_common import DEV, RESULTS, TABLE, paged_step, record, rel_err, section
+from gpu_profile import batch1_breakdown, extend_tune, mixed
 from pagedserve.attention.torch_ref import TorchReferenceBackend
 from pagedserve.attention.triton_backend import TritonBackend
 
-RESULTS: dict = {"sections": {}}
-TABLE: list[tuple[str, str, str]] = []  # (check, value, verdict)
-DEV = "cuda"
-
-
-def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
-    a, b = a.double(), b.double()
-    return float((a - b).norm() / b.norm().clamp_min(1e-30))
-
-
-def record(name: str, value, ok: bool | None = None, fmt: str = "{:.3g}") -> None:
-    shown = fmt.format(value) if isinstance(value, float) else str(value)
-    TABLE.append((name, shown, "" if ok is None else ("ok" if ok else "FAIL")))
-    RESULTS.setdefault("checks", {})[name] = {"value": value, "ok": ok}
-
-
-def section(fn):
-    def run(*a, **k):
-        t0 = time.perf_counter()
-        try:
-            fn(*a, **k)
-            RESULTS["sections"][fn.__name__] = {"ok": True, "seconds": round(time.perf_counter() - t0, 1)}
-        except Exception:
-            tb = traceback.format_exc()
-            print(tb, flush=True)
-            RESULTS["sections"][fn.__name__] = {"ok": False, "error": tb[-2000:]}
-            TABLE.append((fn.__name__, "exception", "FAIL"))
-    return run
-
-
 # ---- kernels ------------------------------------------------------------------------------
-
-def paged_step(q_lens, seq_lens, block_size, num_blocks, gen):
-    return random_paged_step(q_lens, seq_lens, block_size, num_blocks, gen, DEV)
-
 
 @section
 def kernels(quick: bool) -> None:
@@ -141,88 +108,6 @@ def kernels(quick: bool) -> None:
     RESULTS["decode_attention_ms"] = ms
     del cache
     batch1_breakdown()
-
-
-def graph_ms(fn) -> float:
-    """Median time of one replay of a CUDA graph that runs fn once."""
-    import triton.testing
-
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        fn()
-    torch.cuda.current_stream().wait_stream(s)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        fn()
-    return triton.testing.do_bench(g.replay, return_mode="median")
-
-
-def batch1_breakdown() -> None:
-    """Where decode steps of a Qwen3-4B go: the 4 weight matmuls per layer alone (cuBLAS and
-    the Triton GEMV) and the small kernels alone, each for 36 layers in one CUDA graph."""
-    import torch.nn.functional as F
-
-
-    bf, L = torch.bfloat16, 36
-    shapes = [(6144, 2560), (2560, 4096), (19456, 2560), (2560, 9728)]
-    weights = [[torch.randn(o, i, device=DEV, dtype=bf) * 0.02 for o, i in shapes] for _ in range(L)]
-    nbytes = sum(o * i * 2 for o, i in shapes) * L
-    for m in (1, 2, 4):
-        xs = [torch.randn(m, i, device=DEV, dtype=bf) for _, i in shapes]
-        for name, fn in (("cuBLAS", F.linear),):
-            def run(fn=fn, xs=xs):
-                for ws in weights:
-                    for x, w in zip(xs, ws):
-                        fn(x, w)
-            ms = graph_ms(run)
-            record(f"decode GEMMs M={m} {name} ms ({nbytes / (ms / 1e3) / 1e12:.2f} TB/s)", ms, None, "{:.3f}")
-    for m in (64, 256):
-        xs = [torch.randn(m, i, device=DEV, dtype=bf) for _, i in shapes]
-
-        def run(xs=xs):
-            for ws in weights:
-                for x, w in zip(xs, ws):
-                    F.linear(x, w)
-        ms = graph_ms(run)
-        tflops = 2 * m * nbytes / 2 / (ms / 1e3) / 1e12
-        record(f"decode GEMMs M={m} cuBLAS ms ({tflops:.0f} TFLOP/s)", ms, None, "{:.3f}")
-    weights.clear()
-    for t in (1, 256):
-        small_kernels(t, L)
-
-
-def small_kernels(t: int, L: int) -> None:
-    from pagedserve.kernels import activation, kv_cache, norm, rope
-    from pagedserve.kernels.paged_attention import paged_decode
-
-    bf = torch.bfloat16
-    w = torch.ones(2560, device=DEV, dtype=bf)
-    x = torch.randn(t, 2560, device=DEV, dtype=bf)
-    res = torch.randn(t, 2560, device=DEV, dtype=bf)
-    qkv = torch.randn(t, 6144, device=DEV, dtype=bf)
-    pos = torch.zeros(t, dtype=torch.long, device=DEV)
-    inv = torch.ones(64, device=DEV)
-    qn = torch.ones(128, device=DEV, dtype=bf)
-    cache = torch.zeros(2, t + 8, 16, 8, 128, device=DEV, dtype=bf)
-    slot = torch.arange(t, dtype=torch.long, device=DEV) * 16
-    gu = torch.randn(t, 19456, device=DEV, dtype=bf)
-    qsl = torch.arange(t + 1, dtype=torch.int32, device=DEV)
-    sl = torch.ones(t, dtype=torch.int32, device=DEV)
-    bt = torch.arange(t, dtype=torch.int32, device=DEV)[:, None]
-    sid = torch.arange(t, dtype=torch.int32, device=DEV)
-    out = torch.empty(t, 32, 128, device=DEV, dtype=bf)
-
-    def small():
-        for _ in range(L):
-            norm.fused_add_rms_norm(x, res, w, 1e-6)
-            q, k, v = rope.qk_norm_rope(qkv, pos, inv, 32, 8, 128, qn, qn, 1e-6)
-            kv_cache.store_kv_cache(k, v, cache, slot)
-            paged_decode(q, cache, out, sid, qsl, sl, bt, 0.088)
-            norm.fused_add_rms_norm(x, res, w, 1e-6)
-            activation.silu_and_mul(gu)
-
-    record(f"decode small kernels x216 T={t} ms", graph_ms(small), None, "{:.3f}")
 
 
 # ---- model parity -------------------------------------------------------------------------
@@ -403,141 +288,6 @@ def time_prefill(engine, num_seqs: int, length: int) -> float:
     return (time.perf_counter() - t0) / 5 * 1e3
 
 
-@section
-def extend_tune(quick: bool) -> None:
-    """The extend (prefill) attention kernel under each tile/launch setting, on prompt-shaped
-    steps (Qwen3: 32 query heads, 8 KV heads, head_dim 128): TFLOP/s (causal FLOPs) and the
-    error against the torch reference."""
-    import itertools
-
-    import numpy as np
-    import triton.testing
-
-    from pagedserve.attention.triton_backend import extend_tiles
-    from pagedserve.kernels.paged_attention import paged_extend
-
-    gen = torch.Generator().manual_seed(0)
-    hq, hkv, d, bs = 32, 8, 128, 16
-    shapes = {"8x1024": ([1024] * 8, [1024] * 8), "2x1024": ([1024] * 2, [1024] * 2),
-              "2x512 after 1536": ([512] * 2, [2048] * 2)}
-    configs = list(itertools.product((64, 128), (32, 64, 128), (4, 8), (2, 3)))
-    found = {}
-    for sname, (q_lens, seq_lens) in shapes.items():
-        meta = paged_step(q_lens, seq_lens, bs, 1024, gen)
-        t = sum(q_lens)
-        q = torch.randn(t, hq, d, device=DEV, dtype=torch.bfloat16)
-        cache = torch.randn(2, 1024, bs, hkv, d, device=DEV, dtype=torch.bfloat16)
-        ref = TorchReferenceBackend(hq, hkv, d, d ** -0.5)
-        ref.bind_kv_caches([cache.float()])
-        k_new = cache[0].view(-1, hkv, d)[meta.slot_mapping]  # the new tokens' K/V, already stored
-        v_new = cache[1].view(-1, hkv, d)[meta.slot_mapping]
-        want = ref.forward(0, q.float(), k_new.float(), v_new.float(), meta)
-        flops = sum(4 * hq * d * (n * (s - n) + n * (n + 1) / 2) for n, s in zip(q_lens, seq_lens))
-        qsl = np.asarray(meta.query_start_loc_cpu, dtype=np.int64)
-        rows = []
-        for bm, bn, warps, stages in configs:
-            ts, tst = extend_tiles(qsl, bm)
-            ts, tst = (torch.tensor(a, dtype=torch.int32, device=DEV) for a in (ts, tst))
-            out = torch.empty_like(q)
-            cfg = {"BLOCK_N": bn, "num_warps": warps, "num_stages": stages}
-
-            def run(q=q, cache=cache, out=out, ts=ts, tst=tst, meta=meta, bm=bm, cfg=cfg):
-                paged_extend(q, cache, out, ts, tst, meta.query_start_loc, meta.seq_lens,
-                             meta.block_tables, d ** -0.5, block_m=bm, config=cfg)
-            try:
-                run()
-                err = rel_err(out, want)
-                ms = triton.testing.do_bench(run, return_mode="median")
-            except Exception as e:  # e.g. out of shared memory for this tile size
-                rows.append({"config": [bm, bn, warps, stages], "error": str(e)[:120]})
-                continue
-            rows.append({"config": [bm, bn, warps, stages], "ms": round(ms, 4),
-                         "tflops": round(flops / ms / 1e9, 1), "rel_err": err})
-        good = sorted((r for r in rows if "ms" in r and r["rel_err"] < 1e-2), key=lambda r: r["ms"])
-        found[sname] = rows
-        base = next(r for r in rows if r["config"] == [64, 64, 4, 2])
-        best = good[0]
-        print(f"==== extend {sname}: base {base}; best {good[:4]}", flush=True)
-        record(f"extend {sname} TFLOP/s: now / best {best['config']}",
-               f"{base['tflops']} / {best['tflops']}")
-    RESULTS["extend_tune"] = found
-
-
-@section
-def mixed(quick: bool) -> None:
-    """Where a serving step's time goes at concurrency 256 (1,024 in / 128 out): about 240
-    decodes of ~1,100-token contexts beside two 1,024-token prefill chunks. Times the step
-    back to back (host and GPU in series), its GPU time alone (CUDA events), the host's launch
-    time, and lists the kernels by GPU time (torch.profiler); the same for decode-only and
-    prefill-only steps of the same parts."""
-    from pagedserve import LLM
-    from pagedserve.engine.request import Request
-    from pagedserve.engine.scheduler import ScheduledChunk, SchedulerOutput
-    from pagedserve.sampling_params import SamplingParams
-
-    llm = LLM("qwen3-4b-instruct-2507", load_format="dummy", dtype="bfloat16", max_model_len=4096,
-              max_num_seqs=256, max_num_batched_tokens=8192, tokenizer=os.environ.get("PS_TOKENIZER"))
-    engine, runner = llm.engine, llm.engine.runner
-    params = SamplingParams(max_tokens=1, temperature=0.0)
-
-    def chunks(n_dec: int, ctx: int, n_pre: int, pre_len: int, tag: str):
-        reqs, out = [], []
-        for i in range(n_dec):
-            r = Request(f"{tag}d{i}", [7 + i % 1000] * ctx, params, max_tokens=1)
-            assert engine.kv.allocate(r.request_id, ctx)
-            reqs.append(r)
-            out.append(ScheduledChunk(r, ctx - 1, 1, samples=True))
-        for i in range(n_pre):
-            r = Request(f"{tag}p{i}", [11 + i] * pre_len, params, max_tokens=1)
-            assert engine.kv.allocate(r.request_id, pre_len)
-            reqs.append(r)
-            out.append(ScheduledChunk(r, 0, pre_len, samples=True))
-        return reqs, SchedulerOutput(out), [engine.kv.block_ids(r.request_id) for r in reqs]
-
-    shapes = {"mixed 240 dec + 2x1024": (240, 1100, 2, 1024), "decode 240 (graph)": (240, 1100, 0, 0),
-              "prefill 2x1024": (0, 0, 2, 1024)}
-    found = {}
-    for name, (nd, ctx, npre, plen) in shapes.items():
-        reqs, out, tables = chunks(nd, ctx, npre, plen, name[:3])
-        for _ in range(3):
-            runner.collect(runner.execute(out, tables))
-        torch.cuda.synchronize()
-        n = 10
-        t0 = time.perf_counter()
-        for _ in range(n):
-            runner.collect(runner.execute(out, tables))
-        serial_ms = (time.perf_counter() - t0) / n * 1e3
-        launch, gpu = [], []
-        for _ in range(n):
-            torch.cuda.synchronize()
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            h0 = time.perf_counter()
-            start.record()
-            handle = runner.execute(out, tables)
-            end.record()
-            launch.append((time.perf_counter() - h0) * 1e3)
-            runner.collect(handle)
-            end.synchronize()
-            gpu.append(start.elapsed_time(end))
-        row = {"serial_ms": round(serial_ms, 2), "host_launch_ms": round(sorted(launch)[n // 2], 2),
-               "gpu_ms": round(sorted(gpu)[n // 2], 2)}
-        from torch.profiler import ProfilerActivity, profile
-
-        with profile(activities=[ProfilerActivity.CUDA]) as prof:
-            for _ in range(3):
-                runner.collect(runner.execute(out, tables))
-            torch.cuda.synchronize()
-        table = prof.key_averages().table(sort_by="cuda_time_total", row_limit=14, max_name_column_width=60)
-        print(f"==== {name}: {row}\n{table}", flush=True)
-        row["kernels"] = table
-        found[name] = row
-        record(f"{name}: serial / GPU / host launch ms",
-               f"{row['serial_ms']} / {row['gpu_ms']} / {row['host_launch_ms']}")
-        for r in reqs:
-            engine.kv.free(r.request_id)
-    RESULTS["mixed_step"] = found
-
-
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--quick", action="store_true")
@@ -545,8 +295,10 @@ def main() -> None:
     args = ap.parse_args()
     RESULTS["env"] = {"torch": torch.__version__, "gpu": torch.cuda.get_device_name(),
                       "triton": __import__("triton").__version__}
+    sections = {"kernels": kernels, "parity": parity, "bench": bench, "extend_tune": extend_tune,
+                "mixed": mixed}
     for name in args.sections.split(","):
-        globals()[name](args.quick)
+        sections[name](args.quick)
     out = os.path.join(os.environ.get("OUT", "."), "gpu_check.json")
     with open(out, "w") as f:
         json.dump(RESULTS, f, indent=1, default=str)

@@ -99,6 +99,7 @@ class EngineCore:
         self._slow_step_ms = envs.slow_step_ms()
         self._log_times_every = envs.step_times_every()
         self._timed_steps = 0
+        self._timed_graph_steps = self._timed_eager_steps = 0  # the runner's counts at the last log
         self.num_prefill_tokens = 0  # cumulative tokens computed other than decodes
         self.num_generation_tokens = 0  # cumulative sampled tokens
         capacity = num_blocks * config.cache.block_size
@@ -205,10 +206,7 @@ class EngineCore:
         if not out.is_empty:
             tables = [self.kv.block_ids(c.request.request_id) for c in out.chunks]
             launched = (out, self.runner.execute(out, tables))
-            self.num_prefill_tokens += sum(
-                c.num_tokens for c in out.chunks
-                if not (c.num_tokens == 1 and c.start >= c.request.num_prompt_tokens)
-            )
+            self.num_prefill_tokens += sum(c.num_tokens for c in out.chunks if not c.is_decode)
         timer.mark("prepare+launch")
         if self._inflight is not None:
             outputs += self._complete(*self._inflight)
@@ -231,14 +229,15 @@ class EngineCore:
         runner, n = self.runner, self._timed_steps
         phases = ", ".join(f"{k} {v:.2f}" for k, v in self.timer.summary(n).items())
         logger.info("last %d steps (%d graph decodes, %d eager), host ms per step: %s", n,
-                    runner.num_graph_steps, runner.num_eager_steps, phases)
-        runner.num_graph_steps = runner.num_eager_steps = 0
+                    runner.num_graph_steps - self._timed_graph_steps,
+                    runner.num_eager_steps - self._timed_eager_steps, phases)
+        self._timed_graph_steps, self._timed_eager_steps = runner.num_graph_steps, runner.num_eager_steps
         self._timed_steps = 0
-        self.timer.enable()
+        self.timer.enable()  # clears the phase totals
 
     def _log_slow_step(self, ms: float, out) -> None:
         chunks = out.chunks
-        decodes = sum(1 for c in chunks if c.num_tokens == 1 and c.start >= c.request.num_prompt_tokens)
+        decodes = sum(1 for c in chunks if c.is_decode)
         logger.warning("slow engine step: %.0f ms to schedule %d decodes and %d other chunks "
                        "(%d tokens); it also waited for the previous step", ms, decodes,
                        len(chunks) - decodes, sum(c.num_tokens for c in chunks))

@@ -33,6 +33,11 @@ class ScheduledChunk:
     num_tokens: int
     samples: bool = False
 
+    @property
+    def is_decode(self) -> bool:
+        """One new token after the prompt (a prompt's last single-token chunk is not one)."""
+        return self.num_tokens == 1 and self.start >= self.request.num_prompt_tokens
+
 
 @dataclass
 class SchedulerOutput:

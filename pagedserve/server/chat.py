@@ -102,9 +102,8 @@ async def _stream(server: Server, body: ChatCompletionRequest, choices: list[Cho
     parsers = {c.index: _parser(server, opened) for c in choices}
     completion_tokens = 0
 
-    header = {"id": rid, "object": "chat.completion.chunk", "created": created, "model": model}
-
-    chunk = SSEChunks(header, body.include_usage)
+    chunk = SSEChunks({"id": rid, "object": "chat.completion.chunk", "created": created, "model": model},
+                      body.include_usage)
 
     try:
         for c in choices:

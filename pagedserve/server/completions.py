@@ -85,9 +85,8 @@ async def _stream(server: Server, body: CompletionRequest, choices: list[Choice]
     offsets = {c.index: 0 for c in choices}
     completion_tokens = 0
 
-    header = {"id": rid, "object": "text_completion", "created": created, "model": model}
-
-    chunk = SSEChunks(header, body.include_usage)
+    chunk = SSEChunks({"id": rid, "object": "text_completion", "created": created, "model": model},
+                      body.include_usage)
 
     try:
         if body.echo:

@@ -1,0 +1,207 @@
+"""Where the GPU time goes, for the GPU check (`benchmarks/gpu_check.py --sections ...`): the
+pieces of a batch-1 decode, the prefill attention kernel under every tile setting, and a
+concurrency-256 serving step with its kernels listed."""
+
+from __future__ import annotations
+
+import os
+import time
+
+import torch
+
+from gpu_common import DEV, RESULTS, graph_ms, paged_step, record, rel_err, section
+from pagedserve.attention.torch_ref import TorchReferenceBackend
+
+
+def batch1_breakdown() -> None:
+    """Where decode steps of a Qwen3-4B go: the 4 weight matmuls per layer alone (cuBLAS) and
+    the small kernels alone, each for 36 layers in one CUDA graph."""
+    import torch.nn.functional as F
+
+    bf, L = torch.bfloat16, 36
+    shapes = [(6144, 2560), (2560, 4096), (19456, 2560), (2560, 9728)]
+    weights = [[torch.randn(o, i, device=DEV, dtype=bf) * 0.02 for o, i in shapes] for _ in range(L)]
+    nbytes = sum(o * i * 2 for o, i in shapes) * L
+    for m in (1, 2, 4, 64, 256):
+        xs = [torch.randn(m, i, device=DEV, dtype=bf) for _, i in shapes]
+
+        def run(xs=xs):
+            for ws in weights:
+                for x, w in zip(xs, ws):
+                    F.linear(x, w)
+        s = graph_ms(run) / 1e3
+        rate = (f"{nbytes / s / 1e12:.2f} TB/s" if m <= 4  # weight-read bound
+                else f"{2 * m * nbytes / 2 / s / 1e12:.0f} TFLOP/s")
+        record(f"decode GEMMs M={m} cuBLAS ms ({rate})", s * 1e3, None, "{:.3f}")
+    weights.clear()
+    for t in (1, 256):
+        small_kernels(t, L)
+
+
+def small_kernels(t: int, L: int) -> None:
+    from pagedserve.kernels import activation, kv_cache, norm, rope
+    from pagedserve.kernels.paged_attention import paged_decode
+
+    bf = torch.bfloat16
+    w = torch.ones(2560, device=DEV, dtype=bf)
+    x = torch.randn(t, 2560, device=DEV, dtype=bf)
+    res = torch.randn(t, 2560, device=DEV, dtype=bf)
+    qkv = torch.randn(t, 6144, device=DEV, dtype=bf)
+    pos = torch.zeros(t, dtype=torch.long, device=DEV)
+    inv = torch.ones(64, device=DEV)
+    qn = torch.ones(128, device=DEV, dtype=bf)
+    cache = torch.zeros(2, t + 8, 16, 8, 128, device=DEV, dtype=bf)
+    slot = torch.arange(t, dtype=torch.long, device=DEV) * 16
+    gu = torch.randn(t, 19456, device=DEV, dtype=bf)
+    qsl = torch.arange(t + 1, dtype=torch.int32, device=DEV)
+    sl = torch.ones(t, dtype=torch.int32, device=DEV)
+    bt = torch.arange(t, dtype=torch.int32, device=DEV)[:, None]
+    sid = torch.arange(t, dtype=torch.int32, device=DEV)
+    out = torch.empty(t, 32, 128, device=DEV, dtype=bf)
+
+    def small():
+        for _ in range(L):
+            norm.fused_add_rms_norm(x, res, w, 1e-6)
+            q, k, v = rope.qk_norm_rope(qkv, pos, inv, 32, 8, 128, qn, qn, 1e-6)
+            kv_cache.store_kv_cache(k, v, cache, slot)
+            paged_decode(q, cache, out, sid, qsl, sl, bt, 0.088)
+            norm.fused_add_rms_norm(x, res, w, 1e-6)
+            activation.silu_and_mul(gu)
+
+    record(f"decode small kernels x216 T={t} ms", graph_ms(small), None, "{:.3f}")
+
+
+@section
+def extend_tune(quick: bool) -> None:
+    """The extend (prefill) attention kernel under each tile/launch setting, on prompt-shaped
+    steps (Qwen3: 32 query heads, 8 KV heads, head_dim 128): TFLOP/s (causal FLOPs) and the
+    error against the torch reference."""
+    import itertools
+
+    import numpy as np
+    import triton.testing
+
+    from pagedserve.attention.triton_backend import extend_tiles
+    from pagedserve.kernels.paged_attention import paged_extend
+
+    gen = torch.Generator().manual_seed(0)
+    hq, hkv, d, bs = 32, 8, 128, 16
+    shapes = {"8x1024": ([1024] * 8, [1024] * 8), "2x1024": ([1024] * 2, [1024] * 2),
+              "2x512 after 1536": ([512] * 2, [2048] * 2)}
+    configs = list(itertools.product((64, 128), (32, 64, 128), (4, 8), (2, 3)))
+    found = {}
+    for sname, (q_lens, seq_lens) in shapes.items():
+        meta = paged_step(q_lens, seq_lens, bs, 1024, gen)
+        t = sum(q_lens)
+        q = torch.randn(t, hq, d, device=DEV, dtype=torch.bfloat16)
+        cache = torch.randn(2, 1024, bs, hkv, d, device=DEV, dtype=torch.bfloat16)
+        ref = TorchReferenceBackend(hq, hkv, d, d ** -0.5)
+        ref.bind_kv_caches([cache.float()])
+        k_new = cache[0].view(-1, hkv, d)[meta.slot_mapping]  # the new tokens' K/V, already stored
+        v_new = cache[1].view(-1, hkv, d)[meta.slot_mapping]
+        want = ref.forward(0, q.float(), k_new.float(), v_new.float(), meta)
+        flops = sum(4 * hq * d * (n * (s - n) + n * (n + 1) / 2) for n, s in zip(q_lens, seq_lens))
+        qsl = np.asarray(meta.query_start_loc_cpu, dtype=np.int64)
+        rows = []
+        for bm, bn, warps, stages in configs:
+            ts, tst = extend_tiles(qsl, bm)
+            ts, tst = (torch.tensor(a, dtype=torch.int32, device=DEV) for a in (ts, tst))
+            out = torch.empty_like(q)
+            cfg = {"BLOCK_N": bn, "num_warps": warps, "num_stages": stages}
+
+            def run(q=q, cache=cache, out=out, ts=ts, tst=tst, meta=meta, bm=bm, cfg=cfg):
+                paged_extend(q, cache, out, ts, tst, meta.query_start_loc, meta.seq_lens,
+                             meta.block_tables, d ** -0.5, block_m=bm, config=cfg)
+            try:
+                run()
+                err = rel_err(out, want)
+                ms = triton.testing.do_bench(run, return_mode="median")
+            except Exception as e:  # e.g. out of shared memory for this tile size
+                rows.append({"config": [bm, bn, warps, stages], "error": str(e)[:120]})
+                continue
+            rows.append({"config": [bm, bn, warps, stages], "ms": round(ms, 4),
+                         "tflops": round(flops / ms / 1e9, 1), "rel_err": err})
+        good = sorted((r for r in rows if "ms" in r and r["rel_err"] < 1e-2), key=lambda r: r["ms"])
+        found[sname] = rows
+        base = next(r for r in rows if r["config"] == [64, 64, 4, 2])
+        best = good[0]
+        print(f"==== extend {sname}: base {base}; best {good[:4]}", flush=True)
+        record(f"extend {sname} TFLOP/s: now / best {best['config']}",
+               f"{base['tflops']} / {best['tflops']}")
+    RESULTS["extend_tune"] = found
+
+
+@section
+def mixed(quick: bool) -> None:
+    """Where a serving step's time goes at concurrency 256 (1,024 in / 128 out): about 240
+    decodes of ~1,100-token contexts beside two 1,024-token prefill chunks. Times the step
+    back to back (host and GPU in series), the time between CUDA events recorded before and
+    after its launch (GPU time, plus the GPU's wait for the first launches), the host's launch
+    time, and lists the kernels by GPU time (torch.profiler); the same for decode-only and
+    prefill-only steps of the same parts."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from pagedserve import LLM
+    from pagedserve.engine.request import Request
+    from pagedserve.engine.scheduler import ScheduledChunk, SchedulerOutput
+    from pagedserve.sampling_params import SamplingParams
+
+    llm = LLM("qwen3-4b-instruct-2507", load_format="dummy", dtype="bfloat16", max_model_len=4096,
+              max_num_seqs=256, max_num_batched_tokens=8192, tokenizer=os.environ.get("PS_TOKENIZER"))
+    engine, runner = llm.engine, llm.engine.runner
+    params = SamplingParams(max_tokens=1, temperature=0.0)
+
+    def chunks(n_dec: int, ctx: int, n_pre: int, pre_len: int, tag: str):
+        reqs, out = [], []
+        for i in range(n_dec):
+            r = Request(f"{tag}d{i}", [7 + i % 1000] * ctx, params, max_tokens=1)
+            assert engine.kv.allocate(r.request_id, ctx)
+            reqs.append(r)
+            out.append(ScheduledChunk(r, ctx - 1, 1, samples=True))
+        for i in range(n_pre):
+            r = Request(f"{tag}p{i}", [11 + i] * pre_len, params, max_tokens=1)
+            assert engine.kv.allocate(r.request_id, pre_len)
+            reqs.append(r)
+            out.append(ScheduledChunk(r, 0, pre_len, samples=True))
+        return reqs, SchedulerOutput(out), [engine.kv.block_ids(r.request_id) for r in reqs]
+
+    shapes = {"mixed 240 dec + 2x1024": (240, 1100, 2, 1024), "decode 240 (graph)": (240, 1100, 0, 0),
+              "prefill 2x1024": (0, 0, 2, 1024)}
+    found = {}
+    for name, (nd, ctx, npre, plen) in shapes.items():
+        reqs, out, tables = chunks(nd, ctx, npre, plen, name[:3])
+        for _ in range(3):
+            runner.collect(runner.execute(out, tables))
+        torch.cuda.synchronize()
+        n = 10
+        t0 = time.perf_counter()
+        for _ in range(n):
+            runner.collect(runner.execute(out, tables))
+        serial_ms = (time.perf_counter() - t0) / n * 1e3
+        launch, gpu = [], []
+        for _ in range(n):
+            torch.cuda.synchronize()
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            h0 = time.perf_counter()
+            start.record()
+            handle = runner.execute(out, tables)
+            end.record()
+            launch.append((time.perf_counter() - h0) * 1e3)
+            runner.collect(handle)
+            end.synchronize()
+            gpu.append(start.elapsed_time(end))
+        row = {"serial_ms": round(serial_ms, 2), "host_launch_ms": round(sorted(launch)[n // 2], 2),
+               "gpu_ms": round(sorted(gpu)[n // 2], 2)}
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            for _ in range(3):
+                runner.collect(runner.execute(out, tables))
+            torch.cuda.synchronize()
+        table = prof.key_averages().table(sort_by="cuda_time_total", row_limit=14, max_name_column_width=60)
+        print(f"==== {name}: {row}\n{table}", flush=True)
+        row["kernels"] = table
+        found[name] = row
+        record(f"{name}: serial / GPU / host launch ms",
+               f"{row['serial_ms']} / {row['gpu_ms']} / {row['host_launch_ms']}")
+        for r in reqs:
+            engine.kv.free(r.request_id)
+    RESULTS["mixed_step"] = found
