@@ -114,10 +114,10 @@ def kernels(quick: bool) -> None:
 
 def run_ours(cfg, state_dict, dtype, ids) -> torch.Tensor:
     """Teacher-forced logits [n, vocab] through the engine's runner: two 128-token chunks
-    (extend kernel, the second over cached context), then one decode step per position
-    (split-KV decode kernel, replayed CUDA graph)."""
+    (extend kernel, the second over cached context, each replayed from a mixed-step CUDA
+    graph), then one decode step per position (split-KV decode kernel, decode graph)."""
     from pagedserve.engine.kv_cache_manager import KVCacheManager
-    from pagedserve.engine.model_runner import ModelRunner
+    from pagedserve.engine.model_runner import ModelRunner, pack_step
     from pagedserve.engine.request import Request
     from pagedserve.engine.scheduler import ScheduledChunk, SchedulerOutput
     from pagedserve.models.loader import _materialise
@@ -127,7 +127,7 @@ def run_ours(cfg, state_dict, dtype, ids) -> torch.Tensor:
     ours.load_weights(state_dict.items())
     backend = TritonBackend(cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.head_dim**-0.5)
     runner = ModelRunner(ours, backend, num_blocks=64, block_size=16)
-    runner.enable_cuda_graphs(8, 1024)
+    runner.enable_cuda_graphs(8, 1024, max_mixed_tokens=256, max_seqs=8)
     kv = KVCacheManager(64, 16)
     n = len(ids)
     req = Request("r", ids, SamplingParams(), max_tokens=1)
@@ -140,9 +140,14 @@ def run_ours(cfg, state_dict, dtype, ids) -> torch.Tensor:
             out = SchedulerOutput([ScheduledChunk(req, start, cnt, samples=cnt == 1)])
             if runner._is_graph_decode(out):
                 hidden, _ = runner._graph_decode(out, [table])
-            else:
-                tok, pos, meta, _, _ = runner.prepare(out, [table])
-                hidden = runner._forward(tok, pos, meta)
+            else:  # every position's logits, not just the sampled one's: replay by hand
+                mixed = runner.mixed_graphs
+                arrays = pack_step(out.chunks, [table], {}, 16)
+                bucket = mixed.bucket_for(arrays)
+                assert bucket == 128, bucket
+                mixed.load(arrays, bucket, None)
+                mixed.graphs[bucket].replay()
+                hidden = mixed.outputs[bucket][:cnt]
             logits.append(ours.compute_logits(hidden))
     return torch.cat(logits)
 

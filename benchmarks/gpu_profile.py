@@ -166,10 +166,14 @@ def mixed(quick: bool) -> None:
         return reqs, SchedulerOutput(out), [engine.kv.block_ids(r.request_id) for r in reqs]
 
     shapes = {"mixed 240 dec + 2x1024": (240, 1100, 2, 1024), "decode 240 (graph)": (240, 1100, 0, 0),
-              "prefill 2x1024": (0, 0, 2, 1024)}
+              "prefill 2x1024": (0, 0, 2, 1024), "mixed 16 dec + 1024": (16, 1100, 1, 1024),
+              "mixed 240 dec + 2x1024 eager": (240, 1100, 2, 1024),
+              "mixed 16 dec + 1024 eager": (16, 1100, 1, 1024)}
     found = {}
+    mixed_graphs = runner.mixed_graphs
     for name, (nd, ctx, npre, plen) in shapes.items():
-        reqs, out, tables = chunks(nd, ctx, npre, plen, name[:3])
+        runner.mixed_graphs = None if name.endswith("eager") else mixed_graphs
+        reqs, out, tables = chunks(nd, ctx, npre, plen, name[:3] + name[-3:])
         for _ in range(3):
             runner.collect(runner.execute(out, tables))
         torch.cuda.synchronize()
@@ -204,4 +208,5 @@ def mixed(quick: bool) -> None:
                f"{row['serial_ms']} / {row['gpu_ms']} / {row['host_launch_ms']}")
         for r in reqs:
             engine.kv.free(r.request_id)
+    runner.mixed_graphs = mixed_graphs
     RESULTS["mixed_step"] = found

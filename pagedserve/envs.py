@@ -36,6 +36,12 @@ def step_times_every() -> int:
     return int(os.environ.get("PAGEDSERVE_STEP_TIMES") or 0)
 
 
+def mixed_graph_tokens() -> int:
+    """$PAGEDSERVE_MIXED_GRAPH_TOKENS: the largest prefill/mixed step (in tokens) replayed
+    from a CUDA graph; bigger steps run eagerly (default 4096; 0 = decode graphs only)."""
+    return int(os.environ.get("PAGEDSERVE_MIXED_GRAPH_TOKENS") or 4096)
+
+
 # The chat UI (`pagedserve ui` sets these for the Chainlit app it starts).
 UI_BASE_URL = "PAGEDSERVE_UI_BASE_URL"
 UI_API_KEY = "PAGEDSERVE_UI_API_KEY"

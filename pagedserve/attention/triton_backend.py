@@ -19,6 +19,9 @@ class TritonStepData:
     tile_seq: torch.Tensor  # [num_tiles] int32
     tile_start: torch.Tensor  # [num_tiles] int32
     num_splits: int
+    # For CUDA graphs of mixed steps: [2] int32 on the device, (decode rows, tiles) in use;
+    # the tensors above are then fixed-size buffers and only their first entries count.
+    counts: torch.Tensor | None = None
 
 
 def choose_num_splits(num_decodes: int, num_kv_heads: int, max_seq_len: int, num_sms: int = 132) -> int:
@@ -30,6 +33,13 @@ def choose_num_splits(num_decodes: int, num_kv_heads: int, max_seq_len: int, num
            and max_seq_len // (splits * 2) >= 256):
         splits *= 2
     return splits
+
+
+def step_layout(qsl: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(decode sequence indices, tile sequence, tile start) of a step with these query starts."""
+    dec = np.flatnonzero(np.diff(qsl) == 1)
+    tile_seq, tile_start = extend_tiles(qsl)
+    return dec, tile_seq, tile_start
 
 
 def extend_tiles(qsl: np.ndarray, block_m: int | None = None) -> tuple[np.ndarray, np.ndarray]:
@@ -60,9 +70,7 @@ class TritonBackend(AttentionBackend):
 
     def prepare(self, meta: AttentionMetadata, num_splits: int | None = None) -> None:
         """Host side: sort sequences into decodes and extend tiles; attach to meta.backend_data."""
-        qsl = np.asarray(meta.query_start_loc_cpu, dtype=np.int64)
-        dec = np.flatnonzero(np.diff(qsl) == 1)
-        tile_seq, tile_start = extend_tiles(qsl)
+        dec, tile_seq, tile_start = step_layout(np.asarray(meta.query_start_loc_cpu, dtype=np.int64))
         dec_t, tile_seq_t, tile_start_t = to_device_views(
             [dec.astype(np.int32), tile_seq.astype(np.int32), tile_start.astype(np.int32)],
             meta.query_start_loc.device)
@@ -87,12 +95,15 @@ class TritonBackend(AttentionBackend):
         store_kv_cache(k, v, cache, meta.slot_mapping)
         data: TritonStepData = meta.backend_data
         out = torch.empty_like(q)
+        counts = data.counts
         nd = data.decode_seq_ids.shape[0]
         if nd:
             parts = self.partials(nd, data.num_splits, q.device) if data.num_splits > 1 else None
             paged_decode(q, cache, out, data.decode_seq_ids, meta.query_start_loc, meta.seq_lens,
-                         meta.block_tables, self.scale, data.num_splits, parts)
+                         meta.block_tables, self.scale, data.num_splits, parts,
+                         count=None if counts is None else counts[0:1])
         if data.tile_seq.shape[0]:
             paged_extend(q, cache, out, data.tile_seq, data.tile_start, meta.query_start_loc,
-                         meta.seq_lens, meta.block_tables, self.scale)
+                         meta.seq_lens, meta.block_tables, self.scale,
+                         count=None if counts is None else counts[1:2])
         return out

@@ -78,7 +78,7 @@ def run_throughput(args, llm_kwargs: dict, llm=None) -> dict:
         torch.cuda.synchronize()
     elapsed = time.perf_counter() - t1
     llm.engine.timer.enabled = False
-    steps = {"graph_decode": runner.num_graph_steps - graph0, "eager": runner.num_eager_steps - eager0}
+    steps = {"graph": runner.num_graph_steps - graph0, "eager": runner.num_eager_steps - eager0}
     host_s = {k: round(v, 3) for k, v in llm.engine.timer.totals.items()}
     out_tokens = sum(len(o.outputs[0].token_ids) for o in outs)
     in_tokens = sum(input_lens)

@@ -92,7 +92,9 @@ class EngineCore:
         self.graph_capture_seconds = 0.0
         if device.type == "cuda" and not config.enforce_eager and backend.supports_cuda_graphs():
             self.graph_capture_seconds = self.runner.enable_cuda_graphs(
-                min(sched.max_num_seqs, 512), max_len)
+                min(sched.max_num_seqs, 512), max_len,
+                max_mixed_tokens=min(envs.mixed_graph_tokens(), sched.max_num_batched_tokens),
+                max_seqs=sched.max_num_seqs)
         self.requests: dict[str, Request] = {}
         self._inflight = None  # (SchedulerOutput, StepHandle) launched but not yet read back
         self.timer = StepTimer()  # host-side phase timings; off unless enabled
@@ -228,7 +230,7 @@ class EngineCore:
             return
         runner, n = self.runner, self._timed_steps
         phases = ", ".join(f"{k} {v:.2f}" for k, v in self.timer.summary(n).items())
-        logger.info("last %d steps (%d graph decodes, %d eager), host ms per step: %s", n,
+        logger.info("last %d steps (%d from CUDA graphs, %d eager), host ms per step: %s", n,
                     runner.num_graph_steps - self._timed_graph_steps,
                     runner.num_eager_steps - self._timed_eager_steps, phases)
         self._timed_graph_steps, self._timed_eager_steps = runner.num_graph_steps, runner.num_eager_steps

@@ -64,28 +64,21 @@ class DecodeGraphRunner:
         return meta
 
     @torch.inference_mode()
-    def capture(self) -> float:
+    def capture(self, pool=None) -> float:
         """Capture every bucket, largest first (so smaller ones reuse its memory pool)."""
         t0 = time.perf_counter()
-        pool = torch.cuda.graph_pool_handle()
+        pool = pool if pool is not None else torch.cuda.graph_pool_handle()
         stream = torch.cuda.Stream(self.device)
         for bs in reversed(self.buckets):
             meta = self._meta(bs)
             ctx = AttentionContext(self.backend, meta)
             ids, pos = self.input_ids[:bs], self.positions[:bs]
-            stream.wait_stream(torch.cuda.current_stream(self.device))
-            with torch.cuda.stream(stream):
-                for _ in range(2):  # warm-up: Triton compiles and autotunes outside capture
-                    self.model(ids, pos, ctx)
-            torch.cuda.current_stream(self.device).wait_stream(stream)
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=pool, stream=stream):
-                self.outputs[bs] = self.model(ids, pos, ctx)
-            self.graphs[bs] = graph
+            self.graphs[bs], self.outputs[bs] = capture_graph(
+                lambda ids=ids, pos=pos, ctx=ctx: self.model(ids, pos, ctx), pool, stream)
             self.metas[bs] = meta
         torch.cuda.synchronize(self.device)
         seconds = time.perf_counter() - t0
-        logger.info("captured %d CUDA graphs (batch sizes %s) in %.1f s",
+        logger.info("captured %d decode CUDA graphs (batch sizes %s) in %.1f s",
                     len(self.buckets), self.buckets, seconds)
         return seconds
 
@@ -112,6 +105,20 @@ class DecodeGraphRunner:
         fill_pending_tokens(self.input_ids[:num_seqs], self.src_rows[:num_seqs], prev_tokens)
         self.graphs[bs].replay()
         return self.outputs[bs][:num_seqs]
+
+
+def capture_graph(fn, pool, stream: torch.cuda.Stream) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
+    """Run `fn` twice on `stream` (Triton compiles outside the capture), then capture it."""
+    device = stream.device
+    stream.wait_stream(torch.cuda.current_stream(device))
+    with torch.cuda.stream(stream):
+        for _ in range(2):
+            fn()
+    torch.cuda.current_stream(device).wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, pool=pool, stream=stream):
+        output = fn()
+    return graph, output
 
 
 def _pinned(t: torch.Tensor) -> torch.Tensor:

@@ -74,51 +74,31 @@ class ModelRunner:
         backend.bind_kv_caches(self.kv_caches)
         self.sampler = Sampler()
         self.graphs = None  # DecodeGraphRunner once enable_cuda_graphs() ran
+        self.mixed_graphs = None  # MixedGraphRunner, likewise (unless turned off)
         self._prev_tokens: torch.Tensor | None = None  # the last launched step's samples [N]
         self._prev_rows: dict[str, int] = {}  # request id -> row in _prev_tokens
-        self.num_graph_steps = 0  # decode steps replayed from CUDA graphs
+        self.num_graph_steps = 0  # steps replayed from CUDA graphs (decode or mixed)
         self.num_eager_steps = 0
 
-    def prepare(self, out: SchedulerOutput, block_tables: list[list[int]]):
-        """Host-side batch building, one pinned copy per array.
+    def prepare(self, out: SchedulerOutput, block_tables: list[list[int]],
+                arrays: StepArrays | None = None):
+        """Host-side batch building for an eager step, one pinned copy per dtype.
 
         Returns (input_ids [T], positions [T], meta, logits_idx [N], sampling requests).
         A decode whose input token is still pending (sampled by the previous step, not yet
         read back) gets it straight from that step's device output.
         """
-        bs = self.block_size
-        chunks = out.chunks
-        q_lens = np.fromiter((c.num_tokens for c in chunks), dtype=np.int64, count=len(chunks))
-        starts = np.fromiter((c.start for c in chunks), dtype=np.int64, count=len(chunks))
-        cu = np.zeros(len(chunks) + 1, dtype=np.int64)
-        np.cumsum(q_lens, out=cu[1:])
-        total = int(cu[-1])
-        ids = np.zeros(total, dtype=np.int64)
+        a = arrays or pack_step(out.chunks, block_tables, self._prev_rows, self.block_size)
         # Width rounded up to 16: the kernels take the row stride as an argument, and Triton
         # would compile a new variant each time its divisibility by 16 changed.
-        max_blocks = -(-max(len(t) for t in block_tables) // 16) * 16
-        tables = np.zeros((len(block_tables), max_blocks), dtype=np.int32)
-        pending_at, pending_rows = [], []
-        for i, (chunk, table) in enumerate(zip(chunks, block_tables)):
-            s = int(cu[i])
-            known = chunk.request.token_ids[chunk.start : chunk.start + chunk.num_tokens]
-            ids[s : s + len(known)] = known
-            if len(known) < chunk.num_tokens:  # the last input token is still on the device
-                pending_at.append(s + chunk.num_tokens - 1)
-                pending_rows.append(self._prev_rows[chunk.request.request_id])
-            tables[i, : len(table)] = table
-        positions = np.repeat(starts - cu[:-1], q_lens) + np.arange(total)
-        row_of_token = np.repeat(np.arange(len(chunks)), q_lens)
-        slots = tables[row_of_token, positions // bs].astype(np.int64) * bs + positions % bs
-        seq_lens = starts + q_lens
-        sample_rows = [i for i, c in enumerate(chunks) if c.samples]
-        logits_idx = cu[1:][sample_rows] - 1
+        tables = np.zeros((len(a.seq_lens), -(-a.tables.shape[1] // 16) * 16), dtype=np.int32)
+        tables[:, : a.tables.shape[1]] = a.tables
+        pending_at = np.flatnonzero(a.src_rows >= 0)
         dev = self.device
         ids_t, pos_t, slots_t, seq_lens_t, cu_t, logits_t, pend_at_t, pend_rows_t = to_device_views(
-            [ids, positions, slots, seq_lens, cu, logits_idx,
-             np.asarray(pending_at, dtype=np.int64), np.asarray(pending_rows, dtype=np.int64)], dev)
-        n_pend = len(pending_at)
-        if n_pend:
+            [a.ids, a.positions, a.slots, a.seq_lens, a.query_start_loc, a.logits_idx,
+             pending_at, a.src_rows[pending_at]], dev)
+        if len(pending_at):
             ids_t = ids_t.clone()
             ids_t[pend_at_t] = self._prev_tokens[pend_rows_t]
         meta = AttentionMetadata(
@@ -126,20 +106,30 @@ class ModelRunner:
             seq_lens=seq_lens_t.to(torch.int32),
             slot_mapping=slots_t,
             block_tables=to_device(tables, dev),
-            max_query_len=int(q_lens.max()),
-            max_seq_len=int(seq_lens.max()),
-            query_start_loc_cpu=cu.tolist(),
-            seq_lens_cpu=seq_lens.tolist(),
+            max_query_len=a.max_query_len,
+            max_seq_len=int(a.seq_lens.max()),
+            query_start_loc_cpu=a.query_start_loc.tolist(),
+            seq_lens_cpu=a.seq_lens.tolist(),
         )
-        return ids_t, pos_t, meta, logits_t, [chunks[i].request for i in sample_rows]
+        return ids_t, pos_t, meta, logits_t, [out.chunks[i].request for i in a.sample_rows]
 
-    def enable_cuda_graphs(self, max_batch: int, max_model_len: int) -> float:
-        """Capture decode graphs for batch sizes up to max_batch; returns the seconds it took."""
+    def enable_cuda_graphs(self, max_batch: int, max_model_len: int, max_mixed_tokens: int = 0,
+                           max_seqs: int = 0) -> float:
+        """Capture decode graphs for batch sizes up to max_batch and, if max_mixed_tokens > 0,
+        mixed-step graphs for token counts up to it (steps of up to max_seqs sequences);
+        returns the seconds it took. All graphs share one memory pool: they never overlap."""
         from pagedserve.engine.cuda_graphs import DecodeGraphRunner
+        from pagedserve.engine.mixed_graphs import MixedGraphRunner
 
         max_blocks = -(-max_model_len // self.block_size)
+        pool = torch.cuda.graph_pool_handle()
+        seconds = 0.0
+        if max_mixed_tokens > 0:  # largest graphs first, so the others fit in their memory
+            self.mixed_graphs = MixedGraphRunner(self.model, self.backend, max_mixed_tokens,
+                                                 max_seqs, max_blocks, max_model_len)
+            seconds += self.mixed_graphs.capture(pool)
         self.graphs = DecodeGraphRunner(self.model, self.backend, max_batch, max_blocks, max_model_len)
-        return self.graphs.capture()
+        return seconds + self.graphs.capture(pool)
 
     def _forward(self, ids, positions, meta: AttentionMetadata) -> torch.Tensor:
         """Hidden states [T, hidden], eagerly (prefills, mixed steps, no graphs)."""
@@ -172,9 +162,16 @@ class ModelRunner:
             self.num_graph_steps += 1
             hidden, reqs = self._graph_decode(out, block_tables)  # every row samples
         else:
-            self.num_eager_steps += 1
-            ids, positions, meta, logits_idx, reqs = self.prepare(out, block_tables)
-            hidden = self._forward(ids, positions, meta)[logits_idx]  # [T, hidden] -> [N, hidden]
+            arrays = pack_step(out.chunks, block_tables, self._prev_rows, self.block_size)
+            reqs = [out.chunks[i].request for i in arrays.sample_rows]
+            bucket = self.mixed_graphs.bucket_for(arrays) if self.mixed_graphs else None
+            if bucket is not None:
+                self.num_graph_steps += 1
+                hidden = self.mixed_graphs.run(arrays, bucket, self._prev_tokens)  # [N, hidden]
+            else:
+                self.num_eager_steps += 1
+                ids, positions, meta, logits_idx, _ = self.prepare(out, block_tables, arrays)
+                hidden = self._forward(ids, positions, meta)[logits_idx]  # [T, hidden] -> [N, hidden]
         handle = StepHandle(reqs, None)
         if reqs:
             logits = self.model.compute_logits(hidden)  # [N, vocab]
@@ -235,6 +232,53 @@ class ModelRunner:
             gen = torch.Generator(device=self.device).manual_seed(seed)
             req.extras["generator"] = gen
         return gen
+
+
+@dataclass
+class StepArrays:
+    """The flattened batch of one step on the host (numpy): T tokens of S sequences."""
+
+    ids: np.ndarray  # [T] int64; 0 where the token is still pending on the device
+    positions: np.ndarray  # [T] int64
+    slots: np.ndarray  # [T] int64 KV-cache slot of each token
+    src_rows: np.ndarray  # [T] int64: row of a pending token in the previous step's samples, else -1
+    query_start_loc: np.ndarray  # [S + 1] int64
+    seq_lens: np.ndarray  # [S] int64, context length including this step's tokens
+    tables: np.ndarray  # [S, widest table] int32 block tables
+    logits_idx: np.ndarray  # [N] int64: the token whose logits each sampling sequence needs
+    sample_rows: list[int]  # the N sequences that sample, in order
+    max_query_len: int
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.ids)
+
+
+def pack_step(chunks, block_tables: list[list[int]], prev_rows: dict[str, int],
+              block_size: int) -> StepArrays:
+    """Flatten a step's chunks into arrays, vectorised except for one loop over sequences."""
+    bs = block_size
+    q_lens = np.fromiter((c.num_tokens for c in chunks), dtype=np.int64, count=len(chunks))
+    starts = np.fromiter((c.start for c in chunks), dtype=np.int64, count=len(chunks))
+    cu = np.zeros(len(chunks) + 1, dtype=np.int64)
+    np.cumsum(q_lens, out=cu[1:])
+    total = int(cu[-1])
+    ids = np.zeros(total, dtype=np.int64)
+    src = np.full(total, -1, dtype=np.int64)
+    tables = np.zeros((len(block_tables), max(len(t) for t in block_tables)), dtype=np.int32)
+    for i, (chunk, table) in enumerate(zip(chunks, block_tables)):
+        s = int(cu[i])
+        known = chunk.request.token_ids[chunk.start : chunk.start + chunk.num_tokens]
+        ids[s : s + len(known)] = known
+        if len(known) < chunk.num_tokens:  # the last input token is still on the device
+            src[s + chunk.num_tokens - 1] = prev_rows[chunk.request.request_id]
+        tables[i, : len(table)] = table
+    positions = np.repeat(starts - cu[:-1], q_lens) + np.arange(total)
+    row_of_token = np.repeat(np.arange(len(chunks)), q_lens)
+    slots = tables[row_of_token, positions // bs].astype(np.int64) * bs + positions % bs
+    sample_rows = [i for i, c in enumerate(chunks) if c.samples]
+    return StepArrays(ids, positions, slots, src, cu, starts + q_lens, tables,
+                      cu[1:][sample_rows] - 1, sample_rows, int(q_lens.max()))
 
 
 def pack_decode_inputs(chunks, block_tables: list[list[int]], prev_rows: dict[str, int],

@@ -32,16 +32,20 @@ def _dot(a, b, IEEE: tl.constexpr):
 @triton.jit
 def _decode_kernel(
     Q, KC, VC, Out, PartAcc, PartML,
-    seq_ids, query_start_loc, seq_lens, block_tables,
+    seq_ids, query_start_loc, seq_lens, block_tables, num_rows,
     scale_log2,
     stride_qt, stride_qh, stride_ot, stride_oh,
     stride_cb, stride_cs, stride_ch, stride_bt,
     GROUP: tl.constexpr, G_PAD: tl.constexpr, HEAD_DIM: tl.constexpr,
     PAGE: tl.constexpr, BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr, IEEE: tl.constexpr,
+    HAS_COUNT: tl.constexpr,
 ):
     row = tl.program_id(0)
     kvh = tl.program_id(1)
     split = tl.program_id(2)
+    if HAS_COUNT:  # noqa: SIM102 (fixed grid, CUDA graph: rows past the device-side count do nothing)
+        if row >= tl.load(num_rows):
+            return
     seq = tl.load(seq_ids + row)
     tok = tl.load(query_start_loc + seq)
     seq_len = tl.load(seq_lens + seq)
@@ -88,12 +92,15 @@ def _decode_kernel(
 
 @triton.jit
 def _reduce_kernel(
-    Out, PartAcc, PartML, seq_ids, query_start_loc,
+    Out, PartAcc, PartML, seq_ids, query_start_loc, num_rows,
     stride_ot, stride_oh, num_heads,
-    HEAD_DIM: tl.constexpr, NUM_SPLITS: tl.constexpr,
+    HEAD_DIM: tl.constexpr, NUM_SPLITS: tl.constexpr, HAS_COUNT: tl.constexpr,
 ):
     row = tl.program_id(0)
     h = tl.program_id(1)
+    if HAS_COUNT:  # noqa: SIM102 (constexpr first: no load without a count)
+        if row >= tl.load(num_rows):
+            return
     tok = tl.load(query_start_loc + tl.load(seq_ids + row))
     sp = tl.arange(0, NUM_SPLITS)
     d = tl.arange(0, HEAD_DIM)
@@ -112,15 +119,18 @@ def _reduce_kernel(
 @triton.jit
 def _extend_kernel(
     Q, KC, VC, Out,
-    tile_seq, tile_start, query_start_loc, seq_lens, block_tables,
+    tile_seq, tile_start, query_start_loc, seq_lens, block_tables, num_tiles,
     scale_log2,
     stride_qt, stride_qh, stride_ot, stride_oh,
     stride_cb, stride_cs, stride_ch, stride_bt,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, IEEE: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, IEEE: tl.constexpr, HAS_COUNT: tl.constexpr,
 ):
     tile = tl.program_id(0)
     h = tl.program_id(1)
+    if HAS_COUNT:  # noqa: SIM102 (fixed grid, CUDA graph: tiles past the device-side count do nothing)
+        if tile >= tl.load(num_tiles):
+            return
     kvh = h // GROUP
     seq = tl.load(tile_seq + tile)
     q0 = tl.load(tile_start + tile)  # first flat token index of this tile
@@ -177,8 +187,13 @@ def paged_decode(
     scale: float,
     num_splits: int = 1,
     partials: tuple[torch.Tensor, torch.Tensor] | None = None,
+    count: torch.Tensor | None = None,
 ) -> None:
-    """Attention for sequences with one new token each (see the module docstring)."""
+    """Attention for sequences with one new token each (see the module docstring).
+
+    With `count` ([1] int32 on the device), only the first count[0] entries of seq_ids are
+    decodes: the grid stays sized for all of seq_ids, so a CUDA graph can replay it.
+    """
     num_rows = seq_ids.shape[0]
     if num_rows == 0:
         return
@@ -191,19 +206,19 @@ def paged_decode(
     scb, scs, sch = _cache_strides(kv_cache)
     _decode_kernel[(num_rows, num_kv_heads, num_splits)](
         q, kv_cache[0], kv_cache[1], out, acc_buf, ml_buf,
-        seq_ids, query_start_loc, seq_lens, block_tables,
+        seq_ids, query_start_loc, seq_lens, block_tables, seq_ids if count is None else count,
         scale * LOG2E,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         scb, scs, sch, block_tables.stride(0),
         GROUP=group, G_PAD=max(16, triton.next_power_of_2(group)), HEAD_DIM=head_dim,
         PAGE=page, BLOCK_N=64, NUM_SPLITS=num_splits, IEEE=q.dtype == torch.float32,
-        num_warps=4, num_stages=2,
+        HAS_COUNT=count is not None, num_warps=4, num_stages=2,
     )
     if num_splits > 1:
         _reduce_kernel[(num_rows, num_heads)](
-            out, acc_buf, ml_buf, seq_ids, query_start_loc,
+            out, acc_buf, ml_buf, seq_ids, query_start_loc, seq_ids if count is None else count,
             out.stride(0), out.stride(1), num_heads,
-            HEAD_DIM=head_dim, NUM_SPLITS=num_splits, num_warps=4,
+            HEAD_DIM=head_dim, NUM_SPLITS=num_splits, HAS_COUNT=count is not None, num_warps=4,
         )
 
 
@@ -233,9 +248,11 @@ def paged_extend(
     scale: float,
     block_m: int = EXTEND_BLOCK_M,
     config: dict | None = None,
+    count: torch.Tensor | None = None,
 ) -> None:
     """Causal attention for query tiles of `block_m` tokens over the paged context (the tiles
-    must have been cut with the same block_m; `config` overrides EXTEND_CONFIG)."""
+    must have been cut with the same block_m; `config` overrides EXTEND_CONFIG). With `count`
+    ([1] int32 on the device), only the first count[0] tiles are real (fixed grid for graphs)."""
     num_tiles = tile_seq.shape[0]
     if num_tiles == 0:
         return
@@ -245,9 +262,11 @@ def paged_extend(
     _extend_kernel[(num_tiles, num_heads)](
         q, kv_cache[0], kv_cache[1], out,
         tile_seq, tile_start, query_start_loc, seq_lens, block_tables,
+        tile_seq if count is None else count,
         scale * LOG2E,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         scb, scs, sch, block_tables.stride(0),
         GROUP=num_heads // num_kv_heads, HEAD_DIM=head_dim, PAGE=page,
-        BLOCK_M=block_m, IEEE=q.dtype == torch.float32, **(config or EXTEND_CONFIG),
+        BLOCK_M=block_m, IEEE=q.dtype == torch.float32, HAS_COUNT=count is not None,
+        **(config or EXTEND_CONFIG),
     )
