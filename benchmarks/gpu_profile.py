@@ -210,3 +210,27 @@ def mixed(quick: bool) -> None:
             engine.kv.free(r.request_id)
     runner.mixed_graphs = mixed_graphs
     RESULTS["mixed_step"] = found
+
+
+@section
+def gemm_m(quick: bool) -> None:
+    """A Qwen3-4B layer's four weight matmuls at the token counts of mixed steps and their
+    padded buckets, eager and replayed from a CUDA graph: does padding or capture change
+    what cuBLAS picks?"""
+    import triton.testing
+
+    shapes = {"qkv": (2560, 6144), "o": (4096, 2560), "gate_up": (2560, 19456), "down": (9728, 2560)}
+    ws = {k: torch.randn(n, k_, device=DEV, dtype=torch.bfloat16) for k, (k_, n) in shapes.items()}
+    found = {}
+    for m in (1040, 1152, 1024, 1280, 2288, 2304, 2048, 2560):
+        xs = {k: torch.randn(m, shapes[k][0], device=DEV, dtype=torch.bfloat16) for k in shapes}
+
+        def run(xs=xs):
+            for k, w in ws.items():
+                torch.nn.functional.linear(xs[k], w)
+
+        eager = triton.testing.do_bench(run, return_mode="median")
+        graph = graph_ms(run)
+        found[m] = {"eager_ms": round(eager, 4), "graph_ms": round(graph, 4)}
+        record(f"layer GEMMs M={m}: eager / graph ms", f"{eager:.4f} / {graph:.4f}")
+    RESULTS["gemm_m"] = found
