@@ -36,8 +36,8 @@ def test_token_buckets_cover_every_count_with_bounded_padding():
         assert buckets == sorted(set(buckets)) and buckets[-1] == max_tokens
         for t in range(1, max_tokens + 1):
             b = min(x for x in buckets if x >= t)
-            assert b - t < (128 if t <= 2048 else 256)
-    assert token_buckets(4096)[:5] == [16, 32, 64, 128, 256]
+            assert b - t < (64 if t <= 2048 else 128)
+    assert token_buckets(4096)[:5] == [16, 32, 64, 128, 192]
 
 
 def test_tile_capacity_covers_any_step_of_few_prefills():

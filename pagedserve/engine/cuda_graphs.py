@@ -107,12 +107,13 @@ class DecodeGraphRunner:
         return self.outputs[bs][:num_seqs]
 
 
-def capture_graph(fn, pool, stream: torch.cuda.Stream) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
-    """Run `fn` twice on `stream` (Triton compiles outside the capture), then capture it."""
+def capture_graph(fn, pool, stream: torch.cuda.Stream,
+                  warmups: int = 2) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
+    """Run `fn` on `stream` (Triton compiles outside the capture), then capture it."""
     device = stream.device
     stream.wait_stream(torch.cuda.current_stream(device))
     with torch.cuda.stream(stream):
-        for _ in range(2):
+        for _ in range(warmups):
             fn()
     torch.cuda.current_stream(device).wait_stream(stream)
     graph = torch.cuda.CUDAGraph()
