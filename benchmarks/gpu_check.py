@@ -18,7 +18,7 @@ from types import SimpleNamespace
 import torch
 
 from gpu_common import DEV, RESULTS, TABLE, paged_step, record, rel_err, section
-from gpu_profile import batch1_breakdown, extend_tune, gemm_m, mixed
+from gpu_profile import arrival, batch1_breakdown, extend_tune, gemm_m, mixed
 from pagedserve.attention.torch_ref import TorchReferenceBackend
 from pagedserve.attention.triton_backend import TritonBackend
 
@@ -301,7 +301,7 @@ def main() -> None:
     RESULTS["env"] = {"torch": torch.__version__, "gpu": torch.cuda.get_device_name(),
                       "triton": __import__("triton").__version__}
     sections = {"kernels": kernels, "parity": parity, "bench": bench, "extend_tune": extend_tune,
-                "mixed": mixed, "gemm_m": gemm_m}
+                "mixed": mixed, "gemm_m": gemm_m, "arrival": arrival}
     for name in args.sections.split(","):
         sections[name](args.quick)
     out = os.path.join(os.environ.get("OUT", "."), "gpu_check.json")

@@ -234,3 +234,39 @@ def gemm_m(quick: bool) -> None:
         found[m] = {"eager_ms": round(eager, 4), "graph_ms": round(graph, 4)}
         record(f"layer GEMMs M={m}: eager / graph ms", f"{eager:.4f} / {graph:.4f}")
     RESULTS["gemm_m"] = found
+
+
+@section
+def arrival(quick: bool) -> None:
+    """Step by step through a wave of arrivals like the serving sweep's (1,024 in / 128 out,
+    concurrency 16 then 64), twice: each step's wall time, token count and whether it was
+    a graph replay. The first wave shows one-time costs (Triton compiles), the second the
+    steady cost of the big prefill steps."""
+    from pagedserve import LLM
+    from pagedserve.engine.core import EngineRequest
+    from pagedserve.sampling_params import SamplingParams
+
+    llm = LLM("qwen3-4b-instruct-2507", load_format="dummy", dtype="bfloat16", max_model_len=4096,
+              max_num_seqs=256, max_num_batched_tokens=8192, tokenizer=os.environ.get("PS_TOKENIZER"))
+    engine, runner = llm.engine, llm.engine.runner
+    params = SamplingParams(max_tokens=128, temperature=1.0, ignore_eos=True)
+    found = {}
+    for wave, n in enumerate((16, 16, 64, 64)):
+        for i in range(n):
+            ids = [(7 * i + j + 1000 * wave) % 50000 + 10 for j in range(1024)]
+            engine.add_request(EngineRequest(f"w{wave}-{i}", ids, params))
+        steps, t_all = [], time.perf_counter()
+        while engine.has_unfinished_requests():
+            g0, e0 = runner.num_graph_steps, runner.num_eager_steps
+            t0 = time.perf_counter()
+            engine.step()
+            ms = (time.perf_counter() - t0) * 1e3
+            kind = "graph" if runner.num_graph_steps > g0 else ("eager" if runner.num_eager_steps > e0 else "-")
+            steps.append((round(ms, 1), kind))
+        total = time.perf_counter() - t_all
+        slow = [s for s in steps if s[0] > 60]
+        print(f"==== wave {wave} ({n} x 1024/128): {len(steps)} steps, {total:.2f} s; first 12 {steps[:12]}; "
+              f"slow {slow[:20]}", flush=True)
+        found[f"{wave}_{n}"] = {"steps": steps, "total_s": total}
+        record(f"arrival wave {wave} x{n}: s, steps, slow (>60 ms)", f"{total:.2f} / {len(steps)} / {len(slow)}")
+    RESULTS["arrival"] = found

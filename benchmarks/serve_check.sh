@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Serving benchmarks on the GPU machine (issue 6), one device call per part:
 #   bash benchmarks/serve_check.sh ours   # pagedserve: vLLM's sweep, short chats, prefix caching on/off
+#   NAME=b2048 SERVE_ARGS="--max-num-batched-tokens 2048" bash benchmarks/serve_check.sh sweep
 #   bash benchmarks/serve_check.sh hf     # the Transformers baselines (--engine hf, hf-batched)
 #   LEVELS=3,5 bash benchmarks/serve_check.sh hf_short   # the wrapper benchmark on --engine hf alone
 # Every server is started by `pagedserve bench serve --launch`, which records its start-up time
@@ -18,7 +19,7 @@ fi
 export PYTHONPATH="$PWD:/tmp/pydeps"
 MODEL="${MODEL:-qwen3-4b-instruct-2507}"
 PORT=8000
-SERVE="python3 -m pagedserve.cli serve $MODEL --load-format dummy --tokenizer .devtok --port $PORT --log-level WARNING"
+SERVE="python3 -m pagedserve.cli serve $MODEL --load-format dummy --tokenizer .devtok --port $PORT --log-level WARNING ${SERVE_ARGS:-}"
 BENCH="python3 -m pagedserve.cli bench serve --base-url http://127.0.0.1:$PORT --no-progress"
 tag="$(echo "$MODEL" | cut -d- -f1)"
 
@@ -28,8 +29,8 @@ run() {  # name, then bench flags
     $BENCH "$@" --save-result "$OUT/serve_${tag}_${name}.json" 2>&1 | grep -v '^{' | tail -40
 }
 
-if [ "$PART" = "sweep" ]; then
-    PAGEDSERVE_SLOW_STEP_MS=250 run pagedserve --launch "$SERVE --log-level INFO" --launch-log "$OUT/server_sweep.log" --label pagedserve --input-len 1024 --output-len 128 \
+if [ "$PART" = "sweep" ]; then  # NAME=... SERVE_ARGS=... to compare server settings
+    PAGEDSERVE_SLOW_STEP_MS=250 run "${NAME:-pagedserve}" --launch "$SERVE --log-level INFO" --launch-log "$OUT/server_${NAME:-sweep}.log" --label pagedserve --input-len 1024 --output-len 128 \
         --concurrency-sweep 1,16,64,256 --num-prompts-per-level 32,64,256,1024 --warmup 4
 elif [ "$PART" = "ours" ]; then
     run pagedserve --launch "$SERVE --log-level INFO" --launch-log "$OUT/server_sweep.log" --label pagedserve --input-len 1024 --output-len 128 \

@@ -121,16 +121,23 @@ class EngineCore:
     def warm_up(self) -> None:
         """Run a prefill, a mixed step (a decode beside a prefill chunk) and graph decodes on
         throw-away requests, so that first-use costs (Triton JIT of the eager variants,
-        allocator growth) are paid before the first user request, not during it. Leaves no
-        trace: blocks freed, prefix cache and counters reset."""
+        allocator growth) are paid before the first user request, not during it: once with
+        the prefill and mixed steps eager (steps too big for a mixed-step graph run so, and
+        Triton specializes the small kernels on whether the token count is a multiple of
+        16), once as they normally run. Leaves no trace: blocks freed, prefix cache and
+        counters reset."""
         t0 = time.perf_counter()
         vocab = self.model_config.vocab_size
         greedy = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
-        self.add_request(EngineRequest("warmup-0", [i % vocab for i in range(1, 34)], greedy))
-        self.step()
-        self.add_request(EngineRequest("warmup-1", [i % vocab for i in range(7, 107)], greedy))
-        while self.has_unfinished_requests():
+        mixed_graphs = self.runner.mixed_graphs
+        for rnd, graphs in enumerate((None, mixed_graphs) if mixed_graphs else (None,)):
+            self.runner.mixed_graphs = graphs
+            self.add_request(EngineRequest(f"warmup-{rnd}-0", [i % vocab for i in range(1, 34)], greedy))
             self.step()
+            self.add_request(EngineRequest(f"warmup-{rnd}-1", [i % vocab for i in range(7, 107)], greedy))
+            while self.has_unfinished_requests():
+                self.step()
+        self.runner.mixed_graphs = mixed_graphs
         self.kv.reset_prefix_cache()
         self.kv.stats = PrefixCacheStats()
         self.scheduler.num_preemptions = 0
