@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import os
 import time
+from pathlib import Path
 
 import torch
 
@@ -251,6 +252,8 @@ def arrival(quick: bool) -> None:
     engine, runner = llm.engine, llm.engine.runner
     params = SamplingParams(max_tokens=128, temperature=1.0, ignore_eos=True)
     found = {}
+    cache = Path(os.environ.get("TRITON_CACHE_DIR", Path.home() / ".triton" / "cache"))
+    seen = set(cache.rglob("*.json"))
     for wave, n in enumerate((16, 16, 64, 64)):
         for i in range(n):
             ids = [(7 * i + j + 1000 * wave) % 50000 + 10 for j in range(1024)]
@@ -267,6 +270,10 @@ def arrival(quick: bool) -> None:
         slow = [s for s in steps if s[0] > 60]
         print(f"==== wave {wave} ({n} x 1024/128): {len(steps)} steps, {total:.2f} s; first 12 {steps[:12]}; "
               f"slow {slow[:20]}", flush=True)
-        found[f"{wave}_{n}"] = {"steps": steps, "total_s": total}
+        new = set(cache.rglob("*.json")) - seen
+        seen |= new
+        compiled = sorted(p.name for p in new if not p.name.startswith("__grp__"))
+        print(f"     Triton compiles during wave {wave}: {compiled}", flush=True)
+        found[f"{wave}_{n}"] = {"steps": steps, "total_s": total, "compiled": compiled}
         record(f"arrival wave {wave} x{n}: s, steps, slow (>60 ms)", f"{total:.2f} / {len(steps)} / {len(slow)}")
     RESULTS["arrival"] = found

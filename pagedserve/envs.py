@@ -38,8 +38,10 @@ def step_times_every() -> int:
 
 def mixed_graph_tokens() -> int:
     """$PAGEDSERVE_MIXED_GRAPH_TOKENS: the largest prefill/mixed step (in tokens) replayed
-    from a CUDA graph; bigger steps run eagerly (default 4096; 0 = decode graphs only)."""
-    return int(os.environ.get("PAGEDSERVE_MIXED_GRAPH_TOKENS") or 4096)
+    from a CUDA graph; bigger steps run eagerly (default 2048; 0 = decode graphs only). Above
+    about 2,000 tokens the GPU's time exceeds an eager step's launch time, which async
+    scheduling overlaps with the previous step, and padding costs more than graphs save."""
+    return int(os.environ.get("PAGEDSERVE_MIXED_GRAPH_TOKENS") or 2048)
 
 
 # The chat UI (`pagedserve ui` sets these for the Chainlit app it starts).

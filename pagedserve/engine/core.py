@@ -138,12 +138,37 @@ class EngineCore:
             while self.has_unfinished_requests():
                 self.step()
         self.runner.mixed_graphs = mixed_graphs
+        self._warm_up_decode_splits()
         self.kv.reset_prefix_cache()
         self.kv.stats = PrefixCacheStats()
         self.scheduler.num_preemptions = 0
         self.num_prefill_tokens = self.num_generation_tokens = 0
         self.runner.num_graph_steps = self.runner.num_eager_steps = 0
         logger.info("warm-up steps in %.1f s", time.perf_counter() - t0)
+
+    @torch.inference_mode()
+    def _warm_up_decode_splits(self) -> None:
+        """Compile the eager decode kernel for every split-KV count an eager step can pick
+        (decodes beside long prefills): measured on the H200, each first use otherwise stalls
+        a serving step by about half a second."""
+        from pagedserve.engine.scheduler import ScheduledChunk, SchedulerOutput
+
+        backend, runner = self.runner.backend, self.runner
+        if not hasattr(backend, "partials"):  # (only the Triton backend splits)
+            return
+        params = SamplingParams(temperature=0.0, max_tokens=1)
+        length = min(600, self.scheduler_config.max_model_len)
+        reqs = [Request(f"warmup-split-{i}", [1] * length, params, max_tokens=1) for i in range(2)]
+        for r in reqs:
+            if not self.kv.allocate(r.request_id, length):
+                return
+        out = SchedulerOutput([ScheduledChunk(r, length - 1, 1, samples=True) for r in reqs])
+        ids, positions, meta, _, _ = runner.prepare(out, [self.kv.block_ids(r.request_id) for r in reqs])
+        for splits in (1, 2, 4, 8, 16):
+            backend.prepare(meta, num_splits=splits)
+            runner.model(ids, positions, AttentionContext(backend, meta))
+        for r in reqs:
+            self.kv.free(r.request_id)
 
     # ---- requests ---------------------------------------------------------------------
 
