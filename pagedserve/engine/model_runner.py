@@ -117,19 +117,19 @@ class ModelRunner:
                            max_seqs: int = 0) -> float:
         """Capture decode graphs for batch sizes up to max_batch and, if max_mixed_tokens > 0,
         mixed-step graphs for token counts up to it (steps of up to max_seqs sequences);
-        returns the seconds it took. All graphs share one memory pool: they never overlap."""
+        returns the seconds it took. Each kind gets its own memory pool: with one pool shared
+        (mixed graphs first), batch-1 decode measured 3.49 instead of 3.30 ms per token."""
         from pagedserve.engine.cuda_graphs import DecodeGraphRunner
         from pagedserve.engine.mixed_graphs import MixedGraphRunner
 
         max_blocks = -(-max_model_len // self.block_size)
-        pool = torch.cuda.graph_pool_handle()
-        seconds = 0.0
-        if max_mixed_tokens > 0:  # largest graphs first, so the others fit in their memory
+        self.graphs = DecodeGraphRunner(self.model, self.backend, max_batch, max_blocks, max_model_len)
+        seconds = self.graphs.capture()
+        if max_mixed_tokens > 0:
             self.mixed_graphs = MixedGraphRunner(self.model, self.backend, max_mixed_tokens,
                                                  max_seqs, max_blocks, max_model_len)
-            seconds += self.mixed_graphs.capture(pool)
-        self.graphs = DecodeGraphRunner(self.model, self.backend, max_batch, max_blocks, max_model_len)
-        return seconds + self.graphs.capture(pool)
+            seconds += self.mixed_graphs.capture()
+        return seconds
 
     def _forward(self, ids, positions, meta: AttentionMetadata) -> torch.Tensor:
         """Hidden states [T, hidden], eagerly (prefills, mixed steps, no graphs)."""
