@@ -43,6 +43,9 @@ elif [ "$PART" = "ours" ]; then
     run pagedserve_prefix_off --launch "$SERVE --no-enable-prefix-caching" --label "prefix caching off" \
         --dataset prefix --prefix-len 1536 --input-len 2048 --output-len 64 --num-prefixes 4 \
         --num-prompts 256 --max-concurrency 32 --warmup 0
+elif [ "$PART" = "short" ]; then  # the wrapper benchmark alone
+    run pagedserve_short --launch "$SERVE" --label pagedserve --dataset short --endpoint chat \
+        --output-len 100 --concurrency-sweep 1,3,5,10 --num-prompts 15 --warmup 2
 elif [ "$PART" = "diag" ]; then  # slow steps and a py-spy profile of the server's processes
     python3 -m pip install -q --no-index --find-links .whl --target /tmp/pyspy py-spy
     export PAGEDSERVE_SLOW_STEP_MS=250
