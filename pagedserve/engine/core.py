@@ -151,23 +151,24 @@ class EngineCore:
         """Compile the eager decode kernel for every split-KV count an eager step can pick
         (decodes beside long prefills): measured on the H200, each first use otherwise stalls
         a serving step by about half a second."""
+        from pagedserve.attention.triton_backend import TritonBackend
         from pagedserve.engine.scheduler import ScheduledChunk, SchedulerOutput
 
         backend, runner = self.runner.backend, self.runner
-        if not hasattr(backend, "partials"):  # (only the Triton backend splits)
+        if not isinstance(backend, TritonBackend):  # (the only backend that splits)
             return
         params = SamplingParams(temperature=0.0, max_tokens=1)
         length = min(600, self.scheduler_config.max_model_len)
         reqs = [Request(f"warmup-split-{i}", [1] * length, params, max_tokens=1) for i in range(2)]
-        for r in reqs:
-            if not self.kv.allocate(r.request_id, length):
-                return
-        out = SchedulerOutput([ScheduledChunk(r, length - 1, 1, samples=True) for r in reqs])
-        ids, positions, meta, _, _ = runner.prepare(out, [self.kv.block_ids(r.request_id) for r in reqs])
-        for splits in (1, 2, 4, 8, 16):
-            backend.prepare(meta, num_splits=splits)
-            runner.model(ids, positions, AttentionContext(backend, meta))
-        for r in reqs:
+        allocated = [r for r in reqs if self.kv.allocate(r.request_id, length)]
+        if len(allocated) == len(reqs):
+            out = SchedulerOutput([ScheduledChunk(r, length - 1, 1, samples=True) for r in reqs])
+            ids, positions, meta, _, _ = runner.prepare(
+                out, [self.kv.block_ids(r.request_id) for r in reqs])
+            for splits in (1, 2, 4, 8, 16):
+                backend.prepare(meta, num_splits=splits)
+                runner.model(ids, positions, AttentionContext(backend, meta))
+        for r in allocated:
             self.kv.free(r.request_id)
 
     # ---- requests ---------------------------------------------------------------------
