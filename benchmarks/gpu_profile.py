@@ -110,8 +110,8 @@ def extend_tune(quick: bool) -> None:
             out = torch.empty_like(q)
             cfg = {"BLOCK_N": bn, "num_warps": warps, "num_stages": stages}
 
-            def run(q=q, cache=cache, out=out, ts=ts, tst=tst, meta=meta, bm=bm, cfg=cfg):
-                paged_extend(q, cache, out, ts, tst, meta.query_start_loc, meta.seq_lens,
+            def run(q=q, k_new=k_new, v_new=v_new, cache=cache, out=out, ts=ts, tst=tst, meta=meta, bm=bm, cfg=cfg):
+                paged_extend(q, k_new, v_new, cache, out, ts, tst, meta.query_start_loc, meta.seq_lens,
                              meta.block_tables, d ** -0.5, block_m=bm, config=cfg)
             try:
                 run()

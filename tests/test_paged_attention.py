@@ -22,6 +22,7 @@ CASES = [
     (8, 2, 64, 8, [5, 70], [5, 70], None),  # pure prefill, two tiles for the second
     (4, 1, 64, 16, [1, 3, 20, 1], [33, 50, 20, 2], 2),  # mixed: decodes, a chunk with context
     (2, 2, 128, 16, [65], [100], None),  # head_dim 128, chunk after 35 cached tokens
+    (4, 2, 64, 16, [150, 1, 40], [190, 77, 40], None),  # 3-tile chunk after 40 cached, decode
 ]
 
 
@@ -34,8 +35,7 @@ def test_triton_matches_reference(case, dtype):
     meta = random_paged_step(q_lens, seq_lens, bs, num_blocks, gen)
     T = sum(q_lens)
     q = torch.randn(T, heads, dim, generator=gen).to(dtype)
-    k = torch.randn(T, kv_heads, dim, generator=gen).to(dtype)
-    v = torch.randn(T, kv_heads, dim, generator=gen).to(dtype)
+    k, v = _strided_kv(T, kv_heads, dim, gen, dtype)
     cache = torch.randn(2, num_blocks, bs, kv_heads, dim, generator=gen).to(dtype)  # old context
     scale = dim**-0.5
 
@@ -50,6 +50,46 @@ def test_triton_matches_reference(case, dtype):
     tol = 1e-4 if dtype == torch.float32 else 2e-3
     torch.testing.assert_close(out.float(), ref, rtol=tol, atol=tol)
     torch.testing.assert_close(tri.kv_caches[0].float(), ref_backend.kv_caches[0], rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("block_m,block_n", [(32, 64), (128, 32), (64, 64)])
+def test_extend_tile_sizes(block_m, block_n):
+    """The extend kernel with tiles smaller and larger than its key blocks (what the GPU
+    tuning may pick), on chunks with and without cached context."""
+    import numpy as np
+
+    from pagedserve.attention.triton_backend import extend_tiles
+    from pagedserve.kernels.paged_attention import paged_extend
+
+    heads, kv_heads, dim, bs = 4, 2, 64, 16
+    q_lens, seq_lens = [150, 7, 40], [190, 7, 100]
+    gen = torch.Generator().manual_seed(block_m + block_n)
+    num_blocks = sum(-(-n // bs) for n in seq_lens) + 3
+    meta = random_paged_step(q_lens, seq_lens, bs, num_blocks, gen)
+    T = sum(q_lens)
+    q = torch.randn(T, heads, dim, generator=gen)
+    k, v = _strided_kv(T, kv_heads, dim, gen, torch.float32)
+    cache = torch.randn(2, num_blocks, bs, kv_heads, dim, generator=gen)
+    ref_backend = TorchReferenceBackend(heads, kv_heads, dim, dim**-0.5)
+    ref_backend.bind_kv_caches([cache.clone()])
+    ref = ref_backend.forward(0, q, k, v, meta)
+
+    from pagedserve.kernels.kv_cache import store_kv_cache
+
+    store_kv_cache(k, v, cache, meta.slot_mapping)
+    tile_seq, tile_start = (torch.from_numpy(a.astype(np.int32)) for a in
+                            extend_tiles(np.asarray(meta.query_start_loc_cpu), block_m))
+    out = torch.zeros_like(q)
+    paged_extend(q, k, v, cache, out, tile_seq, tile_start, meta.query_start_loc, meta.seq_lens,
+                 meta.block_tables, dim**-0.5, block_m=block_m,
+                 config={"BLOCK_N": block_n, "num_warps": 4, "num_stages": 2})
+    torch.testing.assert_close(out, ref, rtol=1e-4, atol=1e-4)
+
+
+def _strided_kv(T, kv_heads, dim, gen, dtype):
+    """K and V as views into one [T, 2 * kv_heads * dim] buffer, as the model hands them over."""
+    kv = torch.randn(T, 2 * kv_heads * dim, generator=gen).to(dtype)
+    return kv[:, : kv_heads * dim].view(T, kv_heads, dim), kv[:, kv_heads * dim :].view(T, kv_heads, dim)
 
 
 def _as_float(meta, backend):

@@ -44,7 +44,10 @@ def step_layout(qsl: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
 
 def extend_tiles(qsl: np.ndarray, block_m: int | None = None) -> tuple[np.ndarray, np.ndarray]:
     """Query tiles of the sequences with more than one new token: (sequence index, first flat
-    token index) per tile of `block_m` tokens (default: the extend kernel's BLOCK_M)."""
+    token index) per tile of `block_m` tokens (default: the extend kernel's BLOCK_M).
+
+    Ordered furthest-into-its-chunk first: a tile attends to every key before it, so the
+    GPU starts the longest tiles first and the short ones fill in the tail of the launch."""
     from pagedserve.kernels.paged_attention import EXTEND_BLOCK_M
 
     block_m = block_m or EXTEND_BLOCK_M
@@ -53,8 +56,9 @@ def extend_tiles(qsl: np.ndarray, block_m: int | None = None) -> tuple[np.ndarra
     n_tiles = -(-q_lens[ext] // block_m)
     tile_seq = np.repeat(ext, n_tiles)
     first_tile = np.repeat(np.cumsum(n_tiles) - n_tiles, n_tiles)
-    tile_start = np.repeat(qsl[ext], n_tiles) + (np.arange(len(tile_seq)) - first_tile) * block_m
-    return tile_seq, tile_start
+    offset = (np.arange(len(tile_seq)) - first_tile) * block_m  # into the sequence's chunk
+    order = np.argsort(-offset, kind="stable")
+    return tile_seq[order], (qsl[tile_seq] + offset)[order]
 
 
 @register_backend
@@ -103,7 +107,7 @@ class TritonBackend(AttentionBackend):
                          meta.block_tables, self.scale, data.num_splits, parts,
                          count=None if counts is None else counts[0:1])
         if data.tile_seq.shape[0]:
-            paged_extend(q, cache, out, data.tile_seq, data.tile_start, meta.query_start_loc,
+            paged_extend(q, k, v, cache, out, data.tile_seq, data.tile_start, meta.query_start_loc,
                          meta.seq_lens, meta.block_tables, self.scale,
                          count=None if counts is None else counts[1:2])
         return out

@@ -1,12 +1,15 @@
 """Triton attention over the paged KV cache.
 
-Two kernels cover every step shape; the new tokens' K/V are in the cache before either runs.
+Two kernels cover every step shape; the new tokens' K/V are in the cache before either runs
+(decode reads them from there, extend from the step's own K/V tensors).
 - decode: one query token per sequence. A program takes one (sequence, kv head, split) and
   all query heads of that kv head's group, so each K/V block is read once per group. Long
   contexts are split across programs (split-KV) and merged by a small reduce kernel.
 - extend: a tile of up to BLOCK_M query tokens of one sequence and one query head, over the
-  sequence's whole context (earlier chunks, prefix-cached blocks, and the tile itself,
-  causally masked). Covers prefills, prefill chunks and anything with more than one new token.
+  sequence's whole context: earlier chunks and prefix-cached blocks from the paged cache,
+  then the step's own keys straight from the new K/V tensors (contiguous, no page lookups),
+  causally masked only in the blocks that straddle the tile's diagonal. Covers prefills,
+  prefill chunks and anything with more than one new token.
 
 Cache layout: [2, num_blocks, block_size, kv_heads, head_dim]; a sequence's token j lives at
 block_tables[seq, j // block_size], row j % block_size.
@@ -117,17 +120,32 @@ def _reduce_kernel(
 
 
 @triton.jit
+def _attend_block(q, k, v, m, lsum, acc, scale_log2, keep, IEEE: tl.constexpr, MASKED: tl.constexpr):
+    """One online-softmax update with a key block: k, v [BLOCK_N, D]; keep [BLOCK_M, BLOCK_N]
+    (used only if MASKED; every row must keep at least one key of the first block it sees)."""
+    s = _dot(q, tl.trans(k), IEEE) * scale_log2  # [BLOCK_M, BLOCK_N], log2 units
+    if MASKED:
+        s = tl.where(keep, s, float("-inf"))
+    m_new = tl.maximum(m, tl.max(s, 1))
+    p = tl.exp2(s - m_new[:, None])
+    alpha = tl.exp2(m - m_new)
+    lsum = lsum * alpha + tl.sum(p, 1)
+    acc = acc * alpha[:, None] + _dot(p.to(v.dtype), v, IEEE)
+    return m_new, lsum, acc
+
+
+@triton.jit
 def _extend_kernel(
-    Q, KC, VC, Out,
+    Q, KC, VC, KN, VN, Out,
     tile_seq, tile_start, query_start_loc, seq_lens, block_tables, num_tiles,
     scale_log2,
-    stride_qt, stride_qh, stride_ot, stride_oh,
+    stride_qt, stride_qh, stride_ot, stride_oh, stride_kt, stride_kh, stride_vt, stride_vh,
     stride_cb, stride_cs, stride_ch, stride_bt,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, IEEE: tl.constexpr, HAS_COUNT: tl.constexpr,
 ):
-    tile = tl.program_id(0)
-    h = tl.program_id(1)
+    h = tl.program_id(0)  # all heads of a tile run side by side (they share its K/V in L2)
+    tile = tl.program_id(1)
     if HAS_COUNT:  # noqa: SIM102 (fixed grid, CUDA graph: tiles past the device-side count do nothing)
         if tile >= tl.load(num_tiles):
             return
@@ -135,38 +153,49 @@ def _extend_kernel(
     seq = tl.load(tile_seq + tile)
     q0 = tl.load(tile_start + tile)  # first flat token index of this tile
     first = tl.load(query_start_loc + seq)
-    last = tl.load(query_start_loc + seq + 1)
-    seq_len = tl.load(seq_lens + seq)
-    ctx_before = seq_len - (last - first)  # tokens already in the cache before this step
-    mi = q0 + tl.arange(0, BLOCK_M)
-    mmask = mi < last
-    q_pos = ctx_before + (mi - first)  # [BLOCK_M] absolute positions
+    q_len = tl.load(query_start_loc + seq + 1) - first
+    ctx_before = tl.load(seq_lens + seq) - q_len  # tokens already in the cache before this step
+    i0 = q0 - first  # the tile's first query, counted within this step's tokens of the sequence
+    mi = i0 + tl.arange(0, BLOCK_M)  # [BLOCK_M]
+    mmask = mi < q_len
     d = tl.arange(0, HEAD_DIM)
-    q = tl.load(Q + mi[:, None] * stride_qt + h * stride_qh + d[None, :], mask=mmask[:, None], other=0.0)
-
-    kv_end = tl.minimum(seq_len, ctx_before + (q0 - first) + BLOCK_M)
+    q = tl.load(Q + (first + mi)[:, None] * stride_qt + h * stride_qh + d[None, :],
+                mask=mmask[:, None], other=0.0)
     m = tl.full([BLOCK_M], float("-inf"), tl.float32)
     lsum = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
-    for n0 in range(0, kv_end, BLOCK_N):
+
+    # 1. Earlier context (prefix-cached blocks, earlier chunks) from the paged cache: every
+    #    query sees all of it, so only the last block's tail is masked.
+    for n0 in range(0, ctx_before, BLOCK_N):
         n = n0 + tl.arange(0, BLOCK_N)
-        nmask = n < kv_end
+        nmask = n < ctx_before
         page = tl.load(block_tables + seq * stride_bt + n // PAGE, mask=nmask, other=0)
         off = page.to(tl.int64) * stride_cb + (n % PAGE) * stride_cs + kvh * stride_ch
         k = tl.load(KC + off[:, None] + d[None, :], mask=nmask[:, None], other=0.0)
-        s = _dot(q, tl.trans(k), IEEE) * scale_log2  # [BLOCK_M, BLOCK_N]
-        keep = (n[None, :] <= q_pos[:, None]) & nmask[None, :]
-        s = tl.where(keep, s, float("-inf"))
-        m_new = tl.maximum(m, tl.max(s, 1))
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-        p = tl.exp2(s - m_safe[:, None])
-        alpha = tl.exp2(m - m_safe)
-        lsum = lsum * alpha + tl.sum(p, 1)
         v = tl.load(VC + off[:, None] + d[None, :], mask=nmask[:, None], other=0.0)
-        acc = acc * alpha[:, None] + _dot(p.to(v.dtype), v, IEEE)
-        m = m_new
-    out = acc / tl.where(lsum > 0, lsum, 1.0)[:, None]
-    tl.store(Out + mi[:, None] * stride_ot + h * stride_oh + d[None, :],
+        m, lsum, acc = _attend_block(q, k, v, m, lsum, acc, scale_log2, nmask[None, :], IEEE, True)
+
+    # 2. This step's own keys, straight from the new K/V [T, Hkv, D] (contiguous per token).
+    #    Blocks wholly before the tile's first query need no mask; the rest are causal.
+    kn = KN + kvh * stride_kh + d[None, :]
+    vn = VN + kvh * stride_vh + d[None, :]
+    diag = i0 // BLOCK_N * BLOCK_N
+    for j0 in range(0, diag, BLOCK_N):
+        j = first + j0 + tl.arange(0, BLOCK_N)
+        k = tl.load(kn + j[:, None] * stride_kt)
+        v = tl.load(vn + j[:, None] * stride_vt)
+        m, lsum, acc = _attend_block(q, k, v, m, lsum, acc, scale_log2, mmask[:, None], IEEE, False)
+    for j0 in range(diag, tl.minimum(q_len, i0 + BLOCK_M), BLOCK_N):
+        j = j0 + tl.arange(0, BLOCK_N)
+        jmask = j < q_len
+        k = tl.load(kn + (first + j)[:, None] * stride_kt, mask=jmask[:, None], other=0.0)
+        v = tl.load(vn + (first + j)[:, None] * stride_vt, mask=jmask[:, None], other=0.0)
+        keep = (j[None, :] <= mi[:, None]) & jmask[None, :]
+        m, lsum, acc = _attend_block(q, k, v, m, lsum, acc, scale_log2, keep, IEEE, True)
+
+    out = acc / lsum[:, None]
+    tl.store(Out + (first + mi)[:, None] * stride_ot + h * stride_oh + d[None, :],
              out.to(Out.dtype.element_ty), mask=mmask[:, None])
 
 
@@ -233,11 +262,13 @@ def alloc_decode_partials(num_rows: int, num_splits: int, num_heads: int, head_d
 # Tile sizes and launch settings of the extend kernel (benchmarks/gpu_check.py --sections
 # extend_tune measures the alternatives on the GPU).
 EXTEND_BLOCK_M = 64
-EXTEND_CONFIG = {"BLOCK_N": 64, "num_warps": 4, "num_stages": 2}
+EXTEND_CONFIG = {"BLOCK_N": 64, "num_warps": 4, "num_stages": 3}
 
 
 def paged_extend(
     q: torch.Tensor,  # [T, Hq, D]
+    k: torch.Tensor,  # [T, Hkv, D] this step's keys (any token stride, head_dim contiguous)
+    v: torch.Tensor,  # [T, Hkv, D] this step's values (likewise)
     kv_cache: torch.Tensor,
     out: torch.Tensor,  # [T, Hq, D]
     tile_seq: torch.Tensor,  # [num_tiles] int32: the sequence of each query tile
@@ -258,13 +289,15 @@ def paged_extend(
         return
     num_heads, head_dim = q.shape[1], q.shape[2]
     num_kv_heads, page = kv_cache.shape[3], kv_cache.shape[2]
+    assert k.stride(-1) == 1 and v.stride(-1) == 1
     scb, scs, sch = _cache_strides(kv_cache)
-    _extend_kernel[(num_tiles, num_heads)](
-        q, kv_cache[0], kv_cache[1], out,
+    _extend_kernel[(num_heads, num_tiles)](
+        q, kv_cache[0], kv_cache[1], k, v, out,
         tile_seq, tile_start, query_start_loc, seq_lens, block_tables,
         tile_seq if count is None else count,
         scale * LOG2E,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
+        k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         scb, scs, sch, block_tables.stride(0),
         GROUP=num_heads // num_kv_heads, HEAD_DIM=head_dim, PAGE=page,
         BLOCK_M=block_m, IEEE=q.dtype == torch.float32, HAS_COUNT=count is not None,
