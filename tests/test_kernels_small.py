@@ -160,6 +160,28 @@ def test_qk_norm_rope(T, hq, hkv, D, qk_norm, dtype):
         assert torch.equal(q2, q) and torch.equal(k2, k)
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("hq,hkv,D", HEADS)
+def test_qk_norm_rope_writes_kv_cache(hq, hkv, D, dtype):
+    """With a cache and slots, the kernel also stores k (after RoPE) and v, exactly as
+    store_kv_cache would, skipping negative slots."""
+    T, num_blocks, block_size = 9, 4, 8
+    qkv = _strided(T, (hq + 2 * hkv) * D, dtype, pad=64, scale=2.0)
+    positions = torch.randint(0, 5000, (T,), dtype=torch.int64)
+    qw, kw = (torch.rand(D) + 0.5).to(dtype), (torch.rand(D) + 0.5).to(dtype)
+    slots = torch.randperm(num_blocks * block_size)[:T]
+    slots[[1, 5]] = -1
+    cache = torch.full((2, num_blocks, block_size, hkv, D), float("nan"), dtype=dtype)
+    q, k, v = rope.qk_norm_rope(qkv, positions, _inv_freq(D, 1e6), hq, hkv, D, qw, kw, 1e-6,
+                                kv_cache=cache, slot_mapping=slots)
+    q2, k2, _ = rope.qk_norm_rope(qkv, positions, _inv_freq(D, 1e6), hq, hkv, D, qw, kw, 1e-6)
+    assert torch.equal(q, q2) and torch.equal(k, k2)
+    expected = torch.full_like(cache, float("nan"))
+    kv_cache.store_kv_cache_ref(k, v, expected, slots)
+    assert torch.equal(cache.isnan(), expected.isnan())  # written exactly where expected
+    assert torch.equal(cache.nan_to_num(0.0), expected.nan_to_num(0.0))
+
+
 def test_rope_ref_matches_hf():  # float32: HF's casts of cos/sin are no-ops
     from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 

@@ -81,8 +81,16 @@ class AttentionBackend(ABC):
         k: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
         v: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
         meta: AttentionMetadata,
+        kv_stored: bool = False,
     ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
-        """Write k/v into the cache at meta.slot_mapping, then attend causally."""
+        """Write k/v into the cache at meta.slot_mapping (unless `kv_stored`: the caller
+        already wrote them where `kv_store_target` said), then attend causally."""
+
+    def kv_store_target(self, layer_idx: int, meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """(cache [2, num_blocks, block_size, kv_heads, head_dim], slot_mapping [T]) for a
+        caller that can write the new K/V itself (the fused RoPE kernel), or None if this
+        backend stores them in `forward`."""
+        return None
 
     def prepare(self, meta: AttentionMetadata) -> None:
         """Host-side, once per step before the forward: derive backend-specific metadata."""

@@ -14,11 +14,12 @@ class TorchReferenceBackend(AttentionBackend):
 
     name = "torch"
 
-    def forward(self, layer_idx, q, k, v, meta: AttentionMetadata) -> torch.Tensor:
+    def forward(self, layer_idx, q, k, v, meta: AttentionMetadata, kv_stored: bool = False) -> torch.Tensor:
         has_cache = bool(self.kv_caches)
         if has_cache:
             cache = self.kv_caches[layer_idx]  # [2, num_blocks, block_size, kv_heads, head_dim]
-            write_kv_cache(cache, k, v, meta.slot_mapping)
+            if not kv_stored:
+                write_kv_cache(cache, k, v, meta.slot_mapping)
         out = torch.empty_like(q)
         starts = meta.query_start_loc_cpu
         for i, seq_len in enumerate(meta.seq_lens_cpu):

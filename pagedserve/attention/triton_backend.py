@@ -91,12 +91,16 @@ class TritonBackend(AttentionBackend):
             self._partials[key] = alloc_decode_partials(rows, splits, self.num_heads, self.head_dim, device)
         return self._partials[key]
 
-    def forward(self, layer_idx, q, k, v, meta: AttentionMetadata) -> torch.Tensor:
+    def kv_store_target(self, layer_idx, meta: AttentionMetadata):
+        return (self.kv_caches[layer_idx], meta.slot_mapping) if self.kv_caches else None
+
+    def forward(self, layer_idx, q, k, v, meta: AttentionMetadata, kv_stored: bool = False) -> torch.Tensor:
         from pagedserve.kernels.kv_cache import store_kv_cache
         from pagedserve.kernels.paged_attention import paged_decode, paged_extend
 
         cache = self.kv_caches[layer_idx]
-        store_kv_cache(k, v, cache, meta.slot_mapping)
+        if not kv_stored:
+            store_kv_cache(k, v, cache, meta.slot_mapping)
         data: TritonStepData = meta.backend_data
         out = torch.empty_like(q)
         counts = data.counts

@@ -23,8 +23,9 @@ from pagedserve.kernels._utils import check_dtype, next_pow2, num_warps_for
 
 @triton.jit
 def _norm_rope_heads(
-    src, dst, w_ptr, cos, sin, eps,  # src: one token's H heads [H, 2*HALF]; dst likewise
+    src, dst, dst2, heads2, w_ptr, cos, sin, eps,  # src: one token's H heads [H, 2*HALF]; dst likewise
     H: tl.constexpr, H_PAD: tl.constexpr, HALF: tl.constexpr, HAS_NORM: tl.constexpr,
+    STORE2: tl.constexpr,  # also write the first heads2 heads (0 or H) to dst2 (a KV-cache slot)
 ):
     h = tl.arange(0, H_PAD)[:, None]
     d = tl.arange(0, HALF)[None, :]
@@ -45,6 +46,10 @@ def _norm_rope_heads(
     out_hi = hi_f * cos + lo_f * sin
     tl.store(dst + offs, out_lo.to(dst.dtype.element_ty), mask=mask)
     tl.store(dst + offs + HALF, out_hi.to(dst.dtype.element_ty), mask=mask)
+    if STORE2:
+        mask2 = (h < heads2) & (d < HALF)
+        tl.store(dst2 + offs, out_lo.to(dst.dtype.element_ty), mask=mask2)
+        tl.store(dst2 + offs + HALF, out_hi.to(dst.dtype.element_ty), mask=mask2)
 
 
 @triton.jit
@@ -54,9 +59,11 @@ def _qk_norm_rope_kernel(
     inv_freq_ptr,  # [HALF] float32
     qw_ptr, kw_ptr,  # [D] norm weights (ignored unless HAS_NORM)
     q_ptr, k_ptr,  # [T, HQ, D], [T, HKV, D], contiguous
+    kc_ptr, vc_ptr, slot_ptr,  # KV cache [num_blocks, BLOCK_SIZE, HKV, D] x2, slots [T] (if STORE)
+    cache_block_stride, cache_slot_stride,
     eps,
     HQ: tl.constexpr, HKV: tl.constexpr, HQ_PAD: tl.constexpr, HKV_PAD: tl.constexpr,
-    HALF: tl.constexpr, HAS_NORM: tl.constexpr,
+    HALF: tl.constexpr, HAS_NORM: tl.constexpr, STORE: tl.constexpr, BLOCK_SIZE: tl.constexpr,
 ):
     t = tl.program_id(0).to(tl.int64)
     pos = tl.load(pos_ptr + t).to(tl.float32)
@@ -70,10 +77,25 @@ def _qk_norm_rope_kernel(
     cos = tl.cos(r)[None, :]
     sin = tl.sin(r)[None, :]
     row = qkv_ptr + t * qkv_stride
-    _norm_rope_heads(row, q_ptr + t * (HQ * 2 * HALF), qw_ptr, cos, sin, eps,
-                     HQ, HQ_PAD, HALF, HAS_NORM)
-    _norm_rope_heads(row + HQ * 2 * HALF, k_ptr + t * (HKV * 2 * HALF), kw_ptr, cos, sin, eps,
-                     HKV, HKV_PAD, HALF, HAS_NORM)
+    q_dst = q_ptr + t * (HQ * 2 * HALF)
+    _norm_rope_heads(row, q_dst, q_dst, 0, qw_ptr, cos, sin, eps, HQ, HQ_PAD, HALF, HAS_NORM, False)
+    k_dst = k_ptr + t * (HKV * 2 * HALF)
+    if STORE:
+        slot = tl.load(slot_ptr + t).to(tl.int64)
+        heads = tl.where(slot >= 0, HKV, 0)  # a negative slot is padding: nothing to cache
+        at = (slot // BLOCK_SIZE) * cache_block_stride + (slot % BLOCK_SIZE) * cache_slot_stride
+        at = tl.where(slot >= 0, at, 0)
+        _norm_rope_heads(row + HQ * 2 * HALF, k_dst, kc_ptr + at, heads, kw_ptr, cos, sin, eps,
+                         HKV, HKV_PAD, HALF, HAS_NORM, True)
+        vh = tl.arange(0, HKV_PAD)[:, None]  # v is copied as it is
+        vd = tl.arange(0, 2 * HALF)[None, :]
+        v_offs = vh * (2 * HALF) + vd
+        v_mask = (vh < heads) & (vd < 2 * HALF)
+        v = tl.load(row + (HQ + HKV) * 2 * HALF + v_offs, mask=v_mask)
+        tl.store(vc_ptr + at + v_offs, v, mask=v_mask)
+    else:
+        _norm_rope_heads(row + HQ * 2 * HALF, k_dst, k_dst, 0, kw_ptr, cos, sin, eps,
+                         HKV, HKV_PAD, HALF, HAS_NORM, False)
 
 
 def qk_norm_rope(
@@ -88,8 +110,11 @@ def qk_norm_rope(
     eps: float = 1e-6,
     out_q: torch.Tensor | None = None,
     out_k: torch.Tensor | None = None,
+    kv_cache: torch.Tensor | None = None,
+    slot_mapping: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Split qkv into (q, k, v), RMSNorm q and k per head (if weights given), apply RoPE.
+    """Split qkv into (q, k, v), RMSNorm q and k per head (if weights given), apply RoPE;
+    optionally also write each token's k (after RoPE) and v into the paged KV cache.
 
     qkv: [T, (Hq + 2*Hkv) * D], rows [q heads | k heads | v heads]; rows may be strided,
     columns contiguous. positions: [T] int64/int32. inv_freq: [D/2] float32.
@@ -97,6 +122,9 @@ def qk_norm_rope(
     Returns q [T, Hq, D] and k [T, Hkv, D], new contiguous tensors (or `out_q`/`out_k`,
     which must be contiguous), and v [T, Hkv, D]: a VIEW into qkv (not contiguous in the
     token dimension; `store_kv_cache` accepts it as is). qkv is not modified.
+    kv_cache ([2, num_blocks, block_size, Hkv, D], each slot's [Hkv, D] contiguous) with
+    slot_mapping ([T], negative = skip): the same write as `store_kv_cache(k, v, kv_cache,
+    slot_mapping)`, done here to save a kernel and a second read of k and v.
     """
     T = qkv.shape[0]
     D, half = head_dim, head_dim // 2
@@ -127,10 +155,23 @@ def qk_norm_rope(
     qw = q_norm_weight.contiguous() if has_norm else inv_freq  # dummy pointer when unused
     kw = k_norm_weight.contiguous() if has_norm else inv_freq
     hq_pad, hkv_pad = next_pow2(num_heads), next_pow2(num_kv_heads)
+    store = kv_cache is not None
+    if store:
+        if (kv_cache.dim() != 5 or kv_cache.shape[0] != 2 or tuple(kv_cache.shape[3:]) != (num_kv_heads, D)
+                or kv_cache.stride(3) != D or kv_cache.stride(4) != 1):
+            raise ValueError(f"kv_cache has shape {tuple(kv_cache.shape)} / strides {kv_cache.stride()}, "
+                             f"expected [2, N, B, {num_kv_heads}, {D}] with each slot contiguous")
+        if slot_mapping is None or slot_mapping.shape != (T,):
+            raise ValueError(f"slot_mapping must be [{T}] when kv_cache is given")
+        check_dtype(qkv, kv_cache)
+    kc, vc = (kv_cache[0], kv_cache[1]) if store else (out_k, out_k)  # dummy pointers when unused
     _qk_norm_rope_kernel[(T,)](
-        qkv, qkv.stride(0), positions, inv_freq.contiguous(), qw, kw, out_q, out_k, float(eps),
+        qkv, qkv.stride(0), positions, inv_freq.contiguous(), qw, kw, out_q, out_k,
+        kc, vc, slot_mapping if store else positions,
+        kc.stride(0) if store else 0, kc.stride(1) if store else 0, float(eps),
         HQ=num_heads, HKV=num_kv_heads, HQ_PAD=hq_pad, HKV_PAD=hkv_pad, HALF=half,
-        HAS_NORM=has_norm, num_warps=num_warps_for(hq_pad * D),
+        HAS_NORM=has_norm, STORE=store, BLOCK_SIZE=kv_cache.shape[2] if store else 1,
+        num_warps=num_warps_for(hq_pad * D),
     )
     return out_q, out_k, v
 

@@ -40,14 +40,17 @@ class Attention(nn.Module):
         attn: AttentionContext,
     ) -> torch.Tensor:
         qkv = self.qkv_proj(x)  # [T, q_size + 2 * kv_size]
-        if qkv.is_cuda:  # one kernel: split, per-head q/k norm (Qwen3), RoPE
+        target = None
+        if qkv.is_cuda:  # one kernel: split, per-head q/k norm (Qwen3), RoPE, KV-cache write
             from pagedserve.kernels.rope import qk_norm_rope
 
+            target = attn.backend.kv_store_target(self.layer_idx, attn.meta)
             q, k, v = qk_norm_rope(
                 qkv, positions, rotary.inv_freq, self.num_heads, self.num_kv_heads, self.head_dim,
                 self.q_norm.weight if self.qk_norm else None,
                 self.k_norm.weight if self.qk_norm else None,
                 self.q_norm.eps if self.qk_norm else 0.0,
+                kv_cache=target[0] if target else None, slot_mapping=target[1] if target else None,
             )
         else:
             q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
@@ -59,7 +62,7 @@ class Attention(nn.Module):
             cos, sin = rotary.cos_sin(positions, q.dtype)
             q = RotaryEmbedding.apply(q, cos, sin)
             k = RotaryEmbedding.apply(k, cos, sin)
-        out = attn.backend.forward(self.layer_idx, q, k, v, attn.meta)  # [T, H, D]
+        out = attn.backend.forward(self.layer_idx, q, k, v, attn.meta, kv_stored=target is not None)  # [T, H, D]
         return self.o_proj(out.reshape(-1, self.q_size))
 
 
