@@ -42,6 +42,16 @@ def step_layout(qsl: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     return dec, tile_seq, tile_start
 
 
+def extend_tile_counts(qsl: np.ndarray, block_m: int | None = None) -> tuple[np.ndarray, np.ndarray]:
+    """(indices of the sequences with more than one new token, query tiles of `block_m`
+    tokens each needs; default block_m: the extend kernel's BLOCK_M)."""
+    from pagedserve.kernels.paged_attention import EXTEND_BLOCK_M
+
+    q_lens = np.diff(qsl)
+    ext = np.flatnonzero(q_lens > 1)
+    return ext, -(-q_lens[ext] // (block_m or EXTEND_BLOCK_M))
+
+
 def extend_tiles(qsl: np.ndarray, block_m: int | None = None) -> tuple[np.ndarray, np.ndarray]:
     """Query tiles of the sequences with more than one new token: (sequence index, first flat
     token index) per tile of `block_m` tokens (default: the extend kernel's BLOCK_M).
@@ -51,9 +61,7 @@ def extend_tiles(qsl: np.ndarray, block_m: int | None = None) -> tuple[np.ndarra
     from pagedserve.kernels.paged_attention import EXTEND_BLOCK_M
 
     block_m = block_m or EXTEND_BLOCK_M
-    q_lens = np.diff(qsl)
-    ext = np.flatnonzero(q_lens > 1)
-    n_tiles = -(-q_lens[ext] // block_m)
+    ext, n_tiles = extend_tile_counts(qsl, block_m)
     tile_seq = np.repeat(ext, n_tiles)
     first_tile = np.repeat(np.cumsum(n_tiles) - n_tiles, n_tiles)
     offset = (np.arange(len(tile_seq)) - first_tile) * block_m  # into the sequence's chunk

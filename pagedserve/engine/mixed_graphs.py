@@ -21,7 +21,7 @@ import numpy as np
 import torch
 
 from pagedserve.attention.backend import AttentionBackend, AttentionContext, AttentionMetadata
-from pagedserve.attention.triton_backend import TritonStepData, step_layout
+from pagedserve.attention.triton_backend import TritonStepData, extend_tile_counts, step_layout
 from pagedserve.engine.host_copy import ALIGN
 from pagedserve.engine.model_runner import StepArrays
 
@@ -185,9 +185,8 @@ class MixedGraphRunner:
         if self.buckets[-1] < T or self.max_seqs < S or self.max_blocks_per_seq < a.tables.shape[1]:
             return None
         bucket = next(b for b in self.buckets if b >= T)
-        q_lens = np.diff(a.query_start_loc)
-        ext = q_lens[q_lens > 1]
-        if int((-(-ext // self.block_m)).sum()) > tile_capacity(bucket, self.max_seqs, self.block_m):
+        tiles = int(extend_tile_counts(a.query_start_loc, self.block_m)[1].sum())
+        if tiles > tile_capacity(bucket, self.max_seqs, self.block_m):
             return None
         return bucket
 

@@ -185,6 +185,7 @@ def _extend_kernel(
         j = first + j0 + tl.arange(0, BLOCK_N)
         k = tl.load(kn + j[:, None] * stride_kt)
         v = tl.load(vn + j[:, None] * stride_vt)
+        # (unmasked: the keep argument is ignored)
         m, lsum, acc = _attend_block(q, k, v, m, lsum, acc, scale_log2, mmask[:, None], IEEE, False)
     for j0 in range(diag, tl.minimum(q_len, i0 + BLOCK_M), BLOCK_N):
         j = j0 + tl.arange(0, BLOCK_N)
