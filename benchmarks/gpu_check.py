@@ -18,7 +18,7 @@ from types import SimpleNamespace
 import torch
 
 from gpu_common import DEV, RESULTS, TABLE, paged_step, record, rel_err, section
-from gpu_profile import arrival, batch1_breakdown, extend_tune, gemm_m, mixed
+from gpu_profile import arrival, batch1_breakdown, extend_tune, gemm_m, mixed, skinny
 from pagedserve.attention.torch_ref import TorchReferenceBackend
 from pagedserve.attention.triton_backend import TritonBackend
 
@@ -239,7 +239,7 @@ def bench(quick: bool) -> None:
         prefill_ms = time_prefill(llm.engine, 8, 1024)
         tflops = 2 * llm.engine.model_config.num_parameters() * 8192 / (prefill_ms / 1e3) / 1e12
         record(f"{short} prefill step 8x1024 tokens ms ({tflops:.0f} TFLOP/s)", prefill_ms, None, "{:.1f}")
-        lat = run_latency(SimpleNamespace(batch_sizes="1,8,32,64,128,256" if not quick else "1,64",
+        lat = run_latency(SimpleNamespace(batch_sizes="1,4,8,16,32,64,128,256" if not quick else "1,64",
                                           input_len=512, steps=64 if not quick else 16, seed=0), {}, llm)
         for row in lat["rows"]:
             record(f"{short} decode b{row['batch']} ms/step (eff {row['roofline_efficiency']:.0%})",
@@ -301,7 +301,7 @@ def main() -> None:
     RESULTS["env"] = {"torch": torch.__version__, "gpu": torch.cuda.get_device_name(),
                       "triton": __import__("triton").__version__}
     sections = {"kernels": kernels, "parity": parity, "bench": bench, "extend_tune": extend_tune,
-                "mixed": mixed, "gemm_m": gemm_m, "arrival": arrival}
+                "mixed": mixed, "gemm_m": gemm_m, "arrival": arrival, "skinny": skinny}
     for name in args.sections.split(","):
         sections[name](args.quick)
     out = os.path.join(os.environ.get("OUT", "."), "gpu_check.json")

@@ -277,3 +277,54 @@ def arrival(quick: bool) -> None:
         found[f"{wave}_{n}"] = {"steps": steps, "total_s": total, "compiled": compiled}
         record(f"arrival wave {wave} x{n}: s, steps, slow (>60 ms)", f"{total:.2f} / {len(steps)} / {len(slow)}")
     RESULTS["arrival"] = found
+
+
+@section
+def skinny(quick: bool) -> None:
+    """The skinny-matmul kernel under each launch setting against cuBLAS, for a
+    decode batch of 1-16 rows on each Qwen3-4B weight shape: 36 copies of the weight (cold
+    L2, as in a step) in one CUDA graph; ms and TB/s of weight reads."""
+    import torch.nn.functional as F
+
+    from pagedserve.kernels.skinny_gemm import DOT_CONFIGS, FMA_CONFIGS, skinny_matmul
+
+    bf = torch.bfloat16
+    shapes = {"qkv": (6144, 2560), "o": (2560, 4096), "gate_up": (19456, 2560), "down": (2560, 9728),
+              "lm_head": (151936, 2560)}
+    found = {}
+    for name, (n, k) in shapes.items():
+        copies = 2 if name == "lm_head" else 36
+        ws = [torch.randn(n, k, device=DEV, dtype=bf) * 0.02 for _ in range(copies)]
+        nbytes = n * k * 2 * copies
+        for m in (1, 2, 4, 8, 16):
+            x = torch.randn(m, k, device=DEV, dtype=bf)
+            out = torch.empty(m, n, device=DEV, dtype=bf)
+            ref = F.linear(x, ws[0]).float()
+            row = {}
+
+            def run_blas(x=x, ws=ws):
+                for w in ws:
+                    F.linear(x, w)
+            row["cublas"] = graph_ms(run_blas)
+            for cfg in (FMA_CONFIGS if m == 1 else []) + DOT_CONFIGS:
+                first = skinny_matmul(x, ws[0], cfg).float()
+                err = rel_err(first, ref)
+                if err > 1e-2:
+                    row[repr(cfg)] = f"error {err:.2e}"
+                    continue
+
+                def run(x=x, ws=ws, cfg=cfg, out=out):
+                    for w in ws:
+                        skinny_matmul(x, w, cfg, out)
+                row[repr(cfg)] = graph_ms(run)
+                if not torch.equal(skinny_matmul(x, ws[0], cfg).float(), first):  # after ~1,000 launches
+                    row[repr(cfg)] = "not deterministic"
+            timed = {c: t for c, t in row.items() if isinstance(t, float)}
+            best = min((c for c in timed if c.startswith("Skinny")), key=timed.get)
+            found[f"{name} M={m}"] = {"ms": {c: round(t, 4) for c, t in timed.items()}, "best": best,
+                                      "errors": {c: t for c, t in row.items() if not isinstance(t, float)}}
+            record(f"{name} M={m}: cuBLAS / best skinny TB/s",
+                   f"{nbytes / row['cublas'] / 1e9:.2f} / {nbytes / timed[best] / 1e9:.2f}")
+            print(f"  best {name} M={m}: {best}", flush=True)
+        ws.clear()
+    RESULTS["skinny"] = found

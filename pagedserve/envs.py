@@ -44,6 +44,13 @@ def mixed_graph_tokens() -> int:
     return int(os.environ.get("PAGEDSERVE_MIXED_GRAPH_TOKENS") or 2048)
 
 
+
+def skinny_matmul() -> bool:
+    """$PAGEDSERVE_SKINNY_MATMUL=0 keeps every weight matmul on cuBLAS; by default (1) the
+    engine times the skinny Triton kernel against cuBLAS at start-up for batches of 1-16 rows
+    and uses whichever is faster per weight shape (CUDA, 16-bit weights only)."""
+    return (os.environ.get("PAGEDSERVE_SKINNY_MATMUL") or "1") != "0"
+
 # The chat UI (`pagedserve ui` sets these for the Chainlit app it starts).
 UI_BASE_URL = "PAGEDSERVE_UI_BASE_URL"
 UI_API_KEY = "PAGEDSERVE_UI_API_KEY"

@@ -219,3 +219,130 @@ def test_empty_batches():
                                 _inv_freq(64, 1e4), 3, 1, 64)
     assert q.shape == (0, 3, 64) and k.shape == (0, 1, 64) and v.shape == (0, 1, 64)
     kv_cache.store_kv_cache(k, v, torch.zeros(2, 1, 4, 1, 64), torch.zeros(0, dtype=torch.int64))
+
+
+# ---- skinny matmul (small-batch weight products) --------------------------------------
+
+SKINNY_SHAPES = [(1, 48, 64), (1, 40, 72), (3, 48, 64), (16, 40, 72), (5, 64, 200), (1, 33, 200)]
+
+
+def _skinny_configs(rows):
+    from pagedserve.kernels.skinny_gemm import SkinnyConfig
+
+    dot = [SkinnyConfig(16, 32, 4, 1, True), SkinnyConfig(16, 64, 4, 2, True, 3),
+           SkinnyConfig(32, 16, 4, 2, True, 8)]
+    if rows > 1:
+        return dot
+    return dot + [SkinnyConfig(8, 32, 4, 1, False), SkinnyConfig(4, 64, 2, 1, False, 2),
+                  SkinnyConfig(2, 16, 2, 1, False, 5)]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("M,N,K", SKINNY_SHAPES)
+def test_skinny_matmul(M, N, K, dtype):
+    """Every setting (FMA and tensor-core programs, split-K with uneven and empty slices,
+    ragged N and K) against a float64 product, written into a NaN-poisoned output."""
+    from pagedserve.kernels.skinny_gemm import skinny_matmul
+
+    x, w = torch.randn(M, K).to(dtype), torch.randn(N, K).to(dtype)
+    expected = (x.double() @ w.double().t()).to(dtype)
+    for cfg in _skinny_configs(M):
+        out = torch.full((M, N), float("nan"), dtype=dtype)
+        got = skinny_matmul(x, w, cfg, out)
+        assert got is out
+        assert not torch.isnan(got).any(), f"{cfg}: some elements were not written"
+        torch.testing.assert_close(got.double(), expected.double(),
+                                   rtol=1e-2 if dtype == torch.float16 else 1e-5,
+                                   atol=2e-2 if dtype == torch.float16 else 1e-4, msg=str(cfg))
+
+
+def test_skinny_matmul_rejects_what_it_cannot_do():
+    from pagedserve.kernels.skinny_gemm import SkinnyConfig, skinny_matmul
+
+    fma, dot = SkinnyConfig(8, 32, 4, 1, False), SkinnyConfig(16, 32, 4, 1, True)
+    with pytest.raises(ValueError, match="cannot take 2 rows"):
+        skinny_matmul(torch.randn(2, 64), torch.randn(8, 64), fma)
+    with pytest.raises(ValueError, match="cannot take 17 rows"):
+        skinny_matmul(torch.randn(17, 64), torch.randn(8, 64), dot)
+    with pytest.raises(ValueError, match="64 columns"):
+        skinny_matmul(torch.randn(1, 64), torch.randn(8, 32), dot)
+
+
+def test_linear_follows_its_plan():
+    """A planned Linear gives the same product on the kernel for a planned row bucket, on
+    F.linear where the plan says cuBLAS and for more rows than any bucket."""
+    from pagedserve.kernels import skinny_gemm
+    from pagedserve.kernels.skinny_gemm import SkinnyConfig
+    from pagedserve.layers.linear import Linear, row_bucket
+
+    assert [row_bucket(r) for r in (1, 2, 3, 5, 9, 16)] == [1, 2, 4, 8, 16, 16]
+    lin = Linear(72, 40)
+    calls = []
+    real = skinny_gemm.skinny_matmul
+
+    def spy(x, w, cfg, out=None):
+        calls.append((x.shape[0], cfg))
+        return real(x, w, cfg, out)
+
+    lin.skinny_plan = {1: SkinnyConfig(8, 32, 4, 1, False), 2: None, 4: SkinnyConfig(16, 32, 4, 1, True, 2),
+                       8: None, 16: None}
+    skinny_gemm.skinny_matmul = spy
+    try:
+        for rows in (1, 2, 3, 20):
+            x = torch.randn(rows, 72)
+            torch.testing.assert_close(lin(x), x @ lin.weight.t(), rtol=1e-5, atol=1e-5)
+    finally:
+        skinny_gemm.skinny_matmul = real
+    assert calls == [(1, lin.skinny_plan[1]), (3, lin.skinny_plan[4])]
+
+
+def test_plan_picks_the_fastest_that_agrees():
+    """The planner keeps cuBLAS unless a candidate is faster, and never picks a candidate
+    whose product disagrees with cuBLAS's (timings injected: no GPU here)."""
+    from pagedserve.layers import linear
+
+    weights = [torch.randn(24, 40) for _ in range(3)]
+    n_cands = {rows: len(linear._candidates(rows)) for rows in linear.ROW_BUCKETS}
+    # per bucket: cuBLAS, then each candidate; bucket 1: the second candidate wins, others lose.
+    times = []
+    for rows in linear.ROW_BUCKETS:
+        times += [1.0] + ([2.0, 0.5] + [0.7] * (n_cands[rows] - 2) if rows == 1 else [1.5] * n_cands[rows])
+    it = iter(times)
+
+    def fake_timer(fn):
+        fn()  # the timed code must run
+        return next(it)
+
+    plans = linear.plan_skinny_matmuls({"w": weights}, timer=fake_timer)
+    assert plans["w"][1] == linear._candidates(1)[1]
+    assert all(plans["w"][rows] is None for rows in linear.ROW_BUCKETS[1:])
+    assert next(it, None) is None  # every bucket timed cuBLAS and every candidate once
+
+
+def test_planned_model_matches_unplanned(tmp_path):
+    """A tiny Qwen3 (tied embeddings) with every matmul planned onto the kernel gives the
+    same logits at 1-3 rows as with none planned."""
+    from conftest import make_hf_checkpoint
+    from helpers import run_prefill
+    from pagedserve.layers import linear
+    from pagedserve.layers.linear import Linear, plan_model_matmuls
+    from pagedserve.models.loader import build_model, resolve_model
+
+    make_hf_checkpoint("qwen3", tmp_path)
+    model = build_model(resolve_model(str(tmp_path)), dtype="float32")
+    seqs = [[5, 9, 200], [7], [3, 3]]
+    before = run_prefill(model, seqs)
+    plans = plan_model_matmuls(model, model.logits_weight(), timer=lambda fn: (fn(), 1.0)[1])
+    assert set(plans) == {"qkv_proj (256, 64)", "o_proj (64, 128)", "gate_up_proj (256, 64)",
+                          "down_proj (64, 128)", "logits"}
+    for key, plan in plans.items():  # equal times: cuBLAS kept everywhere
+        assert all(cfg is None for cfg in plan.values()), key
+    first = {rows: linear._candidates(rows)[0] for rows in linear.ROW_BUCKETS}
+    linears = [m for m in model.modules() if isinstance(m, Linear)]
+    assert len(linears) == 4 * 3
+    for mod in linears:
+        mod.skinny_plan = dict(first)
+    model.logits_plan = dict(first)
+    after = [run_prefill(model, [s])[0] for s in seqs]  # one sequence at a time: 1-3 rows
+    for a, b in zip(after, before):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)

@@ -23,6 +23,7 @@ from pagedserve.engine.model_runner import ModelRunner
 from pagedserve.engine.request import Request
 from pagedserve.engine.scheduler import Scheduler
 from pagedserve.engine.step_timer import StepTimer
+from pagedserve.layers.linear import plan_model_matmuls
 from pagedserve.models.loader import ModelSource, build_model, resolve_model
 from pagedserve.sampling_params import SamplingParams
 
@@ -89,6 +90,12 @@ class EngineCore:
         self.kv = KVCacheManager(num_blocks, config.cache.block_size, config.cache.enable_prefix_caching)
         self.scheduler = Scheduler(sched, self.kv)
         self.runner = ModelRunner(model, backend, num_blocks, config.cache.block_size)
+        self.matmul_plan_seconds = 0.0
+        if device.type == "cuda" and dtype in (torch.bfloat16, torch.float16) and envs.skinny_matmul():
+            t_plan = time.perf_counter()
+            plan_model_matmuls(model, model.logits_weight())
+            self.matmul_plan_seconds = time.perf_counter() - t_plan
+            logger.info("small-batch matmuls planned in %.1f s", self.matmul_plan_seconds)
         self.graph_capture_seconds = 0.0
         if device.type == "cuda" and not config.enforce_eager and backend.supports_cuda_graphs():
             self.graph_capture_seconds = self.runner.enable_cuda_graphs(

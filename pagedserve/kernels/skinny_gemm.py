@@ -1,0 +1,164 @@
+"""Skinny matmul y = x @ W^T for the few rows of a small decode batch, streaming W once.
+
+At small batch a decode step is bound by reading the weights. Each program owns `BLOCK_N`
+output columns (rows of W) and walks the whole K dimension in `BLOCK_K` slices:
+
+- `USE_DOT=False` (one row of x): the products are summed into a [BLOCK_N, BLOCK_K] float32
+  tile and reduced once at the end, so the loop body is loads and FMAs only;
+- `USE_DOT=True` (up to `BLOCK_M` rows): W's slice times x's slice on the tensor cores,
+  x padded to `BLOCK_M` rows with zeros (free: the step is bound by W's bytes).
+
+Which shapes this kernel takes over from cuBLAS is decided by measurement on the GPU
+(`pagedserve.layers.linear`), not assumed.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+import triton
+import triton.language as tl
+
+from pagedserve.kernels._utils import check_dtype
+
+
+@triton.jit
+def _skinny_kernel(
+    X, W, Y,  # x [M, K], W [N, K], y [M, N]; last dims contiguous
+    PARTIAL, LOCKS,  # split-K only: float32 [SPLIT_K, M, N] partial sums; int32 [cdiv(N, BLOCK_N)] zeros
+    M, N, K, K_PER_SPLIT, stride_xm, stride_wn, stride_ym,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
+    USE_DOT: tl.constexpr, EVEN_K: tl.constexpr, PRECISION: tl.constexpr,
+):
+    pid_n = tl.program_id(0)
+    split = tl.program_id(1)
+    k_start = split * K_PER_SPLIT
+    k_end = tl.minimum(K, k_start + K_PER_SPLIT)
+    rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)  # [BLOCK_N] output columns
+    n_ok = rn < N
+    rn_load = tl.where(n_ok, rn, 0)  # past the end: read row 0, never stored
+    rk = k_start + tl.arange(0, BLOCK_K)
+    w_ptrs = W + rn_load[:, None] * stride_wn + rk[None, :]  # [BLOCK_N, BLOCK_K]
+    rm = tl.arange(0, BLOCK_M)
+    m_ok = rm < M
+    if USE_DOT:
+        x_ptrs = X + rm[:, None] * stride_xm + rk[None, :]  # [BLOCK_M, BLOCK_K]
+        acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
+        for k0 in range(k_start, k_end, BLOCK_K):
+            if EVEN_K:
+                w = tl.load(w_ptrs)
+                x = tl.load(x_ptrs, mask=m_ok[:, None], other=0.0)
+            else:
+                k_ok = (rk + (k0 - k_start)) < k_end
+                w = tl.load(w_ptrs, mask=k_ok[None, :], other=0.0)
+                x = tl.load(x_ptrs, mask=m_ok[:, None] & k_ok[None, :], other=0.0)
+            acc = tl.dot(w, tl.trans(x), acc, input_precision=PRECISION)  # [BLOCK_N, BLOCK_M]
+            w_ptrs += BLOCK_K
+            x_ptrs += BLOCK_K
+    else:  # one row of x: FMAs into a [BLOCK_N, BLOCK_K] tile, reduced once after the loop
+        x_ptrs = X + rk  # [BLOCK_K]
+        acc2 = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
+        for k0 in range(k_start, k_end, BLOCK_K):
+            if EVEN_K:
+                w = tl.load(w_ptrs)
+                x = tl.load(x_ptrs)
+            else:
+                k_ok = (rk + (k0 - k_start)) < k_end
+                w = tl.load(w_ptrs, mask=k_ok[None, :], other=0.0)
+                x = tl.load(x_ptrs, mask=k_ok, other=0.0)
+            acc2 += w.to(tl.float32) * x.to(tl.float32)[None, :]
+            w_ptrs += BLOCK_K
+            x_ptrs += BLOCK_K
+        acc = tl.sum(acc2, axis=1)[:, None]  # [BLOCK_N, 1]; row 0 of the output
+    out_mask = n_ok[:, None] & m_ok[None, :]  # [BLOCK_N, BLOCK_M]
+    out_offs = rm[None, :] * N + rn[:, None]  # into a [M, N] partial
+    y_ptrs = Y + rm[None, :] * stride_ym + rn[:, None]
+    if SPLIT_K == 1:
+        tl.store(y_ptrs, acc.to(Y.dtype.element_ty), mask=out_mask)
+    else:
+        # Each split leaves its partial sum; the last split to finish adds them up in split
+        # order (deterministic) and re-arms the counter for the next launch.
+        tl.store(PARTIAL + split * M * N + out_offs, acc, mask=out_mask)
+        tl.debug_barrier()  # every thread's partial is written before the release below
+        ticket = tl.atomic_add(LOCKS + pid_n, 1, sem="acq_rel", scope="gpu")
+        if ticket == SPLIT_K - 1:
+            total = tl.zeros_like(acc)
+            for s in tl.static_range(SPLIT_K):
+                total += tl.load(PARTIAL + s * M * N + out_offs, mask=out_mask, other=0.0,
+                                 cache_modifier=".cg")
+            tl.store(y_ptrs, total.to(Y.dtype.element_ty), mask=out_mask)
+            tl.atomic_xchg(LOCKS + pid_n, 0, sem="relaxed", scope="gpu")
+
+
+class SkinnyConfig(NamedTuple):
+    """One launch setting of the kernel."""
+
+    block_n: int
+    block_k: int
+    num_warps: int
+    num_stages: int
+    use_dot: bool
+    split_k: int = 1
+
+
+DOT_ROWS = 16  # x rows one tensor-core program handles (tl.dot needs >= 16)
+
+# Candidate settings, measured per weight shape and batch size on the GPU.
+FMA_CONFIGS = [SkinnyConfig(*c, False, sk) for c, sk in [
+    ((4, 1024, 4, 1), 1), ((8, 512, 4, 1), 1), ((8, 256, 2, 1), 1), ((16, 256, 4, 1), 1),
+    ((4, 1024, 4, 1), 2), ((4, 512, 4, 1), 2), ((8, 512, 4, 1), 2), ((4, 512, 4, 1), 4),
+    ((8, 256, 2, 1), 4), ((2, 1024, 4, 1), 1), ((2, 1024, 4, 1), 2),
+]]
+DOT_CONFIGS = [SkinnyConfig(*c, True, sk) for c, sk in [
+    ((16, 512, 2, 3), 1), ((32, 256, 4, 4), 1), ((64, 128, 4, 4), 1), ((16, 256, 2, 4), 1),
+    ((16, 512, 2, 3), 2), ((16, 256, 2, 4), 2), ((16, 256, 2, 4), 4), ((16, 512, 2, 3), 4),
+    ((16, 256, 4, 4), 4), ((16, 128, 2, 4), 4), ((16, 256, 2, 3), 8), ((32, 256, 4, 4), 2),
+]]
+
+_LOCKS: dict[torch.device, torch.Tensor] = {}
+
+
+def _locks(device: torch.device, count: int) -> torch.Tensor:
+    """Zeroed int32 split-K counters, shared by all launches on `device` (each launch leaves
+    them zero again). Made outside CUDA-graph capture: warm the kernel up eagerly first."""
+    locks = _LOCKS.get(device)
+    if locks is None or locks.numel() < count:
+        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            raise RuntimeError("skinny_matmul: run split-K once eagerly before capturing a CUDA graph")
+        locks = torch.zeros(max(count, 4096), dtype=torch.int32, device=device)
+        _LOCKS[device] = locks
+    return locks
+
+
+def skinny_matmul(x: torch.Tensor, weight: torch.Tensor, cfg: SkinnyConfig,
+                  out: torch.Tensor | None = None) -> torch.Tensor:
+    """x [M, K] @ weight [N, K]^T -> [M, N] in x's dtype, float32 accumulation.
+
+    An FMA setting takes M == 1 only; a dot setting takes M <= DOT_ROWS. With split_k > 1
+    the K dimension is cut into that many slices summed in a fixed order (deterministic).
+    """
+    block_n, block_k, num_warps, num_stages, use_dot, split_k = cfg
+    rows, k = x.shape
+    n = weight.shape[0]
+    check_dtype(x, weight)
+    if weight.shape[1] != k:
+        raise ValueError(f"x has {k} columns but weight has {weight.shape[1]}")
+    max_rows = DOT_ROWS if use_dot else 1
+    if rows > max_rows:
+        raise ValueError(f"{cfg} cannot take {rows} rows")
+    y = torch.empty((rows, n), dtype=x.dtype, device=x.device) if out is None else out
+    n_blocks = triton.cdiv(n, block_n)
+    k_per_split = triton.cdiv(triton.cdiv(k, split_k), block_k) * block_k
+    if split_k > 1:
+        partial = torch.empty((split_k, rows, n), dtype=torch.float32, device=x.device)
+        locks = _locks(x.device, n_blocks)
+    else:
+        partial, locks = y, y  # unused
+    _skinny_kernel[(n_blocks, split_k)](
+        x, weight, y, partial, locks, rows, n, k, k_per_split, x.stride(0), weight.stride(0), y.stride(0),
+        BLOCK_M=max_rows, BLOCK_N=block_n, BLOCK_K=block_k, SPLIT_K=split_k, USE_DOT=use_dot,
+        EVEN_K=k % block_k == 0, PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
+        num_warps=num_warps, num_stages=num_stages,
+    )
+    return y
