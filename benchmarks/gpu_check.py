@@ -64,6 +64,20 @@ def kernels(quick: bool) -> None:
         kv_cache.store_kv_cache_ref(k, v, ref_cache, slots)
         record(f"store_kv_cache {hkv} heads", rel_err(cache, ref_cache), bool(torch.equal(cache, ref_cache)))
 
+    # skinny matmul: every setting the engine's start-up plan may pick, bf16, 1-64 rows
+    from pagedserve.kernels.skinny_gemm import skinny_matmul
+    from pagedserve.layers.linear import _candidates
+
+    for n, k in ((2560, 9728), (6144, 2560)):
+        w = torch.randn(n, k, device=DEV, dtype=bf) * 0.02
+        worst = 0.0
+        for rows in (1, 3, 16, 33, 64):
+            x = torch.randn(rows, k, device=DEV, dtype=bf)
+            want = x.float() @ w.float().t()
+            for cfg in _candidates(1 if rows == 1 else 2):
+                worst = max(worst, rel_err(skinny_matmul(x, w, cfg), want))
+        record(f"skinny matmul [{n} x {k}] 1-64 rows, worst", worst, worst < 1e-2)
+
     # paged attention: decode (with and without split-KV), prefill, chunk with context, mixed
     cases = {
         "decode b64 ctx<=4096 splits=1": ([1] * 64, [int(x) for x in torch.randint(1, 4096, (64,), generator=gen)], 1),

@@ -47,7 +47,7 @@ def mixed_graph_tokens() -> int:
 
 def skinny_matmul() -> bool:
     """$PAGEDSERVE_SKINNY_MATMUL=0 keeps every weight matmul on cuBLAS; by default (1) the
-    engine times the skinny Triton kernel against cuBLAS at start-up for batches of 1-16 rows
+    engine times the skinny Triton kernel against cuBLAS at start-up for batches of 1-64 rows
     and uses whichever is faster per weight shape (CUDA, 16-bit weights only)."""
     return (os.environ.get("PAGEDSERVE_SKINNY_MATMUL") or "1") != "0"
 

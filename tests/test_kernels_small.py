@@ -223,7 +223,8 @@ def test_empty_batches():
 
 # ---- skinny matmul (small-batch weight products) --------------------------------------
 
-SKINNY_SHAPES = [(1, 48, 64), (1, 40, 72), (3, 48, 64), (16, 40, 72), (5, 64, 200), (1, 33, 200)]
+SKINNY_SHAPES = [(1, 48, 64), (1, 40, 72), (3, 48, 64), (16, 40, 72), (5, 64, 200), (1, 33, 200), (33, 40, 72),
+                 (64, 24, 64)]
 
 
 def _skinny_configs(rows):
@@ -262,8 +263,8 @@ def test_skinny_matmul_rejects_what_it_cannot_do():
     fma, dot = SkinnyConfig(8, 32, 4, 1, False), SkinnyConfig(16, 32, 4, 1, True)
     with pytest.raises(ValueError, match="cannot take 2 rows"):
         skinny_matmul(torch.randn(2, 64), torch.randn(8, 64), fma)
-    with pytest.raises(ValueError, match="cannot take 17 rows"):
-        skinny_matmul(torch.randn(17, 64), torch.randn(8, 64), dot)
+    with pytest.raises(ValueError, match="cannot take 65 rows"):
+        skinny_matmul(torch.randn(65, 64), torch.randn(8, 64), dot)
     with pytest.raises(ValueError, match="64 columns"):
         skinny_matmul(torch.randn(1, 64), torch.randn(8, 32), dot)
 
@@ -275,7 +276,7 @@ def test_linear_follows_its_plan():
     from pagedserve.kernels.skinny_gemm import SkinnyConfig
     from pagedserve.layers.linear import Linear, row_bucket
 
-    assert [row_bucket(r) for r in (1, 2, 3, 5, 9, 16)] == [1, 2, 4, 8, 16, 16]
+    assert [row_bucket(r) for r in (1, 2, 3, 5, 9, 16, 17, 64)] == [1, 2, 4, 8, 16, 16, 32, 64]
     lin = Linear(72, 40)
     calls = []
     real = skinny_gemm.skinny_matmul
@@ -285,15 +286,15 @@ def test_linear_follows_its_plan():
         return real(x, w, cfg, out)
 
     lin.skinny_plan = {1: SkinnyConfig(8, 32, 4, 1, False), 2: None, 4: SkinnyConfig(16, 32, 4, 1, True, 2),
-                       8: None, 16: None}
+                       8: None, 16: None, 32: SkinnyConfig(16, 32, 4, 1, True), 64: None}
     skinny_gemm.skinny_matmul = spy
     try:
-        for rows in (1, 2, 3, 20):
+        for rows in (1, 2, 3, 20, 50, 70):
             x = torch.randn(rows, 72)
             torch.testing.assert_close(lin(x), x @ lin.weight.t(), rtol=1e-5, atol=1e-5)
     finally:
         skinny_gemm.skinny_matmul = real
-    assert calls == [(1, lin.skinny_plan[1]), (3, lin.skinny_plan[4])]
+    assert calls == [(1, lin.skinny_plan[1]), (3, lin.skinny_plan[4]), (20, lin.skinny_plan[32])]
 
 
 def test_plan_picks_the_fastest_that_agrees():

@@ -5,8 +5,8 @@ output columns (rows of W) and walks the whole K dimension in `BLOCK_K` slices:
 
 - `USE_DOT=False` (one row of x): the products are summed into a [BLOCK_N, BLOCK_K] float32
   tile and reduced once at the end, so the loop body is loads and FMAs only;
-- `USE_DOT=True` (up to `BLOCK_M` rows): W's slice times x's slice on the tensor cores,
-  x padded to `BLOCK_M` rows with zeros (free: the step is bound by W's bytes).
+- `USE_DOT=True` (up to 64 rows): W's slice times x's slice on the tensor cores, x padded
+  to `BLOCK_M` (16, 32 or 64) rows with zeros (free: the step is bound by W's bytes).
 
 Which shapes this kernel takes over from cuBLAS is decided by measurement on the GPU
 (`pagedserve.layers.linear`), not assumed.
@@ -20,7 +20,7 @@ import torch
 import triton
 import triton.language as tl
 
-from pagedserve.kernels._utils import check_dtype
+from pagedserve.kernels._utils import check_dtype, next_pow2
 
 
 @triton.jit
@@ -102,7 +102,7 @@ class SkinnyConfig(NamedTuple):
     split_k: int = 1
 
 
-DOT_ROWS = 16  # x rows one tensor-core program handles (tl.dot needs >= 16)
+MAX_ROWS = 64  # x rows a tensor-core program handles (padded to 16, 32 or 64: tl.dot needs >= 16)
 
 # Settings `gpu_check.py --sections skinny` measures (the engine's start-up plan times a
 # few of them: `layers.linear._candidates`).
@@ -137,7 +137,7 @@ def skinny_matmul(x: torch.Tensor, weight: torch.Tensor, cfg: SkinnyConfig,
                   out: torch.Tensor | None = None) -> torch.Tensor:
     """x [M, K] @ weight [N, K]^T -> [M, N] in x's dtype, float32 accumulation.
 
-    An FMA setting takes M == 1 only; a dot setting takes M <= DOT_ROWS. With split_k > 1
+    An FMA setting takes M == 1 only; a dot setting takes M <= MAX_ROWS. With split_k > 1
     the K dimension is cut into that many slices summed in a fixed order (deterministic).
     """
     block_n, block_k, num_warps, num_stages, use_dot, split_k = cfg
@@ -146,9 +146,10 @@ def skinny_matmul(x: torch.Tensor, weight: torch.Tensor, cfg: SkinnyConfig,
     check_dtype(x, weight)
     if weight.shape[1] != k:
         raise ValueError(f"x has {k} columns but weight has {weight.shape[1]}")
-    max_rows = DOT_ROWS if use_dot else 1
+    max_rows = MAX_ROWS if use_dot else 1
     if rows > max_rows:
         raise ValueError(f"{cfg} cannot take {rows} rows")
+    block_m = max(16, next_pow2(rows)) if use_dot else 1
     y = torch.empty((rows, n), dtype=x.dtype, device=x.device) if out is None else out
     n_blocks = triton.cdiv(n, block_n)
     k_per_split = triton.cdiv(triton.cdiv(k, split_k), block_k) * block_k
@@ -159,7 +160,7 @@ def skinny_matmul(x: torch.Tensor, weight: torch.Tensor, cfg: SkinnyConfig,
         partial, locks = y, y  # unused
     _skinny_kernel[(n_blocks, split_k)](
         x, weight, y, partial, locks, rows, n, k, k_per_split, x.stride(0), weight.stride(0), y.stride(0),
-        BLOCK_M=max_rows, BLOCK_N=block_n, BLOCK_K=block_k, SPLIT_K=split_k, USE_DOT=use_dot,
+        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, SPLIT_K=split_k, USE_DOT=use_dot,
         EVEN_K=k % block_k == 0, PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
         num_warps=num_warps, num_stages=num_stages,
     )

@@ -23,7 +23,7 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
-ROW_BUCKETS = (1, 2, 4, 8, 16)  # a plan's row counts; 3 rows follow the plan for 4, and so on
+ROW_BUCKETS = (1, 2, 4, 8, 16, 32, 64)  # a plan's row counts; 3 rows follow the plan for 4, ...
 
 # Plan for one weight: row bucket -> SkinnyConfig, or None where cuBLAS was faster.
 SkinnyPlan = dict[int, "SkinnyConfig | None"]
@@ -65,19 +65,21 @@ def _candidates(rows: int) -> list:
     with and without split-K, for more)."""
     from pagedserve.kernels.skinny_gemm import SkinnyConfig
 
-    dot = [SkinnyConfig(16, 128, 2, 4, True, 4), SkinnyConfig(64, 128, 4, 4, True, 1)]
+    dot = [SkinnyConfig(16, 128, 2, 4, True, 4), SkinnyConfig(64, 128, 4, 4, True, 1),
+           SkinnyConfig(128, 64, 4, 4, True, 1)]
     if rows == 1:
-        return [SkinnyConfig(2, 1024, 4, 1, False, 1), SkinnyConfig(8, 512, 4, 1, False, 1), *dot]
+        return [SkinnyConfig(2, 1024, 4, 1, False, 1), SkinnyConfig(8, 512, 4, 1, False, 1),
+                SkinnyConfig(2, 512, 2, 1, False, 1), *dot]
     return dot
 
 
-def _gpu_ms(fn: Callable[[], None], reps: int = 3) -> float:
+def _gpu_ms(fn: Callable[[], None], reps: int = 2) -> float:
     """GPU time of fn (ms, best of `reps`), measured behind a sleep kernel so the host's launch
     cost stays out of the figure."""
     best = float("inf")
     for _ in range(reps):
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        torch.cuda._sleep(20_000_000)  # ~10 ms: time for the host to queue fn's launches
+        torch.cuda._sleep(8_000_000)  # ~4 ms: time for the host to queue fn's launches
         start.record()
         fn()
         end.record()
@@ -90,7 +92,7 @@ def _gpu_ms(fn: Callable[[], None], reps: int = 3) -> float:
 def plan_skinny_matmuls(groups: dict[str, list[torch.Tensor]],
                         timer: Callable[[Callable[[], None]], float] = _gpu_ms) -> dict[str, SkinnyPlan]:
     """For each group of same-shaped weights (e.g. every layer's o_proj), the fastest way to
-    multiply 1..16 rows by them, timed (`timer(fn)` -> ms) over the whole group as a decode
+    multiply 1..64 rows by them, timed (`timer(fn)` -> ms) over the whole group as a decode
     step reads it: cuBLAS first, then each candidate setting that agrees with cuBLAS.
 
     Returns group name -> plan (row bucket -> SkinnyConfig, or None for cuBLAS).
