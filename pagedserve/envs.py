@@ -51,6 +51,12 @@ def skinny_matmul() -> bool:
     and uses whichever is faster per weight shape (CUDA, 16-bit weights only)."""
     return (os.environ.get("PAGEDSERVE_SKINNY_MATMUL") or "1") != "0"
 
+
+def pdl() -> bool:
+    """$PAGEDSERVE_PDL=0 launches the Triton kernels the normal way; by default (1) they use
+    programmatic dependent launch where the GPU (compute capability 9.0+) and Triton allow."""
+    return (os.environ.get("PAGEDSERVE_PDL") or "1") != "0"
+
 # The chat UI (`pagedserve ui` sets these for the Chainlit app it starts).
 UI_BASE_URL = "PAGEDSERVE_UI_BASE_URL"
 UI_API_KEY = "PAGEDSERVE_UI_API_KEY"

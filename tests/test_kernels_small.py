@@ -347,3 +347,11 @@ def test_planned_model_matches_unplanned(tmp_path):
     after = [run_prefill(model, [s])[0] for s in seqs]  # one sequence at a time: 1-3 rows
     for a, b in zip(after, before):
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)
+
+
+def test_pdl_is_off_without_a_gpu():
+    """Programmatic dependent launch only for CUDA tensors outside the interpreter: here every
+    kernel gets PDL=False and no launch_pdl option."""
+    from pagedserve.kernels import pdl
+
+    assert pdl.launch_options(torch.empty(3)) == {"PDL": False}

@@ -12,6 +12,7 @@ import torch
 import triton
 import triton.language as tl
 
+from pagedserve.kernels import pdl
 from pagedserve.kernels._utils import check_dtype
 
 _BLOCK = 1024  # columns per program
@@ -23,7 +24,9 @@ def _silu_and_mul_kernel(
     out_ptr, out_stride,  # [T, I]
     inter,
     BLOCK: tl.constexpr,
+    PDL: tl.constexpr,  # programmatic dependent launch (kernels/pdl.py)
 ):
+    pdl.wait_and_release(PDL)
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < inter
@@ -53,7 +56,8 @@ def silu_and_mul(gate_up: torch.Tensor, out: torch.Tensor | None = None) -> torc
         return out
     grid = (T, triton.cdiv(inter, _BLOCK))
     _silu_and_mul_kernel[grid](
-        gate_up, gate_up.stride(0), out, out.stride(0), inter, BLOCK=_BLOCK, num_warps=4
+        gate_up, gate_up.stride(0), out, out.stride(0), inter, BLOCK=_BLOCK, num_warps=4,
+        **pdl.launch_options(out),
     )
     return out
 

@@ -6,6 +6,7 @@ import torch
 import triton
 import triton.language as tl
 
+from pagedserve.kernels import pdl
 from pagedserve.kernels._utils import check_dtype, next_pow2, num_warps_for
 
 
@@ -17,7 +18,9 @@ def _store_kv_kernel(
     cache_block_stride, cache_slot_stride, cache_head_stride,
     slot_ptr,  # [T] int64 / int32; < 0 means skip (padding)
     HKV: tl.constexpr, HKV_PAD: tl.constexpr, D: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+    PDL: tl.constexpr,  # programmatic dependent launch (kernels/pdl.py)
 ):
+    pdl.wait_and_release(PDL)
     t = tl.program_id(0).to(tl.int64)
     slot = tl.load(slot_ptr + t).to(tl.int64)
     if slot >= 0:
@@ -61,7 +64,7 @@ def store_kv_cache(
         k_cache, v_cache, k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         slot_mapping,
         HKV=hkv, HKV_PAD=hkv_pad, D=D, BLOCK_SIZE=kv_cache.shape[2],
-        num_warps=num_warps_for(hkv_pad * D),
+        num_warps=num_warps_for(hkv_pad * D), **pdl.launch_options(k),
     )
 
 

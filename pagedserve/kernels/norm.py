@@ -13,6 +13,7 @@ import torch
 import triton
 import triton.language as tl
 
+from pagedserve.kernels import pdl
 from pagedserve.kernels._utils import check_dtype, next_pow2, num_warps_for
 
 
@@ -25,7 +26,9 @@ def _rms_norm_kernel(
     H, eps,
     HAS_RESIDUAL: tl.constexpr,
     BLOCK: tl.constexpr,  # next power of two >= H
+    PDL: tl.constexpr,  # programmatic dependent launch (kernels/pdl.py)
 ):
+    pdl.wait_and_release(PDL)
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     mask = cols < H
@@ -63,6 +66,7 @@ def _launch(x, residual, weight, eps, out) -> torch.Tensor:
     _rms_norm_kernel[(T,)](
         x, x.stride(0), res, res.stride(0), weight, out, out.stride(0), H, float(eps),
         HAS_RESIDUAL=residual is not None, BLOCK=block, num_warps=num_warps_for(block),
+        **pdl.launch_options(x),
     )
     return out
 

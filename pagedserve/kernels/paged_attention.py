@@ -21,6 +21,8 @@ import torch
 import triton
 import triton.language as tl
 
+from pagedserve.kernels import pdl
+
 LOG2E = 1.4426950408889634
 
 
@@ -42,7 +44,9 @@ def _decode_kernel(
     GROUP: tl.constexpr, G_PAD: tl.constexpr, HEAD_DIM: tl.constexpr,
     PAGE: tl.constexpr, BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr, IEEE: tl.constexpr,
     HAS_COUNT: tl.constexpr,
+    PDL: tl.constexpr,  # programmatic dependent launch (kernels/pdl.py)
 ):
+    pdl.wait_and_release(PDL)
     row = tl.program_id(0)
     kvh = tl.program_id(1)
     split = tl.program_id(2)
@@ -98,7 +102,9 @@ def _reduce_kernel(
     Out, PartAcc, PartML, seq_ids, query_start_loc, num_rows,
     stride_ot, stride_oh, num_heads,
     HEAD_DIM: tl.constexpr, NUM_SPLITS: tl.constexpr, HAS_COUNT: tl.constexpr,
+    PDL: tl.constexpr,  # programmatic dependent launch (kernels/pdl.py)
 ):
+    pdl.wait_and_release(PDL)
     row = tl.program_id(0)
     h = tl.program_id(1)
     if HAS_COUNT:  # noqa: SIM102 (constexpr first: no load without a count)
@@ -143,7 +149,9 @@ def _extend_kernel(
     stride_cb, stride_cs, stride_ch, stride_bt,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, IEEE: tl.constexpr, HAS_COUNT: tl.constexpr,
+    PDL: tl.constexpr,  # programmatic dependent launch (kernels/pdl.py)
 ):
+    pdl.wait_and_release(PDL)
     h = tl.program_id(0)  # all heads of a tile run side by side (they share its K/V in L2)
     tile = tl.program_id(1)
     if HAS_COUNT:  # noqa: SIM102 (fixed grid, CUDA graph: tiles past the device-side count do nothing)
@@ -242,13 +250,14 @@ def paged_decode(
         scb, scs, sch, block_tables.stride(0),
         GROUP=group, G_PAD=max(16, triton.next_power_of_2(group)), HEAD_DIM=head_dim,
         PAGE=page, BLOCK_N=64, NUM_SPLITS=num_splits, IEEE=q.dtype == torch.float32,
-        HAS_COUNT=count is not None, num_warps=4, num_stages=2,
+        HAS_COUNT=count is not None, num_warps=4, num_stages=2, **pdl.launch_options(q),
     )
     if num_splits > 1:
         _reduce_kernel[(num_rows, num_heads)](
             out, acc_buf, ml_buf, seq_ids, query_start_loc, seq_ids if count is None else count,
             out.stride(0), out.stride(1), num_heads,
             HEAD_DIM=head_dim, NUM_SPLITS=num_splits, HAS_COUNT=count is not None, num_warps=4,
+            **pdl.launch_options(q),
         )
 
 
@@ -302,5 +311,5 @@ def paged_extend(
         scb, scs, sch, block_tables.stride(0),
         GROUP=num_heads // num_kv_heads, HEAD_DIM=head_dim, PAGE=page,
         BLOCK_M=block_m, IEEE=q.dtype == torch.float32, HAS_COUNT=count is not None,
-        **(config or EXTEND_CONFIG),
+        **(config or EXTEND_CONFIG), **pdl.launch_options(q),
     )

@@ -18,6 +18,7 @@ import torch
 import triton
 import triton.language as tl
 
+from pagedserve.kernels import pdl
 from pagedserve.kernels._utils import check_dtype, next_pow2, num_warps_for
 
 
@@ -64,7 +65,9 @@ def _qk_norm_rope_kernel(
     eps,
     HQ: tl.constexpr, HKV: tl.constexpr, HQ_PAD: tl.constexpr, HKV_PAD: tl.constexpr,
     HALF: tl.constexpr, HAS_NORM: tl.constexpr, STORE: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+    PDL: tl.constexpr,  # programmatic dependent launch (kernels/pdl.py)
 ):
+    pdl.wait_and_release(PDL)
     t = tl.program_id(0).to(tl.int64)
     pos = tl.load(pos_ptr + t).to(tl.float32)
     d = tl.arange(0, HALF)
@@ -171,7 +174,7 @@ def qk_norm_rope(
         kc.stride(0) if store else 0, kc.stride(1) if store else 0, float(eps),
         HQ=num_heads, HKV=num_kv_heads, HQ_PAD=hq_pad, HKV_PAD=hkv_pad, HALF=half,
         HAS_NORM=has_norm, STORE=store, BLOCK_SIZE=kv_cache.shape[2] if store else 1,
-        num_warps=num_warps_for(hq_pad * D),
+        num_warps=num_warps_for(hq_pad * D), **pdl.launch_options(qkv),
     )
     return out_q, out_k, v
 

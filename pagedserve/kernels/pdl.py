@@ -1,0 +1,47 @@
+"""Programmatic dependent launch (Hopper and newer): each kernel may be launched while the
+previous one in the stream is still finishing, so its launch latency hides behind that tail.
+
+Every pagedserve kernel starts with `wait_and_release(PDL)`: it waits until the previous
+kernel has finished and its writes are visible (so no input is read early and nothing the
+previous kernel reads is overwritten), then lets the next kernel launch. `launch_options`
+gives the kernel arguments that turn this on for a launch: on CUDA with compute capability
+9.0+, a Triton that has the instructions, not under the interpreter, and unless
+$PAGEDSERVE_PDL=0. A kernel launched the normal way still waits for all earlier work, so
+mixing these kernels with cuBLAS or torch kernels is safe.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+import triton
+import triton.language as tl
+
+from pagedserve import envs
+from pagedserve.kernels._utils import interpreting
+
+
+@triton.jit
+def wait_and_release(PDL: tl.constexpr):
+    if PDL:
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
+
+
+@functools.cache
+def _supported(device_index: int) -> bool:
+    if not envs.pdl():
+        return False
+    cuda = getattr(getattr(tl, "extra", None), "cuda", None)
+    if cuda is None or not hasattr(cuda, "gdc_wait"):
+        return False
+    return torch.cuda.get_device_capability(device_index)[0] >= 9
+
+
+def launch_options(t: torch.Tensor) -> dict:
+    """Keyword arguments for a kernel launch whose tensors live where `t` does:
+    {"PDL": True, "launch_pdl": True} where programmatic dependent launch works, else {"PDL": False}."""
+    if t.is_cuda and not interpreting() and _supported(t.device.index or torch.cuda.current_device()):
+        return {"PDL": True, "launch_pdl": True}
+    return {"PDL": False}
