@@ -44,7 +44,6 @@ def mixed_graph_tokens() -> int:
     return int(os.environ.get("PAGEDSERVE_MIXED_GRAPH_TOKENS") or 2048)
 
 
-
 def skinny_matmul() -> bool:
     """$PAGEDSERVE_SKINNY_MATMUL=0 keeps every weight matmul on cuBLAS; by default (1) the
     engine times the skinny Triton kernel against cuBLAS at start-up for batches of 1-64 rows
@@ -56,6 +55,7 @@ def pdl() -> bool:
     """$PAGEDSERVE_PDL=0 launches the Triton kernels the normal way; by default (1) they use
     programmatic dependent launch where the GPU (compute capability 9.0+) and Triton allow."""
     return (os.environ.get("PAGEDSERVE_PDL") or "1") != "0"
+
 
 # The chat UI (`pagedserve ui` sets these for the Chainlit app it starts).
 UI_BASE_URL = "PAGEDSERVE_UI_BASE_URL"

@@ -297,17 +297,30 @@ def test_linear_follows_its_plan():
     assert calls == [(1, lin.skinny_plan[1]), (3, lin.skinny_plan[4]), (20, lin.skinny_plan[32])]
 
 
-def test_plan_picks_the_fastest_that_agrees():
+def test_plan_picks_the_fastest_that_agrees(monkeypatch):
     """The planner keeps cuBLAS unless a candidate is faster, and never picks a candidate
-    whose product disagrees with cuBLAS's (timings injected: no GPU here)."""
+    whose product disagrees with cuBLAS's, however fast (timings injected: no GPU here)."""
+    from pagedserve.kernels import skinny_gemm
     from pagedserve.layers import linear
 
     weights = [torch.randn(24, 40) for _ in range(3)]
-    n_cands = {rows: len(linear._candidates(rows)) for rows in linear.ROW_BUCKETS}
-    # per bucket: cuBLAS, then each candidate; bucket 1: the second candidate wins, others lose.
+    cands = {rows: linear._candidates(rows) for rows in linear.ROW_BUCKETS}
+    broken = cands[1][0]  # its products come out wrong: must be skipped, not timed
+    real = skinny_gemm.skinny_matmul
+
+    def maybe_wrong(x, w, cfg, out=None):
+        y = real(x, w, cfg, out)
+        return y * 1.5 if cfg == broken else y
+
+    monkeypatch.setattr(skinny_gemm, "skinny_matmul", maybe_wrong)
+    # per bucket: cuBLAS, then each candidate that agrees. Bucket 1: the third candidate is
+    # fastest (the second is slower than cuBLAS); every other bucket: cuBLAS is fastest.
     times = []
     for rows in linear.ROW_BUCKETS:
-        times += [1.0] + ([2.0, 0.5] + [0.7] * (n_cands[rows] - 2) if rows == 1 else [1.5] * n_cands[rows])
+        if rows == 1:
+            times += [1.0, 2.0, 0.5] + [0.7] * (len(cands[1]) - 3)
+        else:
+            times += [1.0] + [1.5] * len(cands[rows])
     it = iter(times)
 
     def fake_timer(fn):
@@ -315,9 +328,9 @@ def test_plan_picks_the_fastest_that_agrees():
         return next(it)
 
     plans = linear.plan_skinny_matmuls({"w": weights}, timer=fake_timer)
-    assert plans["w"][1] == linear._candidates(1)[1]
+    assert plans["w"][1] == cands[1][2]
     assert all(plans["w"][rows] is None for rows in linear.ROW_BUCKETS[1:])
-    assert next(it, None) is None  # every bucket timed cuBLAS and every candidate once
+    assert next(it, None) is None  # cuBLAS and every agreeing candidate timed once per bucket
 
 
 def test_planned_model_matches_unplanned(tmp_path):

@@ -42,6 +42,8 @@ def _supported(device_index: int) -> bool:
 def launch_options(t: torch.Tensor) -> dict:
     """Keyword arguments for a kernel launch whose tensors live where `t` does:
     {"PDL": True, "launch_pdl": True} where programmatic dependent launch works, else {"PDL": False}."""
-    if t.is_cuda and not interpreting() and _supported(t.device.index or torch.cuda.current_device()):
-        return {"PDL": True, "launch_pdl": True}
+    if t.is_cuda and not interpreting():
+        index = t.device.index if t.device.index is not None else torch.cuda.current_device()
+        if _supported(index):
+            return {"PDL": True, "launch_pdl": True}
     return {"PDL": False}

@@ -42,7 +42,7 @@ def _skinny_kernel(
     n_ok = rn < N
     rn_load = tl.where(n_ok, rn, 0)  # past the end: read row 0, never stored
     rk = k_start + tl.arange(0, BLOCK_K)
-    w_ptrs = W + rn_load[:, None] * stride_wn + rk[None, :]  # [BLOCK_N, BLOCK_K]
+    w_ptrs = W + rn_load[:, None] * stride_wn + rk[None, :]  # [BLOCK_N, BLOCK_K] (int32 offsets)
     rm = tl.arange(0, BLOCK_M)
     m_ok = rm < M
     if USE_DOT:
@@ -149,6 +149,8 @@ def skinny_matmul(x: torch.Tensor, weight: torch.Tensor, cfg: SkinnyConfig,
     check_dtype(x, weight)
     if weight.shape[1] != k:
         raise ValueError(f"x has {k} columns but weight has {weight.shape[1]}")
+    if weight.numel() >= 2**31:
+        raise ValueError(f"weight of {weight.numel()} elements: past the kernel's 32-bit offsets")
     max_rows = MAX_ROWS if use_dot else 1
     if rows > max_rows:
         raise ValueError(f"{cfg} cannot take {rows} rows")

@@ -37,7 +37,7 @@ def row_bucket(rows: int) -> int:
 def matmul(x: torch.Tensor, weight: torch.Tensor, plan: SkinnyPlan | None) -> torch.Tensor:
     """x [T, K] @ weight [N, K]^T -> [T, N], on the skinny kernel where `plan` says so."""
     rows = x.shape[0]
-    if plan and x.dim() == 2 and rows <= ROW_BUCKETS[-1]:
+    if plan and x.dim() == 2 and 0 < rows <= ROW_BUCKETS[-1]:
         cfg = plan.get(row_bucket(rows))
         if cfg is not None and x.stride(-1) == 1:
             from pagedserve.kernels.skinny_gemm import skinny_matmul
@@ -103,6 +103,9 @@ def plan_skinny_matmuls(groups: dict[str, list[torch.Tensor]],
     for name, weights in groups.items():
         n, k = weights[0].shape
         plan: SkinnyPlan = {}
+        if weights[0].numel() >= 2**31:  # past the kernel's 32-bit offsets: cuBLAS
+            plans[name] = plan
+            continue
         summary = []
         for rows in ROW_BUCKETS:
             x = torch.randn(rows, k, device=weights[0].device, dtype=weights[0].dtype)
