@@ -65,5 +65,7 @@ def run_latency(args, llm_kwargs: dict, llm=None) -> dict:
     engine.kv.check_integrity(expect_all_free=True)
     return {"benchmark": "latency", "model": engine.source.name, "gpu": gpu_name(),
             "commit": git_commit(), "input_len": args.input_len, "steps": args.steps,
-            "startup_s": round(startup, 2) if startup is not None else None, "graph_capture_s": round(engine.graph_capture_seconds, 2),
+            "startup_s": round(startup, 2) if startup is not None else None,
+            "graph_capture_s": round(engine.graph_capture_seconds, 2),
+            "matmul_plan_s": round(engine.matmul_plan_seconds, 2),
             "rows": rows, "settings": {k: v for k, v in vars(args).items() if k != "func"}}
