@@ -269,7 +269,7 @@ def test_skinny_matmul_rejects_what_it_cannot_do():
         skinny_matmul(torch.randn(1, 64), torch.randn(8, 32), dot)
 
 
-def test_linear_follows_its_plan():
+def test_linear_follows_its_plan(monkeypatch):
     """A planned Linear gives the same product on the kernel for a planned row bucket, on
     F.linear where the plan says cuBLAS and for more rows than any bucket."""
     from pagedserve.kernels import skinny_gemm
@@ -287,13 +287,10 @@ def test_linear_follows_its_plan():
 
     lin.skinny_plan = {1: SkinnyConfig(8, 32, 4, 1, False), 2: None, 4: SkinnyConfig(16, 32, 4, 1, True, 2),
                        8: None, 16: None, 32: SkinnyConfig(16, 32, 4, 1, True), 64: None}
-    skinny_gemm.skinny_matmul = spy
-    try:
-        for rows in (1, 2, 3, 20, 50, 70):
-            x = torch.randn(rows, 72)
-            torch.testing.assert_close(lin(x), x @ lin.weight.t(), rtol=1e-5, atol=1e-5)
-    finally:
-        skinny_gemm.skinny_matmul = real
+    monkeypatch.setattr(skinny_gemm, "skinny_matmul", spy)
+    for rows in (1, 2, 3, 20, 50, 70):
+        x = torch.randn(rows, 72)
+        torch.testing.assert_close(lin(x), x @ lin.weight.t(), rtol=1e-5, atol=1e-5)
     assert calls == [(1, lin.skinny_plan[1]), (3, lin.skinny_plan[4]), (20, lin.skinny_plan[32])]
 
 
@@ -333,11 +330,12 @@ def test_plan_picks_the_fastest_that_agrees(monkeypatch):
     assert next(it, None) is None  # cuBLAS and every agreeing candidate timed once per bucket
 
 
-def test_planned_model_matches_unplanned(tmp_path):
+def test_planned_model_matches_unplanned(tmp_path, monkeypatch):
     """A tiny Qwen3 (tied embeddings) with every matmul planned onto the kernel gives the
-    same logits at 1-3 rows as with none planned."""
+    same logits at 1-3 rows as with none planned, and every matmul did run on the kernel."""
     from conftest import make_hf_checkpoint
     from helpers import run_prefill
+    from pagedserve.kernels import skinny_gemm
     from pagedserve.layers import linear
     from pagedserve.layers.linear import Linear, plan_model_matmuls
     from pagedserve.models.loader import build_model, resolve_model
@@ -357,7 +355,11 @@ def test_planned_model_matches_unplanned(tmp_path):
     for mod in linears:
         mod.skinny_plan = dict(first)
     model.logits_plan = dict(first)
+    calls = []
+    real = skinny_gemm.skinny_matmul
+    monkeypatch.setattr(skinny_gemm, "skinny_matmul", lambda *a, **k: calls.append(1) or real(*a, **k))
     after = [run_prefill(model, [s])[0] for s in seqs]  # one sequence at a time: 1-3 rows
+    assert len(calls) == len(seqs) * (len(linears) + 1)  # each Linear and the logits, per sequence
     for a, b in zip(after, before):
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)
 
