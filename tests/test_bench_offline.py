@@ -22,7 +22,10 @@ def test_bench_throughput(tmp_path):
     assert (r["num_prompts"], r["input_tokens"], r["output_tokens"]) == (3, 36, 15)
     assert r["output_tokens_per_s"] > 0 and r["startup_s"] > 0
     assert r["graph_capture_s"] == 0.0 and r["matmul_plan_s"] == 0.0  # CPU: no graphs, no plan
-    assert r["num_preemptions"] == 0 and 0 < r["roofline_efficiency"] < 1
+    assert r["num_preemptions"] == 0
+    # the roofline: an ideal throughput far above a CPU's (the efficiency may round to 0.0)
+    assert r["roofline_output_tokens_per_s"] > 100 * r["output_tokens_per_s"]
+    assert 0 <= r["roofline_efficiency"] < 0.01
 
 
 def test_bench_latency(tmp_path):
