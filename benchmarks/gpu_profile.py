@@ -286,7 +286,20 @@ def skinny(quick: bool) -> None:
     L2, as in a step) in one CUDA graph; ms and TB/s of weight reads."""
     import torch.nn.functional as F
 
-    from pagedserve.kernels.skinny_gemm import DOT_CONFIGS, FMA_CONFIGS, skinny_matmul
+    from pagedserve.kernels.skinny_gemm import SkinnyConfig, skinny_matmul
+
+    # (block_n, block_k, num_warps, num_stages), split_k: one-row FMA and tensor-core settings
+    fma_configs = [SkinnyConfig(*c, False, sk) for c, sk in [
+        ((2, 1024, 4, 1), 1), ((8, 512, 4, 1), 1), ((1, 1024, 4, 1), 1), ((2, 2048, 4, 1), 1),
+        ((2, 1024, 8, 1), 1), ((2, 512, 4, 1), 2), ((4, 1024, 4, 1), 2), ((2, 1024, 4, 1), 2),
+        ((2, 512, 2, 1), 1), ((1, 2048, 8, 1), 1),
+    ]]
+    dot_configs = [SkinnyConfig(*c, True, sk) for c, sk in [
+        ((16, 128, 2, 4), 4), ((64, 128, 4, 4), 1), ((16, 128, 2, 4), 2), ((16, 128, 2, 4), 8),
+        ((16, 256, 2, 4), 2), ((16, 256, 2, 4), 4), ((16, 64, 1, 4), 8), ((16, 128, 1, 4), 4),
+        ((16, 512, 2, 3), 1), ((32, 128, 2, 4), 4), ((32, 256, 4, 4), 1), ((64, 64, 4, 4), 2),
+        ((128, 64, 4, 4), 1), ((16, 64, 2, 6), 8),
+    ]]
 
     bf = torch.bfloat16
     shapes = {"qkv": (6144, 2560), "o": (2560, 4096), "gate_up": (19456, 2560), "down": (2560, 9728)}
@@ -305,7 +318,7 @@ def skinny(quick: bool) -> None:
                 for w in ws:
                     F.linear(x, w)
             row["cublas"] = graph_ms(run_blas)
-            for cfg in (FMA_CONFIGS if m == 1 else []) + DOT_CONFIGS:
+            for cfg in (fma_configs if m == 1 else []) + dot_configs:
                 first = skinny_matmul(x, ws[0], cfg).float()
                 err = rel_err(first, ref)
                 if err > 1e-2:

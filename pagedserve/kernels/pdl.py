@@ -1,7 +1,8 @@
 """Programmatic dependent launch (Hopper and newer): each kernel may be launched while the
 previous one in the stream is still finishing, so its launch latency hides behind that tail.
 
-Every pagedserve kernel starts with `wait_and_release(PDL)`: it waits until the previous
+Every pagedserve kernel (but the tiny pending-token fill of `step_inputs`, launched the
+normal way) starts with `wait_and_release(PDL)`: it waits until the previous
 kernel has finished and its writes are visible (so no input is read early and nothing the
 previous kernel reads is overwritten), then lets the next kernel launch. `launch_options`
 gives the kernel arguments that turn this on for a launch: on CUDA with compute capability

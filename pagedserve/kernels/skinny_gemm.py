@@ -107,20 +107,6 @@ class SkinnyConfig(NamedTuple):
 
 MAX_ROWS = 64  # x rows a tensor-core program handles (padded to 16, 32 or 64: tl.dot needs >= 16)
 
-# Settings `gpu_check.py --sections skinny` measures (the engine's start-up plan times a
-# few of them: `layers.linear._candidates`).
-FMA_CONFIGS = [SkinnyConfig(*c, False, sk) for c, sk in [
-    ((2, 1024, 4, 1), 1), ((8, 512, 4, 1), 1), ((1, 1024, 4, 1), 1), ((2, 2048, 4, 1), 1),
-    ((2, 1024, 8, 1), 1), ((2, 512, 4, 1), 2), ((4, 1024, 4, 1), 2), ((2, 1024, 4, 1), 2),
-    ((2, 512, 2, 1), 1), ((1, 2048, 8, 1), 1),
-]]
-DOT_CONFIGS = [SkinnyConfig(*c, True, sk) for c, sk in [
-    ((16, 128, 2, 4), 4), ((64, 128, 4, 4), 1), ((16, 128, 2, 4), 2), ((16, 128, 2, 4), 8),
-    ((16, 256, 2, 4), 2), ((16, 256, 2, 4), 4), ((16, 64, 1, 4), 8), ((16, 128, 1, 4), 4),
-    ((16, 512, 2, 3), 1), ((32, 128, 2, 4), 4), ((32, 256, 4, 4), 1), ((64, 64, 4, 4), 2),
-    ((128, 64, 4, 4), 1), ((16, 64, 2, 6), 8),
-]]
-
 _LOCKS: dict[torch.device, torch.Tensor] = {}
 
 
