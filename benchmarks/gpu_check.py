@@ -18,7 +18,7 @@ from types import SimpleNamespace
 import torch
 
 from gpu_common import DEV, RESULTS, TABLE, paged_step, record, rel_err, section
-from gpu_profile import arrival, batch1_breakdown, extend_tune, gemm_m, mixed, skinny
+from gpu_profile import arrival, batch1_breakdown, extend_tune, gemm_m, mixed, skinny, skinny_big
 from pagedserve.attention.torch_ref import TorchReferenceBackend
 from pagedserve.attention.triton_backend import TritonBackend
 
@@ -26,6 +26,8 @@ from pagedserve.attention.triton_backend import TritonBackend
 
 @section
 def kernels(quick: bool) -> None:
+    import triton.testing
+
     from pagedserve.kernels import activation, kv_cache, norm, rope
 
     gen = torch.Generator().manual_seed(0)
@@ -78,6 +80,29 @@ def kernels(quick: bool) -> None:
                 worst = max(worst, rel_err(skinny_matmul(x, w, cfg), want))
         record(f"skinny matmul [{n} x {k}] 1-64 rows, worst", worst, worst < 1e-2)
 
+    # fused temperature sampling: greedy rows exact, the distribution of random rows, speed
+    from pagedserve.kernels.sampling import sample_with_temperature
+    from pagedserve.layers.sampler import Sampler, SamplingBatch
+    from pagedserve.sampling_params import SamplingParams
+
+    logits = torch.randn(256, 151936, device=DEV) * 3
+    temp = torch.where(torch.arange(256, device=DEV) % 2 == 0, 0.0, 0.6)
+    tokens = sample_with_temperature(logits, temp, 1)
+    greedy_ok = bool(torch.equal(tokens[::2], logits[::2].argmax(-1)))
+    small = torch.tensor([1.0, 0.2, -0.5, 0.9, -1.5, 0.0], device=DEV)
+    n = 200_000
+    drawn = sample_with_temperature(small.expand(n, -1).contiguous(), torch.full((n,), 0.6, device=DEV), 2)
+    freq = torch.bincount(drawn, minlength=6).double() / n
+    probs = (small / 0.6).softmax(-1).double()
+    chi2 = (n * (freq - probs) ** 2 / probs).sum().item()
+    record("fused sampling: greedy rows exact; chi-square of 200k draws (df 5)", chi2, greedy_ok and chi2 < 30, "{:.1f}")
+    params = [SamplingParams(temperature=0.6)] * 256
+    batch = SamplingBatch.build(params, [None] * 256, [[]] * 256, None, 151936, DEV, num_outputs=[0] * 256)
+    torch_ms = triton.testing.do_bench(lambda: Sampler._sample(logits, batch), return_mode="median")
+    fused_ms = triton.testing.do_bench(lambda: sample_with_temperature(logits, batch.temperature, 3),
+                                       return_mode="median")
+    record(f"sampling 256 x 151936, T=0.6: torch ms / fused ms ({fused_ms:.3f})", torch_ms, None, "{:.3f}")
+
     # paged attention: decode (with and without split-KV), prefill, chunk with context, mixed
     cases = {
         "decode b64 ctx<=4096 splits=1": ([1] * 64, [int(x) for x in torch.randint(1, 4096, (64,), generator=gen)], 1),
@@ -114,7 +139,6 @@ def kernels(quick: bool) -> None:
     tri.prepare(meta)
     q = torch.randn(b, hq, d, device=DEV, dtype=bf)
     k = torch.randn(b, hkv, d, device=DEV, dtype=bf)
-    import triton.testing
 
     ms = triton.testing.do_bench(lambda: tri.forward(0, q, k, k, meta), return_mode="median")
     gbps = b * ctx * hkv * d * 2 * 2 / (ms / 1e3) / 1e9
@@ -315,7 +339,8 @@ def main() -> None:
     RESULTS["env"] = {"torch": torch.__version__, "gpu": torch.cuda.get_device_name(),
                       "triton": __import__("triton").__version__}
     sections = {"kernels": kernels, "parity": parity, "bench": bench, "extend_tune": extend_tune,
-                "mixed": mixed, "gemm_m": gemm_m, "arrival": arrival, "skinny": skinny}
+                "mixed": mixed, "gemm_m": gemm_m, "arrival": arrival, "skinny": skinny,
+                "skinny_big": skinny_big}
     for name in args.sections.split(","):
         sections[name](args.quick)
     out = os.path.join(os.environ.get("OUT", "."), "gpu_check.json")

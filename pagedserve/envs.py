@@ -57,6 +57,12 @@ def pdl() -> bool:
     return (os.environ.get("PAGEDSERVE_PDL") or "1") != "0"
 
 
+def fused_sampling() -> bool:
+    """$PAGEDSERVE_FUSED_SAMPLING=0 samples every batch with the torch ops; by default (1) a
+    batch whose random rows only set a temperature is sampled by one Triton kernel on the GPU."""
+    return (os.environ.get("PAGEDSERVE_FUSED_SAMPLING") or "1") != "0"
+
+
 # The chat UI (`pagedserve ui` sets these for the Chainlit app it starts).
 UI_BASE_URL = "PAGEDSERVE_UI_BASE_URL"
 UI_API_KEY = "PAGEDSERVE_UI_API_KEY"

@@ -370,3 +370,53 @@ def test_pdl_is_off_without_a_gpu():
     from pagedserve.kernels import pdl
 
     assert pdl.launch_options(torch.empty(3)) == {"PDL": False}
+
+
+# ---- fused temperature sampling ---------------------------------------------------------
+
+def test_fused_sampling_matches_softmax_of_scaled_logits():
+    """Tokens drawn by the kernel follow softmax(logits / T) (chi-square, as test_sampler's
+    torch path), over two seeds; a vocabulary spanning several blocks, with the mass on tokens
+    in different blocks, too."""
+    from test_sampler import LOGITS, assert_matches
+
+    from pagedserve.kernels.sampling import sample_with_temperature
+
+    for temperature, logits_row in ((0.6, LOGITS), (1.3, LOGITS)):
+        n = 2000
+        logits = logits_row.expand(n // 2, -1).contiguous()
+        temp = torch.full((n // 2,), temperature)
+        tokens = torch.cat([sample_with_temperature(logits, temp, seed) for seed in (11, 12)])
+        freq = torch.bincount(tokens, minlength=logits.shape[1]).double() / n
+        assert_matches(freq, (logits_row / temperature).softmax(-1), n)
+    wide = torch.full((5000,), -30.0)
+    wide[[3, 2100, 4999]] = torch.tensor([1.0, 0.5, 0.8])  # one token in each of three blocks
+    n = 600
+    tokens = sample_with_temperature(wide.expand(n, -1).contiguous(), torch.full((n,), 0.9), 7)
+    freq = torch.bincount(tokens, minlength=5000).double() / n
+    assert_matches(freq, (wide / 0.9).softmax(-1), n)
+
+
+def test_fused_sampling_greedy_rows_seeds_and_dtypes():
+    """T = 0 rows take the argmax (lowest id on ties, across blocks), random rows beside them
+    stay random; a seed gives the same tokens again, another seed others; fp16 logits work."""
+    from pagedserve.kernels.sampling import sample_with_temperature
+
+    logits = torch.randn(8, 4500)
+    logits[0, [100, 3000]] = 50.0  # tie across blocks: the lower id
+    logits[1] = 0.0  # all tied: token 0
+    temp = torch.tensor([0.0, 0.0, 0.0, 1.0, 1.0, 0.0, 1.0, 1.0])
+    first = sample_with_temperature(logits, temp, 3)
+    greedy = temp == 0
+    assert torch.equal(first[greedy], logits.argmax(-1)[greedy])
+    assert first[0].item() == 100 and first[1].item() == 0
+    assert torch.equal(sample_with_temperature(logits, temp, 3), first)
+    draws = torch.stack([sample_with_temperature(logits, temp, s) for s in range(4, 8)])  # [4, 8]
+    assert (draws[:, ~greedy] != first[~greedy]).any()  # flat-ish rows: other seeds, other tokens
+    assert (draws[:, greedy] == first[greedy]).all()
+    half = sample_with_temperature(logits.half(), temp, 3)
+    assert torch.equal(half[greedy], logits.half().float().argmax(-1)[greedy])
+    with pytest.raises(ValueError, match="temperature must be"):
+        sample_with_temperature(logits, temp.double(), 3)
+    with pytest.raises(ValueError, match="expected logits"):
+        sample_with_temperature(logits[0], temp, 3)

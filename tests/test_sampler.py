@@ -270,3 +270,21 @@ def test_params_normalisation_and_clone():
     q.stop.append("x")
     assert q == SamplingParams(stop=["###", "x"], max_tokens=None, min_tokens=100)
     assert p.stop == ["###"]
+
+
+def test_which_batches_take_the_fused_kernel():
+    """Only batches whose random rows set a temperature alone (unseeded) qualify for the GPU's
+    fused sampling kernel; anything else needs the torch path."""
+    from pagedserve.layers.sampler import temperature_only
+
+    def batch(*params, gens=None):
+        return make_batch(list(params), "cpu", 10, gens=gens, eos=(3,))  # min_tokens bans eos
+
+    t = SamplingParams(temperature=0.7)
+    assert temperature_only(batch(t, t))
+    assert temperature_only(batch(t, SamplingParams(temperature=0)))  # greedy rows ride along
+    assert not temperature_only(batch(SamplingParams(temperature=0)))  # all greedy: plain argmax
+    for other in (dict(top_k=5), dict(top_p=0.9), dict(min_p=0.1), dict(presence_penalty=0.5),
+                  dict(repetition_penalty=1.2), dict(min_tokens=3)):
+        assert not temperature_only(batch(t, SamplingParams(temperature=0.7, **other))), other
+    assert not temperature_only(batch(t, SamplingParams(temperature=0.7, seed=1), gens=[None, gen(1, "cpu")]))

@@ -1,7 +1,8 @@
 """Batched token sampling with per-request parameters, on the logits' device.
 
 One step: penalties -> min_tokens bans -> greedy argmax, or temperature -> top-k -> top-p ->
-min-p -> softmax -> exponential race. Random rows sample `argmax(probs / q)` with
+min-p -> softmax -> exponential race (on the GPU, a batch that only uses temperatures runs
+the same race in one fused kernel instead, see `kernels/sampling.py`). Random rows sample `argmax(probs / q)` with
 `q ~ Exp(1)` i.i.d. per token, which draws exactly from `probs`; a seeded row fills its own `q`
 (always `vocab_size` draws per step) from its own generator, so its tokens do not depend on
 the rest of the batch. Logprobs come from the raw logits, before penalties and temperature.
@@ -16,6 +17,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from pagedserve import envs
 from pagedserve.engine.host_copy import to_device
 from pagedserve.sampling_params import SamplingParams
 
@@ -229,11 +231,24 @@ def _exponential_noise(probs: Tensor, batch: SamplingBatch) -> Tensor:
     return noise.clamp_(min=torch.finfo(noise.dtype).tiny)
 
 
+def temperature_only(batch: SamplingBatch) -> bool:
+    """Whether every random row of `batch` samples with a temperature alone, from the default
+    generator: no penalties, bans, top-k, top-p, min-p or seed (the fused kernel's case)."""
+    return not (batch.all_greedy or batch.need_penalties or batch.ban_rows is not None
+                or batch.need_top_k_top_p or batch.need_min_p or batch.seeded)
+
+
 class Sampler:
     """Samples one token per row from [N, V] logits with each row's own parameters.
 
-    Never modifies the logits in place (they may be a CUDA-graph output buffer).
+    Never modifies the logits in place (they may be a CUDA-graph output buffer). Batches
+    that only use temperatures run on one fused kernel on the GPU (`kernels/sampling.py`),
+    keyed by a seed drawn from torch's default generator at construction plus a step count.
     """
+
+    def __init__(self) -> None:
+        self._seed = int(torch.randint(2**31 - 1, (1,)).item())
+        self._fused_calls = 0
 
     def __call__(self, logits: Tensor, batch: SamplingBatch) -> SamplerOutput:
         assert logits.shape == (batch.num_rows, batch.vocab_size), (logits.shape, batch.num_rows)
@@ -245,7 +260,16 @@ class Sampler:
             neg_inf = logits.new_full((), float("-inf"))
             logits = logits.index_put((batch.ban_rows, batch.ban_token_ids), neg_inf)
         # [N] int64
-        token_ids = logits.argmax(dim=-1) if batch.all_greedy else self._sample(logits, batch)
+        if batch.all_greedy:
+            token_ids = logits.argmax(dim=-1)
+        elif logits.is_cuda and temperature_only(batch) and envs.fused_sampling():
+            from pagedserve.kernels.sampling import sample_with_temperature
+
+            assert batch.temperature is not None
+            self._fused_calls += 1
+            token_ids = sample_with_temperature(logits, batch.temperature, self._seed + self._fused_calls)
+        else:
+            token_ids = self._sample(logits, batch)
         logprobs = ids = None
         if batch.max_num_logprobs is not None:
             logprobs, ids = self._logprobs(raw_logits, token_ids, batch.max_num_logprobs)
