@@ -5,11 +5,13 @@ output columns (rows of W) and walks the whole K dimension in `BLOCK_K` slices:
 
 - `USE_DOT=False` (one row of x): the products are summed into a [BLOCK_N, BLOCK_K] float32
   tile and reduced once at the end, so the loop body is loads and FMAs only;
-- `USE_DOT=True` (up to 64 rows): W's slice times x's slice on the tensor cores, x padded
-  to `BLOCK_M` (16, 32 or 64) rows with zeros (free: the step is bound by W's bytes).
+- `USE_DOT=True` (up to 256 rows): W's slice times x's slice on the tensor cores, x padded
+  to `BLOCK_M` (16, 32, ..., 256) rows with zeros (free while the step is bound by W's bytes).
 
 Which shapes this kernel takes over from cuBLAS is decided by measurement on the GPU
-(`pagedserve.layers.linear`), not assumed.
+(`pagedserve.layers.linear`), not assumed. The engine plans it for up to 64 rows: from 64 rows
+on cuBLAS is faster on every Qwen3-4B shape of the H200 (`gpu_check.py --sections
+skinny_big`), so 65-256 rows serve that probe only.
 """
 
 from __future__ import annotations
@@ -105,7 +107,7 @@ class SkinnyConfig(NamedTuple):
     split_k: int = 1
 
 
-MAX_ROWS = 64  # x rows a tensor-core program handles (padded to 16, 32 or 64: tl.dot needs >= 16)
+MAX_ROWS = 256  # x rows a tensor-core program takes (padded to 16, 32, ..., 256: tl.dot needs >= 16)
 
 _LOCKS: dict[torch.device, torch.Tensor] = {}
 
