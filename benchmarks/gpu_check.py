@@ -1,7 +1,7 @@
 """One device call: kernel checks, model parity against Transformers, and the benchmarks.
 
 Run on the GPU machine from the repository root:
-    PYTHONPATH=. python3 benchmarks/gpu_check.py [--quick] [--sections kernels,parity,bench]
+    PYTHONPATH=. python3 benchmarks/gpu_check.py [--quick] [--sections kernels,sampling,parity,bench]
 Writes $OUT/gpu_check.json (or ./gpu_check.json) and prints a short table last. Each section
 catches its own failures so one bug does not hide the other results. The profiling sections
 (`extend_tune`, `mixed`) live in gpu_profile.py; the shared helpers in gpu_common.py.
@@ -80,29 +80,6 @@ def kernels(quick: bool) -> None:
                 worst = max(worst, rel_err(skinny_matmul(x, w, cfg), want))
         record(f"skinny matmul [{n} x {k}] 1-64 rows, worst", worst, worst < 1e-2)
 
-    # fused temperature sampling: greedy rows exact, the distribution of random rows, speed
-    from pagedserve.kernels.sampling import sample_with_temperature
-    from pagedserve.layers.sampler import Sampler, SamplingBatch
-    from pagedserve.sampling_params import SamplingParams
-
-    logits = torch.randn(256, 151936, device=DEV) * 3
-    temp = torch.where(torch.arange(256, device=DEV) % 2 == 0, 0.0, 0.6)
-    tokens = sample_with_temperature(logits, temp, 1)
-    greedy_ok = bool(torch.equal(tokens[::2], logits[::2].argmax(-1)))
-    small = torch.tensor([1.0, 0.2, -0.5, 0.9, -1.5, 0.0], device=DEV)
-    n = 200_000
-    drawn = sample_with_temperature(small.expand(n, -1).contiguous(), torch.full((n,), 0.6, device=DEV), 2)
-    freq = torch.bincount(drawn, minlength=6).double() / n
-    probs = (small / 0.6).softmax(-1).double()
-    chi2 = (n * (freq - probs) ** 2 / probs).sum().item()
-    record("fused sampling: greedy rows exact; chi-square of 200k draws (df 5)", chi2, greedy_ok and chi2 < 30, "{:.1f}")
-    params = [SamplingParams(temperature=0.6)] * 256
-    batch = SamplingBatch.build(params, [None] * 256, [[]] * 256, None, 151936, DEV, num_outputs=[0] * 256)
-    torch_ms = triton.testing.do_bench(lambda: Sampler._sample(logits, batch), return_mode="median")
-    fused_ms = triton.testing.do_bench(lambda: sample_with_temperature(logits, batch.temperature, 3),
-                                       return_mode="median")
-    record(f"sampling 256 x 151936, T=0.6: torch ms / fused ms ({fused_ms:.3f})", torch_ms, None, "{:.3f}")
-
     # paged attention: decode (with and without split-KV), prefill, chunk with context, mixed
     cases = {
         "decode b64 ctx<=4096 splits=1": ([1] * 64, [int(x) for x in torch.randint(1, 4096, (64,), generator=gen)], 1),
@@ -146,6 +123,41 @@ def kernels(quick: bool) -> None:
     RESULTS["decode_attention_ms"] = ms
     del cache
     batch1_breakdown()
+
+
+@section
+def sampling(quick: bool) -> None:
+    """The fused temperature sampler: greedy rows exact, the distribution of random rows, and
+    its speed against the torch path, one row to a program and split."""
+    import triton.testing
+
+    from pagedserve.kernels.sampling import sample_with_temperature
+    from pagedserve.layers.sampler import Sampler, SamplingBatch
+    from pagedserve.sampling_params import SamplingParams
+
+    logits = torch.randn(256, 151936, device=DEV) * 3
+    temp = torch.where(torch.arange(256, device=DEV) % 2 == 0, 0.0, 0.6)
+    tokens = sample_with_temperature(logits, temp, 1)
+    greedy_ok = bool(torch.equal(tokens[::2], logits[::2].argmax(-1)))
+    small = torch.tensor([1.0, 0.2, -0.5, 0.9, -1.5, 0.0], device=DEV)
+    n = 200_000
+    drawn = sample_with_temperature(small.expand(n, -1).contiguous(), torch.full((n,), 0.6, device=DEV), 2)
+    freq = torch.bincount(drawn, minlength=6).double() / n
+    probs = (small / 0.6).softmax(-1).double()
+    chi2 = (n * (freq - probs) ** 2 / probs).sum().item()
+    record("fused sampling: greedy rows exact; chi-square of 200k draws (df 5)", chi2, greedy_ok and chi2 < 30, "{:.1f}")
+    params = [SamplingParams(temperature=0.6)] * 256
+    batch = SamplingBatch.build(params, [None] * 256, [[]] * 256, None, 151936, DEV, num_outputs=[0] * 256)
+    torch_ms = triton.testing.do_bench(lambda: Sampler._sample(logits, batch), return_mode="median")
+    fused_ms = triton.testing.do_bench(lambda: sample_with_temperature(logits, batch.temperature, 3),
+                                       return_mode="median")
+    record(f"sampling 256 x 151936, T=0.6: torch ms / fused ms ({fused_ms:.3f})", torch_ms, None, "{:.3f}")
+    one_ms = triton.testing.do_bench(
+        lambda: sample_with_temperature(logits, batch.temperature, 3, programs_per_row=1), return_mode="median")
+    record("sampling 256 x 151936: fused, one program per row ms", one_ms, None, "{:.3f}")
+    split_ok = all(torch.equal(sample_with_temperature(logits, temp, 5, programs_per_row=p),
+                               sample_with_temperature(logits, temp, 5, programs_per_row=1)) for p in (2, 7, 75))
+    record("fused sampling: same tokens however rows are split", int(split_ok), split_ok)
 
 
 # ---- model parity -------------------------------------------------------------------------
@@ -334,11 +346,11 @@ def time_prefill(engine, num_seqs: int, length: int) -> float:
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--quick", action="store_true")
-    ap.add_argument("--sections", default="kernels,parity,bench")
+    ap.add_argument("--sections", default="kernels,sampling,parity,bench")
     args = ap.parse_args()
     RESULTS["env"] = {"torch": torch.__version__, "gpu": torch.cuda.get_device_name(),
                       "triton": __import__("triton").__version__}
-    sections = {"kernels": kernels, "parity": parity, "bench": bench, "extend_tune": extend_tune,
+    sections = {"kernels": kernels, "sampling": sampling, "parity": parity, "bench": bench, "extend_tune": extend_tune,
                 "mixed": mixed, "gemm_m": gemm_m, "arrival": arrival, "skinny": skinny,
                 "skinny_big": skinny_big}
     for name in args.sections.split(","):

@@ -399,7 +399,8 @@ def test_fused_sampling_matches_softmax_of_scaled_logits():
 
 def test_fused_sampling_greedy_rows_seeds_and_dtypes():
     """T = 0 rows take the argmax (lowest id on ties, across blocks), random rows beside them
-    stay random; a seed gives the same tokens again, another seed others; fp16 logits work."""
+    stay random; a seed gives the same tokens again, another seed others, however many
+    programs share a row; fp16 logits work."""
     from pagedserve.kernels.sampling import sample_with_temperature
 
     logits = torch.randn(8, 4500)
@@ -414,6 +415,10 @@ def test_fused_sampling_greedy_rows_seeds_and_dtypes():
     draws = torch.stack([sample_with_temperature(logits, temp, s) for s in range(4, 8)])  # [4, 8]
     assert (draws[:, ~greedy] != first[~greedy]).any()  # flat-ish rows: other seeds, other tokens
     assert (draws[:, greedy] == first[greedy]).all()
+    shifted = logits - 80.0  # every score negative: the split rows' packed maxima must still order
+    for split in (1, 2, 3):
+        assert torch.equal(sample_with_temperature(shifted, temp, 9, programs_per_row=split),
+                           sample_with_temperature(logits, temp, 9, programs_per_row=1)), split
     half = sample_with_temperature(logits.half(), temp, 3)
     assert torch.equal(half[greedy], logits.half().float().argmax(-1)[greedy])
     with pytest.raises(ValueError, match="temperature must be"):

@@ -4,9 +4,10 @@ For rows whose only sampling setting is a temperature T, drawing a token from
 softmax(logits / T) equals taking argmax(logits / T + g) with g = -log(-log(u)) and u uniform
 in (0, 1), one u per token: the same race the torch path of `layers/sampler.py` runs as
 argmax(probs / q) with q = -log(u) ~ Exp(1), since log(probs) differs from logits / T by a
-constant per row. One program per row reads the logits once and keeps a running maximum, so
-a step's sampling costs one read of the logits instead of a dozen passes (temperature,
-softmax, noise, division, argmax). Rows with T = 0 take the plain argmax. Ties go to the
+constant per row. Each program reads its share of a row's logits once and keeps a running
+maximum; several programs per row meet through an atomic maximum of (score, token) packed in
+64 bits, and the last one writes the token. A step's sampling costs one read of the logits
+instead of a dozen passes (temperature, softmax, noise, division, argmax). Rows with T = 0 take the plain argmax. Ties go to the
 lowest token id, as torch.argmax breaks them.
 
 The uniforms come from Triton's Philox generator keyed by (seed, row * vocab + token): the
@@ -23,6 +24,7 @@ from pagedserve.kernels import pdl
 from pagedserve.kernels._utils import check_dtype
 
 _BLOCK_V = 2048  # tokens per iteration of a program
+_EMPTY: tl.constexpr = tl.constexpr(-(2**63))  # the smallest int64: no (score, token) yet
 
 
 @triton.jit
@@ -30,21 +32,25 @@ def _sample_kernel(
     LOGITS, stride_l,  # [N, V] float32/float16/bfloat16, tokens contiguous
     TEMP,  # [N] float32: temperature, 0 = greedy
     OUT,  # [N] int64: the sampled token ids
-    V, seed,
+    BEST, COUNT,  # SPLIT only: [N] int64 packed (score, token) maxima, all _EMPTY; [N] int32 counters, zeros
+    V, V_PER_PROGRAM, seed,
     BLOCK_V: tl.constexpr,
+    SPLIT: tl.constexpr,  # several programs per row (grid axis 1)
     PDL: tl.constexpr,  # programmatic dependent launch (kernels/pdl.py)
 ):
     pdl.wait_and_release(PDL)
     row = tl.program_id(0).to(tl.int64)
+    v_start = tl.program_id(1) * V_PER_PROGRAM
+    v_end = tl.minimum(V, v_start + V_PER_PROGRAM)
     t = tl.load(TEMP + row)
     greedy = t == 0.0
     inv_t = 1.0 / tl.where(greedy, 1.0, t)
     best = tl.full([BLOCK_V], float("-inf"), dtype=tl.float32)  # per lane: best score so far
     best_id = tl.zeros([BLOCK_V], dtype=tl.int32)  # and its token (the first one on ties)
     lanes = tl.arange(0, BLOCK_V)
-    for v0 in range(0, V, BLOCK_V):
+    for v0 in range(v_start, v_end, BLOCK_V):
         ids = v0 + lanes
-        ok = ids < V
+        ok = ids < v_end
         logit = tl.load(LOGITS + row * stride_l + ids, mask=ok, other=float("-inf")).to(tl.float32)
         u = tl.rand(seed, (row * V + ids).to(tl.uint32))  # [BLOCK_V] uniform in [0, 1)
         u = tl.maximum(u, 1e-20)  # u = 0 would give g = -inf: the token could never win anyway
@@ -56,14 +62,48 @@ def _sample_kernel(
         best_id = tl.where(better, ids, best_id)
     top = tl.max(best, axis=0)
     winner = tl.min(tl.where(best == top, best_id, V), axis=0)  # lowest id among the lanes' ties
-    tl.store(OUT + row, tl.minimum(winner, V - 1).to(tl.int64))  # all -inf: token V-1 (torch: 0)
+    winner = tl.minimum(winner, V - 1)  # all -inf: token V-1 (torch.argmax would say 0)
+    if SPLIT:
+        # Order-preserving key: the score's bits, flipped so that unsigned order is float
+        # order, above the complement of the token id (a tie goes to the lower id); the sign
+        # bit of the whole is flipped so that signed int64 order is that order. The maximum
+        # is the same whatever order the programs arrive in.
+        bits = top.to(tl.uint32, bitcast=True)
+        key = tl.where((bits >> 31) != 0, ~bits, bits | 0x80000000)
+        packed = (key.to(tl.uint64) << 32) | (0xFFFFFFFF - winner.to(tl.uint32)).to(tl.uint64)
+        tl.atomic_max(BEST + row, packed.to(tl.int64, bitcast=True) ^ _EMPTY, sem="relaxed", scope="gpu")
+        ticket = tl.atomic_add(COUNT + row, 1, sem="acq_rel", scope="gpu")
+        if ticket == tl.num_programs(1) - 1:  # the last program of the row: read out, re-arm
+            final = tl.atomic_xchg(BEST + row, _EMPTY, sem="relaxed", scope="gpu") ^ _EMPTY
+            token = 0xFFFFFFFF - (final.to(tl.uint64, bitcast=True) & 0xFFFFFFFF)
+            tl.store(OUT + row, token.to(tl.int64))
+            tl.atomic_xchg(COUNT + row, 0, sem="relaxed", scope="gpu")
+    else:
+        tl.store(OUT + row, winner.to(tl.int64))
+
+
+_SCRATCH: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}
+
+
+def _scratch(device: torch.device, rows: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-row maxima (all _EMPTY) and counters (zeros) for split rows, shared by all launches
+    on `device` (each launch leaves them so again)."""
+    have = _SCRATCH.get(device)
+    if have is None or have[0].numel() < rows:
+        n = max(rows, 1024)
+        have = (torch.full((n,), _EMPTY.value, dtype=torch.int64, device=device),
+                torch.zeros(n, dtype=torch.int32, device=device))
+        _SCRATCH[device] = have
+    return have
 
 
 def sample_with_temperature(logits: torch.Tensor, temperature: torch.Tensor, seed: int,
-                            out: torch.Tensor | None = None) -> torch.Tensor:
+                            out: torch.Tensor | None = None, programs_per_row: int | None = None) -> torch.Tensor:
     """One token per row of `logits` [N, V], drawn from softmax(logits / T) with T the row's
     entry of `temperature` ([N] float32; 0 = argmax). Returns [N] int64 (or writes `out`).
-    `seed` (any int) keys the random draws: give each call a new one."""
+    `seed` (any int) keys the random draws: give each call a new one. A row is split among
+    `programs_per_row` programs (default: enough for about 1,024 programs in all); the
+    result does not depend on the split."""
     if logits.dim() != 2:
         raise ValueError(f"expected logits of shape [N, V], got {tuple(logits.shape)}")
     n, vocab = logits.shape
@@ -77,8 +117,14 @@ def sample_with_temperature(logits: torch.Tensor, temperature: torch.Tensor, see
         out = torch.empty(n, dtype=torch.int64, device=logits.device)
     if n == 0:
         return out
-    _sample_kernel[(n,)](
-        logits, logits.stride(0), temperature.contiguous(), out, vocab, seed % (2**31),
-        BLOCK_V=_BLOCK_V, num_warps=8, **pdl.launch_options(logits),
+    blocks = triton.cdiv(vocab, _BLOCK_V)
+    split = programs_per_row or triton.cdiv(1024, n)
+    split = max(1, min(split, blocks))
+    per_program = triton.cdiv(blocks, split) * _BLOCK_V
+    split = triton.cdiv(vocab, per_program)
+    best, count = _scratch(logits.device, n) if split > 1 else (out, out)
+    _sample_kernel[(n, split)](
+        logits, logits.stride(0), temperature.contiguous(), out, best, count, vocab, per_program,
+        seed % (2**31), BLOCK_V=_BLOCK_V, SPLIT=split > 1, num_warps=8, **pdl.launch_options(logits),
     )
     return out
