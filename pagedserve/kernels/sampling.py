@@ -10,9 +10,8 @@ maximum; several programs per row meet through an atomic maximum of (score, toke
 instead of a dozen passes (temperature, softmax, noise, division, argmax). Rows with T = 0 take the plain argmax. Ties go to the
 lowest token id, as torch.argmax breaks them.
 
-The uniforms come from Triton's Philox generator, keyed by the seed and a counter per (row,
-block, lane); each call yields four, one per quarter of the block. The caller passes a new
-seed each step.
+The uniforms come from Triton's Philox generator keyed by (seed, row * vocab + token): the
+caller passes a new seed each step.
 """
 
 from __future__ import annotations
@@ -46,27 +45,21 @@ def _sample_kernel(
     t = tl.load(TEMP + row)
     greedy = t == 0.0
     inv_t = 1.0 / tl.where(greedy, 1.0, t)
-    QUARTER: tl.constexpr = BLOCK_V // 4
-    best = tl.full([QUARTER], float("-inf"), dtype=tl.float32)  # per lane: best score so far
-    best_id = tl.zeros([QUARTER], dtype=tl.int32)  # and its token (the first one on ties)
-    lanes = tl.arange(0, QUARTER)
-    row_offset = row * tl.cdiv(V, BLOCK_V) * QUARTER  # this row's Philox counters, then its blocks'
+    best = tl.full([BLOCK_V], float("-inf"), dtype=tl.float32)  # per lane: best score so far
+    best_id = tl.zeros([BLOCK_V], dtype=tl.int32)  # and its token (the first one on ties)
+    lanes = tl.arange(0, BLOCK_V)
     for v0 in range(v_start, v_end, BLOCK_V):
-        # one Philox call gives four uniforms: one for each quarter of the block
-        counter = (row_offset + (v0 // BLOCK_V) * QUARTER + lanes).to(tl.uint32)
-        u0, u1, u2, u3 = tl.rand4x(seed, counter)  # [QUARTER] each, uniform in [0, 1)
-        for q in tl.static_range(4):
-            u = u0 if q == 0 else u1 if q == 1 else u2 if q == 2 else u3
-            ids = v0 + q * QUARTER + lanes
-            ok = ids < v_end
-            logit = tl.load(LOGITS + row * stride_l + ids, mask=ok, other=float("-inf")).to(tl.float32)
-            u = tl.maximum(u, 1e-20)  # u = 0 would give g = -inf: the token could never win anyway
-            gumbel = -tl.log(-tl.log(u))
-            score = tl.where(greedy, logit, logit * inv_t + gumbel)
-            score = tl.where(ok, score, float("-inf"))
-            better = score > best  # strict: an earlier token keeps a tie
-            best = tl.where(better, score, best)
-            best_id = tl.where(better, ids, best_id)
+        ids = v0 + lanes
+        ok = ids < v_end
+        logit = tl.load(LOGITS + row * stride_l + ids, mask=ok, other=float("-inf")).to(tl.float32)
+        u = tl.rand(seed, (row * V + ids).to(tl.uint32))  # [BLOCK_V] uniform in [0, 1)
+        u = tl.maximum(u, 1e-20)  # u = 0 would give g = -inf: the token could never win anyway
+        gumbel = -tl.log(-tl.log(u))
+        score = tl.where(greedy, logit, logit * inv_t + gumbel)
+        score = tl.where(ok, score, float("-inf"))
+        better = score > best  # strict: an earlier token keeps a tie
+        best = tl.where(better, score, best)
+        best_id = tl.where(better, ids, best_id)
     top = tl.max(best, axis=0)
     winner = tl.min(tl.where(best == top, best_id, V), axis=0)  # lowest id among the lanes' ties
     winner = tl.minimum(winner, V - 1)  # all -inf: token V-1 (torch.argmax would say 0)
@@ -118,8 +111,8 @@ def sample_with_temperature(logits: torch.Tensor, temperature: torch.Tensor, see
     if temperature.shape != (n,) or temperature.dtype != torch.float32:
         raise ValueError(f"temperature must be a float32 [{n}] tensor, got {temperature.dtype} "
                          f"{tuple(temperature.shape)}")
-    if n * triton.cdiv(vocab, _BLOCK_V) * _BLOCK_V // 4 >= 2**32:
-        raise ValueError(f"{n} x {vocab} logits: past the random generator's 32-bit counters")
+    if n * vocab >= 2**32:
+        raise ValueError(f"{n} x {vocab} logits: past the random generator's 32-bit offsets")
     if out is None:
         out = torch.empty(n, dtype=torch.int64, device=logits.device)
     if n == 0:
