@@ -7,8 +7,8 @@ argmax(probs / q) with q = -log(u) ~ Exp(1), since log(probs) differs from logit
 constant per row. Each program reads its share of a row's logits once and keeps a running
 maximum; several programs per row meet through an atomic maximum of (score, token) packed in
 64 bits, and the last one writes the token. A step's sampling costs one read of the logits
-instead of a dozen passes (temperature, softmax, noise, division, argmax). Rows with T = 0 take the plain argmax. Ties go to the
-lowest token id, as torch.argmax breaks them.
+instead of a dozen passes (temperature, softmax, noise, division, argmax). Rows with T = 0
+take the plain argmax. Ties go to the lowest token id, as torch.argmax breaks them.
 
 The uniforms come from Triton's Philox generator keyed by (seed, row * vocab + token): the
 caller passes a new seed each step.
