@@ -61,8 +61,8 @@ def _sample_kernel(
         best = tl.where(better, score, best)
         best_id = tl.where(better, ids, best_id)
     top = tl.max(best, axis=0)
-    winner = tl.min(tl.where(best == top, best_id, V), axis=0)  # lowest id among the lanes' ties
-    winner = tl.minimum(winner, V - 1)  # all -inf: token V-1 (torch.argmax would say 0)
+    # lowest id among the lanes' ties (all -inf: every lane still holds id 0, as torch.argmax says)
+    winner = tl.min(tl.where(best == top, best_id, V), axis=0)
     if SPLIT:
         # Order-preserving key: the score's bits, flipped so that unsigned order is float
         # order, above the complement of the token id (a tie goes to the lower id); the sign
