@@ -370,3 +370,59 @@ def _skinny_probe(ms: tuple[int, ...], fma_configs: list, dot_configs: list) -> 
             print(f"  best {name} M={m}: {best} {timed[best]:.4f} ms vs cuBLAS {row['cublas']:.4f}", flush=True)
         ws.clear()
     return found
+
+
+@section
+def fused_probe(quick: bool) -> None:
+    """The fused layer path (norms, residual adds and SiLU inside the skinny matmuls) against
+    the plain one, `PAGEDSERVE_FUSED_LAYERS` 1 then 0, one engine after the other: the row
+    counts that take it, the layer matmuls' plans, decode-graph replay times at batch 1, 4
+    and 16 (empty context) and batch 1's kernels by GPU time (torch.profiler)."""
+    import gc
+
+    import triton.testing
+    from torch.profiler import ProfilerActivity, profile
+
+    from pagedserve import LLM
+
+    found = {}
+    for flag in ("1", "0"):
+        os.environ["PAGEDSERVE_FUSED_LAYERS"] = flag
+        llm = LLM("qwen3-4b-instruct-2507", load_format="dummy", dtype="bfloat16", max_model_len=4096,
+                  max_num_seqs=256, max_num_batched_tokens=8192, tokenizer=os.environ.get("PS_TOKENIZER"))
+        model, graphs = llm.engine.runner.model, llm.engine.runner.graphs
+        layer = model.layers[0]
+        for name, lin in (("qkv", layer.self_attn.qkv_proj), ("o", layer.self_attn.o_proj),
+                          ("gate_up", layer.mlp.gate_up_proj), ("down", layer.mlp.down_proj)):
+            print(f"plan {name}: {lin.skinny_plan}", flush=True)
+        rows = "/".join(str(r) for r in (1, 2, 4, 8, 16, 32, 64) if model.fused_layers_for(r)) or "none"
+        record(f"fused={flag}: fused layer path for rows", rows)
+        row = {"rows": rows}
+        for bs in (1, 4, 16):
+            g = graphs.graphs[graphs.bucket_for(bs)]
+            ms = triton.testing.do_bench(g.replay, return_mode="median")
+            row[f"replay_b{bs}_ms"] = ms
+            record(f"fused={flag}: decode graph replay b{bs} ms", ms, None, "{:.3f}")
+        g = graphs.graphs[graphs.bucket_for(1)]
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            for _ in range(10):
+                g.replay()
+            torch.cuda.synchronize()
+        table = prof.key_averages().table(sort_by="cuda_time_total", row_limit=16, max_name_column_width=70)
+        print(f"==== fused={flag}, batch 1, 10 replays\n{table}", flush=True)
+        row["kernels_b1_x10"] = table
+        # mean GPU time of each layer matmul (the skinny kernels come in layer order:
+        # qkv, o, gate_up, down), and of the other kernels by name
+        kernels = sorted((e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA),
+                         key=lambda e: e.time_range.start)
+        skinny = [e.time_range.elapsed_us() for e in kernels if e.name == "_skinny_kernel"]
+        roles = {r: sum(skinny[i::4]) / len(skinny[i::4]) for i, r in enumerate(("qkv", "o", "gate_up", "down"))}
+        row["skinny_us"] = roles
+        record(f"fused={flag}: b1 matmul us qkv/o/gate_up/down",
+               " / ".join(f"{v:.1f}" for v in roles.values()))
+        found[flag] = row
+        del llm, model, graphs, g, layer
+        gc.collect()
+        torch.cuda.empty_cache()
+    os.environ.pop("PAGEDSERVE_FUSED_LAYERS")
+    RESULTS["fused_probe"] = found
