@@ -18,16 +18,7 @@ from types import SimpleNamespace
 import torch
 
 from gpu_common import DEV, RESULTS, TABLE, paged_step, record, rel_err, section
-from gpu_profile import (
-    arrival,
-    batch1_breakdown,
-    extend_tune,
-    fused_probe,
-    gemm_m,
-    mixed,
-    skinny,
-    skinny_big,
-)
+from gpu_profile import arrival, batch1_breakdown, extend_tune, gemm_m, mixed, skinny, skinny_big
 from pagedserve.attention.torch_ref import TorchReferenceBackend
 from pagedserve.attention.triton_backend import TritonBackend
 
@@ -88,29 +79,6 @@ def kernels(quick: bool) -> None:
             for cfg in _candidates(1 if rows == 1 else 2):
                 worst = max(worst, rel_err(skinny_matmul(x, w, cfg), want))
         record(f"skinny matmul [{n} x {k}] 1-64 rows, worst", worst, worst < 1e-2)
-    # the fused variants of a decoder layer on the Qwen3 shapes: RMSNorm prologue (qkv, and
-    # gate_up with the SiLU epilogue), residual-add epilogue (o, down)
-    for name, (n, k), kw in (("qkv + rms", (6144, 2560), "rms"), ("gate_up + rms + silu", (19456, 2560), "silu"),
-                             ("o + residual", (2560, 4096), "res"), ("down + residual", (2560, 9728), "res")):
-        w = torch.randn(n, k, device=DEV, dtype=bf) * 0.02
-        worst = 0.0
-        for rows in (1, 3, 16, 33, 64):
-            x = torch.randn(rows, k, device=DEV, dtype=bf) * 3
-            xf = x.float()
-            if kw != "res":
-                xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + 1e-6)
-            want = xf @ w.float().t()
-            if kw == "silu":
-                g, u = want.chunk(2, dim=-1)
-                want = torch.nn.functional.silu(g) * u
-            res = torch.randn(rows, n, device=DEV, dtype=bf) if kw == "res" else None
-            if res is not None:
-                want = want + res.float()
-            for cfg in _candidates(1 if rows == 1 else 2):
-                opts = {"rms": dict(rms_eps=1e-6), "silu": dict(rms_eps=1e-6, silu=True),
-                        "res": dict(residual=None if res is None else res.clone())}[kw]
-                worst = max(worst, rel_err(skinny_matmul(x, w, cfg, **opts), want))
-        record(f"skinny fused {name} 1-64 rows, worst", worst, worst < 1e-2)
 
     # paged attention: decode (with and without split-KV), prefill, chunk with context, mixed
     cases = {
@@ -207,13 +175,6 @@ def run_ours(cfg, state_dict, dtype, ids) -> torch.Tensor:
 
     ours = _materialise(cfg, dtype, torch.device(DEV))
     ours.load_weights(state_dict.items())
-    if dtype != torch.float32:  # as EngineCore does: plan the small-batch matmuls, fold the norms
-        from pagedserve import envs
-        from pagedserve.layers.linear import plan_model_matmuls
-
-        plan_model_matmuls(ours, ours.logits_weight())
-        if envs.fused_layers():
-            ours.fold_norm_weights()
     backend = TritonBackend(cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.head_dim**-0.5)
     runner = ModelRunner(ours, backend, num_blocks=64, block_size=16)
     runner.enable_cuda_graphs(8, 1024, max_mixed_tokens=256, max_seqs=8)
@@ -317,9 +278,6 @@ def bench(quick: bool) -> None:
         startup = time.perf_counter() - t0
         short = preset.split("-")[0]
         record(f"{short} startup s (graphs {llm.engine.graph_capture_seconds:.1f} s)", startup, startup < 30, "{:.1f}")
-        model = llm.engine.runner.model
-        record(f"{short} fused layer path for rows", "/".join(
-            str(r) for r in (1, 2, 4, 8, 16, 32, 64) if model.fused_layers_for(r)) or "none")
         graphs = llm.engine.runner.graphs
         import triton.testing
 
@@ -394,7 +352,7 @@ def main() -> None:
                       "triton": __import__("triton").__version__}
     sections = {"kernels": kernels, "sampling": sampling, "parity": parity, "bench": bench, "extend_tune": extend_tune,
                 "mixed": mixed, "gemm_m": gemm_m, "arrival": arrival, "skinny": skinny,
-                "skinny_big": skinny_big, "fused_probe": fused_probe}
+                "skinny_big": skinny_big}
     for name in args.sections.split(","):
         sections[name](args.quick)
     out = os.path.join(os.environ.get("OUT", "."), "gpu_check.json")

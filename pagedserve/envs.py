@@ -51,13 +51,6 @@ def skinny_matmul() -> bool:
     return (os.environ.get("PAGEDSERVE_SKINNY_MATMUL") or "1") != "0"
 
 
-def fused_layers() -> bool:
-    """$PAGEDSERVE_FUSED_LAYERS=0 keeps the norms, residual adds and SiLU in kernels of their
-    own; by default (1), where the skinny matmul runs every layer matmul of a step (small
-    decode batches), they run inside its prologue and epilogue (`models.llama`)."""
-    return (os.environ.get("PAGEDSERVE_FUSED_LAYERS") or "1") != "0"
-
-
 def pdl() -> bool:
     """$PAGEDSERVE_PDL=0 launches the Triton kernels the normal way; by default (1) they use
     programmatic dependent launch where the GPU (compute capability 9.0+) and Triton allow."""

@@ -257,44 +257,6 @@ def test_skinny_matmul(M, N, K, dtype):
                                    atol=2e-2 if dtype == torch.float16 else 1e-4, msg=str(cfg))
 
 
-def _fused_reference(x, w, rms_eps=None, silu=False, residual=None):
-    """Float64 reference of the fused skinny variants (rounding each product to x's dtype
-    where the kernel does)."""
-    xd = x.double()
-    if rms_eps is not None:
-        xd = xd * torch.rsqrt(xd.pow(2).mean(-1, keepdim=True) + rms_eps)
-    y = xd @ w.double().t()
-    if silu:
-        gate, up = y.chunk(2, dim=-1)
-        y = torch.nn.functional.silu(gate.to(x.dtype).double()) * up.to(x.dtype).double()
-    if residual is not None:
-        y = y.to(x.dtype).double() + residual.double()
-    return y
-
-
-@pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("M,N,K", [(1, 48, 64), (3, 40, 72), (1, 34, 200), (16, 64, 200), (33, 40, 72)])
-def test_skinny_matmul_fused_variants(M, N, K, dtype):
-    """The decoder layer's fused variants on every setting (FMA, tensor cores, split-K, ragged
-    N and K): RMSNorm prologue, RMSNorm + SiLU-and-mul over [gate | up] rows, and the residual
-    add written in place, against a float64 reference."""
-    from pagedserve.kernels.skinny_gemm import skinny_matmul
-
-    tol = dict(rtol=1e-2, atol=2e-2) if dtype == torch.float16 else dict(rtol=1e-5, atol=1e-4)
-    x, w = (3 * torch.randn(M, K)).to(dtype), (torch.randn(N, K) / K**0.5).to(dtype)
-    for cfg in _skinny_configs(M):
-        got = skinny_matmul(x, w, cfg, rms_eps=1e-5)
-        torch.testing.assert_close(got.double(), _fused_reference(x, w, rms_eps=1e-5), **tol, msg=str(cfg))
-        got = skinny_matmul(x, w, cfg, rms_eps=1e-5, silu=True)
-        assert got.shape == (M, N // 2)
-        torch.testing.assert_close(got.double(), _fused_reference(x, w, 1e-5, silu=True), **tol, msg=str(cfg))
-        residual = torch.randn(M, N).to(dtype)
-        expected = _fused_reference(x, w, residual=residual)
-        got = skinny_matmul(x, w, cfg, residual=residual)
-        assert got is residual  # updated in place
-        torch.testing.assert_close(got.double(), expected, **tol, msg=str(cfg))
-
-
 def test_skinny_matmul_rejects_what_it_cannot_do():
     from pagedserve.kernels.skinny_gemm import SkinnyConfig, skinny_matmul
 
@@ -305,10 +267,6 @@ def test_skinny_matmul_rejects_what_it_cannot_do():
         skinny_matmul(torch.randn(257, 64), torch.randn(8, 64), dot)
     with pytest.raises(ValueError, match="64 columns"):
         skinny_matmul(torch.randn(1, 64), torch.randn(8, 32), dot)
-    with pytest.raises(ValueError, match="gate/up weight"):
-        skinny_matmul(torch.randn(1, 64), torch.randn(7, 64), dot, silu=True)
-    with pytest.raises(ValueError, match="residual must be"):
-        skinny_matmul(torch.randn(1, 64), torch.randn(8, 64), dot, residual=torch.randn(1, 4))
 
 
 def test_linear_follows_its_plan(monkeypatch):
@@ -402,44 +360,6 @@ def test_planned_model_matches_unplanned(tmp_path, monkeypatch):
     monkeypatch.setattr(skinny_gemm, "skinny_matmul", lambda *a, **k: calls.append(1) or real(*a, **k))
     after = [run_prefill(model, [s])[0] for s in seqs]  # one sequence at a time: 1-3 rows
     assert len(calls) == len(seqs) * (len(linears) + 1)  # each Linear and the logits, per sequence
-    for a, b in zip(after, before):
-        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)
-
-
-def test_fused_layers_match_the_plain_model(tmp_path, monkeypatch):
-    """A tiny Qwen3 with random norm weights: after folding the norms into the matmuls, the
-    planned rows take the fused layer path (norm, residual adds and SiLU inside the four
-    matmuls) and give the plain model's logits; unplanned rows keep the plain path on the
-    folded weights and give them too."""
-    from conftest import make_hf_checkpoint
-    from helpers import run_prefill
-    from pagedserve.kernels import skinny_gemm
-    from pagedserve.layers import linear
-    from pagedserve.layers.linear import Linear
-    from pagedserve.models.loader import build_model, resolve_model
-
-    make_hf_checkpoint("qwen3", tmp_path)
-    model = build_model(resolve_model(str(tmp_path)), dtype="float32")
-    seqs = [[5, 9, 200], [7], [3, 3], list(range(10, 30))]
-    before = [run_prefill(model, [s])[0] for s in seqs]
-    plan = {rows: linear._candidates(rows)[-1] for rows in linear.ROW_BUCKETS}
-    plan[32] = None  # cuBLAS for 17-32 rows: the plain path
-    linears = [m for m in model.modules() if isinstance(m, Linear)]
-    for mod in linears:
-        mod.skinny_plan = dict(plan)
-    assert not model.fused_layers_for(1)  # not before the norms are folded
-    model.fold_norm_weights()
-    assert all(bool((layer.input_layernorm.weight == 1).all()) for layer in model.layers)
-    assert [model.fused_layers_for(r) for r in (1, 3, 16, 17, 64, 65)] == [True, True, True, False, True, False]
-    calls = []
-    real = skinny_gemm.skinny_matmul
-    monkeypatch.setattr(skinny_gemm, "skinny_matmul",
-                        lambda *a, **k: calls.append(tuple(sorted(n for n, v in k.items() if v is not None
-                                                                  and v is not False))) or real(*a, **k))
-    after = [run_prefill(model, [s])[0] for s in seqs]
-    layers = len(model.layers)
-    fused_calls = [("rms_eps",), ("residual",), ("rms_eps", "silu"), ("residual",)] * layers
-    assert calls == fused_calls * 3  # the 20-token sequence took cuBLAS and the plain layers
     for a, b in zip(after, before):
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)
 

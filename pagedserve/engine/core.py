@@ -94,8 +94,6 @@ class EngineCore:
         if device.type == "cuda" and dtype in (torch.bfloat16, torch.float16) and envs.skinny_matmul():
             t_plan = time.perf_counter()
             plan_model_matmuls(model, model.logits_weight())
-            if envs.fused_layers():
-                model.fold_norm_weights()
             self.matmul_plan_seconds = time.perf_counter() - t_plan
             logger.info("small-batch matmuls planned in %.1f s", self.matmul_plan_seconds)
         self.graph_capture_seconds = 0.0

@@ -58,23 +58,6 @@ class Linear(nn.Linear):
             return matmul(x, self.weight, self.skinny_plan)
         return F.linear(x, self.weight, self.bias)
 
-    def skinny_config(self, rows: int) -> SkinnyConfig | None:
-        """The planned skinny-kernel setting for `rows` rows, or None (cuBLAS / no plan)."""
-        if not self.skinny_plan or self.bias is not None or not 0 < rows <= ROW_BUCKETS[-1]:
-            return None
-        return self.skinny_plan.get(row_bucket(rows))
-
-    def fused(self, x: torch.Tensor, *, rms_eps: float | None = None, silu: bool = False,
-              residual: torch.Tensor | None = None) -> torch.Tensor:
-        """The product on the skinny kernel with its fused prologue/epilogue
-        (`kernels.skinny_gemm.skinny_matmul`); only for row counts with a planned setting."""
-        from pagedserve.kernels.skinny_gemm import skinny_matmul
-
-        cfg = self.skinny_config(x.shape[0])
-        if cfg is None:
-            raise RuntimeError(f"no skinny-kernel plan for {x.shape[0]} rows")
-        return skinny_matmul(x, self.weight, cfg, rms_eps=rms_eps, silu=silu, residual=residual)
-
 
 def _candidates(rows: int) -> list:
     """Settings worth timing for a row bucket (from `gpu_check.py --sections skinny` on the

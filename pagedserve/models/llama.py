@@ -40,17 +40,7 @@ class Attention(nn.Module):
         rotary: RotaryEmbedding,
         attn: AttentionContext,
     ) -> torch.Tensor:
-        return self.o_proj(self.attend(self.qkv_proj(x), positions, rotary, attn))
-
-    def attend(
-        self,
-        qkv: torch.Tensor,  # [T, q_size + 2 * kv_size]
-        positions: torch.Tensor,  # [T]
-        rotary: RotaryEmbedding,
-        attn: AttentionContext,
-    ) -> torch.Tensor:
-        """From the q/k/v projections to the attention output [T, q_size] (before o_proj):
-        q/k norm, RoPE, the KV-cache write and attention."""
+        qkv = self.qkv_proj(x)  # [T, q_size + 2 * kv_size]
         target = None
         if qkv.is_cuda:  # one kernel: split, per-head q/k norm (Qwen3), RoPE, KV-cache write
             from pagedserve.kernels.rope import qk_norm_rope
@@ -74,7 +64,7 @@ class Attention(nn.Module):
             q = RotaryEmbedding.apply(q, cos, sin)
             k = RotaryEmbedding.apply(k, cos, sin)
         out = attn.backend.forward(self.layer_idx, q, k, v, attn.meta, kv_stored=target is not None)  # [T, H, D]
-        return out.reshape(-1, self.q_size)
+        return self.o_proj(out.reshape(-1, self.q_size))
 
 
 class MLP(nn.Module):
@@ -112,23 +102,6 @@ class DecoderLayer(nn.Module):
         h, residual = self.post_attention_layernorm(h, residual)
         return self.mlp(h), residual
 
-    def forward_fused(
-        self,
-        residual: torch.Tensor,  # [T, hidden]: the residual stream, updated in place
-        positions: torch.Tensor,
-        rotary: RotaryEmbedding,
-        attn: AttentionContext,
-    ) -> None:
-        """The same layer as `forward` with the norms, residual adds and SiLU inside the four
-        matmuls (skinny kernel prologues/epilogues): 4 kernels around attention instead of 7.
-        Needs `LlamaForCausalLM.fold_norm_weights` and a skinny plan for T rows on every
-        matmul (`LlamaForCausalLM.fused_layers_for`)."""
-        a, mlp = self.self_attn, self.mlp
-        qkv = a.qkv_proj.fused(residual, rms_eps=self.input_layernorm.eps)  # [T, q + 2 kv]
-        a.o_proj.fused(a.attend(qkv, positions, rotary, attn), residual=residual)
-        act = mlp.gate_up_proj.fused(residual, rms_eps=self.post_attention_layernorm.eps, silu=True)  # [T, inter]
-        mlp.down_proj.fused(act, residual=residual)
-
 
 class LlamaForCausalLM(nn.Module):
     """Llama-family decoder over a flattened token batch.
@@ -149,45 +122,16 @@ class LlamaForCausalLM(nn.Module):
         else:
             self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         self.logits_plan: SkinnyPlan | None = None  # see layers.linear.plan_model_matmuls
-        self.norms_folded = False  # see fold_norm_weights
 
     def forward(
         self, input_ids: torch.Tensor, positions: torch.Tensor, attn: AttentionContext
     ) -> torch.Tensor:
         h = self.embed_tokens(input_ids)  # [T, hidden]
-        if self.fused_layers_for(h.shape[0]):
-            for layer in self.layers:
-                layer.forward_fused(h, positions, self.rotary, attn)  # h: the residual stream
-            return self.norm(h)
         residual = None
         for layer in self.layers:
             h, residual = layer(h, residual, positions, self.rotary, attn)
         h, _ = self.norm(h, residual)
         return h
-
-    @torch.no_grad()
-    def fold_norm_weights(self) -> None:
-        """Fold each layer's two RMSNorm weights into the matmul that reads the norm's output
-        (W[:, k] *= g[k], rounded once to W's dtype) and set them to ones. The model computes
-        the same function (up to that rounding), and the fused layer path, which normalises
-        inside the matmul, needs no norm weight. Call after loading, before capturing graphs."""
-        for layer in self.layers:
-            for norm, lin in ((layer.input_layernorm, layer.self_attn.qkv_proj),
-                              (layer.post_attention_layernorm, layer.mlp.gate_up_proj)):
-                w = lin.weight
-                w.copy_((w.float() * norm.weight.float()[None, :]).to(w.dtype))
-                norm.weight.fill_(1.0)
-        self.norms_folded = True
-
-    def fused_layers_for(self, rows: int) -> bool:
-        """Whether a forward of `rows` tokens takes the fused layer path: the norm weights are
-        folded and every layer matmul has a skinny-kernel setting planned for that many rows."""
-        if not self.norms_folded:
-            return False
-        layer = self.layers[0]
-        linears = (layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj,
-                   layer.mlp.down_proj)
-        return all(lin.skinny_config(rows) is not None for lin in linears)
 
     def logits_weight(self) -> torch.Tensor:
         """[vocab, hidden]: the output projection (the input embedding when tied)."""
