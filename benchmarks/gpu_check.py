@@ -18,7 +18,16 @@ from types import SimpleNamespace
 import torch
 
 from gpu_common import DEV, RESULTS, TABLE, paged_step, record, rel_err, section
-from gpu_profile import arrival, batch1_breakdown, extend_tune, gemm_m, mixed, skinny, skinny_big
+from gpu_profile import (
+    arrival,
+    batch1_breakdown,
+    extend_tune,
+    gemm_m,
+    mixed,
+    skinny,
+    skinny_big,
+    skinny_tma,
+)
 from pagedserve.attention.torch_ref import TorchReferenceBackend
 from pagedserve.attention.triton_backend import TritonBackend
 
@@ -352,7 +361,7 @@ def main() -> None:
                       "triton": __import__("triton").__version__}
     sections = {"kernels": kernels, "sampling": sampling, "parity": parity, "bench": bench, "extend_tune": extend_tune,
                 "mixed": mixed, "gemm_m": gemm_m, "arrival": arrival, "skinny": skinny,
-                "skinny_big": skinny_big}
+                "skinny_big": skinny_big, "skinny_tma": skinny_tma}
     for name in args.sections.split(","):
         sections[name](args.quick)
     out = os.path.join(os.environ.get("OUT", "."), "gpu_check.json")

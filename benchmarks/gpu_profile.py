@@ -317,6 +317,22 @@ def skinny_big(quick: bool) -> None:
     RESULTS["skinny_big"] = _skinny_probe((64, 128, 256), [], dot_configs)
 
 
+@section
+def skinny_tma(quick: bool) -> None:
+    """As `skinny_big`, for 4-256 rows: tensor-core settings whose tiles come in by TMA
+    (`SkinnyConfig.tma`) beside two pointer-load settings the start-up plan uses."""
+    from pagedserve.kernels.skinny_gemm import SkinnyConfig
+
+    dot_configs = [SkinnyConfig(16, 128, 2, 4, True, 4), SkinnyConfig(64, 128, 4, 4, True, 1)]
+    dot_configs += [SkinnyConfig(*c, True, sk, True) for c, sk in [
+        ((64, 64, 4, 4), 1), ((64, 64, 4, 4), 2), ((64, 64, 4, 4), 4), ((64, 128, 4, 4), 1),
+        ((64, 128, 4, 4), 2), ((64, 128, 4, 4), 4), ((128, 64, 4, 4), 1), ((128, 64, 8, 4), 1),
+        ((128, 64, 8, 4), 2), ((128, 128, 8, 3), 1), ((64, 64, 4, 6), 4), ((64, 256, 4, 3), 2),
+        ((128, 64, 4, 4), 3), ((64, 64, 4, 8), 8),
+    ]]
+    RESULTS["skinny_tma"] = _skinny_probe((4, 16, 64, 256), [], dot_configs)
+
+
 def _skinny_probe(ms: tuple[int, ...], fma_configs: list, dot_configs: list) -> dict:
     import torch.nn.functional as F
 

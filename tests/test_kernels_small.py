@@ -231,7 +231,8 @@ def _skinny_configs(rows):
     from pagedserve.kernels.skinny_gemm import SkinnyConfig
 
     dot = [SkinnyConfig(16, 32, 4, 1, True), SkinnyConfig(16, 64, 4, 2, True, 3),
-           SkinnyConfig(32, 16, 4, 2, True, 8)]
+           SkinnyConfig(32, 16, 4, 2, True, 8), SkinnyConfig(16, 32, 4, 2, True, 1, True),
+           SkinnyConfig(32, 16, 4, 3, True, 3, True)]
     if rows > 1:
         return dot
     return dot + [SkinnyConfig(8, 32, 4, 1, False), SkinnyConfig(4, 64, 2, 1, False, 2),
@@ -257,6 +258,35 @@ def test_skinny_matmul(M, N, K, dtype):
                                    atol=2e-2 if dtype == torch.float16 else 1e-4, msg=str(cfg))
 
 
+def test_skinny_tma_falls_back_for_unaligned_rows(monkeypatch):
+    """TMA needs 16-byte aligned rows: x starting one element into a buffer takes the pointer
+    kernel (same result), an aligned x the TMA kernel."""
+    from pagedserve.kernels import skinny_gemm
+    from pagedserve.kernels.skinny_gemm import SkinnyConfig, skinny_matmul
+
+    cfg = SkinnyConfig(16, 32, 4, 2, True, 1, True)
+    w = torch.randn(24, 64)
+    buf = torch.randn(3 * 64 + 1)
+    launched = []
+    for name in ("_skinny_kernel", "_skinny_tma_kernel"):
+        kernel = getattr(skinny_gemm, name)
+        monkeypatch.setattr(skinny_gemm, name, _Spy(kernel, name, launched))
+    for x in (buf[1:].view(3, 64), buf[:-1].view(3, 64)):
+        torch.testing.assert_close(skinny_matmul(x, w, cfg), x @ w.t(), rtol=1e-5, atol=1e-4)
+    assert launched == ["_skinny_kernel", "_skinny_tma_kernel"]
+
+
+class _Spy:
+    """Stands in for a jit kernel: notes its name at each launch, then launches it."""
+
+    def __init__(self, kernel, name, log):
+        self.kernel, self.name, self.log = kernel, name, log
+
+    def __getitem__(self, grid):
+        self.log.append(self.name)
+        return self.kernel[grid]
+
+
 def test_skinny_matmul_rejects_what_it_cannot_do():
     from pagedserve.kernels.skinny_gemm import SkinnyConfig, skinny_matmul
 
@@ -267,6 +297,8 @@ def test_skinny_matmul_rejects_what_it_cannot_do():
         skinny_matmul(torch.randn(257, 64), torch.randn(8, 64), dot)
     with pytest.raises(ValueError, match="64 columns"):
         skinny_matmul(torch.randn(1, 64), torch.randn(8, 32), dot)
+    with pytest.raises(ValueError, match="tensor-core path"):
+        skinny_matmul(torch.randn(1, 64), torch.randn(8, 64), SkinnyConfig(8, 32, 4, 1, False, 1, True))
 
 
 def test_linear_follows_its_plan(monkeypatch):

@@ -76,7 +76,13 @@ def _skinny_kernel(
             w_ptrs += BLOCK_K
             x_ptrs += BLOCK_K
         acc = tl.sum(acc2, axis=1)[:, None]  # [BLOCK_N, 1]; row 0 of the output
-    out_mask = n_ok[:, None] & m_ok[None, :]  # [BLOCK_N, BLOCK_M]
+    _store(acc, Y, PARTIAL, LOCKS, rn, rm, M, N, stride_ym, pid_n, split, SPLIT_K)
+
+
+@triton.jit
+def _store(acc, Y, PARTIAL, LOCKS, rn, rm, M, N, stride_ym, pid_n, split, SPLIT_K: tl.constexpr):
+    """acc [BLOCK_N, BLOCK_M] (output columns rn, rows rm) -> y, or through the split-K partials."""
+    out_mask = (rn < N)[:, None] & (rm < M)[None, :]  # [BLOCK_N, BLOCK_M]
     out_offs = rm[None, :] * N + rn[:, None]  # into a [M, N] partial
     y_ptrs = Y + rm[None, :] * stride_ym + rn[:, None]
     if SPLIT_K == 1:
@@ -96,6 +102,32 @@ def _skinny_kernel(
             tl.atomic_xchg(LOCKS + pid_n, 0, sem="relaxed", scope="gpu")
 
 
+@triton.jit
+def _skinny_tma_kernel(
+    x_desc, w_desc,  # TMA descriptors: x [M, K] in [BLOCK_M, BLOCK_K] boxes, W [N, K] in [BLOCK_N, BLOCK_K]
+    Y, PARTIAL, LOCKS,  # as _skinny_kernel
+    M, N, K, K_PER_SPLIT, stride_ym,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
+    PRECISION: tl.constexpr, PDL: tl.constexpr,
+):
+    """The tensor-core path with its tiles brought in by the copy engine (TMA): out-of-range
+    rows of x and columns past K arrive as zeros, so no masks and no padding copies."""
+    pdl.wait_and_release(PDL)
+    pid_n = tl.program_id(0)
+    split = tl.program_id(1)
+    k_start = split * K_PER_SPLIT
+    k_end = tl.minimum(K, k_start + K_PER_SPLIT)
+    n0 = pid_n * BLOCK_N
+    acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
+    for k0 in range(k_start, k_end, BLOCK_K):
+        w = w_desc.load([n0, k0])  # [BLOCK_N, BLOCK_K]
+        x = x_desc.load([0, k0])  # [BLOCK_M, BLOCK_K]
+        acc = tl.dot(w, tl.trans(x), acc, input_precision=PRECISION)  # [BLOCK_N, BLOCK_M]
+    rn = n0 + tl.arange(0, BLOCK_N)
+    rm = tl.arange(0, BLOCK_M)
+    _store(acc, Y, PARTIAL, LOCKS, rn, rm, M, N, stride_ym, pid_n, split, SPLIT_K)
+
+
 class SkinnyConfig(NamedTuple):
     """One launch setting of the kernel."""
 
@@ -105,6 +137,7 @@ class SkinnyConfig(NamedTuple):
     num_stages: int
     use_dot: bool
     split_k: int = 1
+    tma: bool = False  # tensor-core path only: tiles loaded by TMA (_skinny_tma_kernel)
 
 
 MAX_ROWS = 256  # x rows a tensor-core program takes (padded to 16, 32, ..., 256: tl.dot needs >= 16)
@@ -124,6 +157,11 @@ def _locks(device: torch.device, count: int) -> torch.Tensor:
     return locks
 
 
+def _tma_ok(t: torch.Tensor) -> bool:
+    """TMA needs 16-byte aligned rows and base address (else the pointer kernel runs)."""
+    return t.stride(-1) == 1 and (t.stride(0) * t.element_size()) % 16 == 0 and t.data_ptr() % 16 == 0
+
+
 def skinny_matmul(x: torch.Tensor, weight: torch.Tensor, cfg: SkinnyConfig,
                   out: torch.Tensor | None = None) -> torch.Tensor:
     """x [M, K] @ weight [N, K]^T -> [M, N] in x's dtype, float32 accumulation.
@@ -131,7 +169,7 @@ def skinny_matmul(x: torch.Tensor, weight: torch.Tensor, cfg: SkinnyConfig,
     An FMA setting takes M == 1 only; a dot setting takes M <= MAX_ROWS. With split_k > 1
     the K dimension is cut into that many slices summed in a fixed order (deterministic).
     """
-    block_n, block_k, num_warps, num_stages, use_dot, split_k = cfg
+    block_n, block_k, num_warps, num_stages, use_dot, split_k, tma = cfg
     rows, k = x.shape
     n = weight.shape[0]
     check_dtype(x, weight)
@@ -151,6 +189,20 @@ def skinny_matmul(x: torch.Tensor, weight: torch.Tensor, cfg: SkinnyConfig,
         locks = _locks(x.device, n_blocks)
     else:
         partial, locks = y, y  # unused
+    if tma and not use_dot:
+        raise ValueError(f"{cfg}: TMA loads are for the tensor-core path")
+    if tma and all(_tma_ok(t) for t in (x, weight)):
+        from triton.tools.tensor_descriptor import TensorDescriptor
+
+        _skinny_tma_kernel[(n_blocks, split_k)](
+            TensorDescriptor.from_tensor(x, [block_m, block_k]),
+            TensorDescriptor.from_tensor(weight, [block_n, block_k]),
+            y, partial, locks, rows, n, k, k_per_split, y.stride(0),
+            BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, SPLIT_K=split_k,
+            PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
+            num_warps=num_warps, num_stages=num_stages, **pdl.launch_options(x),
+        )
+        return y
     _skinny_kernel[(n_blocks, split_k)](
         x, weight, y, partial, locks, rows, n, k, k_per_split, x.stride(0), weight.stride(0), y.stride(0),
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, SPLIT_K=split_k, USE_DOT=use_dot,

@@ -60,13 +60,14 @@ class Linear(nn.Linear):
 
 
 def _candidates(rows: int) -> list:
-    """Settings worth timing for a row bucket (from `gpu_check.py --sections skinny` on the
-    H200: one-row FMA programs over a few output columns for one row, tensor-core programs,
-    with and without split-K, for more)."""
+    """Settings worth timing for a row bucket (from `gpu_check.py --sections skinny` and
+    `skinny_tma` on the H200: one-row FMA programs over a few output columns for one row;
+    tensor-core programs for more, pointer loads for qkv_proj, TMA loads with split-K and a
+    deep pipeline for the narrow o_proj and down_proj, TMA without split-K for gate_up)."""
     from pagedserve.kernels.skinny_gemm import SkinnyConfig
 
-    dot = [SkinnyConfig(16, 128, 2, 4, True, 4), SkinnyConfig(64, 128, 4, 4, True, 1),
-           SkinnyConfig(128, 64, 4, 4, True, 1)]
+    dot = [SkinnyConfig(64, 64, 4, 6, True, 4, True), SkinnyConfig(64, 128, 4, 4, True, 1),
+           SkinnyConfig(64, 64, 4, 4, True, 1, True)]
     if rows == 1:
         return [SkinnyConfig(2, 1024, 4, 1, False, 1), SkinnyConfig(8, 512, 4, 1, False, 1),
                 SkinnyConfig(2, 512, 2, 1, False, 1), *dot]
