@@ -88,6 +88,24 @@ def kernels(quick: bool) -> None:
             for cfg in _candidates(1 if rows == 1 else 2):
                 worst = max(worst, rel_err(skinny_matmul(x, w, cfg), want))
         record(f"skinny matmul [{n} x {k}] 1-64 rows, worst", worst, worst < 1e-2)
+    # TMA settings replayed from a CUDA graph: the descriptors captured at capture time must
+    # keep reading the static input buffer's new contents
+    w = torch.randn(2560, 9728, device=DEV, dtype=bf) * 0.02
+    worst = 0.0
+    for rows in (4, 16):
+        for cfg in (c for c in _candidates(rows) if c.tma):
+            x = torch.randn(rows, 9728, device=DEV, dtype=bf)
+            out = torch.empty(rows, 2560, device=DEV, dtype=bf)
+            skinny_matmul(x, w, cfg, out)  # compile and arm the split-K counters outside capture
+            torch.cuda.synchronize()
+            g = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(g):
+                skinny_matmul(x, w, cfg, out)
+            for _ in range(3):
+                x.copy_(torch.randn_like(x))
+                g.replay()
+                worst = max(worst, rel_err(out, x.float() @ w.float().t()))
+    record("skinny matmul TMA settings replayed from a graph, worst", worst, worst < 1e-2)
 
     # paged attention: decode (with and without split-KV), prefill, chunk with context, mixed
     cases = {

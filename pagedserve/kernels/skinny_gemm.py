@@ -6,7 +6,10 @@ output columns (rows of W) and walks the whole K dimension in `BLOCK_K` slices:
 - `USE_DOT=False` (one row of x): the products are summed into a [BLOCK_N, BLOCK_K] float32
   tile and reduced once at the end, so the loop body is loads and FMAs only;
 - `USE_DOT=True` (up to 256 rows): W's slice times x's slice on the tensor cores, x padded
-  to `BLOCK_M` (16, 32, ..., 256) rows with zeros (free while the step is bound by W's bytes).
+  to `BLOCK_M` (16, 32, ..., 256) rows with zeros (free while the step is bound by W's bytes);
+  `_skinny_tma_kernel` does the same with both tiles brought in by TMA descriptors, whose
+  out-of-range rows and columns arrive as zeros (a `SkinnyConfig` with `tma=True`; x and W
+  need 16-byte aligned rows, else the pointer kernel runs).
 
 Which shapes this kernel takes over from cuBLAS is decided by measurement on the GPU
 (`pagedserve.layers.linear`), not assumed. The engine plans it for up to 64 rows: from 64 rows
@@ -180,6 +183,8 @@ def skinny_matmul(x: torch.Tensor, weight: torch.Tensor, cfg: SkinnyConfig,
     max_rows = MAX_ROWS if use_dot else 1
     if rows > max_rows:
         raise ValueError(f"{cfg} cannot take {rows} rows")
+    if tma and not use_dot:
+        raise ValueError(f"{cfg}: TMA loads are for the tensor-core path")
     block_m = max(16, next_pow2(rows)) if use_dot else 1
     y = torch.empty((rows, n), dtype=x.dtype, device=x.device) if out is None else out
     n_blocks = triton.cdiv(n, block_n)
@@ -189,8 +194,6 @@ def skinny_matmul(x: torch.Tensor, weight: torch.Tensor, cfg: SkinnyConfig,
         locks = _locks(x.device, n_blocks)
     else:
         partial, locks = y, y  # unused
-    if tma and not use_dot:
-        raise ValueError(f"{cfg}: TMA loads are for the tensor-core path")
     if tma and all(_tma_ok(t) for t in (x, weight)):
         from triton.tools.tensor_descriptor import TensorDescriptor
 
