@@ -17,9 +17,11 @@ def _run(tmp_path, *args: str) -> dict:
 
 
 def test_bench_throughput(tmp_path):
-    r = _run(tmp_path, "throughput", "--num-prompts", "3", "--input-len", "12", "--output-len", "5",
-             "--no-progress")
-    assert (r["num_prompts"], r["input_tokens"], r["output_tokens"]) == (3, 36, 15)
+    r = _run(tmp_path, "throughput", "--num-prompts", "3", "--input-len", "40", "--output-len", "5",
+             "--no-progress", "--warmup", "--block-size", "16")
+    assert (r["num_prompts"], r["input_tokens"], r["output_tokens"]) == (3, 120, 15)
+    # the warm-up ran the same prompts, but the timed run found none of them cached
+    assert r["prefix_cache_hit_rate"] == 0.0
     assert r["output_tokens_per_s"] > 0 and r["startup_s"] > 0
     assert r["graph_capture_s"] == 0.0 and r["matmul_plan_s"] == 0.0  # CPU: no graphs, no plan
     assert r["num_preemptions"] == 0

@@ -63,9 +63,12 @@ def run_throughput(args, llm_kwargs: dict, llm=None) -> dict:
     prompts = random_prompts(input_lens, cfg.vocab_size, rng)
     params = [SamplingParams(temperature=args.temperature, top_p=args.top_p, max_tokens=o,
                              ignore_eos=True, seed=None) for o in output_lens]
+    kv = llm.engine.kv
     if args.warmup:
         llm.generate(prompts[: min(8, len(prompts))], SamplingParams(max_tokens=4, ignore_eos=True),
                      use_tqdm=False)
+        kv.reset_prefix_cache()  # the warm-up's prompts are the workload's: no head start from them
+    queries0, hits0 = kv.stats.queries, kv.stats.hits
     if torch.cuda.is_available():
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
@@ -85,7 +88,7 @@ def run_throughput(args, llm_kwargs: dict, llm=None) -> dict:
     assert out_tokens == sum(output_lens), "ignore_eos runs must produce exactly max_tokens each"
     roof = Roofline.for_model(cfg)
     ideal = roof.workload_seconds(input_lens, output_lens, llm.engine.scheduler_config.max_num_seqs)
-    kv = llm.engine.kv
+    queries, hits = kv.stats.queries - queries0, kv.stats.hits - hits0
     result = {
         "benchmark": "throughput",
         "model": llm.engine.source.name,
@@ -106,6 +109,7 @@ def run_throughput(args, llm_kwargs: dict, llm=None) -> dict:
         if torch.cuda.is_available() else None,
         "kv_capacity_tokens": kv.num_blocks * kv.block_size,
         "num_preemptions": llm.engine.scheduler.num_preemptions,
+        "prefix_cache_hit_rate": round(hits / queries, 4) if queries else 0.0,  # of the timed run's prompt tokens
         "ideal_s": round(ideal, 3),
         "roofline_output_tokens_per_s": round(out_tokens / ideal, 1),
         "roofline_efficiency": round(ideal / elapsed, 4),
