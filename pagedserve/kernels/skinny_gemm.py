@@ -194,6 +194,7 @@ def skinny_matmul(x: torch.Tensor, weight: torch.Tensor, cfg: SkinnyConfig,
         locks = _locks(x.device, n_blocks)
     else:
         partial, locks = y, y  # unused
+    precision = "ieee" if x.dtype == torch.float32 else "tf32"
     if tma and all(_tma_ok(t) for t in (x, weight)):
         from triton.tools.tensor_descriptor import TensorDescriptor
 
@@ -201,15 +202,14 @@ def skinny_matmul(x: torch.Tensor, weight: torch.Tensor, cfg: SkinnyConfig,
             TensorDescriptor.from_tensor(x, [block_m, block_k]),
             TensorDescriptor.from_tensor(weight, [block_n, block_k]),
             y, partial, locks, rows, n, k, k_per_split, y.stride(0),
-            BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, SPLIT_K=split_k,
-            PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
+            BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, SPLIT_K=split_k, PRECISION=precision,
             num_warps=num_warps, num_stages=num_stages, **pdl.launch_options(x),
         )
         return y
     _skinny_kernel[(n_blocks, split_k)](
         x, weight, y, partial, locks, rows, n, k, k_per_split, x.stride(0), weight.stride(0), y.stride(0),
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, SPLIT_K=split_k, USE_DOT=use_dot,
-        EVEN_K=k % block_k == 0, PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
+        EVEN_K=k % block_k == 0, PRECISION=precision,
         num_warps=num_warps, num_stages=num_stages, **pdl.launch_options(x),
     )
     return y
