@@ -12,6 +12,9 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import subprocess
+import sys
+import tempfile
 import time
 from types import SimpleNamespace
 
@@ -23,6 +26,7 @@ from gpu_profile import (
     batch1_breakdown,
     extend_tune,
     gemm_m,
+    gemm_tunable,
     mixed,
     skinny,
     skinny_big,
@@ -346,6 +350,55 @@ def bench(quick: bool) -> None:
         torch.cuda.empty_cache()
 
 
+_STARTUP_CHILD = """
+import json, logging, os, time
+logging.basicConfig(level="INFO")
+t0 = time.perf_counter()
+from pagedserve import LLM, SamplingParams
+llm = LLM("qwen3-4b-instruct-2507", load_format="dummy", dtype="bfloat16", max_model_len=4096,
+          max_num_seqs=256, max_num_batched_tokens=8192, tokenizer=os.environ.get("PS_TOKENIZER"))
+startup = time.perf_counter() - t0
+e = llm.engine
+prompts = [[(7 * i + 3 * j) % 5000 + 10 for j in range(n)] for i, n in enumerate((5, 200, 1100, 40))]
+outs = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True), use_tqdm=False)
+print("RESULT " + json.dumps({"startup_s": startup, "engine_s": e.startup_seconds,
+      "graph_capture_s": e.graph_capture_seconds, "matmul_plan_s": e.matmul_plan_seconds,
+      "compile_ahead_s": e.compile_ahead_seconds, "tokens": [o.outputs[0].token_ids for o in outs]}))
+"""
+
+
+@section
+def startup(quick: bool) -> None:
+    """Start-up of the Qwen3 engine in fresh processes: with an empty Triton cache, compile-ahead
+    on and off (each its own cache folder), then on again with its cache filled; greedy tokens
+    of the same prompts must agree between all three."""
+    subprocess.run([sys.executable, "-c", "import torch, triton; torch.ones(1, device='cuda')"], check=True)
+    caches = {name: tempfile.mkdtemp(prefix=f"triton_{name}_") for name in ("ahead", "no_ahead")}
+    runs = {}
+    for label, cache, ahead in (("cold, compile-ahead", caches["ahead"], "1"),
+                                ("cold, no compile-ahead", caches["no_ahead"], "0"),
+                                ("warm, compile-ahead", caches["ahead"], "1")):
+        env = dict(os.environ, TRITON_CACHE_DIR=cache, PAGEDSERVE_COMPILE_AHEAD=ahead)
+        t0 = time.perf_counter()
+        proc = subprocess.run([sys.executable, "-c", _STARTUP_CHILD], env=env, capture_output=True, text=True)
+        wall = time.perf_counter() - t0
+        line = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
+        if proc.returncode or not line:
+            record(f"startup {label}: child failed", proc.stderr[-2000:], False, "{}")
+            continue
+        res = json.loads(line[0][len("RESULT "):])
+        res["process_wall_s"] = round(wall, 2)
+        res["log"] = [ln[-200:] for ln in proc.stderr.splitlines()
+                      if any(w in ln for w in ("compiled", "ready", "captured", "planned", "warm-up"))]
+        runs[label] = res
+        record(f"startup {label}: engine s (graphs {res['graph_capture_s']:.1f}, plan {res['matmul_plan_s']:.1f}, "
+               f"ahead {res['compile_ahead_s']:.1f}; process {wall:.0f} s)", res["engine_s"], None, "{:.1f}")
+    tokens = [r.pop("tokens") for r in runs.values()]
+    same = len(tokens) == 3 and all(t == tokens[0] for t in tokens)
+    record("startup: greedy tokens identical with and without compile-ahead", int(same), same)
+    RESULTS["startup"] = runs
+
+
 def time_prefill(engine, num_seqs: int, length: int) -> float:
     """Milliseconds of one eager prefill step of num_seqs prompts of `length` tokens."""
     from pagedserve.engine.request import Request
@@ -377,8 +430,8 @@ def main() -> None:
     args = ap.parse_args()
     RESULTS["env"] = {"torch": torch.__version__, "gpu": torch.cuda.get_device_name(),
                       "triton": __import__("triton").__version__}
-    sections = {"kernels": kernels, "sampling": sampling, "parity": parity, "bench": bench, "extend_tune": extend_tune,
-                "mixed": mixed, "gemm_m": gemm_m, "arrival": arrival, "skinny": skinny,
+    sections = {"kernels": kernels, "sampling": sampling, "parity": parity, "bench": bench, "startup": startup, "extend_tune": extend_tune,
+                "mixed": mixed, "gemm_m": gemm_m, "gemm_tunable": gemm_tunable, "arrival": arrival, "skinny": skinny,
                 "skinny_big": skinny_big, "skinny_tma": skinny_tma}
     for name in args.sections.split(","):
         sections[name](args.quick)

@@ -238,6 +238,59 @@ def gemm_m(quick: bool) -> None:
 
 
 @section
+def gemm_tunable(quick: bool) -> None:
+    """The weight matmuls of Qwen3-4B (8 copies each, so the weights come from HBM) at decode
+    and prefill row counts: cuBLAS's default pick, torch's TunableOp (every cuBLAS / cuBLASLt
+    algorithm timed per shape), and the transposed product W @ x^T."""
+    import tempfile
+
+    import triton.testing
+
+    shapes = {"qkv": (2560, 6144), "o": (4096, 2560), "gate_up": (2560, 19456), "down": (9728, 2560),
+              "lm_head": (2560, 151936)}
+    copies = {k: [torch.randn(n, k_, device=DEV, dtype=torch.bfloat16) for _ in range(8 if k != "lm_head" else 2)]
+              for k, (k_, n) in shapes.items()}
+    rows = (64, 128, 256) if quick else (64, 128, 192, 256, 2048, 8192)
+    found = {}
+
+    def time_all(label):
+        for m in rows:
+            for k, (k_, _) in shapes.items():
+                x = torch.randn(m, k_, device=DEV, dtype=torch.bfloat16)
+                ws = copies[k]
+                run = lambda ws=ws, x=x: [torch.nn.functional.linear(x, w) for w in ws]  # noqa: E731
+                run()
+                ms = triton.testing.do_bench(run, return_mode="median") / len(ws)
+                found.setdefault(f"{k} M={m}", {})[label] = round(ms, 4)
+                if label == "default":
+                    runt = lambda ws=ws, x=x: [w @ x.T for w in ws]  # noqa: E731
+                    runt()
+                    found[f"{k} M={m}"]["transposed"] = round(
+                        triton.testing.do_bench(runt, return_mode="median") / len(ws), 4)
+
+    time_all("default")
+    import torch.cuda.tunable as tunable
+
+    tunable.set_filename(os.path.join(tempfile.mkdtemp(), "tunableop.csv"))
+    tunable.enable(True)
+    tunable.tuning_enable(True)
+    tunable.set_max_tuning_duration(50)
+    t0 = time.perf_counter()
+    time_all("tunableop")
+    tune_s = time.perf_counter() - t0
+    tunable.enable(False)
+    for key, v in found.items():
+        m = int(key.split("M=")[1])
+        k_, n = shapes[key.split()[0]]
+        tf = 2 * m * k_ * n / 1e9
+        record(f"GEMM {key}: default / tunableop / transposed TFLOP/s",
+               " / ".join(f"{tf / v[c]:.0f}" for c in ("default", "tunableop", "transposed")))
+    found["tuning_and_timing_s"] = round(tune_s, 1)
+    found["results"] = [list(map(str, r)) for r in tunable.get_results()][:80]
+    RESULTS["gemm_tunable"] = found
+
+
+@section
 def arrival(quick: bool) -> None:
     """Step by step through a wave of arrivals like the serving sweep's (1,024 in / 128 out,
     concurrency 16 then 64), twice: each step's wall time, token count and whether it was

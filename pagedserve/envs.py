@@ -63,6 +63,14 @@ def fused_sampling() -> bool:
     return (os.environ.get("PAGEDSERVE_FUSED_SAMPLING") or "1") != "0"
 
 
+def compile_ahead() -> bool:
+    """$PAGEDSERVE_COMPILE_AHEAD=0 lets Triton compile each kernel when it is first launched;
+    by default (1) each CUDA start-up phase (memory profile, matmul plan, graph capture,
+    warm-up) is first rehearsed with its Triton launches compiled in parallel threads
+    (`kernels/compile_ahead.py`), which shortens a start-up with an empty kernel cache."""
+    return (os.environ.get("PAGEDSERVE_COMPILE_AHEAD") or "1") != "0"
+
+
 # The chat UI (`pagedserve ui` sets these for the Chainlit app it starts).
 UI_BASE_URL = "PAGEDSERVE_UI_BASE_URL"
 UI_API_KEY = "PAGEDSERVE_UI_API_KEY"

@@ -421,12 +421,21 @@ def test_fused_sampling_matches_softmax_of_scaled_logits():
         tokens = torch.cat([sample_with_temperature(logits, temp, seed) for seed in (11, 12)])
         freq = torch.bincount(tokens, minlength=logits.shape[1]).double() / n
         assert_matches(freq, (logits_row / temperature).softmax(-1), n)
-    wide = torch.full((5000,), -30.0)
+    # the other tokens at -inf: a chi-square over thousands of near-zero cells could not fail
+    wide = torch.full((5000,), float("-inf"))
     wide[[3, 2100, 4999]] = torch.tensor([1.0, 0.5, 0.8])  # one token in each of three blocks
     n = 600
     tokens = sample_with_temperature(wide.expand(n, -1).contiguous(), torch.full((n,), 0.9), 7)
     freq = torch.bincount(tokens, minlength=5000).double() / n
     assert_matches(freq, (wide / 0.9).softmax(-1), n)
+    # A block's four quarters draw on the four outputs of one random call: a token in each
+    # quarter, the same lane (5 + i * 512), and one in another lane, each at its own odds.
+    quarters = torch.full((2048,), float("-inf"))
+    quarters[[5, 517, 1029, 1541, 1800]] = torch.tensor([0.2, 0.9, 0.5, 0.0, 0.7])
+    n = 1500
+    tokens = sample_with_temperature(quarters.expand(n, -1).contiguous(), torch.full((n,), 1.0), 5)
+    freq = torch.bincount(tokens, minlength=2048).double() / n
+    assert_matches(freq, quarters.softmax(-1), n)
 
 
 def test_fused_sampling_greedy_rows_seeds_and_dtypes():

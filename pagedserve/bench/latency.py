@@ -68,4 +68,5 @@ def run_latency(args, llm_kwargs: dict, llm=None) -> dict:
             "startup_s": round(startup, 2) if startup is not None else None,
             "graph_capture_s": round(engine.graph_capture_seconds, 2),
             "matmul_plan_s": round(engine.matmul_plan_seconds, 2),
+            "compile_ahead_s": round(engine.compile_ahead_seconds, 2),
             "rows": rows, "settings": {k: v for k, v in vars(args).items() if k != "func"}}

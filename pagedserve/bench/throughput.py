@@ -105,6 +105,7 @@ def run_throughput(args, llm_kwargs: dict, llm=None) -> dict:
         "startup_s": round(startup, 2) if startup is not None else None,
         "graph_capture_s": round(llm.engine.graph_capture_seconds, 2),
         "matmul_plan_s": round(llm.engine.matmul_plan_seconds, 2),
+        "compile_ahead_s": round(llm.engine.compile_ahead_seconds, 2),
         "peak_gpu_memory_gib": round(torch.cuda.max_memory_reserved() / 2**30, 2)
         if torch.cuda.is_available() else None,
         "kv_capacity_tokens": kv.num_blocks * kv.block_size,

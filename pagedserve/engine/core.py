@@ -23,7 +23,8 @@ from pagedserve.engine.model_runner import ModelRunner
 from pagedserve.engine.request import Request
 from pagedserve.engine.scheduler import Scheduler
 from pagedserve.engine.step_timer import StepTimer
-from pagedserve.layers.linear import plan_model_matmuls
+from pagedserve.kernels.compile_ahead import compile_ahead
+from pagedserve.layers.linear import compile_plan_candidates, plan_model_matmuls
 from pagedserve.models.loader import ModelSource, build_model, resolve_model
 from pagedserve.sampling_params import SamplingParams
 
@@ -83,16 +84,27 @@ class EngineCore:
         backend = get_backend_class(backend_name)(
             cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.head_dim**-0.5
         )
-        num_blocks = determine_num_blocks(
-            cfg, config.cache, sched, dtype, device,
-            profile=lambda: _profile_forward(model, backend, sched, config.cache.block_size),
-        )
+        # On CUDA each start-up phase is first rehearsed with its Triton kernels compiled in
+        # parallel (kernels/compile_ahead.py), then run for real.
+        self.compile_ahead_seconds = 0.0
+        ahead = self._compile_ahead if device.type == "cuda" and envs.compile_ahead() else None
+        self.model = model
+
+        def profile() -> None:
+            run = lambda: _profile_forward(model, backend, sched, config.cache.block_size)  # noqa: E731
+            if ahead:
+                ahead(run, "memory profile")
+            run()
+
+        num_blocks = determine_num_blocks(cfg, config.cache, sched, dtype, device, profile=profile)
         self.kv = KVCacheManager(num_blocks, config.cache.block_size, config.cache.enable_prefix_caching)
         self.scheduler = Scheduler(sched, self.kv)
         self.runner = ModelRunner(model, backend, num_blocks, config.cache.block_size)
         self.matmul_plan_seconds = 0.0
         if device.type == "cuda" and dtype in (torch.bfloat16, torch.float16) and envs.skinny_matmul():
             t_plan = time.perf_counter()
+            if ahead:
+                ahead(lambda: compile_plan_candidates(model, model.logits_weight()), "matmul plan")
             plan_model_matmuls(model, model.logits_weight())
             self.matmul_plan_seconds = time.perf_counter() - t_plan
             logger.info("small-batch matmuls planned in %.1f s", self.matmul_plan_seconds)
@@ -101,7 +113,7 @@ class EngineCore:
             self.graph_capture_seconds = self.runner.enable_cuda_graphs(
                 min(sched.max_num_seqs, 512), max_len,
                 max_mixed_tokens=min(envs.mixed_graph_tokens(), sched.max_num_batched_tokens),
-                max_seqs=sched.max_num_seqs)
+                max_seqs=sched.max_num_seqs, ahead=ahead)
         self.requests: dict[str, Request] = {}
         self._inflight = None  # (SchedulerOutput, StepHandle) launched but not yet read back
         self.timer = StepTimer()  # host-side phase timings; off unless enabled
@@ -119,11 +131,19 @@ class EngineCore:
             max_len, capacity / max_len,
         )
         if device.type == "cuda":
+            if ahead:  # (greedy warm-up: argmax of whatever the skipped kernels left is a valid id)
+                ahead(self.warm_up, "warm-up")
             self.warm_up()
         self.startup_seconds = time.perf_counter() - t0
         logger.info("engine ready on %s in %.1f s", device, self.startup_seconds)
         if self._log_times_every:
             self.timer.enable()
+
+    def _compile_ahead(self, fn, what: str) -> None:
+        """Rehearse a start-up phase over the first two decoder layers only, its Triton kernels
+        compiled in parallel instead of launched (kernels/compile_ahead.py)."""
+        with self.model.first_layers_only(2):
+            self.compile_ahead_seconds += compile_ahead(fn, what)
 
     def warm_up(self) -> None:
         """Run a prefill, a mixed step (a decode beside a prefill chunk) and graph decodes on

@@ -64,6 +64,12 @@ class DecodeGraphRunner:
         return meta
 
     @torch.inference_mode()
+    def rehearse(self) -> None:
+        """Every bucket's forward once, eagerly, as `capture` runs it (for compile_ahead)."""
+        for bs in reversed(self.buckets):
+            self.model(self.input_ids[:bs], self.positions[:bs], AttentionContext(self.backend, self._meta(bs)))
+
+    @torch.inference_mode()
     def capture(self, pool=None) -> float:
         """Capture every bucket, largest first (so smaller ones reuse its memory pool)."""
         t0 = time.perf_counter()

@@ -162,6 +162,13 @@ class MixedGraphRunner:
         return self.model(rows[0], rows[1], AttentionContext(self.backend, self.meta(bucket)))
 
     @torch.inference_mode()
+    def rehearse(self) -> None:
+        """Every bucket's forward once, eagerly, as `capture` runs it (for compile_ahead)."""
+        self._token_rows(self.buckets[-1])[2:].fill_(-1)
+        for b in reversed(self.buckets):
+            self.forward(b)
+
+    @torch.inference_mode()
     def capture(self, pool=None) -> float:
         """Capture every bucket, largest first; returns the seconds it took."""
         from pagedserve.engine.cuda_graphs import capture_graph

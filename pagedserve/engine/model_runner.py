@@ -8,6 +8,7 @@ requests that sample this step, and samples on the device.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -114,20 +115,26 @@ class ModelRunner:
         return ids_t, pos_t, meta, logits_t, [out.chunks[i].request for i in a.sample_rows]
 
     def enable_cuda_graphs(self, max_batch: int, max_model_len: int, max_mixed_tokens: int = 0,
-                           max_seqs: int = 0) -> float:
+                           max_seqs: int = 0, ahead: Callable[[Callable, str], None] | None = None) -> float:
         """Capture decode graphs for batch sizes up to max_batch and, if max_mixed_tokens > 0,
         mixed-step graphs for token counts up to it (steps of up to max_seqs sequences);
         returns the seconds it took. Each kind has its own memory pool, decode graphs first
-        (their capture is then exactly what it was before mixed graphs existed)."""
+        (their capture is then exactly what it was before mixed graphs existed). With `ahead`
+        (`ahead(fn, what)`: EngineCore._compile_ahead), each kind's captures are first
+        rehearsed with their Triton kernels compiled in parallel."""
         from pagedserve.engine.cuda_graphs import DecodeGraphRunner
         from pagedserve.engine.mixed_graphs import MixedGraphRunner
 
         max_blocks = -(-max_model_len // self.block_size)
         self.graphs = DecodeGraphRunner(self.model, self.backend, max_batch, max_blocks, max_model_len)
+        if ahead:
+            ahead(self.graphs.rehearse, "decode graphs")
         seconds = self.graphs.capture()
         if max_mixed_tokens > 0:
             self.mixed_graphs = MixedGraphRunner(self.model, self.backend, max_mixed_tokens,
                                                  max_seqs, max_blocks, max_model_len)
+            if ahead:
+                ahead(self.mixed_graphs.rehearse, "mixed-step graphs")
             seconds += self.mixed_graphs.capture()
         return seconds
 

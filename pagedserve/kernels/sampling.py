@@ -10,8 +10,9 @@ maximum; several programs per row meet through an atomic maximum of (score, toke
 instead of a dozen passes (temperature, softmax, noise, division, argmax). Rows with T = 0
 take the plain argmax. Ties go to the lowest token id, as torch.argmax breaks them.
 
-The uniforms come from Triton's Philox generator keyed by (seed, row * vocab + token): the
-caller passes a new seed each step.
+The uniforms come from Triton's Philox generator, four per call (`tl.rand4x`), keyed by the
+seed and a counter unique to (row, block of tokens, lane): the caller passes a new seed each
+step. One Philox call per token had bound the kernel by its arithmetic, not by memory.
 """
 
 from __future__ import annotations
@@ -25,6 +26,20 @@ from pagedserve.kernels._utils import check_dtype
 
 _BLOCK_V = 2048  # tokens per iteration of a program
 _EMPTY: tl.constexpr = tl.constexpr(-(2**63))  # the smallest int64: no (score, token) yet
+
+
+@triton.jit
+def _race(row_logits, ids, v_end, u, inv_t, greedy, best, best_id):
+    """One quarter block of the Gumbel-max race: tokens `ids` with uniforms `u`, against the
+    lanes' best (score, token) so far."""
+    ok = ids < v_end
+    logit = tl.load(row_logits + ids, mask=ok, other=float("-inf")).to(tl.float32)
+    u = tl.maximum(u, 1e-20)  # u = 0 would give g = -inf: the token could never win anyway
+    gumbel = -tl.log(-tl.log(u))
+    score = tl.where(greedy, logit, logit * inv_t + gumbel)
+    score = tl.where(ok, score, float("-inf"))
+    better = score > best  # strict: an earlier token keeps a tie
+    return tl.where(better, score, best), tl.where(better, ids, best_id)
 
 
 @triton.jit
@@ -45,21 +60,24 @@ def _sample_kernel(
     t = tl.load(TEMP + row)
     greedy = t == 0.0
     inv_t = 1.0 / tl.where(greedy, 1.0, t)
-    best = tl.full([BLOCK_V], float("-inf"), dtype=tl.float32)  # per lane: best score so far
-    best_id = tl.zeros([BLOCK_V], dtype=tl.int32)  # and its token (the first one on ties)
-    lanes = tl.arange(0, BLOCK_V)
+    QUARTER: tl.constexpr = BLOCK_V // 4
+    best = tl.full([QUARTER], float("-inf"), dtype=tl.float32)  # per lane: best score so far
+    best_id = tl.zeros([QUARTER], dtype=tl.int32)  # and its token (the first one on ties)
+    lanes = tl.arange(0, QUARTER)
+    row_counters = tl.cdiv(V, BLOCK_V) * QUARTER  # Philox counters per row (one per 4 tokens)
     for v0 in range(v_start, v_end, BLOCK_V):
-        ids = v0 + lanes
-        ok = ids < v_end
-        logit = tl.load(LOGITS + row * stride_l + ids, mask=ok, other=float("-inf")).to(tl.float32)
-        u = tl.rand(seed, (row * V + ids).to(tl.uint32))  # [BLOCK_V] uniform in [0, 1)
-        u = tl.maximum(u, 1e-20)  # u = 0 would give g = -inf: the token could never win anyway
-        gumbel = -tl.log(-tl.log(u))
-        score = tl.where(greedy, logit, logit * inv_t + gumbel)
-        score = tl.where(ok, score, float("-inf"))
-        better = score > best  # strict: an earlier token keeps a tie
-        best = tl.where(better, score, best)
-        best_id = tl.where(better, ids, best_id)
+        # One Philox call gives four uniforms: lane i's feed tokens v0 + i + (0, 1, 2, 3) * QUARTER,
+        # so every load stays contiguous; counters are unique per (row, block, lane).
+        counter = (row * row_counters + v0 // 4 + lanes).to(tl.uint32)
+        u0, u1, u2, u3 = tl.rand4x(seed, counter)  # [QUARTER] each, uniform in [0, 1)
+        # quarters in token order: within a lane a later token only wins on a strictly better score
+        best, best_id = _race(LOGITS + row * stride_l, v0 + lanes, v_end, u0, inv_t, greedy, best, best_id)
+        best, best_id = _race(LOGITS + row * stride_l, v0 + QUARTER + lanes, v_end, u1, inv_t, greedy,
+                              best, best_id)
+        best, best_id = _race(LOGITS + row * stride_l, v0 + 2 * QUARTER + lanes, v_end, u2, inv_t, greedy,
+                              best, best_id)
+        best, best_id = _race(LOGITS + row * stride_l, v0 + 3 * QUARTER + lanes, v_end, u3, inv_t, greedy,
+                              best, best_id)
     top = tl.max(best, axis=0)
     # lowest id among the lanes' ties (all -inf: every lane still holds id 0, as torch.argmax says)
     winner = tl.min(tl.where(best == top, best_id, V), axis=0)
@@ -111,8 +129,8 @@ def sample_with_temperature(logits: torch.Tensor, temperature: torch.Tensor, see
     if temperature.shape != (n,) or temperature.dtype != torch.float32:
         raise ValueError(f"temperature must be a float32 [{n}] tensor, got {temperature.dtype} "
                          f"{tuple(temperature.shape)}")
-    if n * vocab >= 2**32:
-        raise ValueError(f"{n} x {vocab} logits: past the random generator's 32-bit offsets")
+    if n * triton.cdiv(vocab, _BLOCK_V) * (_BLOCK_V // 4) >= 2**32:
+        raise ValueError(f"{n} x {vocab} logits: past the random generator's 32-bit counters")
     if out is None:
         out = torch.empty(n, dtype=torch.int64, device=logits.device)
     if n == 0:

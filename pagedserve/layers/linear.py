@@ -136,16 +136,22 @@ def plan_skinny_matmuls(groups: dict[str, list[torch.Tensor]],
     return plans
 
 
-def plan_model_matmuls(model: nn.Module, logits_weight: torch.Tensor,
-                       timer: Callable[[Callable[[], None]], float] = _gpu_ms) -> dict[str, SkinnyPlan]:
-    """Plan every bias-free `Linear` of `model`, grouped by role (the attribute name, e.g.
-    every layer's `o_proj`) and shape, plus the logits matmul (`logits_weight`, returned
-    under "logits"); sets each Linear's `skinny_plan`."""
+def _model_groups(model: nn.Module) -> dict[str, list[Linear]]:
+    """Every bias-free `Linear` of `model`, grouped by role (the attribute name, e.g. every
+    layer's `o_proj`) and shape."""
     groups: dict[str, list[Linear]] = {}
     for name, mod in model.named_modules():
         if isinstance(mod, Linear) and mod.bias is None:
             key = f"{name.rsplit('.', 1)[-1]} {tuple(mod.weight.shape)}"
             groups.setdefault(key, []).append(mod)
+    return groups
+
+
+def plan_model_matmuls(model: nn.Module, logits_weight: torch.Tensor,
+                       timer: Callable[[Callable[[], None]], float] = _gpu_ms) -> dict[str, SkinnyPlan]:
+    """Plan every bias-free `Linear` of `model`, grouped by role and shape, plus the logits
+    matmul (`logits_weight`, returned under "logits"); sets each Linear's `skinny_plan`."""
+    groups = _model_groups(model)
     weights = {key: [m.weight for m in mods] for key, mods in groups.items()}
     weights["logits"] = [logits_weight]
     plans = plan_skinny_matmuls(weights, timer)
@@ -153,3 +159,21 @@ def plan_model_matmuls(model: nn.Module, logits_weight: torch.Tensor,
         for m in mods:
             m.skinny_plan = plans[key]
     return plans
+
+
+@torch.inference_mode()
+def compile_plan_candidates(model: nn.Module, logits_weight: torch.Tensor) -> None:
+    """Launch every setting `plan_model_matmuls` will time, once per weight shape and row
+    bucket, on uninitialised inputs: the plan's rehearsal for `kernels/compile_ahead.py`."""
+    from pagedserve.kernels.skinny_gemm import skinny_matmul
+
+    shapes = {tuple(mods[0].weight.shape): mods[0].weight for mods in _model_groups(model).values()}
+    shapes[tuple(logits_weight.shape)] = logits_weight
+    for (n, k), weight in shapes.items():
+        if weight.numel() >= 2**31:
+            continue
+        for rows in ROW_BUCKETS:
+            x = torch.empty(rows, k, device=weight.device, dtype=weight.dtype)
+            out = torch.empty(rows, n, device=x.device, dtype=x.dtype)
+            for cfg in _candidates(rows):
+                skinny_matmul(x, weight, cfg, out)

@@ -6,7 +6,8 @@ delegates attention, including the KV-cache write, to an attention backend.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
 
 import torch
 from torch import nn
@@ -132,6 +133,18 @@ class LlamaForCausalLM(nn.Module):
             h, residual = layer(h, residual, positions, self.rotary, attn)
         h, _ = self.norm(h, residual)
         return h
+
+    @contextmanager
+    def first_layers_only(self, n: int = 2) -> Iterator[None]:
+        """For start-up rehearsals (`kernels/compile_ahead.py`): forward runs the first n
+        decoder layers only. Later layers launch the same kernel variants as the second (the
+        first alone has no residual to add), so a rehearsal needs no more."""
+        layers = self.layers
+        self.layers = layers[:n]
+        try:
+            yield
+        finally:
+            self.layers = layers
 
     def logits_weight(self) -> torch.Tensor:
         """[vocab, hidden]: the output projection (the input embedding when tied)."""
