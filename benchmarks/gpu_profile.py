@@ -291,6 +291,72 @@ def gemm_tunable(quick: bool) -> None:
 
 
 @section
+def decode_tune(quick: bool) -> None:
+    """The decode attention kernel (one Qwen3 layer: 32/8 heads, d 128, pages of 16) under
+    launch settings and program orders, on batches like the offline workloads' (64 x 2,048;
+    256 with lengths uniform in [100, 2,048]), pages scattered at random or in order; the
+    split count is the one a decode graph would use (max_model_len 4,096). TB/s of K/V read."""
+    import functools
+
+    import triton.testing
+
+    from pagedserve.attention.triton_backend import choose_num_splits
+    from pagedserve.kernels.paged_attention import (
+        DECODE_CONFIG,
+        alloc_decode_partials,
+        paged_decode,
+    )
+
+    hq, hkv, d, page = 32, 8, 128, 16
+    gen = torch.Generator().manual_seed(0)
+    batches = {"64x2048": [2048] * 64,
+               "256xU[100,2048]": torch.randint(100, 2049, (256,), generator=gen).tolist()}
+    configs = {
+        "rows fast (before), N64 w4 s2": dict(DECODE_CONFIG, HEADS_FAST=False, BLOCK_N=64, num_warps=4, num_stages=2),
+        "heads fast, N64 w4 s2": dict(DECODE_CONFIG, HEADS_FAST=True, BLOCK_N=64, num_warps=4, num_stages=2),
+        "heads fast, N64 w4 s3": dict(DECODE_CONFIG, HEADS_FAST=True, BLOCK_N=64, num_warps=4, num_stages=3),
+        "heads fast, N128 w4 s2": dict(DECODE_CONFIG, HEADS_FAST=True, BLOCK_N=128, num_warps=4, num_stages=2),
+        "heads fast, N128 w8 s3": dict(DECODE_CONFIG, HEADS_FAST=True, BLOCK_N=128, num_warps=8, num_stages=3),
+        "heads fast, N32 w2 s4": dict(DECODE_CONFIG, HEADS_FAST=True, BLOCK_N=32, num_warps=2, num_stages=4),
+    }
+    found = {}
+    for bname, lens in batches.items():
+        b = len(lens)
+        blocks = [-(-n // page) for n in lens]
+        nb = sum(blocks)
+        cache = torch.randn(2, nb, page, hkv, d, device=DEV, dtype=torch.bfloat16)
+        q = torch.randn(b, hq, d, device=DEV, dtype=torch.bfloat16)
+        qsl = torch.arange(b + 1, dtype=torch.int32, device=DEV)
+        seq_lens = torch.tensor(lens, dtype=torch.int32, device=DEV)
+        seq_ids = torch.arange(b, dtype=torch.int32, device=DEV)
+        splits = choose_num_splits(b, hkv, 4096)
+        parts = alloc_decode_partials(b, splits, hq, d, DEV) if splits > 1 else None
+        nbytes = sum(lens) * hkv * d * 2 * 2
+        for layout in ("scattered", "in order"):
+            order = torch.randperm(nb, generator=gen) if layout == "scattered" else torch.arange(nb)
+            tables = torch.zeros(b, max(blocks), dtype=torch.int32)
+            at = 0
+            for i, n in enumerate(blocks):
+                tables[i, :n] = order[at:at + n].to(torch.int32)
+                at += n
+            tables = tables.to(DEV)
+            args = (q, cache, None, seq_ids, qsl, seq_lens, tables, d**-0.5, splits, parts)
+            ref = None
+            for cname, cfg in configs.items():
+                out = torch.zeros_like(q)
+                run = functools.partial(paged_decode, *args[:2], out, *args[3:], config=cfg)
+                run()
+                ref = out.clone() if ref is None else ref
+                err = rel_err(out, ref)
+                ms = triton.testing.do_bench(run, return_mode="median")
+                key = f"{bname} {layout} (splits {splits}) {cname}"
+                found[key] = {"ms": round(ms, 4), "tb_s": round(nbytes / ms / 1e9, 3), "rel_err_vs_first": err}
+                record(f"decode {key}: TB/s", nbytes / ms / 1e9, err < 1e-2, "{:.2f}")
+        del cache
+    RESULTS["decode_tune"] = found
+
+
+@section
 def arrival(quick: bool) -> None:
     """Step by step through a wave of arrivals like the serving sweep's (1,024 in / 128 out,
     concurrency 16 then 64), twice: each step's wall time, token count and whether it was

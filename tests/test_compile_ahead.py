@@ -119,3 +119,35 @@ def test_rehearsals_run_the_first_two_decoder_layers_only():
         with pytest.raises(RuntimeError), model.first_layers_only(2):
             raise RuntimeError("rehearsal failed")
         assert model.layers is layers
+
+
+def test_first_launches_after_start_up_are_logged(caplog):
+    """Once the engine is ready every new kernel variant is logged (it stalls a step); turning
+    the report off leaves a hook someone else installed alone."""
+    import logging
+
+    import triton
+
+    from pagedserve.kernels.compile_ahead import report_late_compiles
+
+    runtime = triton.knobs.runtime
+    before = runtime.jit_cache_hook
+    try:
+        report_late_compiles(True)
+        hook = runtime.jit_cache_hook
+        with caplog.at_level(logging.INFO, logger="pagedserve.kernels.compile_ahead"):
+            go_on = hook(key="k", repr="_decode_kernel[num_warps=4](Q: *bf16)", fn=None,
+                         compile={"constants": {"BLOCK_N": 64}}, is_manual_warmup=False, already_compiled=False)
+        assert go_on is False  # Triton compiles as usual
+        assert "_decode_kernel[num_warps=4]" in caplog.text and "BLOCK_N" in caplog.text
+        report_late_compiles(False)
+        assert runtime.jit_cache_hook is None
+
+        def theirs(**kwargs):
+            return False
+
+        runtime.jit_cache_hook = theirs
+        report_late_compiles(False)
+        assert runtime.jit_cache_hook is theirs
+    finally:
+        runtime.jit_cache_hook = before

@@ -141,6 +141,33 @@ def test_step_times_are_logged_every_n_steps(monkeypatch, caplog):
     assert all(p in lines[0] for p in ("schedule", "prepare+launch", "wait for GPU", "apply results"))
 
 
+def test_slow_steps_are_logged_with_their_split_and_gc_time(monkeypatch, caplog):
+    """PAGEDSERVE_SLOW_STEP_MS: each slower step is logged with what it held, how long its
+    own scheduling and launch took and how long Python's garbage collector ran meanwhile."""
+    import gc
+    import logging
+
+    from pagedserve import LLM, SamplingParams
+    from pagedserve.engine.step_timer import GC_CLOCK
+
+    before = GC_CLOCK.seconds
+    cycles = [[] for _ in range(20000)]
+    for c in cycles:
+        c.append(c)
+    del cycles
+    gc.collect()
+    assert GC_CLOCK.seconds > before  # the clock saw that collection
+
+    monkeypatch.setenv("PAGEDSERVE_SLOW_STEP_MS", "0.001")  # every step is "slow"
+    llm = LLM(dtype="float32", device="cpu", max_model_len=512)
+    with caplog.at_level(logging.WARNING, logger="pagedserve"):
+        llm.generate(["The capital of France is"], SamplingParams(max_tokens=3, temperature=0))
+    lines = [r.getMessage() for r in caplog.records if "slow engine step" in r.getMessage()]
+    assert lines and "1 other chunks" in lines[0]
+    assert all("scheduling" in m and "launching" in m and "logits and sampling" in m
+               and "garbage collector" in m for m in lines)
+
+
 def test_first_token_carries_queue_and_prefill_time():
     """The engine reports, with each request's first token only, how long it waited to be
     scheduled and how long from then to that token; the two add up to the engine's TTFT."""

@@ -22,8 +22,8 @@ from pagedserve.engine.kv_cache_manager import KVCacheManager, PrefixCacheStats
 from pagedserve.engine.model_runner import ModelRunner
 from pagedserve.engine.request import Request
 from pagedserve.engine.scheduler import Scheduler
-from pagedserve.engine.step_timer import StepTimer
-from pagedserve.kernels.compile_ahead import compile_ahead
+from pagedserve.engine.step_timer import GC_CLOCK, StepTimer
+from pagedserve.kernels.compile_ahead import compile_ahead, report_late_compiles
 from pagedserve.layers.linear import compile_plan_candidates, plan_model_matmuls
 from pagedserve.models.loader import ModelSource, build_model, resolve_model
 from pagedserve.sampling_params import SamplingParams
@@ -88,6 +88,8 @@ class EngineCore:
         # parallel (kernels/compile_ahead.py), then run for real.
         self.compile_ahead_seconds = 0.0
         ahead = self._compile_ahead if device.type == "cuda" and envs.compile_ahead() else None
+        if device.type == "cuda":
+            report_late_compiles(False)  # (this start-up's compiles are expected)
         self.model = model
 
         def profile() -> None:
@@ -134,6 +136,7 @@ class EngineCore:
             if ahead:  # (greedy warm-up: argmax of whatever the skipped kernels left is a valid id)
                 ahead(self.warm_up, "warm-up")
             self.warm_up()
+            report_late_compiles(True)
         self.startup_seconds = time.perf_counter() - t0
         logger.info("engine ready on %s in %.1f s", device, self.startup_seconds)
         if self._log_times_every:
@@ -151,8 +154,9 @@ class EngineCore:
         allocator growth) are paid before the first user request, not during it: once with
         the prefill and mixed steps eager (steps too big for a mixed-step graph run so, and
         Triton specializes the small kernels on whether the token count is a multiple of
-        16), once as they normally run. Leaves no trace: blocks freed, prefix cache and
-        counters reset."""
+        16), once as they normally run; then one step of the full token budget, the eager
+        decode kernel at every split count and the fused sampler. Leaves no trace: blocks
+        freed, prefix cache and counters reset."""
         t0 = time.perf_counter()
         vocab = self.model_config.vocab_size
         greedy = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
@@ -165,13 +169,41 @@ class EngineCore:
             while self.has_unfinished_requests():
                 self.step()
         self.runner.mixed_graphs = mixed_graphs
+        self._warm_up_full_step()
         self._warm_up_decode_splits()
+        self._warm_up_sampler()
         self.kv.reset_prefix_cache()
         self.kv.stats = PrefixCacheStats()
         self.scheduler.num_preemptions = 0
         self.num_prefill_tokens = self.num_generation_tokens = 0
         self.runner.num_graph_steps = self.runner.num_eager_steps = 0
         logger.info("warm-up steps in %.1f s", time.perf_counter() - t0)
+
+    def _warm_up_full_step(self) -> None:
+        """One prefill step of max_num_batched_tokens tokens, so that the first full step of
+        real requests finds its activation memory in the allocator's cache (the memory profile
+        gave its own back before the KV cache was made) and its kernel variants loaded."""
+        sched, vocab = self.scheduler_config, self.model_config.vocab_size
+        length = max(1, min(sched.max_num_batched_tokens, sched.max_model_len - 1))
+        count = max(1, min(sched.max_num_batched_tokens // length, sched.max_num_seqs))
+        params = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
+        for r in range(count):
+            self.add_request(EngineRequest(f"warmup-full-{r}", [(7 * i + r) % vocab for i in range(length)], params))
+        while self.has_unfinished_requests():
+            self.step()
+
+    @torch.inference_mode()
+    def _warm_up_sampler(self) -> None:
+        """Compile the fused temperature sampler (the warm-up's own requests are greedy, which
+        takes the argmax instead); otherwise the first request with a temperature waits."""
+        if not envs.fused_sampling():
+            return
+        from pagedserve.kernels.sampling import sample_with_temperature
+
+        device = self.model.embed_tokens.weight.device
+        for rows in sorted({1, self.scheduler_config.max_num_seqs}):
+            logits = torch.zeros(rows, self.model_config.vocab_size, device=device)
+            sample_with_temperature(logits, torch.ones(rows, device=device), seed=1)
 
     @torch.inference_mode()
     def _warm_up_decode_splits(self) -> None:
@@ -258,18 +290,22 @@ class EngineCore:
         outputs: list[TokenOutput] = []
         timer = self.timer
         t0 = time.perf_counter()
+        gc0 = GC_CLOCK.seconds
+        allocs0 = _allocator_counts() if self._slow_step_ms else None
         if self._inflight is not None and self._needs_sync():
             outputs += self._complete(*self._inflight)
             self._inflight = None
         timer.mark()
         out = self.scheduler.schedule()
         timer.mark("schedule")
+        t_scheduled = time.perf_counter()
         launched = None
         if not out.is_empty:
             tables = [self.kv.block_ids(c.request.request_id) for c in out.chunks]
             launched = (out, self.runner.execute(out, tables))
             self.num_prefill_tokens += sum(c.num_tokens for c in out.chunks if not c.is_decode)
         timer.mark("prepare+launch")
+        t_launched = time.perf_counter()
         if self._inflight is not None:
             outputs += self._complete(*self._inflight)
         self._inflight = launched
@@ -278,7 +314,8 @@ class EngineCore:
             self._inflight = None
         ms = (time.perf_counter() - t0) * 1e3
         if self._slow_step_ms and ms > self._slow_step_ms:
-            self._log_slow_step(ms, out)
+            self._log_slow_step(ms, out, (t_scheduled - t0) * 1e3, (t_launched - t_scheduled) * 1e3,
+                                (GC_CLOCK.seconds - gc0) * 1e3, allocs0)
         if self._log_times_every:
             self._log_step_times()
         return outputs
@@ -297,12 +334,21 @@ class EngineCore:
         self._timed_steps = 0
         self.timer.enable()  # clears the phase totals
 
-    def _log_slow_step(self, ms: float, out) -> None:
+    def _log_slow_step(self, ms: float, out, schedule_ms: float, launch_ms: float, gc_ms: float,
+                       allocs0: dict[str, int] | None) -> None:
         chunks = out.chunks
         decodes = sum(1 for c in chunks if c.is_decode)
+        inputs, model, sample = self.runner.last_launch_ms
+        allocs = ""
+        if allocs0:  # what the CUDA memory allocators had to do during the step
+            now = _allocator_counts()
+            allocs = "; allocator: " + ", ".join(f"{k} {now[k] - allocs0.get(k, 0)}" for k in now)
         logger.warning("slow engine step: %.0f ms to schedule %d decodes and %d other chunks "
-                       "(%d tokens); it also waited for the previous step", ms, decodes,
-                       len(chunks) - decodes, sum(c.num_tokens for c in chunks))
+                       "(%d tokens); it also waited for the previous step (scheduling %.0f ms, "
+                       "launching %.0f ms: inputs %.0f, model %.0f, logits and sampling %.0f; then "
+                       "waiting for and applying the previous step; Python's garbage collector "
+                       "%.0f ms%s)", ms, decodes, len(chunks) - decodes, sum(c.num_tokens for c in chunks),
+                       schedule_ms, launch_ms, inputs, model, sample, gc_ms, allocs)
 
     def _needs_sync(self) -> bool:
         return any(r.sampling_params.uses_penalties for r in self.scheduler.running)
@@ -332,6 +378,19 @@ class EngineCore:
             outputs.append(o)
         self.timer.mark("apply results")
         return outputs
+
+
+def _allocator_counts() -> dict[str, int]:
+    """Counters of the CUDA caching allocators (device and pinned host memory) that mean a
+    slow call: new device memory, retries after freeing the cache, new pinned memory."""
+    if not torch.cuda.is_initialized():
+        return {}
+    dev = torch.cuda.memory_stats()
+    counts = {k: int(dev.get(k, 0)) for k in ("num_device_alloc", "num_device_free", "num_alloc_retries")}
+    host = getattr(torch.cuda, "host_memory_stats", None)
+    if host is not None:
+        counts["num_host_alloc"] = int(host().get("num_host_alloc", 0))
+    return counts
 
 
 def check_stop(req: Request, max_model_len: int) -> tuple[str, int | None] | None:

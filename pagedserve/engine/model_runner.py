@@ -8,6 +8,7 @@ requests that sample this step, and samples on the device.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -76,6 +77,7 @@ class ModelRunner:
         self.sampler = Sampler()
         self.graphs = None  # DecodeGraphRunner once enable_cuda_graphs() ran
         self.mixed_graphs = None  # MixedGraphRunner, likewise (unless turned off)
+        self.last_launch_ms = (0.0, 0.0, 0.0)  # see execute()
         self._prev_tokens: torch.Tensor | None = None  # the last launched step's samples [N]
         self._prev_rows: dict[str, int] = {}  # request id -> row in _prev_tokens
         self.num_graph_steps = 0  # steps replayed from CUDA graphs (decode or mixed)
@@ -165,6 +167,8 @@ class ModelRunner:
 
         block_tables[i] is the block table of out.chunks[i]'s request.
         """
+        t0 = time.perf_counter()
+        t_prepared = t0
         if self._is_graph_decode(out):
             self.num_graph_steps += 1
             hidden, reqs = self._graph_decode(out, block_tables)  # every row samples
@@ -178,7 +182,9 @@ class ModelRunner:
             else:
                 self.num_eager_steps += 1
                 ids, positions, meta, logits_idx, _ = self.prepare(out, block_tables, arrays)
+                t_prepared = time.perf_counter()
                 hidden = self._forward(ids, positions, meta)[logits_idx]  # [T, hidden] -> [N, hidden]
+        t_forward = time.perf_counter()
         handle = StepHandle(reqs, None)
         if reqs:
             logits = self.model.compute_logits(hidden)  # [N, vocab]
@@ -207,6 +213,9 @@ class ModelRunner:
                 handle.host = outs
         self._prev_tokens = handle.token_ids
         self._prev_rows = {r.request_id: i for i, r in enumerate(reqs)}
+        t_end = time.perf_counter()
+        # host ms of this launch: inputs (eager steps only), model, logits + sampling
+        self.last_launch_ms = ((t_prepared - t0) * 1e3, (t_forward - t_prepared) * 1e3, (t_end - t_forward) * 1e3)
         return handle
 
     @staticmethod

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import time
 from collections import defaultdict
 
@@ -30,3 +31,22 @@ class StepTimer:
     def summary(self, steps: int) -> dict[str, float]:
         """Milliseconds per step for each phase."""
         return {k: round(v / max(steps, 1) * 1e3, 3) for k, v in self.totals.items()}
+
+
+class GcClock:
+    """Seconds the Python garbage collector has spent collecting (through `gc.callbacks`), so
+    a slow step can tell a collection pause from other stalls."""
+
+    def __init__(self) -> None:
+        self.seconds = 0.0
+        self._start = 0.0
+        gc.callbacks.append(self._on_gc)
+
+    def _on_gc(self, phase: str, info: dict) -> None:
+        if phase == "start":
+            self._start = time.perf_counter()
+        else:
+            self.seconds += time.perf_counter() - self._start
+
+
+GC_CLOCK = GcClock()  # one per process: every engine reads the same clock

@@ -72,3 +72,24 @@ def compile_ahead(fn: Callable[[], object], what: str, workers: int | None = Non
     logger.info("%s: %d Triton launches, %d new kernel variants compiled on %d threads in %.1f s",
                 what, submitted, variants, workers, seconds)
     return seconds
+
+
+def _log_first_launch(*, key, repr, fn, compile, is_manual_warmup, already_compiled):
+    """Triton's jit_cache_hook: a kernel variant this process has not launched before."""
+    logger.info("Triton kernel variant launched for the first time after start-up (the step waits "
+                "while it is compiled or loaded from Triton's cache): %s constants %s",
+                repr[:400], str(compile.get("constants"))[:300])
+    return False  # compile as usual
+
+
+def report_late_compiles(on: bool) -> None:
+    """Log (INFO) every Triton kernel variant first launched from now on: after start-up each
+    one stalls the step that launches it, so each line names a gap in the warm-up. The
+    engine turns this on when it is ready and off while another engine starts."""
+    import triton
+
+    runtime = triton.knobs.runtime
+    if on:
+        runtime.jit_cache_hook = _log_first_launch
+    elif runtime.jit_cache_hook is _log_first_launch:
+        runtime.jit_cache_hook = None

@@ -41,15 +41,22 @@ def _decode_kernel(
     scale_log2,
     stride_qt, stride_qh, stride_ot, stride_oh,
     stride_cb, stride_cs, stride_ch, stride_bt,
-    GROUP: tl.constexpr, G_PAD: tl.constexpr, HEAD_DIM: tl.constexpr,
+    GROUP: tl.constexpr, G_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, NUM_KV_HEADS: tl.constexpr,
     PAGE: tl.constexpr, BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr, IEEE: tl.constexpr,
-    HAS_COUNT: tl.constexpr,
+    HAS_COUNT: tl.constexpr, HEADS_FAST: tl.constexpr,
     PDL: tl.constexpr,  # programmatic dependent launch (kernels/pdl.py)
 ):
     pdl.wait_and_release(PDL)
-    row = tl.program_id(0)
-    kvh = tl.program_id(1)
-    split = tl.program_id(2)
+    # grid axis 0 = rows x kv heads; HEADS_FAST: a row's kv heads are neighbours in launch
+    # order, so the programs reading one page's K/V (all heads side by side) run together
+    if HEADS_FAST:
+        row = tl.program_id(0) // NUM_KV_HEADS
+        kvh = tl.program_id(0) % NUM_KV_HEADS
+    else:  # a kv head's rows side by side
+        rows = tl.num_programs(0) // NUM_KV_HEADS
+        row = tl.program_id(0) % rows
+        kvh = tl.program_id(0) // rows
+    split = tl.program_id(1)
     if HAS_COUNT:  # noqa: SIM102 (fixed grid, CUDA graph: rows past the device-side count do nothing)
         if row >= tl.load(num_rows):
             return
@@ -91,7 +98,7 @@ def _decode_kernel(
                  out.to(Out.dtype.element_ty), mask=gmask[:, None])
     else:
         # Partial results: acc [rows, splits, Hq, D], (m, l) [rows, splits, Hq, 2]
-        base = (row * NUM_SPLITS + split) * (GROUP * tl.num_programs(1))
+        base = (row * NUM_SPLITS + split) * (GROUP * NUM_KV_HEADS)
         tl.store(PartAcc + (base + heads[:, None]) * HEAD_DIM + d[None, :], acc, mask=gmask[:, None])
         tl.store(PartML + (base + heads) * 2, m, mask=gmask)
         tl.store(PartML + (base + heads) * 2 + 1, lsum, mask=gmask)
@@ -214,6 +221,11 @@ def _cache_strides(kv_cache: torch.Tensor) -> tuple[int, int, int]:
     return kv_cache.stride(1), kv_cache.stride(2), kv_cache.stride(3)
 
 
+# Tile size, launch settings and program order of the decode kernel (benchmarks/gpu_check.py
+# --sections decode_tune measures the alternatives on the GPU).
+DECODE_CONFIG = {"BLOCK_N": 64, "num_warps": 4, "num_stages": 2, "HEADS_FAST": True}
+
+
 def paged_decode(
     q: torch.Tensor,  # [T, Hq, D]
     kv_cache: torch.Tensor,  # [2, num_blocks, block_size, Hkv, D]
@@ -226,11 +238,13 @@ def paged_decode(
     num_splits: int = 1,
     partials: tuple[torch.Tensor, torch.Tensor] | None = None,
     count: torch.Tensor | None = None,
+    config: dict | None = None,
 ) -> None:
     """Attention for sequences with one new token each (see the module docstring).
 
     With `count` ([1] int32 on the device), only the first count[0] entries of seq_ids are
     decodes: the grid stays sized for all of seq_ids, so a CUDA graph can replay it.
+    `config` overrides DECODE_CONFIG.
     """
     num_rows = seq_ids.shape[0]
     if num_rows == 0:
@@ -242,15 +256,15 @@ def paged_decode(
         partials = alloc_decode_partials(num_rows, num_splits, num_heads, head_dim, q.device)
     acc_buf, ml_buf = partials if num_splits > 1 else (out, out)
     scb, scs, sch = _cache_strides(kv_cache)
-    _decode_kernel[(num_rows, num_kv_heads, num_splits)](
+    _decode_kernel[(num_rows * num_kv_heads, num_splits)](
         q, kv_cache[0], kv_cache[1], out, acc_buf, ml_buf,
         seq_ids, query_start_loc, seq_lens, block_tables, seq_ids if count is None else count,
         scale * LOG2E,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         scb, scs, sch, block_tables.stride(0),
         GROUP=group, G_PAD=max(16, triton.next_power_of_2(group)), HEAD_DIM=head_dim,
-        PAGE=page, BLOCK_N=64, NUM_SPLITS=num_splits, IEEE=q.dtype == torch.float32,
-        HAS_COUNT=count is not None, num_warps=4, num_stages=2, **pdl.launch_options(q),
+        NUM_KV_HEADS=num_kv_heads, PAGE=page, NUM_SPLITS=num_splits, IEEE=q.dtype == torch.float32,
+        HAS_COUNT=count is not None, **(config or DECODE_CONFIG), **pdl.launch_options(q),
     )
     if num_splits > 1:
         _reduce_kernel[(num_rows, num_heads)](

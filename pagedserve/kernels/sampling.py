@@ -42,7 +42,7 @@ def _race(row_logits, ids, v_end, u, inv_t, greedy, best, best_id):
     return tl.where(better, score, best), tl.where(better, ids, best_id)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["seed"])  # a new seed each step: one compiled variant for all
 def _sample_kernel(
     LOGITS, stride_l,  # [N, V] float32/float16/bfloat16, tokens contiguous
     TEMP,  # [N] float32: temperature, 0 = greedy

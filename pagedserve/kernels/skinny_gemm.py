@@ -29,7 +29,9 @@ from pagedserve.kernels import pdl
 from pagedserve.kernels._utils import check_dtype, next_pow2
 
 
-@triton.jit
+# M (the row count) is not specialized on (== 1, divisible by 16): one compiled variant per
+# setting serves every row count, so a step with a new number of rows never waits for a compile
+@triton.jit(do_not_specialize=["M"])
 def _skinny_kernel(
     X, W, Y,  # x [M, K], W [N, K], y [M, N]; last dims contiguous
     PARTIAL, LOCKS,  # split-K only: float32 [SPLIT_K, M, N] partial sums; int32 [cdiv(N, BLOCK_N)] zeros
@@ -105,7 +107,7 @@ def _store(acc, Y, PARTIAL, LOCKS, rn, rm, M, N, stride_ym, pid_n, split, SPLIT_
             tl.atomic_xchg(LOCKS + pid_n, 0, sem="relaxed", scope="gpu")
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["M"])
 def _skinny_tma_kernel(
     x_desc, w_desc,  # TMA descriptors: x [M, K] in [BLOCK_M, BLOCK_K] boxes, W [N, K] in [BLOCK_N, BLOCK_K]
     Y, PARTIAL, LOCKS,  # as _skinny_kernel
