@@ -3,8 +3,10 @@
 Run on the GPU machine from the repository root:
     PYTHONPATH=. python3 benchmarks/gpu_check.py [--quick] [--sections kernels,sampling,parity,bench]
 Writes $OUT/gpu_check.json (or ./gpu_check.json) and prints a short table last. Each section
-catches its own failures so one bug does not hide the other results. The profiling sections
-(`extend_tune`, `mixed`) live in gpu_profile.py; the shared helpers in gpu_common.py.
+catches its own failures so one bug does not hide the other results. `startup` times fresh
+processes' start-up with an empty Triton cache, compiling ahead and not. The profiling
+sections (`extend_tune`, `decode_tune`, `gemm_tunable`, `mixed`, `skinny`, ...) live in
+gpu_profile.py; the shared helpers in gpu_common.py.
 """
 
 from __future__ import annotations
