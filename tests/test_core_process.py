@@ -168,6 +168,24 @@ def test_slow_steps_are_logged_with_their_split_and_gc_time(monkeypatch, caplog)
                and "garbage collector" in m for m in lines)
 
 
+def test_full_budget_warm_up_step_fits_a_small_kv_cache():
+    """The warm-up's full-budget step (run on CUDA at start-up) cuts its prompts to what the KV
+    cache holds, so a small cache cannot make start-up fail; it leaves nothing behind."""
+    from pagedserve import LLM
+
+    llm = LLM(dtype="float32", device="cpu", max_model_len=1024, max_num_batched_tokens=2048,
+              kv_cache_memory=24 * 2**20)
+    core = llm.engine
+    capacity = core.kv.num_blocks * core.kv.block_size
+    assert capacity < 1024  # smaller than max_model_len: prompts of 1,023 tokens could never run
+    before = core.num_prefill_tokens
+    core._warm_up_full_step()
+    length = capacity - 1  # each prompt as long as the cache allows, with room for its token
+    assert core.num_prefill_tokens - before == (2048 // length) * length
+    assert not core.has_unfinished_requests() and not core.requests
+    llm.check_no_leaks()
+
+
 def test_first_token_carries_queue_and_prefill_time():
     """The engine reports, with each request's first token only, how long it waited to be
     scheduled and how long from then to that token; the two add up to the engine's TTFT."""

@@ -86,6 +86,34 @@ def test_extend_tile_sizes(block_m, block_n):
     torch.testing.assert_close(out, ref, rtol=1e-4, atol=1e-4)
 
 
+@pytest.mark.parametrize("splits", [1, 4])  # (split counts are powers of two)
+@pytest.mark.parametrize("heads_fast", [True, False])
+def test_decode_program_orders_and_tiles(heads_fast, splits):
+    """The decode kernel under the settings its GPU probe compares (program order, key block,
+    split-KV), some rows past the device-side count: the reference's output on the real rows,
+    nothing written for the others."""
+    from pagedserve.kernels.paged_attention import DECODE_CONFIG, paged_decode
+
+    heads, kv_heads, dim, bs = 6, 3, 64, 16
+    seq_lens = [5, 90, 33, 140]
+    gen = torch.Generator().manual_seed(splits + 2 * heads_fast)
+    num_blocks = sum(-(-n // bs) for n in seq_lens) + 2
+    meta = random_paged_step([1] * 4, seq_lens, bs, num_blocks, gen)
+    q = torch.randn(4, heads, dim, generator=gen)
+    cache = torch.randn(2, num_blocks, bs, kv_heads, dim, generator=gen)
+    ref_backend = TorchReferenceBackend(heads, kv_heads, dim, dim**-0.5)
+    ref_backend.bind_kv_caches([cache.clone()])
+    k, v = cache[0].view(-1, kv_heads, dim)[meta.slot_mapping], cache[1].view(-1, kv_heads, dim)[meta.slot_mapping]
+    ref = ref_backend.forward(0, q, k, v, meta)
+    out = torch.full_like(q, float("nan"))
+    seq_ids = torch.arange(4, dtype=torch.int32)
+    config = dict(DECODE_CONFIG, HEADS_FAST=heads_fast, BLOCK_N=32, num_stages=1)
+    paged_decode(q, cache, out, seq_ids, meta.query_start_loc, meta.seq_lens, meta.block_tables,
+                 dim**-0.5, splits, count=torch.tensor([3], dtype=torch.int32), config=config)
+    torch.testing.assert_close(out[:3], ref[:3], rtol=1e-4, atol=1e-4)
+    assert out[3].isnan().all()  # past the count: untouched
+
+
 def _strided_kv(T, kv_heads, dim, gen, dtype):
     """K and V as views into one [T, 2 * kv_heads * dim] buffer, as the model hands them over."""
     kv = torch.randn(T, 2 * kv_heads * dim, generator=gen).to(dtype)

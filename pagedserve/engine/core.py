@@ -184,7 +184,8 @@ class EngineCore:
         real requests finds its activation memory in the allocator's cache (the memory profile
         gave its own back before the KV cache was made) and its kernel variants loaded."""
         sched, vocab = self.scheduler_config, self.model_config.vocab_size
-        length = max(1, min(sched.max_num_batched_tokens, sched.max_model_len - 1))
+        capacity = self.kv.num_blocks * self.kv.block_size  # a small KV cache must still fit one
+        length = max(1, min(sched.max_num_batched_tokens, sched.max_model_len - 1, capacity - 1))
         count = max(1, min(sched.max_num_batched_tokens // length, sched.max_num_seqs))
         params = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
         for r in range(count):
