@@ -197,11 +197,11 @@ class EngineCore:
     def _warm_up_sampler(self) -> None:
         """Compile the fused temperature sampler (the warm-up's own requests are greedy, which
         takes the argmax instead); otherwise the first request with a temperature waits."""
-        if not envs.fused_sampling():
+        device = self.model.embed_tokens.weight.device
+        if device.type != "cuda" or not envs.fused_sampling():  # (the sampler's own condition)
             return
         from pagedserve.kernels.sampling import sample_with_temperature
 
-        device = self.model.embed_tokens.weight.device
         for rows in sorted({1, self.scheduler_config.max_num_seqs}):
             logits = torch.zeros(rows, self.model_config.vocab_size, device=device)
             sample_with_temperature(logits, torch.ones(rows, device=device), seed=1)
