@@ -31,12 +31,15 @@ def _rebuild_for_interpreter() -> None:
     """
     import triton
     import triton.language as tl
+    import triton.language.random as tl_random
 
     def built_for_gpu(mod) -> bool:
         return any(isinstance(v, triton.runtime.JITFunction) for v in vars(mod).values())
 
-    if built_for_gpu(tl.standard):
-        importlib.reload(tl.standard)
+    stale = [m for m in (tl.standard, tl_random) if built_for_gpu(m)]  # tl.sum, tl.rand4x, ...
+    for mod in stale:
+        importlib.reload(mod)
+    if stale:
         importlib.reload(tl)
     for name, mod in list(sys.modules.items()):
         if name.startswith("pagedserve.kernels.") and built_for_gpu(mod):
