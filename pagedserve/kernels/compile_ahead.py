@@ -4,9 +4,9 @@ Triton compiles a kernel variant the first time it is launched, one after anothe
 builds (with the C compiler) a launcher for each new argument signature; on a machine with
 an empty kernel cache start-up spends most of its time so, on the GPU host's slow CPU.
 `compile_ahead(fn)` runs `fn` once with every Triton launch turned into a compile request
-handed to a thread pool (Triton's own asynchronous compile mode; the compiler and the C
-compiler run outside the GIL for most of the work), each followed by building the kernel's
-launcher, waits for all of them, and returns: when `fn` then runs for real, every variant it
+handed to a thread pool (Triton's own asynchronous compile mode; ptxas and the C compiler
+run as subprocesses, outside the GIL), each followed by building the kernel's launcher,
+waits for all of them, and returns: when `fn` then runs for real, every variant it
 launches is in the kernel cache and its launcher on disk.
 
 The rehearsal runs everything except the Triton kernels: torch ops (cuBLAS matmuls, copies,
