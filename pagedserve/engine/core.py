@@ -87,10 +87,16 @@ class EngineCore:
         # On CUDA each start-up phase is first rehearsed with its Triton kernels compiled in
         # parallel (kernels/compile_ahead.py), then run for real.
         self.compile_ahead_seconds = 0.0
-        ahead = self._compile_ahead if device.type == "cuda" and envs.compile_ahead() else None
+
+        def rehearse(fn, what: str) -> None:
+            """Run a start-up phase over the first two decoder layers only, its Triton kernels
+            compiled in parallel instead of launched."""
+            with model.first_layers_only(2):
+                self.compile_ahead_seconds += compile_ahead(fn, what)
+
+        ahead = rehearse if device.type == "cuda" and envs.compile_ahead() else None
         if device.type == "cuda":
             report_late_compiles(False)  # (this start-up's compiles are expected)
-        self.model = model
 
         def profile() -> None:
             run = lambda: _profile_forward(model, backend, sched, config.cache.block_size)  # noqa: E731
@@ -142,12 +148,6 @@ class EngineCore:
         if self._log_times_every:
             self.timer.enable()
 
-    def _compile_ahead(self, fn, what: str) -> None:
-        """Rehearse a start-up phase over the first two decoder layers only, its Triton kernels
-        compiled in parallel instead of launched (kernels/compile_ahead.py)."""
-        with self.model.first_layers_only(2):
-            self.compile_ahead_seconds += compile_ahead(fn, what)
-
     def warm_up(self) -> None:
         """Run a prefill, a mixed step (a decode beside a prefill chunk) and graph decodes on
         throw-away requests, so that first-use costs (Triton JIT of the eager variants,
@@ -197,7 +197,7 @@ class EngineCore:
     def _warm_up_sampler(self) -> None:
         """Compile the fused temperature sampler (the warm-up's own requests are greedy, which
         takes the argmax instead); otherwise the first request with a temperature waits."""
-        device = self.model.embed_tokens.weight.device
+        device = self.runner.device
         if device.type != "cuda" or not envs.fused_sampling():  # (the sampler's own condition)
             return
         from pagedserve.kernels.sampling import sample_with_temperature

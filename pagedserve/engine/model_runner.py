@@ -122,7 +122,7 @@ class ModelRunner:
         mixed-step graphs for token counts up to it (steps of up to max_seqs sequences);
         returns the seconds it took. Each kind has its own memory pool, decode graphs first
         (their capture is then exactly what it was before mixed graphs existed). With `ahead`
-        (`ahead(fn, what)`: EngineCore._compile_ahead), each kind's captures are first
+        (`ahead(fn, what)`: the rehearsal EngineCore passes in), each kind's captures are first
         rehearsed with their Triton kernels compiled in parallel."""
         from pagedserve.engine.cuda_graphs import DecodeGraphRunner
         from pagedserve.engine.mixed_graphs import MixedGraphRunner
