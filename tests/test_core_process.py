@@ -172,6 +172,7 @@ def test_full_budget_warm_up_step_fits_a_small_kv_cache():
     """The warm-up's full-budget step (run on CUDA at start-up) cuts its prompts to what the KV
     cache holds, so a small cache cannot make start-up fail; it leaves nothing behind."""
     from pagedserve import LLM
+    from pagedserve.engine.warm_up import warm_up_full_step
 
     llm = LLM(dtype="float32", device="cpu", max_model_len=1024, max_num_batched_tokens=2048,
               kv_cache_memory=24 * 2**20)
@@ -179,7 +180,7 @@ def test_full_budget_warm_up_step_fits_a_small_kv_cache():
     capacity = core.kv.num_blocks * core.kv.block_size
     assert capacity < 1024  # smaller than max_model_len: prompts of 1,023 tokens could never run
     before = core.num_prefill_tokens
-    core._warm_up_full_step()
+    warm_up_full_step(core)
     length = capacity - 1  # each prompt as long as the cache allows, with room for its token
     assert core.num_prefill_tokens - before == (2048 // length) * length
     assert not core.has_unfinished_requests() and not core.requests

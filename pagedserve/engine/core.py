@@ -15,14 +15,15 @@ from dataclasses import dataclass
 import torch
 
 from pagedserve import envs
-from pagedserve.attention.backend import AttentionContext, AttentionMetadata, get_backend_class
+from pagedserve.attention.backend import get_backend_class
 from pagedserve.config import EngineConfig, SchedulerConfig, resolve_dtype
 from pagedserve.engine.cache_sizing import bytes_per_block, determine_num_blocks
-from pagedserve.engine.kv_cache_manager import KVCacheManager, PrefixCacheStats
+from pagedserve.engine.kv_cache_manager import KVCacheManager
 from pagedserve.engine.model_runner import ModelRunner
 from pagedserve.engine.request import Request
 from pagedserve.engine.scheduler import Scheduler
 from pagedserve.engine.step_timer import GC_CLOCK, StepTimer
+from pagedserve.engine.warm_up import profile_forward, warm_up
 from pagedserve.kernels.compile_ahead import compile_ahead, report_late_compiles
 from pagedserve.layers.linear import compile_plan_candidates, plan_model_matmuls
 from pagedserve.models.loader import ModelSource, build_model, resolve_model
@@ -99,7 +100,7 @@ class EngineCore:
             report_late_compiles(False)  # (this start-up's compiles are expected)
 
         def profile() -> None:
-            run = lambda: _profile_forward(model, backend, sched, config.cache.block_size)  # noqa: E731
+            run = lambda: profile_forward(model, backend, sched, config.cache.block_size)  # noqa: E731
             if ahead:
                 ahead(run, "memory profile")
             run()
@@ -149,87 +150,8 @@ class EngineCore:
             self.timer.enable()
 
     def warm_up(self) -> None:
-        """Run a prefill, a mixed step (a decode beside a prefill chunk) and graph decodes on
-        throw-away requests, so that first-use costs (Triton JIT of the eager variants,
-        allocator growth) are paid before the first user request, not during it: once with
-        the prefill and mixed steps eager (steps too big for a mixed-step graph run so, and
-        Triton specializes the small kernels on whether the token count is a multiple of
-        16), once as they normally run; then one step of the full token budget, the eager
-        decode kernel at every split count and the fused sampler. Leaves no trace: blocks
-        freed, prefix cache and counters reset."""
-        t0 = time.perf_counter()
-        vocab = self.model_config.vocab_size
-        greedy = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
-        mixed_graphs = self.runner.mixed_graphs
-        for rnd, graphs in enumerate((None, mixed_graphs) if mixed_graphs else (None,)):
-            self.runner.mixed_graphs = graphs
-            self.add_request(EngineRequest(f"warmup-{rnd}-0", [i % vocab for i in range(1, 34)], greedy))
-            self.step()
-            self.add_request(EngineRequest(f"warmup-{rnd}-1", [i % vocab for i in range(7, 107)], greedy))
-            while self.has_unfinished_requests():
-                self.step()
-        self.runner.mixed_graphs = mixed_graphs
-        self._warm_up_full_step()
-        self._warm_up_decode_splits()
-        self._warm_up_sampler()
-        self.kv.reset_prefix_cache()
-        self.kv.stats = PrefixCacheStats()
-        self.scheduler.num_preemptions = 0
-        self.num_prefill_tokens = self.num_generation_tokens = 0
-        self.runner.num_graph_steps = self.runner.num_eager_steps = 0
-        logger.info("warm-up steps in %.1f s", time.perf_counter() - t0)
-
-    def _warm_up_full_step(self) -> None:
-        """One prefill step of max_num_batched_tokens tokens, so that the first full step of
-        real requests finds its activation memory in the allocator's cache (the memory profile
-        gave its own back before the KV cache was made) and its kernel variants loaded."""
-        sched, vocab = self.scheduler_config, self.model_config.vocab_size
-        capacity = self.kv.num_blocks * self.kv.block_size  # a small KV cache must still fit one
-        length = max(1, min(sched.max_num_batched_tokens, sched.max_model_len - 1, capacity - 1))
-        count = max(1, min(sched.max_num_batched_tokens // length, sched.max_num_seqs))
-        params = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
-        for r in range(count):
-            self.add_request(EngineRequest(f"warmup-full-{r}", [(7 * i + r) % vocab for i in range(length)], params))
-        while self.has_unfinished_requests():
-            self.step()
-
-    @torch.inference_mode()
-    def _warm_up_sampler(self) -> None:
-        """Compile the fused temperature sampler (the warm-up's own requests are greedy, which
-        takes the argmax instead); otherwise the first request with a temperature waits."""
-        device = self.runner.device
-        if device.type != "cuda" or not envs.fused_sampling():  # (the sampler's own condition)
-            return
-        from pagedserve.kernels.sampling import sample_with_temperature
-
-        for rows in sorted({1, self.scheduler_config.max_num_seqs}):
-            logits = torch.zeros(rows, self.model_config.vocab_size, device=device)
-            sample_with_temperature(logits, torch.ones(rows, device=device), seed=1)
-
-    @torch.inference_mode()
-    def _warm_up_decode_splits(self) -> None:
-        """Compile the eager decode kernel for every split-KV count an eager step can pick
-        (decodes beside long prefills): measured on the H200, each first use otherwise stalls
-        a serving step by about half a second."""
-        from pagedserve.attention.triton_backend import TritonBackend
-        from pagedserve.engine.scheduler import ScheduledChunk, SchedulerOutput
-
-        backend, runner = self.runner.backend, self.runner
-        if not isinstance(backend, TritonBackend):  # (the only backend that splits)
-            return
-        params = SamplingParams(temperature=0.0, max_tokens=1)
-        length = min(600, self.scheduler_config.max_model_len)
-        reqs = [Request(f"warmup-split-{i}", [1] * length, params, max_tokens=1) for i in range(2)]
-        allocated = [r for r in reqs if self.kv.allocate(r.request_id, length)]
-        if len(allocated) == len(reqs):
-            out = SchedulerOutput([ScheduledChunk(r, length - 1, 1, samples=True) for r in reqs])
-            ids, positions, meta, _, _ = runner.prepare(
-                out, [self.kv.block_ids(r.request_id) for r in reqs])
-            for splits in (1, 2, 4, 8, 16):
-                backend.prepare(meta, num_splits=splits)
-                runner.model(ids, positions, AttentionContext(backend, meta))
-        for r in allocated:
-            self.kv.free(r.request_id)
+        """Throw-away steps that pay first-use costs before "ready" (`engine/warm_up.py`)."""
+        warm_up(self)
 
     # ---- requests ---------------------------------------------------------------------
 
@@ -408,35 +330,3 @@ def check_stop(req: Request, max_model_len: int) -> tuple[str, int | None] | Non
     if num_out >= req.max_tokens or num_known >= max_model_len:
         return "length", None
     return None
-
-
-@torch.inference_mode()
-def _profile_forward(model, backend, sched: SchedulerConfig, block_size: int) -> None:
-    """One forward over max_num_batched_tokens tokens (with a temporary KV cache just big
-    enough for them) to measure the activation peak."""
-    cfg = model.config
-    device, dtype = model.embed_tokens.weight.device, model.embed_tokens.weight.dtype
-    total = sched.max_num_batched_tokens
-    per_seq = min(total, sched.max_model_len)
-    lens = [per_seq] * (total // per_seq) + ([total % per_seq] if total % per_seq else [])
-    blocks_per_seq = [-(-n // block_size) for n in lens]
-    num_blocks = sum(blocks_per_seq)
-    caches = [torch.empty((2, num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim),
-                          dtype=dtype, device=device) for _ in range(cfg.num_layers)]
-    tables = torch.zeros((len(lens), max(blocks_per_seq)), dtype=torch.int32)
-    slots, first = [], 0
-    for i, (n, nb) in enumerate(zip(lens, blocks_per_seq)):
-        tables[i, :nb] = torch.arange(first, first + nb)
-        slots.append(torch.arange(first * block_size, first * block_size + n))
-        first += nb
-    meta = AttentionMetadata.for_prefill(lens, device)
-    meta.slot_mapping = torch.cat(slots).to(device)
-    meta.block_tables = tables.to(device)
-    backend.bind_kv_caches(caches)
-    backend.prepare(meta)
-    ids = torch.zeros(total, dtype=torch.long, device=device)
-    positions = torch.cat([torch.arange(n, device=device) for n in lens])
-    hidden = model(ids, positions, AttentionContext(backend, meta))
-    model.compute_logits(hidden[-min(sched.max_num_seqs, total):])
-    backend.bind_kv_caches([])
-    del caches
