@@ -357,6 +357,81 @@ def decode_tune(quick: bool) -> None:
 
 
 @section
+def decode_order(quick: bool) -> None:
+    """The decode kernel taking its rows in batch order against longest context first
+    (`triton_backend.decode_order`), on batches with lengths uniform in [100, 2,048] and
+    scattered pages, Qwen3 (32/8 heads) and Nanbeige (20/4) shapes: TB/s of K/V read. Then
+    an engine run with the order on and off: greedy tokens must be identical (the order only
+    changes which program runs first), and the U[100,1024] workload's output tok/s."""
+    from types import SimpleNamespace
+
+    import numpy as np
+    import triton.testing
+
+    import pagedserve.attention.triton_backend as tb
+    from pagedserve.kernels.paged_attention import paged_decode
+
+    gen = torch.Generator().manual_seed(0)
+    d, page = 128, 16
+    found = {}
+    for hq, hkv, b in [(32, 8, 48), (32, 8, 64), (32, 8, 96), (32, 8, 128), (32, 8, 256),
+                       (20, 4, 128), (20, 4, 192), (20, 4, 256)]:
+        lens = torch.randint(100, 2049, (b,), generator=gen).tolist()
+        nb = sum(-(-n // page) for n in lens) + 8
+        meta = paged_step([1] * b, lens, page, nb, gen)
+        cache = torch.randn(2, nb, page, hkv, d, device=DEV, dtype=torch.bfloat16)
+        q = torch.randn(b, hq, d, device=DEV, dtype=torch.bfloat16)
+        nbytes = sum(lens) * hkv * d * 2 * 2
+        orders = {"batch": torch.arange(b, dtype=torch.int32, device=DEV),
+                  "longest first": torch.tensor(np.argsort(-np.asarray(lens), kind="stable"), device=DEV)}
+        row, outs = {}, []
+        for name, ids in orders.items():
+            out = torch.empty_like(q)
+
+            def run(ids=ids, out=out, q=q, cache=cache, meta=meta):
+                paged_decode(q, cache, out, ids, meta.query_start_loc, meta.seq_lens, meta.block_tables, d**-0.5)
+            run()
+            outs.append(out)
+            row[name] = round(nbytes / triton.testing.do_bench(run, return_mode="median") / 1e9, 3)
+        key = f"{hq}/{hkv} heads, {b} rows ({b * hkv} programs)"
+        found[key] = row
+        record(f"decode order {key}: TB/s batch / longest first", f"{row['batch']} / {row['longest first']}",
+               torch.equal(*outs))
+    RESULTS["decode_order"] = {"kernel_tb_s": found}
+    if quick:
+        return
+    from pagedserve import LLM, SamplingParams
+    from pagedserve.bench.throughput import run_throughput
+
+    llm = LLM("qwen3-4b-instruct-2507", load_format="dummy", dtype="bfloat16", max_model_len=4096,
+              max_num_seqs=256, max_num_batched_tokens=8192, tokenizer=os.environ.get("PS_TOKENIZER"))
+    on, off = tb.LONGEST_FIRST_MIN_PROGRAMS, 10**9
+    rng = np.random.default_rng(0)
+    prompts = [rng.integers(0, 150000, int(n)).tolist() for n in rng.integers(50, 1500, 300)]
+    tokens = {}
+    for name, threshold in (("on", on), ("off", off), ("on again", on)):
+        tb.LONGEST_FIRST_MIN_PROGRAMS = threshold
+        llm.engine.kv.reset_prefix_cache()  # each run computes every prompt afresh
+        outs = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=48, ignore_eos=True), use_tqdm=False)
+        tokens[name] = [o.outputs[0].token_ids for o in outs]
+    same = sum(a == b for a, b in zip(tokens["on"], tokens["off"]))
+    again = sum(a == b for a, b in zip(tokens["on"], tokens["on again"]))
+    record("decode order: greedy sequences equal, on vs off / on vs on", f"{same} / {again} of {len(prompts)}",
+           same == again == len(prompts))
+    runs = []
+    for name, threshold in (("on", on), ("off", off)) * 2:
+        tb.LONGEST_FIRST_MIN_PROGRAMS = threshold
+        args = SimpleNamespace(seed=0, dataset="fixed", range_ratio=0.0, input_len=0, output_len=0, top_p=1.0,
+                               warmup=True, no_progress=True, num_prompts=256, input_range=[100, 1024],
+                               output_range=[100, 1024], temperature=0.6)
+        runs.append([name, round(run_throughput(args, {}, llm)["output_tokens_per_s"], 1)])
+    tb.LONGEST_FIRST_MIN_PROGRAMS = on
+    record("decode order: qwen3 U[100,1024] tok/s, on / off", " / ".join(f"{n} {t}" for n, t in runs))
+    RESULTS["decode_order"].update(greedy_equal=[same, again, len(prompts)], u100_1024=runs)
+    del llm
+
+
+@section
 def arrival(quick: bool) -> None:
     """Step by step through a wave of arrivals like the serving sweep's (1,024 in / 128 out,
     concurrency 16 then 64), twice: each step's wall time, token count and whether it was

@@ -29,13 +29,45 @@ def test_pack_decode_inputs_pads_and_marks_pending_tokens():
     chunks = [ScheduledChunk(a, 4, 1, samples=True), ScheduledChunk(b, 2, 1, samples=True)]
     tables = [[7, 3], [5]]
     rows, t = pack_decode_inputs(chunks, tables, {"b": 9}, max_batch=8, bucket=3, block_size=bs)
-    ids, pos, slots, seq_lens, src = rows
+    ids, pos, slots, seq_lens, src, order = rows
     assert ids[:2].tolist() == [14, 0] and src[:3].tolist() == [-1, 9, -1]
     assert pos[:2].tolist() == [4, 2] and seq_lens[:3].tolist() == [5, 3, 0]
     # position 4 of a is in its second block (3), row 0; position 2 of b in block 5, row 2
     assert slots[:3].tolist() == [3 * bs + 0, 5 * bs + 2, -1]
     assert t.tolist() == [[7, 3], [5, 0]] and t.dtype == np.int32
-    assert rows.shape == (5, 8) and rows.dtype == np.int64
+    assert order.tolist() == list(range(8))  # no backend order: the batch order
+    assert rows.shape == (6, 8) and rows.dtype == np.int64
+    # with an order (here: shortest context first), padding rows stay last
+    rows, _ = pack_decode_inputs(chunks, tables, {"b": 9}, max_batch=8, bucket=3, block_size=bs,
+                                 decode_order=lambda lens: np.argsort(lens, kind="stable"))
+    assert rows[5].tolist() == [1, 0, 2, 3, 4, 5, 6, 7]
+
+
+def test_decode_order_longest_first_for_big_launches_only():
+    from pagedserve.attention.triton_backend import (
+        LONGEST_FIRST_MIN_PROGRAMS,
+        decode_order,
+        step_layout,
+    )
+
+    rng = np.random.default_rng(0)
+    kv_heads = 8
+    n = -(-LONGEST_FIRST_MIN_PROGRAMS // kv_heads)  # just enough rows
+    lens = rng.integers(1, 2048, n)
+    rows = np.arange(n)
+    got = decode_order(rows, lens, kv_heads)
+    assert sorted(got.tolist()) == rows.tolist()  # a permutation
+    assert (np.diff(lens[got]) <= 0).all()  # longest first
+    small = rows[: n - 1]
+    assert decode_order(small, lens, kv_heads).tolist() == small.tolist()  # too few programs: as given
+    # a mixed step: decodes (one new token) among prefill chunks; only the decodes are ordered
+    q_lens = np.ones(n, dtype=np.int64)
+    q_lens[[3, 10]] = 50
+    qsl = np.concatenate([[0], np.cumsum(q_lens)])
+    dec, tile_seq, _ = step_layout(qsl, lens, kv_heads * 2)
+    assert sorted(dec.tolist()) == [i for i in range(n) if i not in (3, 10)]
+    assert (np.diff(lens[dec]) <= 0).all() and sorted(set(tile_seq.tolist())) == [3, 10]
+    assert step_layout(qsl)[0].tolist() == sorted(dec.tolist())  # no lengths: batch order
 
 
 def test_device_views_are_aligned_and_hold_the_arrays():

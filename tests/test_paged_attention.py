@@ -114,6 +114,31 @@ def test_decode_program_orders_and_tiles(heads_fast, splits):
     assert out[3].isnan().all()  # past the count: untouched
 
 
+def test_decode_rows_in_any_order():
+    """The decode kernel takes its rows in the order of seq_ids (int64, as the decode graph's
+    buffer holds them, longest context first): each row's output lands at its own sequence,
+    and the sequence past the device-side count is left alone."""
+    from pagedserve.kernels.paged_attention import paged_decode
+
+    heads, kv_heads, dim, bs = 4, 2, 32, 16
+    seq_lens = [20, 70, 3, 41]
+    gen = torch.Generator().manual_seed(7)
+    num_blocks = sum(-(-n // bs) for n in seq_lens) + 1
+    meta = random_paged_step([1] * 4, seq_lens, bs, num_blocks, gen)
+    q = torch.randn(4, heads, dim, generator=gen)
+    cache = torch.randn(2, num_blocks, bs, kv_heads, dim, generator=gen)
+    ref_backend = TorchReferenceBackend(heads, kv_heads, dim, dim**-0.5)
+    ref_backend.bind_kv_caches([cache.clone()])
+    k, v = cache[0].view(-1, kv_heads, dim)[meta.slot_mapping], cache[1].view(-1, kv_heads, dim)[meta.slot_mapping]
+    ref = ref_backend.forward(0, q, k, v, meta)
+    out = torch.full_like(q, float("nan"))
+    seq_ids = torch.tensor([1, 3, 0, 2], dtype=torch.int64)  # longest first
+    paged_decode(q, cache, out, seq_ids, meta.query_start_loc, meta.seq_lens, meta.block_tables,
+                 dim**-0.5, count=torch.tensor([3], dtype=torch.int32))
+    torch.testing.assert_close(out[[0, 1, 3]], ref[[0, 1, 3]], rtol=1e-4, atol=1e-4)
+    assert out[2].isnan().all()  # its row is past the count
+
+
 def _strided_kv(T, kv_heads, dim, gen, dtype):
     """K and V as views into one [T, 2 * kv_heads * dim] buffer, as the model hands them over."""
     kv = torch.randn(T, 2 * kv_heads * dim, generator=gen).to(dtype)

@@ -12,6 +12,7 @@ from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 import torch
 
 
@@ -99,6 +100,16 @@ class AttentionBackend(ABC):
     # Hooks for CUDA-graph capture and replay (no-ops for eager backends).
     def supports_cuda_graphs(self) -> bool:
         return False
+
+    def decode_order(self, seq_lens: np.ndarray) -> np.ndarray:
+        """The order in which a decode step's rows (context lengths seq_lens) should be
+        processed, as row indices; by default the batch order."""
+        return np.arange(len(seq_lens))
+
+    def graph_decode_rows(self, meta: AttentionMetadata, rows: torch.Tensor) -> None:
+        """For a decode CUDA graph: take the decode rows from `rows` ([batch] int64 on the
+        device), a buffer the graph runner refills with `decode_order` each step."""
+        raise NotImplementedError(f"the {self.name} attention backend has no CUDA graphs")
 
 
 @dataclass

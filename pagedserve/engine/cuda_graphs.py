@@ -37,16 +37,19 @@ class DecodeGraphRunner:
         self.max_batch = max_batch
         self.max_seq_len = max_seq_len
         dev, b = self.device, max_batch
-        # All per-row inputs live in one [5, max_batch] int64 buffer so a step needs one copy:
-        # rows = input ids, positions, slots (-1 = padding), seq lens (0 = padding),
-        # and the previous step's sample row for a still-pending input token (-1 = none).
-        self.static = torch.zeros((5, b), dtype=torch.long, device=dev)
-        self.input_ids, self.positions, self.slot_mapping, self.seq_lens, self.src_rows = self.static
+        # All per-row inputs live in one [6, max_batch] int64 buffer so a step needs one copy:
+        # rows = input ids, positions, slots (-1 = padding), seq lens (0 = padding), the
+        # previous step's sample row for a still-pending input token (-1 = none), and the
+        # order in which attention takes the rows (the backend's `decode_order`).
+        self.static = torch.zeros((6, b), dtype=torch.long, device=dev)
+        (self.input_ids, self.positions, self.slot_mapping, self.seq_lens, self.src_rows,
+         self.decode_rows) = self.static
+        self.decode_rows.copy_(torch.arange(b))
         self.slot_mapping.fill_(-1)
         self.src_rows.fill_(-1)
         self.query_start_loc = torch.arange(b + 1, dtype=torch.int32, device=dev)
         self.block_tables = torch.zeros((b, max_blocks_per_seq), dtype=torch.int32, device=dev)
-        self.host = torch.zeros((5, b), dtype=torch.long).pin_memory() if dev.type == "cuda" else None
+        self.host = torch.zeros((6, b), dtype=torch.long).pin_memory() if dev.type == "cuda" else None
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.outputs: dict[int, torch.Tensor] = {}
         # Kept so the tensors the graphs read (e.g. the backend's decode row ids) stay alive.
@@ -61,6 +64,7 @@ class DecodeGraphRunner:
             query_start_loc_cpu=starts, seq_lens_cpu=[self.max_seq_len] * bs,
         )
         self.backend.prepare(meta)  # the split count is fixed per bucket from max_seq_len
+        self.backend.graph_decode_rows(meta, self.decode_rows[:bs])
         return meta
 
     @torch.inference_mode()
@@ -98,7 +102,7 @@ class DecodeGraphRunner:
                       prev_tokens: torch.Tensor | None) -> torch.Tensor:
         """Replay for a decode step of `num_seqs` rows.
 
-        rows: [5, max_batch] int64 host tensor laid out like `static` (padding included up to
+        rows: [6, max_batch] int64 host tensor laid out like `static` (padding included up to
         the bucket); tables: [num_seqs, width] int32 host block tables. Returns the hidden
         states [num_seqs, hidden].
         """

@@ -78,13 +78,15 @@ class SeqLayout:
         return start + _aligned(n)
 
 
-def pack_mixed(a: StepArrays, bucket: int, layout: SeqLayout) -> tuple[np.ndarray, np.ndarray]:
+def pack_mixed(a: StepArrays, bucket: int, layout: SeqLayout,
+               num_kv_heads: int = 1) -> tuple[np.ndarray, np.ndarray]:
     """Host inputs of a mixed-graph step.
 
     Returns tokens [4, bucket] int64 (ids, positions, slots, pending-source rows; columns
     from a.num_tokens on are padding: slot -1, source -1) and the int32 buffer laid out by
     `layout` (query starts padded with T, seq lens 0 past S, decode rows, (decodes, tiles)
-    counts, logits rows, extend tiles).
+    counts, logits rows, extend tiles). The decode rows come in `decode_order` for
+    `num_kv_heads`.
     """
     T = a.num_tokens
     tokens = np.zeros((4, bucket), dtype=np.int64)
@@ -101,7 +103,7 @@ def pack_mixed(a: StepArrays, bucket: int, layout: SeqLayout) -> tuple[np.ndarra
     seq[qsl_start : qsl_start + qsl_len] = T
     put("query_start_loc", a.query_start_loc)
     put("seq_lens", a.seq_lens)
-    dec, tile_seq, tile_start = step_layout(a.query_start_loc)
+    dec, tile_seq, tile_start = step_layout(a.query_start_loc, a.seq_lens, num_kv_heads)
     put("decodes", dec)
     put("counts", np.array([len(dec), len(tile_seq)]))
     put("logits_idx", a.logits_idx)
@@ -203,7 +205,7 @@ class MixedGraphRunner:
         from pagedserve.engine.cuda_graphs import _pinned
         from pagedserve.kernels.step_inputs import fill_pending_tokens
 
-        tokens, seq = pack_mixed(a, bucket, self.layout)
+        tokens, seq = pack_mixed(a, bucket, self.layout, self.backend.num_kv_heads)
         cuda = self.device.type == "cuda"
         pin = _pinned if cuda else (lambda t: t)
         self.tokens[: tokens.size].copy_(pin(torch.from_numpy(tokens.reshape(-1))), non_blocking=cuda)

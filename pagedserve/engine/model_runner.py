@@ -151,7 +151,8 @@ class ModelRunner:
         graphs = self.graphs
         n = len(out.chunks)
         rows, tables = pack_decode_inputs(out.chunks, block_tables, self._prev_rows,
-                                          graphs.max_batch, graphs.bucket_for(n), self.block_size)
+                                          graphs.max_batch, graphs.bucket_for(n), self.block_size,
+                                          self.backend.decode_order)
         hidden = graphs.run_from_host(torch.from_numpy(rows), torch.from_numpy(tables), n,
                                       self._prev_tokens)
         return hidden, [c.request for c in out.chunks]
@@ -298,17 +299,21 @@ def pack_step(chunks, block_tables: list[list[int]], prev_rows: dict[str, int],
 
 
 def pack_decode_inputs(chunks, block_tables: list[list[int]], prev_rows: dict[str, int],
-                       max_batch: int, bucket: int, block_size: int) -> tuple[np.ndarray, np.ndarray]:
+                       max_batch: int, bucket: int, block_size: int,
+                       decode_order=None) -> tuple[np.ndarray, np.ndarray]:
     """Host inputs of a graph decode step.
 
-    Returns rows [5, max_batch] int64 (input ids, positions, slots, seq lens, pending-source
-    rows) with rows [n, bucket) as padding (slot -1, seq len 0, no source), and the block
-    tables [n, widest table] int32. A chunk whose input token is still pending gets id 0 and
-    the row of its request in the previous step's samples.
+    Returns rows [6, max_batch] int64 (input ids, positions, slots, seq lens, pending-source
+    rows, attention's row order) with rows [n, bucket) as padding (slot -1, seq len 0, no
+    source), and the block tables [n, widest table] int32. A chunk whose input token is still
+    pending gets id 0 and the row of its request in the previous step's samples. The row
+    order is `decode_order(seq lens)` (an attention backend's), padding rows last; default:
+    the batch order.
     """
     n, B = len(chunks), block_size
-    rows = np.zeros((5, max_batch), dtype=np.int64)
-    ids, pos, slots, seq_lens, src = rows
+    rows = np.zeros((6, max_batch), dtype=np.int64)
+    ids, pos, slots, seq_lens, src, order = rows
+    order[:] = np.arange(max_batch)
     slots[:bucket] = -1
     src[:bucket] = -1
     tables = np.zeros((n, max(len(t) for t in block_tables)), dtype=np.int32)
@@ -323,4 +328,6 @@ def pack_decode_inputs(chunks, block_tables: list[list[int]], prev_rows: dict[st
     positions = pos[:n]
     slots[:n] = tables[np.arange(n), positions // B].astype(np.int64) * B + positions % B
     seq_lens[:n] = positions + 1
+    if decode_order is not None:
+        order[:n] = decode_order(seq_lens[:n])
     return rows, tables

@@ -35,6 +35,14 @@ def _dot(a, b, IEEE: tl.constexpr):
 
 
 @triton.jit
+def _dot_acc(a, b, acc, IEEE: tl.constexpr):
+    # acc + a @ b, accumulated in place by the tensor cores
+    if IEEE:
+        return tl.dot(a, b, acc, input_precision="ieee")
+    return tl.dot(a, b, acc)
+
+
+@triton.jit
 def _decode_kernel(
     Q, KC, VC, Out, PartAcc, PartML,
     seq_ids, query_start_loc, seq_lens, block_tables, num_rows,
@@ -82,14 +90,14 @@ def _decode_kernel(
         page = tl.load(block_tables + seq * stride_bt + n // PAGE, mask=nmask, other=0)
         off = page.to(tl.int64) * stride_cb + (n % PAGE) * stride_cs + kvh * stride_ch
         k = tl.load(KC + off[:, None] + d[None, :], mask=nmask[:, None], other=0.0)  # [BLOCK_N, D]
-        s = _dot(q, tl.trans(k), IEEE) * scale_log2  # [G_PAD, BLOCK_N], log2 units
+        s = _dot(q, tl.trans(k), IEEE)  # [G_PAD, BLOCK_N], unscaled
         s = tl.where(nmask[None, :], s, float("-inf"))
-        m_new = tl.maximum(m, tl.max(s, 1))
-        p = tl.exp2(s - m_new[:, None])
+        m_new = tl.maximum(m, tl.max(s, 1) * scale_log2)  # log2 units
+        p = tl.exp2(s * scale_log2 - m_new[:, None])
         alpha = tl.exp2(m - m_new)
         lsum = lsum * alpha + tl.sum(p, 1)
         v = tl.load(VC + off[:, None] + d[None, :], mask=nmask[:, None], other=0.0)
-        acc = acc * alpha[:, None] + _dot(p.to(v.dtype), v, IEEE)
+        acc = _dot_acc(p.to(v.dtype), v, acc * alpha[:, None], IEEE)
         m = m_new
 
     if NUM_SPLITS == 1:
@@ -135,15 +143,16 @@ def _reduce_kernel(
 @triton.jit
 def _attend_block(q, k, v, m, lsum, acc, scale_log2, keep, IEEE: tl.constexpr, MASKED: tl.constexpr):
     """One online-softmax update with a key block: k, v [BLOCK_N, D]; keep [BLOCK_M, BLOCK_N]
-    (used only if MASKED; every row must keep at least one key of the first block it sees)."""
-    s = _dot(q, tl.trans(k), IEEE) * scale_log2  # [BLOCK_M, BLOCK_N], log2 units
+    (used only if MASKED; every row must keep at least one key of the first block it sees).
+    m is the running maximum in log2 units (scores times scale_log2)."""
+    s = _dot(q, tl.trans(k), IEEE)  # [BLOCK_M, BLOCK_N], unscaled
     if MASKED:
         s = tl.where(keep, s, float("-inf"))
-    m_new = tl.maximum(m, tl.max(s, 1))
-    p = tl.exp2(s - m_new[:, None])
+    m_new = tl.maximum(m, tl.max(s, 1) * scale_log2)
+    p = tl.exp2(s * scale_log2 - m_new[:, None])  # (one multiply-add per score)
     alpha = tl.exp2(m - m_new)
     lsum = lsum * alpha + tl.sum(p, 1)
-    acc = acc * alpha[:, None] + _dot(p.to(v.dtype), v, IEEE)
+    acc = _dot_acc(p.to(v.dtype), v, acc * alpha[:, None], IEEE)
     return m_new, lsum, acc
 
 
