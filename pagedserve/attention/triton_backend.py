@@ -37,9 +37,11 @@ def choose_num_splits(num_decodes: int, num_kv_heads: int, max_seq_len: int, num
 
 # A decode launch of at least this many programs (rows x kv heads) takes its rows longest
 # context first, so the long ones start in the first wave and the short ones fill the tail.
-# Measured on the H200 (Qwen3-4B heads, contexts U[100, 2048], 2026-12-01): 3.34 -> 3.77 TB/s
-# at 128 rows (1,024 programs), 3.84 -> 4.19 at 256; at 64 rows (512 programs, about one
-# wave) the batch order was 3% faster (`benchmarks/gpu_check.py --sections decode_order`).
+# Measured on the H200 (contexts U[100, 2048], `benchmarks/gpu_check.py --sections
+# decode_order`, 2026-12-01): Qwen3 heads 3.29 -> 3.51 TB/s at 96 rows (768 programs),
+# 3.37 -> 3.78 at 128, 3.89 -> 4.24 at 256; Nanbeige 3.23 -> 3.37 at 192 rows, 3.30 -> 3.80
+# at 256. At 384-512 programs the two orders were within 4% of each other, either way round,
+# over three runs.
 LONGEST_FIRST_MIN_PROGRAMS = 768
 
 
