@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, StrictInt, field_validator
 
 from pagedserve.sampling_params import MAX_LOGPROBS, SamplingParams
 
@@ -83,7 +83,12 @@ class _SamplingFields(BaseModel):
 
 
 class CompletionRequest(_SamplingFields):
-    prompt: str | list[str] | list[int] | list[list[int]]
+    # Tried in this order, the first that fits wins. Token ids come first, as strict ints, so
+    # the common benchmark body (a long list of ints) is validated once: pydantic's default
+    # "smart" union validated it against every member, 0.2 ms for 1,024 ids. A list of
+    # numeric strings is still text, and [1.0, 2.0] still token ids, as before.
+    prompt: list[StrictInt] | str | list[str] | list[list[int]] | list[int] = Field(
+        union_mode="left_to_right")
     max_tokens: int | None = Field(16, ge=1)
     logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     echo: bool = False
