@@ -60,6 +60,7 @@ elif [ "$PART" = "diag" ]; then  # slow steps and a py-spy profile of the server
         --num-prompts-per-level 64,64,1024 --warmup 4
     wait "$SPY"
     kill -INT "$SERVER_PID"; wait "$SERVER_PID"
+    python3 benchmarks/pyspy_summary.py "$OUT/pyspy_raw.txt" --top 30 > "$OUT/pyspy_summary.txt"
 elif [ "$PART" = "hf" ]; then
     run hf_batched --launch "$SERVE --engine hf-batched --max-num-seqs 256" --label "hf-batched" \
         --input-len 1024 --output-len 128 --concurrency-sweep 1,16,64,256 \

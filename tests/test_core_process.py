@@ -207,3 +207,39 @@ def test_first_token_carries_queue_and_prefill_time():
     assert first.queue_s >= 0.25 and first.prefill_s > 0
     assert first.queue_s + first.prefill_s <= time.monotonic() - t0 + 0.25
     assert all(o.queue_s is None and o.prefill_s is None for o in rest)
+
+
+def test_an_engine_core_started_before_its_client_binds(smollm2_dir):
+    """`pagedserve serve` spawns the engine core before it loads the tokenizer and builds the
+    app: the core's sockets connect once the client binds, and it serves as usual."""
+    import asyncio
+    import os
+    import time
+
+    from pagedserve.models.loader import load_tokenizer
+    from pagedserve.sampling_params import SamplingParams
+    from pagedserve.server.engine_client import AsyncEngineClient, spawn_engine_core
+    from pagedserve.server.launch import engine_config
+
+    kw = dict(model=None, dtype="float32", device="cpu", load_format="auto", max_num_seqs=8,
+              max_num_batched_tokens=256, max_model_len=256, block_size=16,
+              enable_prefix_caching=True, kv_cache_memory=16 << 20, gpu_memory_utilization=0.9,
+              enforce_eager=True, attention_backend="auto", seed=0)
+    config, source, model_cfg = engine_config(kw)
+    core = spawn_engine_core(config, "WARNING")
+    time.sleep(1.0)  # the core runs ahead, its sockets not yet bound
+    client = AsyncEngineClient(config, load_tokenizer(source, model_cfg, None), "WARNING", core)
+
+    async def run():
+        info = await client.start()
+        try:
+            states = [s async for s in client.generate("r1", [1, 2, 3, 4], SamplingParams(max_tokens=3, temperature=0.0))]
+        finally:
+            await client.shutdown()
+        return info, states
+
+    info, states = asyncio.run(run())
+    assert info.max_model_len == 256 and client._proc is core.proc
+    assert states[-1].finished and len(states[-1].token_ids) == 3
+    assert not core.proc.is_alive()
+    assert not os.path.exists(os.path.join(core.dir, "in"))

@@ -19,7 +19,7 @@ from pagedserve.monitor.collectors import register_system_collectors
 from pagedserve.sampling_params import SamplingParams
 from pagedserve.server.chat import create_chat_completion
 from pagedserve.server.completions import create_completion
-from pagedserve.server.engine_client import AsyncEngineClient
+from pagedserve.server.engine_client import AsyncEngineClient, SpawnedCore
 from pagedserve.server.errors import APIError, error_response, install_error_handlers
 from pagedserve.server.metrics import Metrics, log_periodically
 from pagedserve.server.protocol import (
@@ -59,9 +59,10 @@ class ServerSettings:
     extra: dict = field(default_factory=dict)
 
 
-def create_app(settings: ServerSettings) -> FastAPI:
+def create_app(settings: ServerSettings, core: SpawnedCore | None = None) -> FastAPI:
+    """The app; `core`: an engine-core process already started for settings.engine."""
     if settings.engine_kind == "pagedserve":
-        client = AsyncEngineClient(settings.engine, settings.tokenizer, settings.log_level)
+        client = AsyncEngineClient(settings.engine, settings.tokenizer, settings.log_level, core)
     else:  # the naive Transformers baselines, behind the same API
         from pagedserve.baseline.hf_engine import HFEngineClient
 

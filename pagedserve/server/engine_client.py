@@ -65,11 +65,37 @@ class _Pending:
                 return
 
 
+@dataclass
+class SpawnedCore:
+    """An engine-core process and the IPC addresses it connects to (bound later by its client)."""
+
+    proc: multiprocessing.process.BaseProcess
+    dir: str
+    in_addr: str
+    out_addr: str
+
+
+def spawn_engine_core(config: EngineConfig, log_level: str = "INFO") -> SpawnedCore:
+    """Start the engine-core process now. `pagedserve serve` calls this before it loads the
+    tokenizer and builds the app, so the core's imports and model set-up overlap with those;
+    the core's sockets connect whenever the client binds (ZeroMQ retries until then)."""
+    folder = tempfile.mkdtemp(prefix="pagedserve-")
+    in_addr, out_addr = f"ipc://{folder}/in", f"ipc://{folder}/out"
+    mp = multiprocessing.get_context("spawn")
+    proc = mp.Process(target=run_engine_core, name="pagedserve-engine-core",
+                      args=(config, in_addr, out_addr, log_level), daemon=True)
+    proc.start()
+    return SpawnedCore(proc, folder, in_addr, out_addr)
+
+
 class AsyncEngineClient:
-    def __init__(self, config: EngineConfig, tokenizer: Tokenizer, log_level: str = "INFO") -> None:
+    def __init__(self, config: EngineConfig, tokenizer: Tokenizer, log_level: str = "INFO",
+                 core: SpawnedCore | None = None) -> None:
+        """`core`: an engine-core process already started for `config` (else `start` spawns one)."""
         self.config = config
         self.tokenizer = tokenizer
         self.log_level = log_level
+        self._core = core
         self.processor = OutputProcessor(tokenizer)
         self.info: CoreInfo | None = None
         self.stats: CoreStats | None = None
@@ -81,18 +107,15 @@ class AsyncEngineClient:
     # ---- life cycle -------------------------------------------------------------------
 
     async def start(self, timeout: float = 900.0) -> CoreInfo:
-        """Spawn the engine core and wait until it has loaded the model."""
-        self._dir = tempfile.mkdtemp(prefix="pagedserve-")
-        in_addr, out_addr = f"ipc://{self._dir}/in", f"ipc://{self._dir}/out"
+        """Spawn the engine core (unless it was started already) and wait until it has loaded
+        the model."""
+        core = self._core or spawn_engine_core(self.config, self.log_level)
+        self._dir, self._proc = core.dir, core.proc
         self._ctx = zmq.asyncio.Context()
         self._in = self._ctx.socket(zmq.PUSH)
-        self._in.bind(in_addr)
+        self._in.bind(core.in_addr)
         self._out = self._ctx.socket(zmq.PULL)
-        self._out.bind(out_addr)
-        mp = multiprocessing.get_context("spawn")
-        self._proc = mp.Process(target=run_engine_core, name="pagedserve-engine-core",
-                                args=(self.config, in_addr, out_addr, self.log_level), daemon=True)
-        self._proc.start()
+        self._out.bind(core.out_addr)
         deadline = time.monotonic() + timeout
         while True:
             if await self._out.poll(500):

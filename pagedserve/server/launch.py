@@ -33,24 +33,31 @@ def engine_config(kw: dict) -> tuple[EngineConfig, object, ModelConfig]:
 
 
 def serve(args: argparse.Namespace, kw: dict) -> int:
-    import uvicorn
-
-    from pagedserve.models.loader import load_tokenizer
-    from pagedserve.server.app import ServerSettings, create_app
+    from pagedserve.server.engine_client import spawn_engine_core
     from pagedserve.server.reasoning import get_reasoning_parser
 
     config, source, model_cfg = engine_config(kw)
     if args.reasoning_parser:
         get_reasoning_parser(args.reasoning_parser)  # fail fast on a bad name
+    engine_kind = getattr(args, "engine", "pagedserve")
+    # The engine core starts first: its imports, model and CUDA graphs take most of the
+    # start-up, and they now overlap with the tokenizer and the app built below.
+    core = spawn_engine_core(config, args.log_level.upper()) if engine_kind == "pagedserve" else None
+
+    import uvicorn
+
+    from pagedserve.models.loader import load_tokenizer
+    from pagedserve.server.app import ServerSettings, create_app
+
     names = args.served_model_name or [kw["model"] or source.name]  # type: ignore[attr-defined]
     settings = ServerSettings(
         engine=config, tokenizer=load_tokenizer(source, model_cfg, kw["tokenizer"]), served_names=names,
         api_key=args.api_key or envs.api_key(), max_waiting_requests=args.max_waiting_requests,
         reasoning_parser=args.reasoning_parser, max_body_bytes=args.max_request_body_bytes,
         log_stats_interval=args.log_stats_interval, log_level=args.log_level.upper(),
-        engine_kind=getattr(args, "engine", "pagedserve"),
+        engine_kind=engine_kind,
     )
-    app = create_app(settings)
+    app = create_app(settings, core)
     logger.info("serving %s on http://%s:%d (OpenAI API under /v1)", names[0], args.host, args.port)
     uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level.lower(),
                 timeout_graceful_shutdown=5)
