@@ -49,7 +49,6 @@ class DecodeGraphRunner:
         self.src_rows.fill_(-1)
         self.query_start_loc = torch.arange(b + 1, dtype=torch.int32, device=dev)
         self.block_tables = torch.zeros((b, max_blocks_per_seq), dtype=torch.int32, device=dev)
-        self.host = torch.zeros((6, b), dtype=torch.long).pin_memory() if dev.type == "cuda" else None
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.outputs: dict[int, torch.Tensor] = {}
         # Kept so the tensors the graphs read (e.g. the backend's decode row ids) stay alive.
