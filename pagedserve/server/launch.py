@@ -59,6 +59,8 @@ def serve(args: argparse.Namespace, kw: dict) -> int:
     )
     app = create_app(settings, core)
     logger.info("serving %s on http://%s:%d (OpenAI API under /v1)", names[0], args.host, args.port)
+    # (uvicorn's access log lines are INFO messages; above INFO it would still format each path)
     uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level.lower(),
+                access_log=logging.getLevelName(args.log_level.upper()) <= logging.INFO,
                 timeout_graceful_shutdown=5)
     return 0

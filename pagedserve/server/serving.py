@@ -101,8 +101,8 @@ class Server:
         if not prompt_ids:
             raise APIError(400, "the prompt is empty", param=param)
         vocab = self.client.info.vocab_size  # type: ignore[union-attr]
-        bad = [t for t in prompt_ids if not 0 <= t < vocab]
-        if bad:
+        if min(prompt_ids) < 0 or max(prompt_ids) >= vocab:  # (C loops; the list only on failure)
+            bad = [t for t in prompt_ids if not 0 <= t < vocab]
             raise APIError(400, f"prompt token ids out of range [0, {vocab}): {bad[:5]}", param=param)
         if len(prompt_ids) >= limit:
             raise APIError(400, f"the prompt has {len(prompt_ids)} tokens but this model's context "
