@@ -86,6 +86,20 @@ def test_extend_tile_sizes(block_m, block_n):
     torch.testing.assert_close(out, ref, rtol=1e-4, atol=1e-4)
 
 
+def _decode_case(heads, kv_heads, dim, seq_lens, seed, spare_blocks, bs=16):
+    """A decode step (one new token per sequence, pages scattered) in float32 and the torch
+    reference's output for it: (meta, q [B, H, D], cache, ref [B, H, D])."""
+    gen = torch.Generator().manual_seed(seed)
+    num_blocks = sum(-(-n // bs) for n in seq_lens) + spare_blocks
+    meta = random_paged_step([1] * len(seq_lens), seq_lens, bs, num_blocks, gen)
+    q = torch.randn(len(seq_lens), heads, dim, generator=gen)
+    cache = torch.randn(2, num_blocks, bs, kv_heads, dim, generator=gen)
+    ref_backend = TorchReferenceBackend(heads, kv_heads, dim, dim**-0.5)
+    ref_backend.bind_kv_caches([cache.clone()])
+    k, v = (cache[i].view(-1, kv_heads, dim)[meta.slot_mapping] for i in (0, 1))
+    return meta, q, cache, ref_backend.forward(0, q, k, v, meta)
+
+
 @pytest.mark.parametrize("splits", [1, 4])  # (split counts are powers of two)
 @pytest.mark.parametrize("heads_fast", [True, False])
 def test_decode_program_orders_and_tiles(heads_fast, splits):
@@ -94,17 +108,8 @@ def test_decode_program_orders_and_tiles(heads_fast, splits):
     nothing written for the others."""
     from pagedserve.kernels.paged_attention import DECODE_CONFIG, paged_decode
 
-    heads, kv_heads, dim, bs = 6, 3, 64, 16
-    seq_lens = [5, 90, 33, 140]
-    gen = torch.Generator().manual_seed(splits + 2 * heads_fast)
-    num_blocks = sum(-(-n // bs) for n in seq_lens) + 2
-    meta = random_paged_step([1] * 4, seq_lens, bs, num_blocks, gen)
-    q = torch.randn(4, heads, dim, generator=gen)
-    cache = torch.randn(2, num_blocks, bs, kv_heads, dim, generator=gen)
-    ref_backend = TorchReferenceBackend(heads, kv_heads, dim, dim**-0.5)
-    ref_backend.bind_kv_caches([cache.clone()])
-    k, v = cache[0].view(-1, kv_heads, dim)[meta.slot_mapping], cache[1].view(-1, kv_heads, dim)[meta.slot_mapping]
-    ref = ref_backend.forward(0, q, k, v, meta)
+    dim = 64
+    meta, q, cache, ref = _decode_case(6, 3, dim, [5, 90, 33, 140], splits + 2 * heads_fast, spare_blocks=2)
     out = torch.full_like(q, float("nan"))
     seq_ids = torch.arange(4, dtype=torch.int32)
     config = dict(DECODE_CONFIG, HEADS_FAST=heads_fast, BLOCK_N=32, num_stages=1)
@@ -120,17 +125,8 @@ def test_decode_rows_in_any_order():
     and the sequence past the device-side count is left alone."""
     from pagedserve.kernels.paged_attention import paged_decode
 
-    heads, kv_heads, dim, bs = 4, 2, 32, 16
-    seq_lens = [20, 70, 3, 41]
-    gen = torch.Generator().manual_seed(7)
-    num_blocks = sum(-(-n // bs) for n in seq_lens) + 1
-    meta = random_paged_step([1] * 4, seq_lens, bs, num_blocks, gen)
-    q = torch.randn(4, heads, dim, generator=gen)
-    cache = torch.randn(2, num_blocks, bs, kv_heads, dim, generator=gen)
-    ref_backend = TorchReferenceBackend(heads, kv_heads, dim, dim**-0.5)
-    ref_backend.bind_kv_caches([cache.clone()])
-    k, v = cache[0].view(-1, kv_heads, dim)[meta.slot_mapping], cache[1].view(-1, kv_heads, dim)[meta.slot_mapping]
-    ref = ref_backend.forward(0, q, k, v, meta)
+    dim = 32
+    meta, q, cache, ref = _decode_case(4, 2, dim, [20, 70, 3, 41], seed=7, spare_blocks=1)
     out = torch.full_like(q, float("nan"))
     seq_ids = torch.tensor([1, 3, 0, 2], dtype=torch.int64)  # longest first
     paged_decode(q, cache, out, seq_ids, meta.query_start_loc, meta.seq_lens, meta.block_tables,
