@@ -36,6 +36,12 @@ def step_times_every() -> int:
     return int(os.environ.get("PAGEDSERVE_STEP_TIMES") or 0)
 
 
+def step_trace() -> str | None:
+    """$PAGEDSERVE_STEP_TRACE=FILE.jsonl: append each engine step's make-up and GPU start and
+    end times to FILE (CUDA only; `engine/step_trace.py`)."""
+    return os.environ.get("PAGEDSERVE_STEP_TRACE") or None
+
+
 def mixed_graph_tokens() -> int:
     """$PAGEDSERVE_MIXED_GRAPH_TOKENS: the largest prefill/mixed step (in tokens) replayed
     from a CUDA graph; bigger steps run eagerly (default 2048; 0 = decode graphs only). Above

@@ -23,6 +23,7 @@ from pagedserve.engine.model_runner import ModelRunner
 from pagedserve.engine.request import Request
 from pagedserve.engine.scheduler import Scheduler
 from pagedserve.engine.step_timer import GC_CLOCK, StepTimer
+from pagedserve.engine.step_trace import StepTrace
 from pagedserve.engine.warm_up import profile_forward, warm_up
 from pagedserve.kernels.compile_ahead import compile_ahead, report_late_compiles
 from pagedserve.layers.linear import compile_plan_candidates, plan_model_matmuls
@@ -125,6 +126,7 @@ class EngineCore:
                 max_seqs=sched.max_num_seqs, ahead=ahead)
         self.requests: dict[str, Request] = {}
         self._inflight = None  # (SchedulerOutput, StepHandle) launched but not yet read back
+        self._trace: StepTrace | None = None  # $PAGEDSERVE_STEP_TRACE, set once ready
         self.timer = StepTimer()  # host-side phase timings; off unless enabled
         self._slow_step_ms = envs.slow_step_ms()
         self._log_times_every = envs.step_times_every()
@@ -148,6 +150,8 @@ class EngineCore:
         logger.info("engine ready on %s in %.1f s", device, self.startup_seconds)
         if self._log_times_every:
             self.timer.enable()
+        trace = envs.step_trace()  # (after the warm-up, so only real steps are traced)
+        self._trace = StepTrace(trace) if trace and device.type == "cuda" else None
 
     def warm_up(self) -> None:
         """Throw-away steps that pay first-use costs before "ready" (`engine/warm_up.py`)."""
@@ -225,7 +229,12 @@ class EngineCore:
         launched = None
         if not out.is_empty:
             tables = [self.kv.block_ids(c.request.request_id) for c in out.chunks]
+            trace_start = self._trace.begin() if self._trace else None
+            graphs = self.runner.num_graph_steps
             launched = (out, self.runner.execute(out, tables))
+            if trace_start is not None:
+                self._trace.end(trace_start, out.chunks, self.runner.num_graph_steps > graphs,
+                                (time.perf_counter() - t_scheduled) * 1e3)
             self.num_prefill_tokens += sum(c.num_tokens for c in out.chunks if not c.is_decode)
         timer.mark("prepare+launch")
         t_launched = time.perf_counter()
@@ -235,6 +244,8 @@ class EngineCore:
         if launched is not None and not self.config.async_scheduling:
             outputs += self._complete(*launched)
             self._inflight = None
+        if self._trace and self._inflight is None:  # idle now: write the last steps out
+            self._trace.flush()
         ms = (time.perf_counter() - t0) * 1e3
         if self._slow_step_ms and ms > self._slow_step_ms:
             self._log_slow_step(ms, out, (t_scheduled - t0) * 1e3, (t_launched - t_scheduled) * 1e3,
