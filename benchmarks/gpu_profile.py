@@ -134,8 +134,9 @@ def extend_tune(quick: bool) -> None:
 
 @section
 def mixed(quick: bool) -> None:
-    """Where a serving step's time goes at concurrency 256 (1,024 in / 128 out): about 240
-    decodes of ~1,100-token contexts beside two 1,024-token prefill chunks. Times the step
+    """Where a serving step's time goes at concurrency 256 (1,024 in / 128 out): about 224
+    decodes of ~1,130-token contexts beside ~7,900 prefill tokens, as the step trace of a
+    sweep found, and smaller mixed steps. Times the step
     back to back (host and GPU in series), the time between CUDA events recorded before and
     after its launch (GPU time, plus the GPU's wait for the first launches), the host's launch
     time, and lists the kernels by GPU time (torch.profiler); the same for decode-only and
@@ -152,29 +153,37 @@ def mixed(quick: bool) -> None:
     engine, runner = llm.engine, llm.engine.runner
     params = SamplingParams(max_tokens=1, temperature=0.0)
 
-    def chunks(n_dec: int, ctx: int, n_pre: int, pre_len: int, tag: str):
+    def chunks(n_dec: int, ctx: int, pre_lens: tuple[int, ...], tag: str):
         reqs, out = [], []
         for i in range(n_dec):
             r = Request(f"{tag}d{i}", [7 + i % 1000] * ctx, params, max_tokens=1)
             assert engine.kv.allocate(r.request_id, ctx)
             reqs.append(r)
             out.append(ScheduledChunk(r, ctx - 1, 1, samples=True))
-        for i in range(n_pre):
+        for i, pre_len in enumerate(pre_lens):
             r = Request(f"{tag}p{i}", [11 + i] * pre_len, params, max_tokens=1)
             assert engine.kv.allocate(r.request_id, pre_len)
             reqs.append(r)
             out.append(ScheduledChunk(r, 0, pre_len, samples=True))
         return reqs, SchedulerOutput(out), [engine.kv.block_ids(r.request_id) for r in reqs]
 
-    shapes = {"mixed 240 dec + 2x1024": (240, 1100, 2, 1024), "decode 240 (graph)": (240, 1100, 0, 0),
-              "prefill 2x1024": (0, 0, 2, 1024), "mixed 16 dec + 1024": (16, 1100, 1, 1024),
-              "mixed 240 dec + 2x1024 eager": (240, 1100, 2, 1024),
-              "mixed 16 dec + 1024 eager": (16, 1100, 1, 1024)}
+    # (decodes, their context, prefill chunk lengths); " eager" names run without mixed graphs.
+    # The first four are the concurrency-256 serving steps the step trace found (2026-12-02):
+    # ~224 decodes of ~1,130 tokens beside ~7,950 prefill tokens, and their parts alone.
+    shapes = {"c256 mixed 224 dec + 7x1024 + 745": (224, 1130, (1024,) * 7 + (745,)),
+              "prefill 7x1024 + 745": (0, 0, (1024,) * 7 + (745,)),
+              "decode 224 (graph)": (224, 1130, ()),
+              "decode 224 eager": (224, 1130, ()),
+              "prefill 8x1024": (0, 0, (1024,) * 8),
+              "mixed 240 dec + 2x1024": (240, 1100, (1024, 1024)),
+              "mixed 16 dec + 1024": (16, 1100, (1024,))}
     found = {}
-    mixed_graphs = runner.mixed_graphs
-    for name, (nd, ctx, npre, plen) in shapes.items():
-        runner.mixed_graphs = None if name.endswith("eager") else mixed_graphs
-        reqs, out, tables = chunks(nd, ctx, npre, plen, name[:3] + name[-3:])
+    mixed_graphs, graphs = runner.mixed_graphs, runner.graphs
+    for name, (nd, ctx, pre_lens) in shapes.items():
+        eager = name.endswith("eager")
+        runner.mixed_graphs = None if eager else mixed_graphs
+        runner.graphs = None if eager else graphs
+        reqs, out, tables = chunks(nd, ctx, pre_lens, name[:3] + name[-3:])
         for _ in range(3):
             runner.collect(runner.execute(out, tables))
         torch.cuda.synchronize()
@@ -201,7 +210,7 @@ def mixed(quick: bool) -> None:
             for _ in range(3):
                 runner.collect(runner.execute(out, tables))
             torch.cuda.synchronize()
-        table = prof.key_averages().table(sort_by="cuda_time_total", row_limit=14, max_name_column_width=60)
+        table = prof.key_averages().table(sort_by="cuda_time_total", row_limit=18, max_name_column_width=60)
         print(f"==== {name}: {row}\n{table}", flush=True)
         row["kernels"] = table
         found[name] = row
@@ -209,7 +218,7 @@ def mixed(quick: bool) -> None:
                f"{row['serial_ms']} / {row['gpu_ms']} / {row['host_launch_ms']}")
         for r in reqs:
             engine.kv.free(r.request_id)
-    runner.mixed_graphs = mixed_graphs
+    runner.mixed_graphs, runner.graphs = mixed_graphs, graphs
     RESULTS["mixed_step"] = found
 
 
