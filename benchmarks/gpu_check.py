@@ -35,6 +35,7 @@ from gpu_profile import (
     skinny,
     skinny_big,
     skinny_tma,
+    sustained,
 )
 from pagedserve.attention.torch_ref import TorchReferenceBackend
 from pagedserve.attention.triton_backend import TritonBackend
@@ -435,7 +436,7 @@ def main() -> None:
     RESULTS["env"] = {"torch": torch.__version__, "gpu": torch.cuda.get_device_name(),
                       "triton": __import__("triton").__version__}
     sections = {"kernels": kernels, "sampling": sampling, "parity": parity, "bench": bench, "startup": startup, "extend_tune": extend_tune,
-                "mixed": mixed, "gemm_m": gemm_m, "gemm_tunable": gemm_tunable, "decode_tune": decode_tune, "decode_order": decode_order, "arrival": arrival, "skinny": skinny,
+                "mixed": mixed, "sustained": sustained, "gemm_m": gemm_m, "gemm_tunable": gemm_tunable, "decode_tune": decode_tune, "decode_order": decode_order, "arrival": arrival, "skinny": skinny,
                 "skinny_big": skinny_big, "skinny_tma": skinny_tma}
     for name in args.sections.split(","):
         sections[name](args.quick)

@@ -132,6 +132,102 @@ def extend_tune(quick: bool) -> None:
     RESULTS["extend_tune"] = found
 
 
+def _serving_engine():
+    """The Qwen3 engine with `pagedserve serve`'s step limits (256 sequences, 8,192 tokens)."""
+    from pagedserve import LLM
+
+    llm = LLM("qwen3-4b-instruct-2507", load_format="dummy", dtype="bfloat16", max_model_len=4096,
+              max_num_seqs=256, max_num_batched_tokens=8192, tokenizer=os.environ.get("PS_TOKENIZER"))
+    return llm.engine
+
+
+def _step_chunks(engine, n_dec: int, ctx: int, pre_lens: tuple[int, ...], tag: str):
+    """(requests, SchedulerOutput, block tables) of a step with n_dec decodes of `ctx`-token
+    contexts and whole prompts of `pre_lens` tokens; their KV blocks are allocated."""
+    from pagedserve.engine.request import Request
+    from pagedserve.engine.scheduler import ScheduledChunk, SchedulerOutput
+    from pagedserve.sampling_params import SamplingParams
+
+    params = SamplingParams(max_tokens=1, temperature=0.0)
+    reqs, out = [], []
+    for i in range(n_dec):
+        r = Request(f"{tag}d{i}", [7 + i % 1000] * ctx, params, max_tokens=1)
+        assert engine.kv.allocate(r.request_id, ctx)
+        reqs.append(r)
+        out.append(ScheduledChunk(r, ctx - 1, 1, samples=True))
+    for i, pre_len in enumerate(pre_lens):
+        r = Request(f"{tag}p{i}", [11 + i] * pre_len, params, max_tokens=1)
+        assert engine.kv.allocate(r.request_id, pre_len)
+        reqs.append(r)
+        out.append(ScheduledChunk(r, 0, pre_len, samples=True))
+    return reqs, SchedulerOutput(out), [engine.kv.block_ids(r.request_id) for r in reqs]
+
+
+@section
+def sustained(quick: bool) -> None:
+    """Does a long run of compute-bound steps slow down? The concurrency-256 mixed step (224
+    decodes of 1,130 tokens + 7,913 prefill tokens) back to back for 25 s, GPU time per step
+    from CUDA events, with nvidia-smi sampling SM clock and power meanwhile. First, the same
+    step with the decodes' KV blocks drawn at random from the whole cache (as in a long
+    serving run) against freshly allocated, neighbouring blocks."""
+    import random
+    import subprocess
+
+    engine = _serving_engine()
+    runner = engine.runner
+    reqs, out, tables = _step_chunks(engine, 224, 1130, (1024,) * 7 + (745,), "sus")
+
+    def gpu_ms(tabs, n: int = 10) -> float:
+        for _ in range(3):
+            runner.collect(runner.execute(out, tabs))
+        found = []
+        for _ in range(n):
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            runner.collect(runner.execute(out, tabs))
+            end.record()
+            end.synchronize()
+            found.append(start.elapsed_time(end))
+        return sorted(found)[n // 2]
+
+    used = {b for t in tables for b in t}
+    spare = [b for b in range(engine.kv.num_blocks) if b not in used]
+    random.Random(0).shuffle(spare)
+    scattered = [list(t) for t in tables]
+    for t in scattered[:224]:  # the decodes' tables
+        t[:] = [spare.pop() for _ in t]
+    near, far = gpu_ms(tables), gpu_ms(scattered)
+    record("mixed step, decode KV neighbouring / scattered over the cache, ms", f"{near:.1f} / {far:.1f}")
+    RESULTS["scattered_blocks"] = {"neighbouring_ms": near, "scattered_ms": far,
+                                   "num_blocks": engine.kv.num_blocks}
+    smi = subprocess.Popen(["nvidia-smi", "--query-gpu=clocks.sm,power.draw,temperature.gpu",
+                            "--format=csv,noheader,nounits", "-lms", "500"],
+                           stdout=subprocess.PIPE, text=True)
+    times, t_end = [], time.perf_counter() + (8 if quick else 25)
+    while time.perf_counter() < t_end:
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        runner.collect(runner.execute(out, tables))
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    smi.terminate()
+    samples = [line.split(", ") for line in smi.communicate()[0].splitlines() if line.strip()]
+    for r in reqs:
+        engine.kv.free(r.request_id)
+    tenth = max(len(times) // 10, 1)
+    first, last = sorted(times[:tenth])[tenth // 2], sorted(times[-tenth:])[tenth // 2]
+    clocks = [float(x[0]) for x in samples if x[0].replace(".", "").isdigit()]
+    power = [float(x[1]) for x in samples if x[1].replace(".", "").isdigit()]
+    RESULTS["sustained"] = {"step_ms": [round(t, 2) for t in times], "smi": samples}
+    record("sustained mixed step: first / last tenth median ms", f"{first:.1f} / {last:.1f}")
+    if clocks:
+        record("sustained: SM clock MHz min / median / max",
+               f"{min(clocks):.0f} / {sorted(clocks)[len(clocks) // 2]:.0f} / {max(clocks):.0f}")
+        record("sustained: power W min / median / max",
+               f"{min(power):.0f} / {sorted(power)[len(power) // 2]:.0f} / {max(power):.0f}")
+
+
 @section
 def mixed(quick: bool) -> None:
     """Where a serving step's time goes at concurrency 256 (1,024 in / 128 out): about 224
@@ -143,29 +239,8 @@ def mixed(quick: bool) -> None:
     prefill-only steps of the same parts."""
     from torch.profiler import ProfilerActivity, profile
 
-    from pagedserve import LLM
-    from pagedserve.engine.request import Request
-    from pagedserve.engine.scheduler import ScheduledChunk, SchedulerOutput
-    from pagedserve.sampling_params import SamplingParams
-
-    llm = LLM("qwen3-4b-instruct-2507", load_format="dummy", dtype="bfloat16", max_model_len=4096,
-              max_num_seqs=256, max_num_batched_tokens=8192, tokenizer=os.environ.get("PS_TOKENIZER"))
-    engine, runner = llm.engine, llm.engine.runner
-    params = SamplingParams(max_tokens=1, temperature=0.0)
-
-    def chunks(n_dec: int, ctx: int, pre_lens: tuple[int, ...], tag: str):
-        reqs, out = [], []
-        for i in range(n_dec):
-            r = Request(f"{tag}d{i}", [7 + i % 1000] * ctx, params, max_tokens=1)
-            assert engine.kv.allocate(r.request_id, ctx)
-            reqs.append(r)
-            out.append(ScheduledChunk(r, ctx - 1, 1, samples=True))
-        for i, pre_len in enumerate(pre_lens):
-            r = Request(f"{tag}p{i}", [11 + i] * pre_len, params, max_tokens=1)
-            assert engine.kv.allocate(r.request_id, pre_len)
-            reqs.append(r)
-            out.append(ScheduledChunk(r, 0, pre_len, samples=True))
-        return reqs, SchedulerOutput(out), [engine.kv.block_ids(r.request_id) for r in reqs]
+    engine = _serving_engine()
+    runner = engine.runner
 
     # (decodes, their context, prefill chunk lengths); " eager" names run without mixed graphs.
     # The first four are the concurrency-256 serving steps the step trace found (2026-12-02):
@@ -183,7 +258,7 @@ def mixed(quick: bool) -> None:
         eager = name.endswith("eager")
         runner.mixed_graphs = None if eager else mixed_graphs
         runner.graphs = None if eager else graphs
-        reqs, out, tables = chunks(nd, ctx, pre_lens, name[:3] + name[-3:])
+        reqs, out, tables = _step_chunks(engine, nd, ctx, pre_lens, name[:3] + name[-3:])
         for _ in range(3):
             runner.collect(runner.execute(out, tables))
         torch.cuda.synchronize()

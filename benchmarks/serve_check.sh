@@ -2,6 +2,7 @@
 # Serving benchmarks on the GPU machine (issue 6), one device call per part:
 #   bash benchmarks/serve_check.sh ours   # pagedserve: vLLM's sweep, short chats, prefix caching on/off
 #   NAME=b2048 SERVE_ARGS="--max-num-batched-tokens 2048" bash benchmarks/serve_check.sh sweep
+#     (LEVELS=64,256 PROMPTS=256,1024 for some levels only)
 #   bash benchmarks/serve_check.sh hf     # the Transformers baselines (--engine hf, hf-batched)
 #   LEVELS=3,5 bash benchmarks/serve_check.sh hf_short   # the wrapper benchmark on --engine hf alone
 # Every server is started by `pagedserve bench serve --launch`, which records its start-up time
@@ -31,7 +32,7 @@ run() {  # name, then bench flags
 
 if [ "$PART" = "sweep" ]; then  # NAME=... SERVE_ARGS=... to compare server settings
     PAGEDSERVE_SLOW_STEP_MS=250 run "${NAME:-pagedserve}" --launch "$SERVE --log-level INFO" --launch-log "$OUT/server_${NAME:-sweep}.log" --label pagedserve --input-len 1024 --output-len 128 \
-        --concurrency-sweep 1,16,64,256 --num-prompts-per-level 32,64,256,1024 --warmup 4
+        --concurrency-sweep "${LEVELS:-1,16,64,256}" --num-prompts-per-level "${PROMPTS:-32,64,256,1024}" --warmup 4
 elif [ "$PART" = "ours" ]; then
     run pagedserve --launch "$SERVE --log-level INFO" --launch-log "$OUT/server_sweep.log" --label pagedserve --input-len 1024 --output-len 128 \
         --concurrency-sweep 1,16,64,256 --num-prompts-per-level 32,64,256,1024 --warmup 4

@@ -19,6 +19,7 @@ from pathlib import Path
 import numpy as np
 
 FIT_TERMS = ("steps", "prefill_tokens", "decodes", "decode_ctx", "prefill_attn")
+ALLOC_KEYS = ("num_device_alloc", "num_device_free", "num_alloc_retries")
 FIT_UNITS = {"steps": ("ms per step", 1.0), "prefill_tokens": ("us per prefill token", 1e3),
              "decodes": ("us per decode row", 1e3), "decode_ctx": ("ns per token of decode context", 1e6),
              "prefill_attn": ("ns per 1k prefill query-key pairs", 1e9)}
@@ -51,12 +52,13 @@ def summarize(steps: list[dict]) -> dict:
     kinds: dict[str, dict] = {}
     for s, ms in zip(steps, busy):
         k = kinds.setdefault(kind(s), {"steps": 0, "busy_ms": 0.0, "decodes": 0, "prefill_tokens": 0,
-                                       "graph_steps": 0})
+                                       "graph_steps": 0, "allocator_calls": 0})
         k["steps"] += 1
         k["busy_ms"] += ms
         k["decodes"] += s["decodes"]
         k["prefill_tokens"] += s["prefill_tokens"]
         k["graph_steps"] += bool(s["graph"])
+        k["allocator_calls"] += sum(s.get(a, 0) for a in ALLOC_KEYS)
     for k in kinds.values():
         k["ms_per_step"] = k["busy_ms"] / k["steps"]
         k["mean_decodes"] = k["decodes"] / k["steps"]
@@ -69,6 +71,7 @@ def summarize(steps: list[dict]) -> dict:
         "decode_tokens": sum(s["decodes"] for s in steps),
         "prefill_tokens": sum(s["prefill_tokens"] for s in steps),
         "host_launch_ms_mean": float(np.mean([s["launch_ms"] for s in steps])),
+        "allocator": {k: sum(s.get(k, 0) for s in steps) for k in ALLOC_KEYS},
         "by_kind": kinds,
         "fit": fit(steps, busy),
     }
@@ -97,11 +100,12 @@ def render(segments: list[dict]) -> str:
                      f"{seg['busy_ms']:.0f} ms, waiting for the host {seg['idle_ms']:.0f} ms "
                      f"({seg['idle_ms'] / max(seg['wall_ms'], 1e-9):.1%}); {seg['decode_tokens']} decode "
                      f"and {seg['prefill_tokens']} prefill tokens; host launch {seg['host_launch_ms_mean']:.2f} "
-                     "ms per step")
+                     "ms per step; allocator " + ", ".join(f"{k} {v}" for k, v in seg["allocator"].items()))
         for name, k in sorted(seg["by_kind"].items()):
             lines.append(f"  {name:8s} {k['steps']:6d} steps ({k['graph_steps']} graphs) "
                          f"{k['busy_ms']:9.0f} ms busy, {k['ms_per_step']:7.2f} ms/step, "
-                         f"{k['mean_decodes']:6.1f} decode rows, {k['mean_prefill_tokens']:7.0f} prefill tokens")
+                         f"{k['mean_decodes']:6.1f} decode rows, {k['mean_prefill_tokens']:7.0f} prefill tokens, "
+                         f"{k['allocator_calls']} allocator calls")
         f = seg["fit"]
         if f:
             terms = ", ".join(f"{f['coef'][t] * FIT_UNITS[t][1]:.3g} {FIT_UNITS[t][0]} "

@@ -39,6 +39,7 @@ class StepTrace:
         self._file = open(path, "a", buffering=1)  # noqa: SIM115 (line-buffered, open for the engine's life)
         self._pending: deque = deque()  # (start event, end event, record) in launch order
         self._origin: torch.cuda.Event | None = None
+        self._allocs = _allocator_counts()
 
     def begin(self) -> torch.cuda.Event:
         """Call right before a step's first GPU work is enqueued."""
@@ -54,6 +55,9 @@ class StepTrace:
         ev.record()
         record = step_makeup(chunks)
         record.update(graph=graph, launch_ms=round(launch_ms, 3), host_t=round(time.monotonic(), 4))
+        allocs = _allocator_counts()  # what the caching allocator had to ask CUDA for
+        record.update({k: v - self._allocs.get(k, 0) for k, v in allocs.items()})
+        self._allocs = allocs
         self._pending.append((start, ev, record))
         self.flush(wait=False)
 
@@ -73,3 +77,10 @@ class StepTrace:
     def close(self) -> None:
         self.flush(wait=True)
         self._file.close()
+
+
+def _allocator_counts() -> dict[str, int]:
+    """The caching allocator's calls into CUDA so far (cudaMalloc, cudaFree, and retries
+    after emptying its cache, which synchronise the device)."""
+    stats = torch.cuda.memory_stats()
+    return {k: int(stats.get(k, 0)) for k in ("num_device_alloc", "num_device_free", "num_alloc_retries")}
