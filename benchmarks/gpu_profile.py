@@ -141,22 +141,27 @@ def _serving_engine():
     return llm.engine
 
 
-def _step_chunks(engine, n_dec: int, ctx: int, pre_lens: tuple[int, ...], tag: str):
+def _step_chunks(engine, n_dec: int, ctx: int, pre_lens: tuple[int, ...], tag: str,
+                 rng=None):
     """(requests, SchedulerOutput, block tables) of a step with n_dec decodes of `ctx`-token
-    contexts and whole prompts of `pre_lens` tokens; their KV blocks are allocated."""
+    contexts and whole prompts of `pre_lens` tokens; their KV blocks are allocated. Each
+    prompt repeats one token id, or with `rng` (random.Random) is random ids, as in serving."""
     from pagedserve.engine.request import Request
     from pagedserve.engine.scheduler import ScheduledChunk, SchedulerOutput
     from pagedserve.sampling_params import SamplingParams
 
     params = SamplingParams(max_tokens=1, temperature=0.0)
     reqs, out = [], []
+    def ids(n: int, token: int) -> list[int]:
+        return [rng.randrange(100, 150_000) for _ in range(n)] if rng else [token] * n
+
     for i in range(n_dec):
-        r = Request(f"{tag}d{i}", [7 + i % 1000] * ctx, params, max_tokens=1)
+        r = Request(f"{tag}d{i}", ids(ctx, 7 + i % 1000), params, max_tokens=1)
         assert engine.kv.allocate(r.request_id, ctx)
         reqs.append(r)
         out.append(ScheduledChunk(r, ctx - 1, 1, samples=True))
     for i, pre_len in enumerate(pre_lens):
-        r = Request(f"{tag}p{i}", [11 + i] * pre_len, params, max_tokens=1)
+        r = Request(f"{tag}p{i}", ids(pre_len, 11 + i), params, max_tokens=1)
         assert engine.kv.allocate(r.request_id, pre_len)
         reqs.append(r)
         out.append(ScheduledChunk(r, 0, pre_len, samples=True))
@@ -165,19 +170,18 @@ def _step_chunks(engine, n_dec: int, ctx: int, pre_lens: tuple[int, ...], tag: s
 
 @section
 def sustained(quick: bool) -> None:
-    """Does a long run of compute-bound steps slow down? The concurrency-256 mixed step (224
-    decodes of 1,130 tokens + 7,913 prefill tokens) back to back for 25 s, GPU time per step
-    from CUDA events, with nvidia-smi sampling SM clock and power meanwhile. First, the same
-    step with the decodes' KV blocks drawn at random from the whole cache (as in a long
-    serving run) against freshly allocated, neighbouring blocks."""
+    """Why serving's mixed steps take longer than the same steps alone (2026-12-02). The
+    concurrency-256 mixed step (224 decodes of 1,130 tokens + 7,913 prefill tokens) with
+    prompts that repeat one token against random prompts (the matmuls' power depends on the
+    data); with the decodes' KV blocks neighbouring or drawn at random from the whole cache;
+    then with random prompts back to back for 25 s, nvidia-smi sampling SM clock and power."""
     import random
     import subprocess
 
     engine = _serving_engine()
     runner = engine.runner
-    reqs, out, tables = _step_chunks(engine, 224, 1130, (1024,) * 7 + (745,), "sus")
 
-    def gpu_ms(tabs, n: int = 10) -> float:
+    def gpu_ms(out, tabs, n: int = 10) -> float:
         for _ in range(3):
             runner.collect(runner.execute(out, tabs))
         found = []
@@ -190,16 +194,23 @@ def sustained(quick: bool) -> None:
             found.append(start.elapsed_time(end))
         return sorted(found)[n // 2]
 
+    shape = (224, 1130, (1024,) * 7 + (745,))
+    reqs, out, tables = _step_chunks(engine, *shape, "same")
     used = {b for t in tables for b in t}
     spare = [b for b in range(engine.kv.num_blocks) if b not in used]
     random.Random(0).shuffle(spare)
     scattered = [list(t) for t in tables]
     for t in scattered[:224]:  # the decodes' tables
         t[:] = [spare.pop() for _ in t]
-    near, far = gpu_ms(tables), gpu_ms(scattered)
+    near, far = gpu_ms(out, tables), gpu_ms(out, scattered)
+    for r in reqs:
+        engine.kv.free(r.request_id)
+    reqs, out, tables = _step_chunks(engine, *shape, "rand", rng=random.Random(0))
+    rand = gpu_ms(out, tables)
+    record("mixed step, one token repeated / random prompts, ms", f"{near:.1f} / {rand:.1f}")
     record("mixed step, decode KV neighbouring / scattered over the cache, ms", f"{near:.1f} / {far:.1f}")
-    RESULTS["scattered_blocks"] = {"neighbouring_ms": near, "scattered_ms": far,
-                                   "num_blocks": engine.kv.num_blocks}
+    RESULTS["mixed_step_data"] = {"repeated_ms": near, "random_ms": rand, "scattered_ms": far,
+                                  "num_blocks": engine.kv.num_blocks}
     smi = subprocess.Popen(["nvidia-smi", "--query-gpu=clocks.sm,power.draw,temperature.gpu",
                             "--format=csv,noheader,nounits", "-lms", "500"],
                            stdout=subprocess.PIPE, text=True)
@@ -220,7 +231,7 @@ def sustained(quick: bool) -> None:
     clocks = [float(x[0]) for x in samples if x[0].replace(".", "").isdigit()]
     power = [float(x[1]) for x in samples if x[1].replace(".", "").isdigit()]
     RESULTS["sustained"] = {"step_ms": [round(t, 2) for t in times], "smi": samples}
-    record("sustained mixed step: first / last tenth median ms", f"{first:.1f} / {last:.1f}")
+    record("sustained random mixed step: first / last tenth median ms", f"{first:.1f} / {last:.1f}")
     if clocks:
         record("sustained: SM clock MHz min / median / max",
                f"{min(clocks):.0f} / {sorted(clocks)[len(clocks) // 2]:.0f} / {max(clocks):.0f}")
