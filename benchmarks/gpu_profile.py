@@ -170,7 +170,7 @@ def _step_chunks(engine, n_dec: int, ctx: int, pre_lens: tuple[int, ...], tag: s
 
 @section
 def sustained(quick: bool) -> None:
-    """Why serving's mixed steps take longer than the same steps alone (2026-12-02). The
+    """Why serving's mixed steps take longer than the same steps alone (2026-12-01). The
     concurrency-256 mixed step (224 decodes of 1,130 tokens + 7,913 prefill tokens) with
     prompts that repeat one token against random prompts (the matmuls' power depends on the
     data); with the decodes' KV blocks neighbouring or drawn at random from the whole cache;
@@ -254,7 +254,7 @@ def mixed(quick: bool) -> None:
     runner = engine.runner
 
     # (decodes, their context, prefill chunk lengths); " eager" names run without mixed graphs.
-    # The first four are the concurrency-256 serving steps the step trace found (2026-12-02):
+    # The first four are the concurrency-256 serving steps the step trace found (2026-12-01):
     # ~224 decodes of ~1,130 tokens beside ~7,950 prefill tokens, and their parts alone.
     shapes = {"c256 mixed 224 dec + 7x1024 + 745": (224, 1130, (1024,) * 7 + (745,)),
               "prefill 7x1024 + 745": (0, 0, (1024,) * 7 + (745,)),
