@@ -243,11 +243,13 @@ def sustained(quick: bool) -> None:
 def mixed(quick: bool) -> None:
     """Where a serving step's time goes at concurrency 256 (1,024 in / 128 out): about 224
     decodes of ~1,130-token contexts beside ~7,900 prefill tokens, as the step trace of a
-    sweep found, and smaller mixed steps. Times the step
+    sweep found, and smaller mixed steps, all on random prompts. Times the step
     back to back (host and GPU in series), the time between CUDA events recorded before and
     after its launch (GPU time, plus the GPU's wait for the first launches), the host's launch
     time, and lists the kernels by GPU time (torch.profiler); the same for decode-only and
     prefill-only steps of the same parts."""
+    import random
+
     from torch.profiler import ProfilerActivity, profile
 
     engine = _serving_engine()
@@ -269,7 +271,7 @@ def mixed(quick: bool) -> None:
         eager = name.endswith("eager")
         runner.mixed_graphs = None if eager else mixed_graphs
         runner.graphs = None if eager else graphs
-        reqs, out, tables = _step_chunks(engine, nd, ctx, pre_lens, name[:3] + name[-3:])
+        reqs, out, tables = _step_chunks(engine, nd, ctx, pre_lens, name[:3] + name[-3:], rng=random.Random(0))
         for _ in range(3):
             runner.collect(runner.execute(out, tables))
         torch.cuda.synchronize()

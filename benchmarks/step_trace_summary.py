@@ -7,7 +7,9 @@ sweep's levels, or separate benchmark runs). For each segment: wall time from th
 step's start to the last step's end, GPU busy time, the time the GPU waited for the host,
 and busy time by step kind (decode only, decode + prefill, prefill only); then a least-squares
 fit of step time against its make-up, which says what a step's fixed part, a prefill token,
-a decode row and a token of decode context cost.
+a decode row and a token of decode context cost. The fit means something only where these
+vary independently: with prompts of one length, prefill tokens and query-key pairs move
+together and their coefficients are arbitrary.
 """
 
 from __future__ import annotations
@@ -71,7 +73,8 @@ def summarize(steps: list[dict]) -> dict:
         "decode_tokens": sum(s["decodes"] for s in steps),
         "prefill_tokens": sum(s["prefill_tokens"] for s in steps),
         "host_launch_ms_mean": float(np.mean([s["launch_ms"] for s in steps])),
-        "allocator": {k: sum(s.get(k, 0) for s in steps) for k in ALLOC_KEYS},
+        "allocator": ({k: sum(s.get(k, 0) for s in steps) for k in ALLOC_KEYS}
+                      if any(k in s for s in steps for k in ALLOC_KEYS) else None),  # (older traces)
         "by_kind": kinds,
         "fit": fit(steps, busy),
     }
@@ -100,12 +103,13 @@ def render(segments: list[dict]) -> str:
                      f"{seg['busy_ms']:.0f} ms, waiting for the host {seg['idle_ms']:.0f} ms "
                      f"({seg['idle_ms'] / max(seg['wall_ms'], 1e-9):.1%}); {seg['decode_tokens']} decode "
                      f"and {seg['prefill_tokens']} prefill tokens; host launch {seg['host_launch_ms_mean']:.2f} "
-                     "ms per step; allocator " + ", ".join(f"{k} {v}" for k, v in seg["allocator"].items()))
+                     "ms per step; allocator " + (", ".join(f"{k} {v}" for k, v in seg["allocator"].items())
+                                                  if seg["allocator"] else "not traced"))
         for name, k in sorted(seg["by_kind"].items()):
             lines.append(f"  {name:8s} {k['steps']:6d} steps ({k['graph_steps']} graphs) "
                          f"{k['busy_ms']:9.0f} ms busy, {k['ms_per_step']:7.2f} ms/step, "
-                         f"{k['mean_decodes']:6.1f} decode rows, {k['mean_prefill_tokens']:7.0f} prefill tokens, "
-                         f"{k['allocator_calls']} allocator calls")
+                         f"{k['mean_decodes']:6.1f} decode rows, {k['mean_prefill_tokens']:7.0f} prefill tokens"
+                         + (f", {k['allocator_calls']} allocator calls" if seg["allocator"] else ""))
         f = seg["fit"]
         if f:
             terms = ", ".join(f"{f['coef'][t] * FIT_UNITS[t][1]:.3g} {FIT_UNITS[t][0]} "
