@@ -454,6 +454,64 @@ def decode_tune(quick: bool) -> None:
 
 
 @section
+def decode_splits(quick: bool) -> None:
+    """Split-KV count against decode batch size, on contexts like serving's at concurrency 16-64
+    (uniform in [1,024, 1,152]) and the offline workload's (uniform in [100, 2,048]); Qwen3's
+    heads (32/8, d 128), pages of 16 scattered at random; the engine's order and launch
+    settings. TB/s of K/V read, and the count `choose_num_splits` picks for a decode graph
+    (max_model_len 4,096)."""
+    import functools
+
+    import numpy as np
+    import triton.testing
+
+    from pagedserve.attention.triton_backend import choose_num_splits, decode_order
+    from pagedserve.kernels.paged_attention import alloc_decode_partials, paged_decode
+
+    hq, hkv, d, page = 32, 8, 128, 16
+    gen = torch.Generator().manual_seed(0)
+    found = {}
+    for dist, (lo, hi) in {"U[1024,1152]": (1024, 1152), "U[100,2048]": (100, 2048)}.items():
+        for b in (8, 16, 32, 48, 64, 96, 128) if not quick else (16, 64):
+            lens = torch.randint(lo, hi + 1, (b,), generator=gen).tolist()
+            blocks = [-(-n // page) for n in lens]
+            nb = sum(blocks)
+            cache = torch.randn(2, nb, page, hkv, d, device=DEV, dtype=torch.bfloat16)
+            q = torch.randn(b, hq, d, device=DEV, dtype=torch.bfloat16)
+            qsl = torch.arange(b + 1, dtype=torch.int32, device=DEV)
+            seq_lens = torch.tensor(lens, dtype=torch.int32, device=DEV)
+            seq_ids = torch.from_numpy(decode_order(np.arange(b), np.array(lens), hkv)).to(DEV)
+            order = torch.randperm(nb, generator=gen)
+            tables = torch.zeros(b, max(blocks), dtype=torch.int32)
+            at = 0
+            for i, n in enumerate(blocks):
+                tables[i, :n] = order[at:at + n].to(torch.int32)
+                at += n
+            tables = tables.to(DEV)
+            nbytes = sum(lens) * hkv * d * 2 * 2
+            picked = choose_num_splits(b, hkv, 4096)
+            ref = None
+            row = {}
+            for splits in (1, 2, 4, 8):
+                parts = alloc_decode_partials(b, splits, hq, d, DEV) if splits > 1 else None
+                out = torch.zeros_like(q)
+                run = functools.partial(paged_decode, q, cache, out, seq_ids, qsl, seq_lens, tables,
+                                        d**-0.5, splits, parts)
+                run()
+                ref = out.clone() if ref is None else ref
+                ms = triton.testing.do_bench(run, return_mode="median")
+                row[splits] = {"ms": round(ms, 4), "tb_s": round(nbytes / ms / 1e9, 3),
+                               "rel_err_vs_1": rel_err(out, ref)}
+            best = max(row, key=lambda k: row[k]["tb_s"])
+            found[f"{dist} b{b}"] = {"picked": picked, "best": best, "splits": row}
+            record(f"decode {dist} b{b}: TB/s at splits 1/2/4/8 (picked {picked})",
+                   " / ".join(f"{row[k]['tb_s']:.2f}" for k in row),
+                   all(r["rel_err_vs_1"] < 1e-2 for r in row.values()))
+            del cache
+    RESULTS["decode_splits"] = found
+
+
+@section
 def decode_order(quick: bool) -> None:
     """The decode kernel taking its rows in batch order against longest context first
     (`triton_backend.decode_order`), on batches with lengths uniform in [100, 2,048] and
