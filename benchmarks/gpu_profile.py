@@ -150,11 +150,11 @@ def _step_chunks(engine, n_dec: int, ctx: int, pre_lens: tuple[int, ...], tag: s
     from pagedserve.engine.scheduler import ScheduledChunk, SchedulerOutput
     from pagedserve.sampling_params import SamplingParams
 
-    params = SamplingParams(max_tokens=1, temperature=0.0)
-    reqs, out = [], []
     def ids(n: int, token: int) -> list[int]:
         return [rng.randrange(100, 150_000) for _ in range(n)] if rng else [token] * n
 
+    params = SamplingParams(max_tokens=1, temperature=0.0)
+    reqs, out = [], []
     for i in range(n_dec):
         r = Request(f"{tag}d{i}", ids(ctx, 7 + i % 1000), params, max_tokens=1)
         assert engine.kv.allocate(r.request_id, ctx)
