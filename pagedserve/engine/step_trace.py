@@ -36,7 +36,9 @@ class StepTrace:
     """Writes one JSON line per step once its CUDA events have fired (see module doc)."""
 
     def __init__(self, path: str) -> None:
-        self._file = open(path, "a", buffering=1)  # noqa: SIM115 (line-buffered, open for the engine's life)
+        # Line-buffered and open for the engine's life: steps are on disk once written, and the
+        # engine writes out the last ones whenever it goes idle.
+        self._file = open(path, "a", buffering=1)  # noqa: SIM115
         self._pending: deque = deque()  # (start event, end event, record) in launch order
         self._origin: torch.cuda.Event | None = None
         self._allocs = _allocator_counts()
@@ -73,10 +75,6 @@ class StepTrace:
             record["gpu_start"] = round(self._origin.elapsed_time(start), 3)
             record["gpu_end"] = round(self._origin.elapsed_time(end), 3)
             self._file.write(json.dumps(record) + "\n")
-
-    def close(self) -> None:
-        self.flush(wait=True)
-        self._file.close()
 
 
 def _allocator_counts() -> dict[str, int]:
