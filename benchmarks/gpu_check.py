@@ -32,6 +32,7 @@ from gpu_profile import (
     decode_tune,
     extend_tune,
     gemm_m,
+    gemm_power,
     gemm_tunable,
     mixed,
     skinny,
@@ -441,7 +442,7 @@ def main() -> None:
     RESULTS["env"] = {"torch": torch.__version__, "gpu": torch.cuda.get_device_name(),
                       "triton": __import__("triton").__version__}
     sections = {"kernels": kernels, "sampling": sampling, "parity": parity, "bench": bench, "startup": startup, "extend_tune": extend_tune,
-                "mixed": mixed, "sustained": sustained, "gemm_m": gemm_m, "gemm_tunable": gemm_tunable, "decode_tune": decode_tune, "decode_order": decode_order, "decode_splits": decode_splits, "arrival": arrival, "skinny": skinny,
+                "mixed": mixed, "sustained": sustained, "gemm_m": gemm_m, "gemm_power": gemm_power, "gemm_tunable": gemm_tunable, "decode_tune": decode_tune, "decode_order": decode_order, "decode_splits": decode_splits, "arrival": arrival, "skinny": skinny,
                 "skinny_big": skinny_big, "skinny_tma": skinny_tma}
     for name in args.sections.split(","):
         sections[name](args.quick)

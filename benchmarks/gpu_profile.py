@@ -335,6 +335,44 @@ def gemm_m(quick: bool) -> None:
 
 
 @section
+def gemm_power(quick: bool) -> None:
+    """A Qwen3 layer's four weight matmuls (x W^T, cuBLAS through torch) on random bf16 data at
+    prefill-step row counts near 8,192, each run back to back for 2 s first so the card sits
+    at its power limit as in serving: us per token and TFLOP/s. cuBLAS picks its tiles by the
+    row count, and serving's mixed steps (8,137 rows) got other tiles than 8,192."""
+    shapes = {"qkv": (6144, 2560), "o": (2560, 4096), "gate_up": (19456, 2560), "down": (2560, 9728)}
+    gen = torch.Generator(device=DEV).manual_seed(0)
+    weights = {k: torch.randn(n, kk, device=DEV, dtype=torch.bfloat16, generator=gen) * 0.02
+               for k, (n, kk) in shapes.items()}
+    flops_per_row = sum(2 * n * kk for n, kk in shapes.values())
+    found = {}
+    for m in (8192, 8137, 8128, 8064, 7936, 7680) if not quick else (8192, 8137):
+        xs = {k: torch.randn(m, kk, device=DEV, dtype=torch.bfloat16, generator=gen)
+              for k, (_, kk) in shapes.items()}
+
+        def layer(xs=xs) -> None:
+            for k, w in weights.items():
+                torch.matmul(xs[k], w.t())
+
+        t_end = time.perf_counter() + 2.0
+        while time.perf_counter() < t_end:
+            layer()
+            torch.cuda.synchronize()
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        n = 20
+        start.record()
+        for _ in range(n):
+            layer()
+        end.record()
+        end.synchronize()
+        ms = start.elapsed_time(end) / n
+        found[m] = {"layer_ms": round(ms, 4), "us_per_token_36_layers": round(ms * 36 / m * 1e3, 3),
+                    "tflops": round(flops_per_row * m / ms / 1e9, 1)}
+        record(f"layer matmuls at {m} rows, power-limited: TFLOP/s", found[m]["tflops"], None, "{:.0f}")
+    RESULTS["gemm_power"] = found
+
+
+@section
 def gemm_tunable(quick: bool) -> None:
     """The weight matmuls of Qwen3-4B (8 copies each, so the weights come from HBM) at decode
     and prefill row counts: cuBLAS's default pick, torch's TunableOp (every cuBLAS / cuBLASLt
