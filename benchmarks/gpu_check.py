@@ -5,8 +5,9 @@ Run on the GPU machine from the repository root:
 Writes $OUT/gpu_check.json (or ./gpu_check.json) and prints a short table last. Each section
 catches its own failures so one bug does not hide the other results. `startup` times fresh
 processes' start-up with an empty Triton cache, compiling ahead and not. The profiling
-sections (`extend_tune`, `decode_tune`, `gemm_tunable`, `mixed`, `skinny`, ...) live in
-gpu_profile.py; the shared helpers in gpu_common.py.
+sections live beside it: batch-1 pieces and attention kernels (`extend_tune`, `decode_tune`,
+...) in gpu_profile.py, serving steps (`mixed`, `sustained`, `arrival`) in gpu_steps.py,
+weight matmuls (`gemm_*`, `skinny*`) in gpu_matmul.py; the shared helpers in gpu_common.py.
 """
 
 from __future__ import annotations
@@ -22,23 +23,16 @@ import time
 from types import SimpleNamespace
 
 import torch
+from gpu_matmul import gemm_m, gemm_power, gemm_tunable, skinny, skinny_big, skinny_tma
+from gpu_steps import arrival, mixed, sustained
 
 from gpu_common import DEV, RESULTS, TABLE, paged_step, record, rel_err, section
 from gpu_profile import (
-    arrival,
     batch1_breakdown,
     decode_order,
     decode_splits,
     decode_tune,
     extend_tune,
-    gemm_m,
-    gemm_power,
-    gemm_tunable,
-    mixed,
-    skinny,
-    skinny_big,
-    skinny_tma,
-    sustained,
 )
 from pagedserve.attention.torch_ref import TorchReferenceBackend
 from pagedserve.attention.triton_backend import TritonBackend

@@ -21,7 +21,7 @@ from pathlib import Path
 import numpy as np
 
 FIT_TERMS = ("steps", "prefill_tokens", "decodes", "decode_ctx", "prefill_attn")
-ALLOC_KEYS = ("num_device_alloc", "num_device_free", "num_alloc_retries")
+ALLOC_KEYS = ("num_device_alloc", "num_device_free", "num_alloc_retries", "num_host_alloc")
 FIT_UNITS = {"steps": ("ms per step", 1.0), "prefill_tokens": ("us per prefill token", 1e3),
              "decodes": ("us per decode row", 1e3), "decode_ctx": ("ns per token of decode context", 1e6),
              "prefill_attn": ("ns per 1k prefill query-key pairs", 1e9)}

@@ -22,7 +22,7 @@ from pagedserve.engine.kv_cache_manager import KVCacheManager
 from pagedserve.engine.model_runner import ModelRunner
 from pagedserve.engine.request import Request
 from pagedserve.engine.scheduler import Scheduler
-from pagedserve.engine.step_timer import GC_CLOCK, StepTimer
+from pagedserve.engine.step_timer import GC_CLOCK, StepTimer, allocator_counts
 from pagedserve.engine.step_trace import StepTrace
 from pagedserve.engine.warm_up import profile_forward, warm_up
 from pagedserve.kernels.compile_ahead import compile_ahead, report_late_compiles
@@ -218,7 +218,7 @@ class EngineCore:
         timer = self.timer
         t0 = time.perf_counter()
         gc0 = GC_CLOCK.seconds
-        allocs0 = _allocator_counts() if self._slow_step_ms else None
+        allocs0 = allocator_counts() if self._slow_step_ms else None
         if self._inflight is not None and self._needs_sync():
             outputs += self._complete(*self._inflight)
             self._inflight = None
@@ -229,10 +229,10 @@ class EngineCore:
         launched = None
         if not out.is_empty:
             tables = [self.kv.block_ids(c.request.request_id) for c in out.chunks]
-            trace_start = self._trace.begin() if self._trace else None
-            graphs = self.runner.num_graph_steps
+            if self._trace:
+                trace_start, graphs = self._trace.begin(), self.runner.num_graph_steps
             launched = (out, self.runner.execute(out, tables))
-            if trace_start is not None:
+            if self._trace:
                 self._trace.end(trace_start, out.chunks, self.runner.num_graph_steps > graphs,
                                 (time.perf_counter() - t_scheduled) * 1e3)
             self.num_prefill_tokens += sum(c.num_tokens for c in out.chunks if not c.is_decode)
@@ -275,7 +275,7 @@ class EngineCore:
         inputs, model, sample = self.runner.last_launch_ms
         allocs = ""
         if allocs0:  # what the CUDA memory allocators had to do during the step
-            now = _allocator_counts()
+            now = allocator_counts()
             allocs = "; allocator: " + ", ".join(f"{k} {now[k] - allocs0.get(k, 0)}" for k in now)
         logger.warning("slow engine step: %.0f ms to schedule %d decodes and %d other chunks "
                        "(%d tokens); it also waited for the previous step (scheduling %.0f ms, "
@@ -312,19 +312,6 @@ class EngineCore:
             outputs.append(o)
         self.timer.mark("apply results")
         return outputs
-
-
-def _allocator_counts() -> dict[str, int]:
-    """Counters of the CUDA caching allocators (device and pinned host memory) that mean a
-    slow call: new device memory, retries after freeing the cache, new pinned memory."""
-    if not torch.cuda.is_initialized():
-        return {}
-    dev = torch.cuda.memory_stats()
-    counts = {k: int(dev.get(k, 0)) for k in ("num_device_alloc", "num_device_free", "num_alloc_retries")}
-    host = getattr(torch.cuda, "host_memory_stats", None)
-    if host is not None:
-        counts["num_host_alloc"] = int(host().get("num_host_alloc", 0))
-    return counts
 
 
 def check_stop(req: Request, max_model_len: int) -> tuple[str, int | None] | None:

@@ -1,10 +1,13 @@
-"""Host-side time per phase of engine steps, to see whether the CPU or the GPU limits speed."""
+"""Host-side time per phase of engine steps, to see whether the CPU or the GPU limits speed,
+and the clocks a slow step is explained by (garbage collection, CUDA allocator calls)."""
 
 from __future__ import annotations
 
 import gc
 import time
 from collections import defaultdict
+
+import torch
 
 
 class StepTimer:
@@ -50,3 +53,16 @@ class GcClock:
 
 
 GC_CLOCK = GcClock()  # one per process: every engine reads the same clock
+
+
+def allocator_counts() -> dict[str, int]:
+    """Counters of the CUDA caching allocators (device and pinned host memory) that mean a
+    slow call: new device memory, retries after freeing the cache, new pinned memory."""
+    if not torch.cuda.is_initialized():
+        return {}
+    dev = torch.cuda.memory_stats()
+    counts = {k: int(dev.get(k, 0)) for k in ("num_device_alloc", "num_device_free", "num_alloc_retries")}
+    host = getattr(torch.cuda, "host_memory_stats", None)
+    if host is not None:
+        counts["num_host_alloc"] = int(host().get("num_host_alloc", 0))
+    return counts

@@ -16,6 +16,8 @@ from collections import deque
 
 import torch
 
+from pagedserve.engine.step_timer import allocator_counts
+
 
 def step_makeup(chunks) -> dict[str, int]:
     """Counts describing a step's work (from its ScheduledChunks)."""
@@ -41,7 +43,7 @@ class StepTrace:
         self._file = open(path, "a", buffering=1)  # noqa: SIM115
         self._pending: deque = deque()  # (start event, end event, record) in launch order
         self._origin: torch.cuda.Event | None = None
-        self._allocs = _allocator_counts()
+        self._allocs = allocator_counts()
 
     def begin(self) -> torch.cuda.Event:
         """Call right before a step's first GPU work is enqueued."""
@@ -57,7 +59,7 @@ class StepTrace:
         ev.record()
         record = step_makeup(chunks)
         record.update(graph=graph, launch_ms=round(launch_ms, 3), host_t=round(time.monotonic(), 4))
-        allocs = _allocator_counts()  # what the caching allocator had to ask CUDA for
+        allocs = allocator_counts()  # what the caching allocators had to ask CUDA for
         record.update({k: v - self._allocs.get(k, 0) for k, v in allocs.items()})
         self._allocs = allocs
         self._pending.append((start, ev, record))
@@ -75,10 +77,3 @@ class StepTrace:
             record["gpu_start"] = round(self._origin.elapsed_time(start), 3)
             record["gpu_end"] = round(self._origin.elapsed_time(end), 3)
             self._file.write(json.dumps(record) + "\n")
-
-
-def _allocator_counts() -> dict[str, int]:
-    """The caching allocator's calls into CUDA so far (cudaMalloc, cudaFree, and retries
-    after emptying its cache, which synchronise the device)."""
-    stats = torch.cuda.memory_stats()
-    return {k: int(stats.get(k, 0)) for k in ("num_device_alloc", "num_device_free", "num_alloc_retries")}

@@ -1,0 +1,228 @@
+"""Serving-step probes for the GPU check (`benchmarks/gpu_check.py --sections ...`): the
+concurrency-256 mixed step with its kernels listed, the same step under sustained load (the
+power limit), and a wave of arrivals step by step."""
+
+from __future__ import annotations
+
+import os
+import time
+from pathlib import Path
+
+import torch
+
+from gpu_common import RESULTS, record, section
+
+
+def _serving_engine():
+    """The Qwen3 engine with `pagedserve serve`'s step limits (256 sequences, 8,192 tokens)."""
+    from pagedserve import LLM
+
+    llm = LLM("qwen3-4b-instruct-2507", load_format="dummy", dtype="bfloat16", max_model_len=4096,
+              max_num_seqs=256, max_num_batched_tokens=8192, tokenizer=os.environ.get("PS_TOKENIZER"))
+    return llm.engine
+
+
+def _step_chunks(engine, n_dec: int, ctx: int, pre_lens: tuple[int, ...], tag: str,
+                 rng=None):
+    """(requests, SchedulerOutput, block tables) of a step with n_dec decodes of `ctx`-token
+    contexts and whole prompts of `pre_lens` tokens; their KV blocks are allocated. Each
+    prompt repeats one token id, or with `rng` (random.Random) is random ids, as in serving."""
+    from pagedserve.engine.request import Request
+    from pagedserve.engine.scheduler import ScheduledChunk, SchedulerOutput
+    from pagedserve.sampling_params import SamplingParams
+
+    def ids(n: int, token: int) -> list[int]:
+        return [rng.randrange(100, 150_000) for _ in range(n)] if rng else [token] * n
+
+    params = SamplingParams(max_tokens=1, temperature=0.0)
+    reqs, out = [], []
+    for i in range(n_dec):
+        r = Request(f"{tag}d{i}", ids(ctx, 7 + i % 1000), params, max_tokens=1)
+        assert engine.kv.allocate(r.request_id, ctx)
+        reqs.append(r)
+        out.append(ScheduledChunk(r, ctx - 1, 1, samples=True))
+    for i, pre_len in enumerate(pre_lens):
+        r = Request(f"{tag}p{i}", ids(pre_len, 11 + i), params, max_tokens=1)
+        assert engine.kv.allocate(r.request_id, pre_len)
+        reqs.append(r)
+        out.append(ScheduledChunk(r, 0, pre_len, samples=True))
+    return reqs, SchedulerOutput(out), [engine.kv.block_ids(r.request_id) for r in reqs]
+
+
+def _step_gpu_ms(runner, out, tables) -> float:
+    """GPU ms of one step, between CUDA events recorded before its launch and after it."""
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    runner.collect(runner.execute(out, tables))
+    end.record()
+    end.synchronize()
+    return start.elapsed_time(end)
+
+
+@section
+def sustained(quick: bool) -> None:
+    """Why serving's mixed steps take longer than the same steps alone (2026-12-01). The
+    concurrency-256 mixed step (224 decodes of 1,130 tokens + 7,913 prefill tokens) with
+    prompts that repeat one token against random prompts (the matmuls' power depends on the
+    data); with the decodes' KV blocks neighbouring or drawn at random from the whole cache;
+    then with random prompts back to back for 25 s, nvidia-smi sampling SM clock and power."""
+    import random
+    import subprocess
+
+    engine = _serving_engine()
+    runner = engine.runner
+
+    def gpu_ms(out, tabs, n: int = 10) -> float:
+        for _ in range(3):
+            runner.collect(runner.execute(out, tabs))
+        return sorted(_step_gpu_ms(runner, out, tabs) for _ in range(n))[n // 2]
+
+    shape = (224, 1130, (1024,) * 7 + (745,))
+    reqs, out, tables = _step_chunks(engine, *shape, "same")
+    used = {b for t in tables for b in t}
+    spare = [b for b in range(engine.kv.num_blocks) if b not in used]
+    random.Random(0).shuffle(spare)
+    scattered = [list(t) for t in tables]
+    for t in scattered[:224]:  # the decodes' tables
+        t[:] = [spare.pop() for _ in t]
+    near, far = gpu_ms(out, tables), gpu_ms(out, scattered)
+    for r in reqs:
+        engine.kv.free(r.request_id)
+    reqs, out, tables = _step_chunks(engine, *shape, "rand", rng=random.Random(0))
+    rand = gpu_ms(out, tables)
+    record("mixed step, one token repeated / random prompts, ms", f"{near:.1f} / {rand:.1f}")
+    record("mixed step, decode KV neighbouring / scattered over the cache, ms", f"{near:.1f} / {far:.1f}")
+    RESULTS["mixed_step_data"] = {"repeated_ms": near, "random_ms": rand, "scattered_ms": far,
+                                  "num_blocks": engine.kv.num_blocks}
+    smi = subprocess.Popen(["nvidia-smi", "--query-gpu=clocks.sm,power.draw,temperature.gpu",
+                            "--format=csv,noheader,nounits", "-lms", "500"],
+                           stdout=subprocess.PIPE, text=True)
+    times, t_end = [], time.perf_counter() + (8 if quick else 25)
+    while time.perf_counter() < t_end:
+        times.append(_step_gpu_ms(runner, out, tables))
+    smi.terminate()
+    samples = [line.split(", ") for line in smi.communicate()[0].splitlines() if line.strip()]
+    for r in reqs:
+        engine.kv.free(r.request_id)
+    tenth = max(len(times) // 10, 1)
+    first, last = sorted(times[:tenth])[tenth // 2], sorted(times[-tenth:])[tenth // 2]
+    clocks = [float(x[0]) for x in samples if x[0].replace(".", "").isdigit()]
+    power = [float(x[1]) for x in samples if x[1].replace(".", "").isdigit()]
+    RESULTS["sustained"] = {"step_ms": [round(t, 2) for t in times], "smi": samples}
+    record("sustained random mixed step: first / last tenth median ms", f"{first:.1f} / {last:.1f}")
+    if clocks:
+        record("sustained: SM clock MHz min / median / max",
+               f"{min(clocks):.0f} / {sorted(clocks)[len(clocks) // 2]:.0f} / {max(clocks):.0f}")
+        record("sustained: power W min / median / max",
+               f"{min(power):.0f} / {sorted(power)[len(power) // 2]:.0f} / {max(power):.0f}")
+
+
+@section
+def mixed(quick: bool) -> None:
+    """Where a serving step's time goes at concurrency 256 (1,024 in / 128 out): about 224
+    decodes of ~1,130-token contexts beside ~7,900 prefill tokens, as the step trace of a
+    sweep found, and smaller mixed steps, all on random prompts. Times the step
+    back to back (host and GPU in series), the time between CUDA events recorded before and
+    after its launch (GPU time, plus the GPU's wait for the first launches), the host's launch
+    time, and lists the kernels by GPU time (torch.profiler); the same for decode-only and
+    prefill-only steps of the same parts."""
+    import random
+
+    from torch.profiler import ProfilerActivity, profile
+
+    engine = _serving_engine()
+    runner = engine.runner
+
+    # (decodes, their context, prefill chunk lengths); " eager" names run without mixed graphs.
+    # The first four are the concurrency-256 serving steps the step trace found (2026-12-01):
+    # ~224 decodes of ~1,130 tokens beside ~7,950 prefill tokens, and their parts alone.
+    shapes = {"c256 mixed 224 dec + 7x1024 + 745": (224, 1130, (1024,) * 7 + (745,)),
+              "prefill 7x1024 + 745": (0, 0, (1024,) * 7 + (745,)),
+              "decode 224 (graph)": (224, 1130, ()),
+              "decode 224 eager": (224, 1130, ()),
+              "prefill 8x1024": (0, 0, (1024,) * 8),
+              "mixed 240 dec + 2x1024": (240, 1100, (1024, 1024)),
+              "mixed 16 dec + 1024": (16, 1100, (1024,))}
+    found = {}
+    mixed_graphs, graphs = runner.mixed_graphs, runner.graphs
+    for name, (nd, ctx, pre_lens) in shapes.items():
+        eager = name.endswith("eager")
+        runner.mixed_graphs = None if eager else mixed_graphs
+        runner.graphs = None if eager else graphs
+        reqs, out, tables = _step_chunks(engine, nd, ctx, pre_lens, name[:3] + name[-3:], rng=random.Random(0))
+        for _ in range(3):
+            runner.collect(runner.execute(out, tables))
+        torch.cuda.synchronize()
+        n = 10
+        t0 = time.perf_counter()
+        for _ in range(n):
+            runner.collect(runner.execute(out, tables))
+        serial_ms = (time.perf_counter() - t0) / n * 1e3
+        launch, gpu = [], []
+        for _ in range(n):
+            torch.cuda.synchronize()
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            h0 = time.perf_counter()
+            start.record()
+            handle = runner.execute(out, tables)
+            end.record()
+            launch.append((time.perf_counter() - h0) * 1e3)
+            runner.collect(handle)
+            end.synchronize()
+            gpu.append(start.elapsed_time(end))
+        row = {"serial_ms": round(serial_ms, 2), "host_launch_ms": round(sorted(launch)[n // 2], 2),
+               "gpu_ms": round(sorted(gpu)[n // 2], 2)}
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            for _ in range(3):
+                runner.collect(runner.execute(out, tables))
+            torch.cuda.synchronize()
+        table = prof.key_averages().table(sort_by="cuda_time_total", row_limit=18, max_name_column_width=60)
+        print(f"==== {name}: {row}\n{table}", flush=True)
+        row["kernels"] = table
+        found[name] = row
+        record(f"{name}: serial / GPU / host launch ms",
+               f"{row['serial_ms']} / {row['gpu_ms']} / {row['host_launch_ms']}")
+        for r in reqs:
+            engine.kv.free(r.request_id)
+    runner.mixed_graphs, runner.graphs = mixed_graphs, graphs
+    RESULTS["mixed_step"] = found
+
+
+@section
+def arrival(quick: bool) -> None:
+    """Step by step through a wave of arrivals like the serving sweep's (1,024 in / 128 out,
+    concurrency 16 then 64), twice: each step's wall time, token count and whether it was
+    a graph replay. The first wave shows one-time costs (Triton compiles), the second the
+    steady cost of the big prefill steps."""
+    from pagedserve.engine.core import EngineRequest
+    from pagedserve.sampling_params import SamplingParams
+
+    engine = _serving_engine()
+    runner = engine.runner
+    params = SamplingParams(max_tokens=128, temperature=1.0, ignore_eos=True)
+    found = {}
+    cache = Path(os.environ.get("TRITON_CACHE_DIR", Path.home() / ".triton" / "cache"))
+    seen = set(cache.rglob("*.json"))
+    for wave, n in enumerate((16, 16, 64, 64)):
+        for i in range(n):
+            ids = [(7 * i + j + 1000 * wave) % 50000 + 10 for j in range(1024)]
+            engine.add_request(EngineRequest(f"w{wave}-{i}", ids, params))
+        steps, t_all = [], time.perf_counter()
+        while engine.has_unfinished_requests():
+            g0, e0 = runner.num_graph_steps, runner.num_eager_steps
+            t0 = time.perf_counter()
+            engine.step()
+            ms = (time.perf_counter() - t0) * 1e3
+            kind = "graph" if runner.num_graph_steps > g0 else ("eager" if runner.num_eager_steps > e0 else "-")
+            steps.append((round(ms, 1), kind))
+        total = time.perf_counter() - t_all
+        slow = [s for s in steps if s[0] > 60]
+        print(f"==== wave {wave} ({n} x 1024/128): {len(steps)} steps, {total:.2f} s; first 12 {steps[:12]}; "
+              f"slow {slow[:20]}", flush=True)
+        new = set(cache.rglob("*.json")) - seen
+        seen |= new
+        compiled = sorted(p.name for p in new if not p.name.startswith("__grp__"))
+        print(f"     Triton compiles during wave {wave}: {compiled}", flush=True)
+        found[f"{wave}_{n}"] = {"steps": steps, "total_s": total, "compiled": compiled}
+        record(f"arrival wave {wave} x{n}: s, steps, slow (>60 ms)", f"{total:.2f} / {len(steps)} / {len(slow)}")
+    RESULTS["arrival"] = found
