@@ -33,6 +33,7 @@ from gpu_profile import (
     decode_splits,
     decode_tune,
     extend_tune,
+    weight_prefetch,
 )
 from pagedserve.attention.torch_ref import TorchReferenceBackend
 from pagedserve.attention.triton_backend import TritonBackend
@@ -437,7 +438,7 @@ def main() -> None:
                       "triton": __import__("triton").__version__}
     sections = {"kernels": kernels, "sampling": sampling, "parity": parity, "bench": bench, "startup": startup, "extend_tune": extend_tune,
                 "mixed": mixed, "sustained": sustained, "gemm_m": gemm_m, "gemm_power": gemm_power, "gemm_tunable": gemm_tunable, "decode_tune": decode_tune, "decode_order": decode_order, "decode_splits": decode_splits, "arrival": arrival, "skinny": skinny,
-                "skinny_big": skinny_big, "skinny_tma": skinny_tma}
+                "skinny_big": skinny_big, "skinny_tma": skinny_tma, "weight_prefetch": weight_prefetch}
     for name in args.sections.split(","):
         sections[name](args.quick)
     out = os.path.join(os.environ.get("OUT", "."), "gpu_check.json")

@@ -328,3 +328,60 @@ def decode_order(quick: bool) -> None:
     record("decode order: qwen3 U[100,1024] tok/s, on / off", " / ".join(f"{n} {t}" for n, t in runs))
     RESULTS["decode_order"].update(greedy_equal=[same, again, len(prompts)], u100_1024=runs)
     del llm
+
+
+@section
+def weight_prefetch(quick: bool) -> None:
+    """The batch-1 decode graph with and without the L2 weight prefetch beside it
+    (`kernels/weight_prefetch.py`), recaptured per setting in one engine: GPU ms per replay
+    (median over interleaved rounds), and the hidden states bit for bit against the plain
+    graph. A 512-token context, as `bench latency`'s batch-size sweep."""
+    import statistics
+
+    from pagedserve import LLM
+    from pagedserve.kernels.weight_prefetch import PrefetchConfig
+
+    settings = [None, PrefetchConfig(8, 1, 1.0), PrefetchConfig(16, 1, 1.0), PrefetchConfig(32, 1, 1.0),
+                PrefetchConfig(64, 1, 1.0), PrefetchConfig(16, 1, 0.5), PrefetchConfig(32, 2, 1.0),
+                PrefetchConfig(16, 1, 0.01)]
+    if quick:
+        settings = settings[:3]
+    found = {}
+    for model in ("qwen3-4b-instruct-2507", "nanbeige4.1-3b"):
+        llm = LLM(model, load_format="dummy", dtype="bfloat16", max_model_len=4096, max_num_seqs=8,
+                  tokenizer=os.environ.get("PS_TOKENIZER"))
+        graphs = llm.engine.runner.graphs
+        ctx = 512
+        graphs.input_ids[0], graphs.positions[0] = 1234, ctx - 1
+        graphs.slot_mapping[0], graphs.seq_lens[0] = ctx - 1, ctx
+        graphs.block_tables[0, : ctx // 16] = torch.arange(ctx // 16, dtype=torch.int32)
+        times: dict[str, list[float]] = {}
+        want = None
+        for _ in range(3):
+            for cfg in settings:
+                name = "off" if cfg is None else f"{cfg.cap_mb:g}MB lead {cfg.lead} at {cfg.signal_at:g}"
+                graphs.capture_bucket(1, cfg)
+                g = graphs.graphs[1]
+                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                for _ in range(20):
+                    g.replay()
+                reps = 200
+                start.record()
+                for _ in range(reps):
+                    g.replay()
+                end.record()
+                end.synchronize()
+                times.setdefault(name, []).append(start.elapsed_time(end) / reps)
+                got = graphs.outputs[1][:1].clone()
+                if want is None:
+                    want = got
+                elif not torch.equal(got, want):
+                    times.setdefault(name + " MISMATCH", []).append(1.0)
+        found[model] = {k: {"ms": [round(t, 4) for t in v], "median": round(statistics.median(v), 4)}
+                        for k, v in times.items()}
+        for k, v in found[model].items():
+            record(f"b1 graph {model.split('-')[0]} prefetch {k} ms", v["median"], "MISMATCH" not in k, "{:.4f}")
+        graphs.capture_bucket(1, None)
+        del llm
+        torch.cuda.empty_cache()
+    RESULTS["weight_prefetch"] = found

@@ -69,6 +69,13 @@ def fused_sampling() -> bool:
     return (os.environ.get("PAGEDSERVE_FUSED_SAMPLING") or "1") != "0"
 
 
+def weight_prefetch() -> str:
+    """$PAGEDSERVE_WEIGHT_PREFETCH="CAP_MB[,LEAD[,SIGNAL_AT]]" turns on the L2 weight prefetch
+    beside the batch-1 decode graph (`kernels/weight_prefetch.py`: the first CAP_MB MB of each
+    weight, LEAD matmuls ahead, signalled at fraction SIGNAL_AT of a launch); "0" (default) = off."""
+    return os.environ.get("PAGEDSERVE_WEIGHT_PREFETCH") or "0"
+
+
 def compile_ahead() -> bool:
     """$PAGEDSERVE_COMPILE_AHEAD=0 lets Triton compile each kernel when it is first launched;
     by default (1) each CUDA start-up phase (memory profile, matmul plan, graph capture,

@@ -10,10 +10,15 @@ from __future__ import annotations
 
 import logging
 import time
+from typing import TYPE_CHECKING
 
 import torch
 
+from pagedserve import envs
 from pagedserve.attention.backend import AttentionBackend, AttentionContext, AttentionMetadata
+
+if TYPE_CHECKING:
+    from pagedserve.kernels.weight_prefetch import PrefetchConfig, WeightPrefetcher
 
 logger = logging.getLogger("pagedserve")
 
@@ -53,6 +58,7 @@ class DecodeGraphRunner:
         self.outputs: dict[int, torch.Tensor] = {}
         # Kept so the tensors the graphs read (e.g. the backend's decode row ids) stay alive.
         self.metas: dict[int, AttentionMetadata] = {}
+        self.prefetchers: dict[int, WeightPrefetcher] = {}  # bucket -> its L2 weight prefetch
 
     def _meta(self, bs: int) -> AttentionMetadata:
         starts = list(range(bs + 1))
@@ -76,20 +82,37 @@ class DecodeGraphRunner:
     def capture(self, pool=None) -> float:
         """Capture every bucket, largest first (so smaller ones reuse its memory pool)."""
         t0 = time.perf_counter()
-        pool = pool if pool is not None else torch.cuda.graph_pool_handle()
-        stream = torch.cuda.Stream(self.device)
+        self.pool = pool if pool is not None else torch.cuda.graph_pool_handle()
+        self.stream = torch.cuda.Stream(self.device)
+        prefetch = prefetch_config()
         for bs in reversed(self.buckets):
-            meta = self._meta(bs)
-            ctx = AttentionContext(self.backend, meta)
-            ids, pos = self.input_ids[:bs], self.positions[:bs]
-            self.graphs[bs], self.outputs[bs] = capture_graph(
-                lambda ids=ids, pos=pos, ctx=ctx: self.model(ids, pos, ctx), pool, stream)
-            self.metas[bs] = meta
+            self.capture_bucket(bs, prefetch if bs == 1 else None)
         torch.cuda.synchronize(self.device)
         seconds = time.perf_counter() - t0
         logger.info("captured %d decode CUDA graphs (batch sizes %s) in %.1f s",
                     len(self.buckets), self.buckets, seconds)
         return seconds
+
+    @torch.inference_mode()
+    def capture_bucket(self, bs: int, prefetch: PrefetchConfig | None = None) -> None:
+        """(Re)capture the graph of one bucket, with the L2 weight prefetch beside it if
+        `prefetch` is given (and the GPU has it)."""
+        meta = self._meta(bs)
+        ctx = AttentionContext(self.backend, meta)
+        ids, pos = self.input_ids[:bs], self.positions[:bs]
+        prefetcher = None
+        if prefetch is not None and weight_prefetch_supported(self.device):
+            from pagedserve.kernels.weight_prefetch import WeightPrefetcher
+
+            prefetcher = self.prefetchers[bs] = WeightPrefetcher(self.device, prefetch)
+
+        def fn():
+            if prefetcher is None:
+                return self.model(ids, pos, ctx)
+            with prefetcher.run():
+                return self.model(ids, pos, ctx)
+        self.graphs[bs], self.outputs[bs] = capture_graph(fn, self.pool, self.stream)
+        self.metas[bs] = meta
 
     def bucket_for(self, num_seqs: int) -> int | None:
         for b in self.buckets:
@@ -114,6 +137,24 @@ class DecodeGraphRunner:
         fill_pending_tokens(self.input_ids[:num_seqs], self.src_rows[:num_seqs], prev_tokens)
         self.graphs[bs].replay()
         return self.outputs[bs][:num_seqs]
+
+
+def prefetch_config() -> PrefetchConfig | None:
+    """$PAGEDSERVE_WEIGHT_PREFETCH parsed ("0": None)."""
+    parts = [p for p in envs.weight_prefetch().split(",") if p.strip()]
+    if not parts or float(parts[0]) <= 0:
+        return None
+    from pagedserve.kernels.weight_prefetch import PrefetchConfig
+
+    return PrefetchConfig(float(parts[0]), *([int(parts[1])] if len(parts) > 1 else []),
+                          *([float(parts[2])] if len(parts) > 2 else []))
+
+
+def weight_prefetch_supported(device: torch.device) -> bool:
+    from pagedserve.kernels._utils import triton_available
+
+    return (device.type == "cuda" and triton_available()
+            and torch.cuda.get_device_capability(device)[0] >= 9)
 
 
 def capture_graph(fn, pool, stream: torch.cuda.Stream,

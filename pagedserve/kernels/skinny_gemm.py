@@ -25,16 +25,17 @@ import torch
 import triton
 import triton.language as tl
 
-from pagedserve.kernels import pdl
+from pagedserve.kernels import pdl, weight_prefetch
 from pagedserve.kernels._utils import check_dtype, next_pow2
 
 
 # M (the row count) is not specialized on (== 1, divisible by 16): one compiled variant per
 # setting serves every row count, so a step with a new number of rows never waits for a compile
-@triton.jit(do_not_specialize=["M"])
+@triton.jit(do_not_specialize=["M", "SIGNAL_AT"])
 def _skinny_kernel(
     X, W, Y,  # x [M, K], W [N, K], y [M, N]; last dims contiguous
     PARTIAL, LOCKS,  # split-K only: float32 [SPLIT_K, M, N] partial sums; int32 [cdiv(N, BLOCK_N)] zeros
+    PROGRESS, SIGNAL_AT,  # program SIGNAL_AT (-1: none) bumps int32 PROGRESS as it starts
     M, N, K, K_PER_SPLIT, stride_xm, stride_wn, stride_ym,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
     USE_DOT: tl.constexpr, EVEN_K: tl.constexpr, PRECISION: tl.constexpr,
@@ -43,6 +44,7 @@ def _skinny_kernel(
     pdl.wait_and_release(PDL)
     pid_n = tl.program_id(0)
     split = tl.program_id(1)
+    _signal(PROGRESS, SIGNAL_AT, pid_n, split)
     k_start = split * K_PER_SPLIT
     k_end = tl.minimum(K, k_start + K_PER_SPLIT)
     rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)  # [BLOCK_N] output columns
@@ -85,6 +87,14 @@ def _skinny_kernel(
 
 
 @triton.jit
+def _signal(PROGRESS, SIGNAL_AT, pid_n, split):
+    """Progress for `kernels/weight_prefetch.py`: the program numbered SIGNAL_AT (in launch
+    order, split-major) bumps the counter once it runs."""
+    if split * tl.num_programs(0) + pid_n == SIGNAL_AT:
+        tl.atomic_add(PROGRESS, 1, sem="relaxed", scope="gpu")
+
+
+@triton.jit
 def _store(acc, Y, PARTIAL, LOCKS, rn, rm, M, N, stride_ym, pid_n, split, SPLIT_K: tl.constexpr):
     """acc [BLOCK_N, BLOCK_M] (output columns rn, rows rm) -> y, or through the split-K partials."""
     out_mask = (rn < N)[:, None] & (rm < M)[None, :]  # [BLOCK_N, BLOCK_M]
@@ -107,10 +117,10 @@ def _store(acc, Y, PARTIAL, LOCKS, rn, rm, M, N, stride_ym, pid_n, split, SPLIT_
             tl.atomic_xchg(LOCKS + pid_n, 0, sem="relaxed", scope="gpu")
 
 
-@triton.jit(do_not_specialize=["M"])
+@triton.jit(do_not_specialize=["M", "SIGNAL_AT"])
 def _skinny_tma_kernel(
     x_desc, w_desc,  # TMA descriptors: x [M, K] in [BLOCK_M, BLOCK_K] boxes, W [N, K] in [BLOCK_N, BLOCK_K]
-    Y, PARTIAL, LOCKS,  # as _skinny_kernel
+    Y, PARTIAL, LOCKS, PROGRESS, SIGNAL_AT,  # as _skinny_kernel
     M, N, K, K_PER_SPLIT, stride_ym,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
     PRECISION: tl.constexpr, PDL: tl.constexpr,
@@ -120,6 +130,7 @@ def _skinny_tma_kernel(
     pdl.wait_and_release(PDL)
     pid_n = tl.program_id(0)
     split = tl.program_id(1)
+    _signal(PROGRESS, SIGNAL_AT, pid_n, split)
     k_start = split * K_PER_SPLIT
     k_end = tl.minimum(K, k_start + K_PER_SPLIT)
     n0 = pid_n * BLOCK_N
@@ -197,19 +208,22 @@ def skinny_matmul(x: torch.Tensor, weight: torch.Tensor, cfg: SkinnyConfig,
     else:
         partial, locks = y, y  # unused
     precision = "ieee" if x.dtype == torch.float32 else "tf32"
+    prefetcher = weight_prefetch.active() if x.is_cuda else None
+    progress, signal_at = (prefetcher.signal(weight, n_blocks * split_k) if prefetcher is not None
+                           else (_locks(x.device, 1), -1))  # int32 either way: one compiled variant
     if tma and all(_tma_ok(t) for t in (x, weight)):
         from triton.tools.tensor_descriptor import TensorDescriptor
 
         _skinny_tma_kernel[(n_blocks, split_k)](
             TensorDescriptor.from_tensor(x, [block_m, block_k]),
             TensorDescriptor.from_tensor(weight, [block_n, block_k]),
-            y, partial, locks, rows, n, k, k_per_split, y.stride(0),
+            y, partial, locks, progress, signal_at, rows, n, k, k_per_split, y.stride(0),
             BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, SPLIT_K=split_k, PRECISION=precision,
             num_warps=num_warps, num_stages=num_stages, **pdl.launch_options(x),
         )
         return y
     _skinny_kernel[(n_blocks, split_k)](
-        x, weight, y, partial, locks, rows, n, k, k_per_split, x.stride(0), weight.stride(0), y.stride(0),
+        x, weight, y, partial, locks, progress, signal_at, rows, n, k, k_per_split, x.stride(0), weight.stride(0), y.stride(0),
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, SPLIT_K=split_k, USE_DOT=use_dot,
         EVEN_K=k % block_k == 0, PRECISION=precision,
         num_warps=num_warps, num_stages=num_stages, **pdl.launch_options(x),
