@@ -330,36 +330,82 @@ def decode_order(quick: bool) -> None:
     del llm
 
 
+def _prefetch_issue_ms(pf, programs: int) -> float:
+    """GPU ms for the prefetch program alone to issue its whole table (no waiting: the
+    progress counter starts past every signal)."""
+    from pagedserve.kernels.weight_prefetch import NCHUNK, _prefetch_kernel
+
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    pf.progress.copy_(torch.tensor([1 << 30, 0], dtype=torch.int32))
+    start.record()
+    _prefetch_kernel[(programs,)](pf.addr, pf.nbytes, pf.count, pf.progress, 1, NCHUNK=NCHUNK, num_warps=1)
+    end.record()
+    end.synchronize()
+    assert int(pf.progress[0]) == 0, "the prefetch program did not re-arm its counter"
+    return start.elapsed_time(end)
+
+
+def _prefetch_hit_probe(weight: torch.Tensor, cfg) -> dict:
+    """One weight's skinny matmul (its one-row setting) after the L2 was flushed, against
+    the same after the prefetch program asked for its first 8 / 32 / all MB, with a pause
+    between (so the prefetch is done): does a prefetched weight come from L2?"""
+    from pagedserve.kernels.skinny_gemm import skinny_matmul
+    from pagedserve.kernels.weight_prefetch import PrefetchConfig, WeightPrefetcher
+
+    x = torch.randn(1, weight.shape[1], device=DEV, dtype=weight.dtype)
+    flush = torch.empty(256 << 20, dtype=torch.int8, device=DEV)
+    mb = weight.numel() * weight.element_size() / 2**20
+    found = {}
+    for cap in (0, 8, 32, mb):
+        pf = WeightPrefetcher(torch.device(DEV), PrefetchConfig(cap or 1, 1, 1.0, 1))
+        pf._fill([weight])
+        times = []
+        for _ in range(20):
+            flush.zero_()
+            if cap:
+                _prefetch_issue_ms(pf, 1)
+            torch.cuda._sleep(200_000)
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            skinny_matmul(x, weight, cfg)
+            end.record()
+            end.synchronize()
+            times.append(start.elapsed_time(end))
+        found[f"{cap:g} MB"] = round(sorted(times)[len(times) // 2] * 1e3, 2)  # us
+    return {"weight_mb": round(mb, 1), "matmul_us_after_prefetch": found}
+
+
 @section
 def weight_prefetch(quick: bool) -> None:
     """The batch-1 decode graph with and without the L2 weight prefetch beside it
     (`kernels/weight_prefetch.py`), recaptured per setting in one engine: GPU ms per replay
     (median over interleaved rounds), and the hidden states bit for bit against the plain
-    graph. A 512-token context, as `bench latency`'s batch-size sweep."""
+    graph. A 512-token context, as `bench latency`'s batch-size sweep. Also how fast the
+    prefetch program issues its requests alone, and whether a prefetched weight's matmul
+    then runs from L2."""
     import statistics
 
     from pagedserve import LLM
     from pagedserve.kernels.weight_prefetch import PrefetchConfig
 
-    settings = [None, PrefetchConfig(8, 1, 1.0), PrefetchConfig(16, 1, 1.0), PrefetchConfig(32, 1, 1.0),
-                PrefetchConfig(64, 1, 1.0), PrefetchConfig(16, 1, 0.5), PrefetchConfig(32, 2, 1.0),
-                PrefetchConfig(16, 1, 0.01)]
-    if quick:
-        settings = settings[:3]
-    found = {}
-    for model in ("qwen3-4b-instruct-2507", "nanbeige4.1-3b"):
+    settings = [None, PrefetchConfig(8, 1, 1.0, 1), PrefetchConfig(8, 1, 1.0, 8), PrefetchConfig(32, 1, 1.0, 1),
+                PrefetchConfig(32, 1, 1.0, 8), PrefetchConfig(16, 1, 1.0, 16), PrefetchConfig(32, 2, 1.0, 8),
+                PrefetchConfig(16, 1, 0.5, 8)]
+    models = ("qwen3-4b-instruct-2507",) if quick else ("qwen3-4b-instruct-2507", "nanbeige4.1-3b")
+    found = RESULTS.setdefault("weight_prefetch", {})
+    for model in models:
         llm = LLM(model, load_format="dummy", dtype="bfloat16", max_model_len=4096, max_num_seqs=8,
-                  tokenizer=os.environ.get("PS_TOKENIZER"))
+                  kv_cache_memory=4 << 30, tokenizer=os.environ.get("PS_TOKENIZER"))
         graphs = llm.engine.runner.graphs
         ctx = 512
         graphs.input_ids[0], graphs.positions[0] = 1234, ctx - 1
         graphs.slot_mapping[0], graphs.seq_lens[0] = ctx - 1, ctx
         graphs.block_tables[0, : ctx // 16] = torch.arange(ctx // 16, dtype=torch.int32)
-        times: dict[str, list[float]] = {}
+        res = found.setdefault(model, {"graph_ms": {}, "issue_ms": {}})
         want = None
         for _ in range(3):
             for cfg in settings:
-                name = "off" if cfg is None else f"{cfg.cap_mb:g}MB lead {cfg.lead} at {cfg.signal_at:g}"
+                name = "off" if cfg is None else "{:g}MB lead {} at {:g} x{}".format(*cfg)
                 graphs.capture_bucket(1, cfg)
                 g = graphs.graphs[1]
                 start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
@@ -371,17 +417,32 @@ def weight_prefetch(quick: bool) -> None:
                     g.replay()
                 end.record()
                 end.synchronize()
-                times.setdefault(name, []).append(start.elapsed_time(end) / reps)
+                res["graph_ms"].setdefault(name, []).append(round(start.elapsed_time(end) / reps, 4))
                 got = graphs.outputs[1][:1].clone()
                 if want is None:
                     want = got
                 elif not torch.equal(got, want):
-                    times.setdefault(name + " MISMATCH", []).append(1.0)
-        found[model] = {k: {"ms": [round(t, 4) for t in v], "median": round(statistics.median(v), 4)}
-                        for k, v in times.items()}
-        for k, v in found[model].items():
-            record(f"b1 graph {model.split('-')[0]} prefetch {k} ms", v["median"], "MISMATCH" not in k, "{:.4f}")
+                    res.setdefault("mismatch", []).append(name)
+                if cfg is not None and cfg.lead == 1 and cfg.signal_at == 1.0:
+                    res["issue_ms"].setdefault(name, []).append(
+                        round(_prefetch_issue_ms(graphs.prefetchers[1], cfg.programs), 4))
+        for k, v in res["graph_ms"].items():
+            record(f"b1 graph {model.split('-')[0]} prefetch {k} ms", statistics.median(v), None, "{:.4f}")
+        for k, v in res["issue_ms"].items():
+            record(f"  issue alone {k} ms", statistics.median(v), None, "{:.4f}")
+        record(f"b1 graph {model.split('-')[0]} prefetch: identical hidden states", not res.get("mismatch"),
+               not res.get("mismatch"))
+        if model.startswith("qwen3"):
+            mlp = llm.engine.runner.model.layers[0].mlp
+            for lin in (mlp.gate_up_proj, mlp.down_proj):
+                if not lin.skinny_plan or lin.skinny_plan.get(1) is None:
+                    continue
+                res.setdefault("hit_probe", []).append(_prefetch_hit_probe(lin.weight, lin.skinny_plan[1]))
+                record(f"  matmul us after prefetch ({res['hit_probe'][-1]['weight_mb']} MB)",
+                       str(res["hit_probe"][-1]["matmul_us_after_prefetch"]))
         graphs.capture_bucket(1, None)
-        del llm
+        del llm, graphs
+        import gc
+
+        gc.collect()
         torch.cuda.empty_cache()
-    RESULTS["weight_prefetch"] = found

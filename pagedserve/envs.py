@@ -70,9 +70,10 @@ def fused_sampling() -> bool:
 
 
 def weight_prefetch() -> str:
-    """$PAGEDSERVE_WEIGHT_PREFETCH="CAP_MB[,LEAD[,SIGNAL_AT]]" turns on the L2 weight prefetch
-    beside the batch-1 decode graph (`kernels/weight_prefetch.py`: the first CAP_MB MB of each
-    weight, LEAD matmuls ahead, signalled at fraction SIGNAL_AT of a launch); "0" (default) = off."""
+    """$PAGEDSERVE_WEIGHT_PREFETCH="CAP_MB[,LEAD[,SIGNAL_AT[,PROGRAMS]]]" turns on the L2 weight
+    prefetch beside the batch-1 decode graph (`kernels/weight_prefetch.py`: the first CAP_MB MB
+    of each weight, LEAD matmuls ahead, signalled at fraction SIGNAL_AT of a launch, by
+    PROGRAMS programs); "0" (default) = off."""
     return os.environ.get("PAGEDSERVE_WEIGHT_PREFETCH") or "0"
 
 

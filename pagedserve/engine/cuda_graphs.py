@@ -146,8 +146,8 @@ def prefetch_config() -> PrefetchConfig | None:
         return None
     from pagedserve.kernels.weight_prefetch import PrefetchConfig
 
-    return PrefetchConfig(float(parts[0]), *([int(parts[1])] if len(parts) > 1 else []),
-                          *([float(parts[2])] if len(parts) > 2 else []))
+    kinds = (float, int, float, int)  # PrefetchConfig's fields in order
+    return PrefetchConfig(*(kind(p) for kind, p in zip(kinds, parts)))
 
 
 def weight_prefetch_supported(device: torch.device) -> bool:

@@ -31,12 +31,16 @@ NCHUNK = 32  # prefetch requests per weight: one per thread of the program's sin
 def _prefetch_kernel(
     ADDR, NBYTES,  # int64 [capacity]: weight j's address and the bytes to prefetch from it
     COUNT,  # int32 [1]: how many weights are listed
-    PROGRESS,  # int32 [1]: signals so far (the skinny matmuls bump it; reset here at the end)
+    PROGRESS,  # int32 [2]: signals so far (the skinny matmuls bump it), programs finished
     LEAD,  # prefetch weight j once matmul j - LEAD has signalled
     NCHUNK: tl.constexpr,
 ):
+    """Program p of P asks for slice p of each weight's first NBYTES[j] bytes, in NCHUNK
+    requests; the last program to finish re-arms both counters for the next replay."""
+    pid = tl.program_id(0)
+    nprog = tl.num_programs(0)
     n = tl.load(COUNT)
-    chunk_ids = tl.arange(0, NCHUNK).to(tl.int64)  # [NCHUNK]
+    chunk_ids = (pid * NCHUNK + tl.arange(0, NCHUNK)).to(tl.int64)  # [NCHUNK]
     for j in range(0, n):
         need = j - LEAD + 1  # signals that must have come in
         seen = tl.load(PROGRESS, volatile=True)
@@ -44,7 +48,8 @@ def _prefetch_kernel(
             seen = tl.load(PROGRESS, volatile=True)
         base = tl.load(ADDR + j)
         size = tl.load(NBYTES + j)
-        chunk = ((size + NCHUNK * 16 - 1) // (NCHUNK * 16)) * 16  # bytes per request, 16-byte multiple
+        per = NCHUNK * nprog * 16
+        chunk = ((size + per - 1) // per) * 16  # bytes per request, a 16-byte multiple
         start = chunk_ids * chunk  # [NCHUNK]
         nbytes = tl.minimum(size - start, chunk)
         tl.inline_asm_elementwise(
@@ -53,17 +58,20 @@ def _prefetch_kernel(
     seen = tl.load(PROGRESS, volatile=True)
     while seen < n:
         seen = tl.load(PROGRESS, volatile=True)
-    tl.store(PROGRESS, 0)
+    if tl.atomic_add(PROGRESS + 1, 1, sem="acq_rel", scope="gpu") == nprog - 1:
+        tl.store(PROGRESS, 0)
+        tl.store(PROGRESS + 1, 0)
 
 
 class PrefetchConfig(NamedTuple):
     """How far ahead and how much: prefetch the first `cap_mb` MB of weight j when matmul
     j - `lead` signals; `signal_at` in (0, 1] picks the signalling program as a fraction of
-    the launch's programs (1.0: the last one to start)."""
+    the launch's programs (1.0: the last one to start); `programs` share the requests."""
 
     cap_mb: float = 16.0
     lead: int = 1
     signal_at: float = 1.0
+    programs: int = 1  # programs sharing each weight's requests (each on its own multiprocessor)
 
 
 _ACTIVE: WeightPrefetcher | None = None
@@ -83,7 +91,7 @@ class WeightPrefetcher:
         self.addr = torch.zeros(capacity, dtype=torch.int64, device=device)
         self.nbytes = torch.zeros(capacity, dtype=torch.int64, device=device)
         self.count = torch.zeros(1, dtype=torch.int32, device=device)
-        self.progress = torch.zeros(1, dtype=torch.int32, device=device)
+        self.progress = torch.zeros(2, dtype=torch.int32, device=device)
         self.stream = torch.cuda.Stream(device)
         self.weights: list[torch.Tensor] = []  # in the order the last forward used them
         self._recording: list[torch.Tensor] = []
@@ -95,7 +103,7 @@ class WeightPrefetcher:
             raise RuntimeError(f"more than {self.capacity} weights in one forward")
         self._recording.append(weight)
         at = min(num_programs - 1, max(0, int(self.cfg.signal_at * num_programs) - 1))
-        return self.progress, at
+        return self.progress[:1], at
 
     @contextlib.contextmanager
     def run(self):
@@ -110,7 +118,7 @@ class WeightPrefetcher:
             self.progress.zero_()
         self.stream.wait_stream(main)
         with torch.cuda.stream(self.stream):
-            _prefetch_kernel[(1,)](self.addr, self.nbytes, self.count, self.progress, self.cfg.lead,
+            _prefetch_kernel[(self.cfg.programs,)](self.addr, self.nbytes, self.count, self.progress, self.cfg.lead,
                                    NCHUNK=NCHUNK, num_warps=1)
         self._recording = []
         _ACTIVE = self
