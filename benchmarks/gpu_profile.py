@@ -330,6 +330,7 @@ def decode_order(quick: bool) -> None:
     del llm
 
 
+@torch.inference_mode()
 def _prefetch_issue_ms(pf, programs: int) -> float:
     """GPU ms for the prefetch program alone to issue its whole table (no waiting: the
     progress counter starts past every signal)."""
@@ -345,6 +346,7 @@ def _prefetch_issue_ms(pf, programs: int) -> float:
     return start.elapsed_time(end)
 
 
+@torch.inference_mode()
 def _prefetch_hit_probe(weight: torch.Tensor, cfg) -> dict:
     """One weight's skinny matmul (its one-row setting) after the L2 was flushed, against
     the same after the prefetch program asked for its first 8 / 32 / all MB, with a pause
