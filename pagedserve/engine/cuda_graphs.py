@@ -146,7 +146,7 @@ def prefetch_config() -> PrefetchConfig | None:
         return None
     from pagedserve.kernels.weight_prefetch import PrefetchConfig
 
-    kinds = (float, int, float, int)  # PrefetchConfig's fields in order
+    kinds = (float, int, float, int, int, int)  # PrefetchConfig's fields in order
     return PrefetchConfig(*(kind(p) for kind, p in zip(kinds, parts)))
 
 

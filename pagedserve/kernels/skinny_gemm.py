@@ -35,7 +35,7 @@ from pagedserve.kernels._utils import check_dtype, next_pow2
 def _skinny_kernel(
     X, W, Y,  # x [M, K], W [N, K], y [M, N]; last dims contiguous
     PARTIAL, LOCKS,  # split-K only: float32 [SPLIT_K, M, N] partial sums; int32 [cdiv(N, BLOCK_N)] zeros
-    PROGRESS, SIGNAL_AT,  # program SIGNAL_AT (-1: none) bumps int32 PROGRESS as it starts
+    PROGRESS, SIGNAL_AT,  # program SIGNAL_AT bumps int32 PROGRESS as it starts; -2 - p: as p ends; -1: none
     M, N, K, K_PER_SPLIT, stride_xm, stride_wn, stride_ym,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
     USE_DOT: tl.constexpr, EVEN_K: tl.constexpr, PRECISION: tl.constexpr,
@@ -84,13 +84,18 @@ def _skinny_kernel(
             x_ptrs += BLOCK_K
         acc = tl.sum(acc2, axis=1)[:, None]  # [BLOCK_N, 1]; row 0 of the output
     _store(acc, Y, PARTIAL, LOCKS, rn, rm, M, N, stride_ym, pid_n, split, SPLIT_K)
+    _signal(PROGRESS, SIGNAL_AT, pid_n, split, AT_END=True)
 
 
 @triton.jit
-def _signal(PROGRESS, SIGNAL_AT, pid_n, split):
+def _signal(PROGRESS, SIGNAL_AT, pid_n, split, AT_END: tl.constexpr = False):
     """Progress for `kernels/weight_prefetch.py`: the program numbered SIGNAL_AT (in launch
-    order, split-major) bumps the counter once it runs."""
-    if split * tl.num_programs(0) + pid_n == SIGNAL_AT:
+    order, split-major) bumps the counter as it starts, or -2 - SIGNAL_AT as it ends."""
+    lin = split * tl.num_programs(0) + pid_n
+    if AT_END:
+        if lin == -2 - SIGNAL_AT:
+            tl.atomic_add(PROGRESS, 1, sem="release", scope="gpu")
+    elif lin == SIGNAL_AT:
         tl.atomic_add(PROGRESS, 1, sem="relaxed", scope="gpu")
 
 
@@ -142,6 +147,7 @@ def _skinny_tma_kernel(
     rn = n0 + tl.arange(0, BLOCK_N)
     rm = tl.arange(0, BLOCK_M)
     _store(acc, Y, PARTIAL, LOCKS, rn, rm, M, N, stride_ym, pid_n, split, SPLIT_K)
+    _signal(PROGRESS, SIGNAL_AT, pid_n, split, AT_END=True)
 
 
 class SkinnyConfig(NamedTuple):

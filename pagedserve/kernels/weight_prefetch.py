@@ -70,8 +70,10 @@ class PrefetchConfig(NamedTuple):
 
     cap_mb: float = 16.0
     lead: int = 1
-    signal_at: float = 1.0
+    signal_at: float = 1.0  # negative: -f signals as program f of the launch ends
     programs: int = 1  # programs sharing each weight's requests (each on its own multiprocessor)
+    only: int = -1  # >= 0: prefetch only weights whose index in the forward is this modulo `period`
+    period: int = 4
 
 
 _ACTIVE: WeightPrefetcher | None = None
@@ -102,8 +104,8 @@ class WeightPrefetcher:
         if len(self._recording) >= self.capacity:
             raise RuntimeError(f"more than {self.capacity} weights in one forward")
         self._recording.append(weight)
-        at = min(num_programs - 1, max(0, int(self.cfg.signal_at * num_programs) - 1))
-        return self.progress[:1], at
+        at = min(num_programs - 1, max(0, int(abs(self.cfg.signal_at) * num_programs) - 1))
+        return self.progress[:1], (at if self.cfg.signal_at > 0 else -2 - at)
 
     @contextlib.contextmanager
     def run(self):
@@ -139,7 +141,9 @@ class WeightPrefetcher:
         self.weights = weights
         n = len(weights)
         self.addr[:n].copy_(torch.tensor([w.data_ptr() for w in weights], dtype=torch.int64))
-        sizes = [min(cap, w.numel() * w.element_size()) // 16 * 16 for w in weights]
+        sizes = [min(cap, w.numel() * w.element_size()) // 16 * 16
+                 if self.cfg.only < 0 or i % self.cfg.period == self.cfg.only else 0
+                 for i, w in enumerate(weights)]
         self.nbytes[:n].copy_(torch.tensor(sizes, dtype=torch.int64))
         self.count.fill_(n)
 
