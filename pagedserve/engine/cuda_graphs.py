@@ -86,7 +86,7 @@ class DecodeGraphRunner:
         self.stream = torch.cuda.Stream(self.device)
         prefetch = prefetch_config()
         for bs in reversed(self.buckets):
-            self.capture_bucket(bs, prefetch if bs == 1 else None)
+            self.capture_bucket(bs, prefetch if prefetch is not None and bs <= prefetch.max_batch else None)
         torch.cuda.synchronize(self.device)
         seconds = time.perf_counter() - t0
         logger.info("captured %d decode CUDA graphs (batch sizes %s) in %.1f s",
@@ -146,7 +146,7 @@ def prefetch_config() -> PrefetchConfig | None:
         return None
     from pagedserve.kernels.weight_prefetch import PrefetchConfig
 
-    kinds = (float, int, float, int, int, int)  # PrefetchConfig's fields in order
+    kinds = (float, int, float, int, int, int, int)  # PrefetchConfig's fields in order
     return PrefetchConfig(*(kind(p) for kind, p in zip(kinds, parts)))
 
 

@@ -74,6 +74,7 @@ class PrefetchConfig(NamedTuple):
     programs: int = 1  # programs sharing each weight's requests (each on its own multiprocessor)
     only: int = -1  # >= 0: prefetch only weights whose index in the forward is this modulo `period`
     period: int = 4
+    max_batch: int = 1  # decode graphs of up to this many rows get the prefetch
 
 
 _ACTIVE: WeightPrefetcher | None = None
