@@ -339,7 +339,7 @@ def _prefetch_issue_ms(pf, programs: int) -> float:
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     pf.progress.copy_(torch.tensor([1 << 30, 0], dtype=torch.int32))
     start.record()
-    _prefetch_kernel[(programs,)](pf.addr, pf.nbytes, pf.count, pf.progress, 1, NCHUNK=NCHUNK, num_warps=1)
+    _prefetch_kernel[(programs,)](pf.addr, pf.nbytes, pf.count, pf.progress, NCHUNK=NCHUNK, num_warps=1)
     end.record()
     end.synchronize()
     assert int(pf.progress[0]) == 0, "the prefetch program did not re-arm its counter"
@@ -359,7 +359,7 @@ def _prefetch_hit_probe(weight: torch.Tensor, cfg) -> dict:
     mb = weight.numel() * weight.element_size() / 2**20
     found = {}
     for cap in (0, 8, 32, mb):
-        pf = WeightPrefetcher(torch.device(DEV), PrefetchConfig(cap or 1, 1, 1.0, 1))
+        pf = WeightPrefetcher(torch.device(DEV), PrefetchConfig(cap or 1, 1.0, 1))
         pf._fill([weight])
         times = []
         for _ in range(20):
@@ -390,9 +390,9 @@ def weight_prefetch(quick: bool) -> None:
     from pagedserve import LLM
     from pagedserve.kernels.weight_prefetch import PrefetchConfig
 
-    settings = [None, PrefetchConfig(8, 1, -0.9, 16), PrefetchConfig(8, 1, -0.8, 16), PrefetchConfig(8, 1, -0.7, 16),
-                PrefetchConfig(6, 1, -0.8, 16), PrefetchConfig(12, 1, -0.8, 16), PrefetchConfig(8, 1, -0.8, 32),
-                PrefetchConfig(0.01, 1, -1.0, 16)]
+    default = PrefetchConfig()
+    settings = [None, default, default._replace(signal_at=1.0), default._replace(signal_at=0.8),
+                default._replace(cap_mb=6), default._replace(cap_mb=12), default._replace(programs=24)]
     models = ("qwen3-4b-instruct-2507",) if quick else ("qwen3-4b-instruct-2507", "nanbeige4.1-3b")
     found = RESULTS.setdefault("weight_prefetch", {})
     for model in models:
@@ -427,7 +427,7 @@ def weight_prefetch(quick: bool) -> None:
                     want = got
                 elif not torch.equal(got, want):
                     res.setdefault("mismatch", []).append(name)
-                if cfg is not None and cfg.signal_at == -0.8:
+                if cfg is not None:
                     res["issue_ms"].setdefault(name, []).append(
                         round(_prefetch_issue_ms(graphs.prefetchers[1], cfg.programs), 4))
         res["best"] = min(res["graph_ms"], key=lambda k: statistics.median(res["graph_ms"][k]))

@@ -69,12 +69,10 @@ def fused_sampling() -> bool:
     return (os.environ.get("PAGEDSERVE_FUSED_SAMPLING") or "1") != "0"
 
 
-def weight_prefetch() -> str:
-    """$PAGEDSERVE_WEIGHT_PREFETCH="CAP_MB[,LEAD[,SIGNAL_AT[,PROGRAMS]]]" turns on the L2 weight
-    prefetch beside the batch-1 decode graph (`kernels/weight_prefetch.py`: the first CAP_MB MB
-    of each weight, LEAD matmuls ahead, signalled at fraction SIGNAL_AT of a launch, by
-    PROGRAMS programs); "0" (default) = off."""
-    return os.environ.get("PAGEDSERVE_WEIGHT_PREFETCH") or "0"
+def weight_prefetch() -> bool:
+    """$PAGEDSERVE_WEIGHT_PREFETCH=0 turns off the L2 weight prefetch that runs beside the
+    decode graphs of up to 16 rows on Hopper GPUs (`kernels/weight_prefetch.py`; default 1)."""
+    return (os.environ.get("PAGEDSERVE_WEIGHT_PREFETCH") or "1") != "0"
 
 
 def compile_ahead() -> bool:

@@ -21,6 +21,21 @@ def test_buckets_cover_every_batch_size():
     assert graph_buckets(256)[:6] == [1, 2, 4, 8, 16, 32]
 
 
+def test_weight_prefetch_setting_follows_the_environment(monkeypatch):
+    """The L2 weight prefetch beside small decode graphs is on by default (the measured
+    setting) and off with $PAGEDSERVE_WEIGHT_PREFETCH=0."""
+    import pytest
+
+    pytest.importorskip("triton")
+    from pagedserve.engine.cuda_graphs import prefetch_config
+    from pagedserve.kernels.weight_prefetch import PrefetchConfig
+
+    monkeypatch.delenv("PAGEDSERVE_WEIGHT_PREFETCH", raising=False)
+    assert prefetch_config() == PrefetchConfig(cap_mb=8.0, signal_at=0.9, programs=16, max_batch=16)
+    monkeypatch.setenv("PAGEDSERVE_WEIGHT_PREFETCH", "0")
+    assert prefetch_config() is None
+
+
 def test_pack_decode_inputs_pads_and_marks_pending_tokens():
     bs = 4
     a = Request("a", [10, 11, 12, 13, 14], SamplingParams(), max_tokens=5)

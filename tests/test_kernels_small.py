@@ -279,6 +279,31 @@ def test_skinny_tma_falls_back_for_unaligned_rows(monkeypatch):
     assert launched == ["_skinny_kernel", "_skinny_tma_kernel"]
 
 
+@pytest.mark.parametrize("signal_at", [0.9, 1.0, 0.01])
+def test_skinny_matmul_signals_the_weight_prefetch_once(monkeypatch, signal_at):
+    """While a weight prefetch records a forward (`kernels/weight_prefetch.py`), each launch,
+    whatever its setting, bumps the progress counter exactly once (the program it names, as
+    that program ends) and is recorded in order; the product is unchanged. Outside a
+    recording nothing is bumped."""
+    from pagedserve.kernels import weight_prefetch
+    from pagedserve.kernels.skinny_gemm import skinny_matmul
+
+    recorder = weight_prefetch.WeightPrefetcher.__new__(weight_prefetch.WeightPrefetcher)
+    recorder.cfg = weight_prefetch.PrefetchConfig(signal_at=signal_at)
+    recorder.capacity, recorder._recording = 64, []
+    recorder.progress = torch.zeros(2, dtype=torch.int32)
+    x1, x3, w = torch.randn(1, 72), torch.randn(3, 72), torch.randn(40, 72)
+    skinny_matmul(x1, w, _skinny_configs(1)[0])
+    assert recorder.progress.tolist() == [0, 0]
+    monkeypatch.setattr(weight_prefetch, "_ACTIVE", recorder)
+    launches = [(x, cfg) for x in (x1, x3) for cfg in _skinny_configs(x.shape[0])]
+    for i, (x, cfg) in enumerate(launches):
+        torch.testing.assert_close(skinny_matmul(x, w, cfg), x @ w.t(), rtol=1e-5, atol=1e-4)
+        assert recorder.progress.tolist() == [i + 1, 0], str(cfg)
+    assert len(recorder._recording) == len(launches)
+    assert all(r is w for r in recorder._recording)
+
+
 class _Spy:
     """Stands in for a jit kernel: notes its name at each launch, then launches it."""
 

@@ -4,6 +4,9 @@ A pure-decode step of B sequences runs the graph captured for the smallest bucke
 Inputs are copied into static buffers; the padding rows have slot -1 (their K/V are not
 written) and seq_len 0 (their attention output is zero), and their hidden states are
 ignored. Logits and sampling run outside the graph on the B real rows.
+
+On Hopper GPUs the graphs of up to 16 rows also carry the L2 weight prefetch on a side
+stream (`kernels/weight_prefetch.py`; $PAGEDSERVE_WEIGHT_PREFETCH=0 turns it off).
 """
 
 from __future__ import annotations
@@ -140,14 +143,12 @@ class DecodeGraphRunner:
 
 
 def prefetch_config() -> PrefetchConfig | None:
-    """$PAGEDSERVE_WEIGHT_PREFETCH parsed ("0": None)."""
-    parts = [p for p in envs.weight_prefetch().split(",") if p.strip()]
-    if not parts or float(parts[0]) <= 0:
+    """The L2 weight prefetch's setting, or None where $PAGEDSERVE_WEIGHT_PREFETCH=0."""
+    if not envs.weight_prefetch():
         return None
     from pagedserve.kernels.weight_prefetch import PrefetchConfig
 
-    kinds = (float, int, float, int, int, int, int)  # PrefetchConfig's fields in order
-    return PrefetchConfig(*(kind(p) for kind, p in zip(kinds, parts)))
+    return PrefetchConfig()
 
 
 def weight_prefetch_supported(device: torch.device) -> bool:

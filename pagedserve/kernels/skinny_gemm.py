@@ -35,7 +35,7 @@ from pagedserve.kernels._utils import check_dtype, next_pow2
 def _skinny_kernel(
     X, W, Y,  # x [M, K], W [N, K], y [M, N]; last dims contiguous
     PARTIAL, LOCKS,  # split-K only: float32 [SPLIT_K, M, N] partial sums; int32 [cdiv(N, BLOCK_N)] zeros
-    PROGRESS, SIGNAL_AT,  # program SIGNAL_AT bumps int32 PROGRESS as it starts; -2 - p: as p ends; -1: none
+    PROGRESS, SIGNAL_AT,  # program SIGNAL_AT (-1: none) bumps int32 PROGRESS as it ends
     M, N, K, K_PER_SPLIT, stride_xm, stride_wn, stride_ym,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
     USE_DOT: tl.constexpr, EVEN_K: tl.constexpr, PRECISION: tl.constexpr,
@@ -44,7 +44,6 @@ def _skinny_kernel(
     pdl.wait_and_release(PDL)
     pid_n = tl.program_id(0)
     split = tl.program_id(1)
-    _signal(PROGRESS, SIGNAL_AT, pid_n, split)
     k_start = split * K_PER_SPLIT
     k_end = tl.minimum(K, k_start + K_PER_SPLIT)
     rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)  # [BLOCK_N] output columns
@@ -84,19 +83,15 @@ def _skinny_kernel(
             x_ptrs += BLOCK_K
         acc = tl.sum(acc2, axis=1)[:, None]  # [BLOCK_N, 1]; row 0 of the output
     _store(acc, Y, PARTIAL, LOCKS, rn, rm, M, N, stride_ym, pid_n, split, SPLIT_K)
-    _signal(PROGRESS, SIGNAL_AT, pid_n, split, AT_END=True)
+    _signal(PROGRESS, SIGNAL_AT, pid_n, split)
 
 
 @triton.jit
-def _signal(PROGRESS, SIGNAL_AT, pid_n, split, AT_END: tl.constexpr = False):
+def _signal(PROGRESS, SIGNAL_AT, pid_n, split):
     """Progress for `kernels/weight_prefetch.py`: the program numbered SIGNAL_AT (in launch
-    order, split-major) bumps the counter as it starts, or -2 - SIGNAL_AT as it ends."""
-    lin = split * tl.num_programs(0) + pid_n
-    if AT_END:
-        if lin == -2 - SIGNAL_AT:
-            tl.atomic_add(PROGRESS, 1, sem="release", scope="gpu")
-    elif lin == SIGNAL_AT:
-        tl.atomic_add(PROGRESS, 1, sem="relaxed", scope="gpu")
+    order, split-major) bumps the counter as it ends."""
+    if split * tl.num_programs(0) + pid_n == SIGNAL_AT:
+        tl.atomic_add(PROGRESS, 1, sem="release", scope="gpu")
 
 
 @triton.jit
@@ -135,7 +130,6 @@ def _skinny_tma_kernel(
     pdl.wait_and_release(PDL)
     pid_n = tl.program_id(0)
     split = tl.program_id(1)
-    _signal(PROGRESS, SIGNAL_AT, pid_n, split)
     k_start = split * K_PER_SPLIT
     k_end = tl.minimum(K, k_start + K_PER_SPLIT)
     n0 = pid_n * BLOCK_N
@@ -147,7 +141,7 @@ def _skinny_tma_kernel(
     rn = n0 + tl.arange(0, BLOCK_N)
     rm = tl.arange(0, BLOCK_M)
     _store(acc, Y, PARTIAL, LOCKS, rn, rm, M, N, stride_ym, pid_n, split, SPLIT_K)
-    _signal(PROGRESS, SIGNAL_AT, pid_n, split, AT_END=True)
+    _signal(PROGRESS, SIGNAL_AT, pid_n, split)
 
 
 class SkinnyConfig(NamedTuple):
@@ -214,7 +208,7 @@ def skinny_matmul(x: torch.Tensor, weight: torch.Tensor, cfg: SkinnyConfig,
     else:
         partial, locks = y, y  # unused
     precision = "ieee" if x.dtype == torch.float32 else "tf32"
-    prefetcher = weight_prefetch.active() if x.is_cuda else None
+    prefetcher = weight_prefetch.active()  # set while a decode graph with the prefetch is captured
     progress, signal_at = (prefetcher.signal(weight, n_blocks * split_k) if prefetcher is not None
                            else (_locks(x.device, 1), -1))  # int32 either way: one compiled variant
     if tma and all(_tma_ok(t) for t in (x, weight)):

@@ -1,18 +1,23 @@
-"""Weight prefetch into L2 beside a batch-1 decode graph, paced by the matmuls' progress.
+"""Weight prefetch into L2 beside small-batch decode graphs, paced by the matmuls' progress.
 
 At batch 1 a decode step streams every weight once, but the device memory idles while the
-small kernels between two matmuls run (norms, RoPE, attention: about a fifth of the step).
-A `WeightPrefetcher` launches one small program on a side stream at the start of a captured
-forward. It walks the skinny matmuls' weights in the order the forward multiplies by them,
-and asks the L2 cache for the first `cap` bytes of weight j (`cp.async.bulk.prefetch.L2`)
-once matmul j - `lead` has signalled: the skinny kernel's program `signal_at` bumps a
-progress counter when it starts (`kernels/skinny_gemm.py`). So the next weight's first rows
-come in while the small kernels run, and that matmul starts from L2.
+small kernels between two matmuls run (norms, RoPE, attention: about a fifth of the step),
+and each matmul then starts from an empty pipeline. A `WeightPrefetcher` launches a few
+one-warp programs on a side stream at the start of a captured forward. They walk the skinny
+matmuls' weights in the order the forward multiplies by them and ask the L2 cache for the
+first `cap_mb` MB of weight j (`cp.async.bulk.prefetch.L2`, one request per thread) as soon
+as matmul j - 1 signals that it is nearly done: its program at fraction `signal_at` of the
+launch bumps a progress counter as it ends (`kernels/skinny_gemm.py`). The next weight's first
+rows then come in while the small kernels run, and that matmul starts from L2.
 
-The prefetch changes no result: it only moves bytes into the cache. The program spins on the
-counter with volatile loads; it only waits for matmuls launched on the main stream, which do
-not wait for it, so it cannot deadlock the step. After the last signal it re-arms the counter
-to zero for the next replay.
+Measured on the H200 (`gpu_check.py --sections weight_prefetch`): 8 MB per weight, the
+program at 90% signalling, 16 programs issuing; fewer programs issue too slowly, a later or
+earlier signal or more bytes compete with the matmul still running.
+
+The prefetch changes no result: it only moves bytes into the cache. The programs spin on the
+counter with volatile loads and only wait for matmuls of the same forward, launched on the
+main stream, which never wait for them: the step cannot deadlock. The last program to finish
+re-arms the counters for the next replay.
 """
 
 from __future__ import annotations
@@ -24,7 +29,7 @@ import torch
 import triton
 import triton.language as tl
 
-NCHUNK = 32  # prefetch requests per weight: one per thread of the program's single warp
+NCHUNK = 32  # prefetch requests per program and weight: one per thread of its single warp
 
 
 @triton.jit
@@ -32,19 +37,17 @@ def _prefetch_kernel(
     ADDR, NBYTES,  # int64 [capacity]: weight j's address and the bytes to prefetch from it
     COUNT,  # int32 [1]: how many weights are listed
     PROGRESS,  # int32 [2]: signals so far (the skinny matmuls bump it), programs finished
-    LEAD,  # prefetch weight j once matmul j - LEAD has signalled
     NCHUNK: tl.constexpr,
 ):
-    """Program p of P asks for slice p of each weight's first NBYTES[j] bytes, in NCHUNK
-    requests; the last program to finish re-arms both counters for the next replay."""
+    """Program p of P asks for slice p of each weight's first NBYTES[j] bytes, once matmul
+    j - 1 has signalled; the last program to finish re-arms both counters."""
     pid = tl.program_id(0)
     nprog = tl.num_programs(0)
     n = tl.load(COUNT)
     chunk_ids = (pid * NCHUNK + tl.arange(0, NCHUNK)).to(tl.int64)  # [NCHUNK]
     for j in range(0, n):
-        need = j - LEAD + 1  # signals that must have come in
         seen = tl.load(PROGRESS, volatile=True)
-        while seen < need:
+        while seen < j:  # matmuls 0 .. j-1 have signalled
             seen = tl.load(PROGRESS, volatile=True)
         base = tl.load(ADDR + j)
         size = tl.load(NBYTES + j)
@@ -64,17 +67,14 @@ def _prefetch_kernel(
 
 
 class PrefetchConfig(NamedTuple):
-    """How far ahead and how much: prefetch the first `cap_mb` MB of weight j when matmul
-    j - `lead` signals; `signal_at` in (0, 1] picks the signalling program as a fraction of
-    the launch's programs (1.0: the last one to start); `programs` share the requests."""
+    """Prefetch the first `cap_mb` MB of weight j when the program at fraction `signal_at`
+    of matmul j - 1's launch ends; `programs` share the requests; decode graphs of up to
+    `max_batch` rows get the prefetch."""
 
-    cap_mb: float = 16.0
-    lead: int = 1
-    signal_at: float = 1.0  # negative: -f signals as program f of the launch ends
-    programs: int = 1  # programs sharing each weight's requests (each on its own multiprocessor)
-    only: int = -1  # >= 0: prefetch only weights whose index in the forward is this modulo `period`
-    period: int = 4
-    max_batch: int = 1  # decode graphs of up to this many rows get the prefetch
+    cap_mb: float = 8.0
+    signal_at: float = 0.9
+    programs: int = 16
+    max_batch: int = 16
 
 
 _ACTIVE: WeightPrefetcher | None = None
@@ -86,7 +86,7 @@ def active() -> WeightPrefetcher | None:
 
 
 class WeightPrefetcher:
-    """One per captured graph: its weight list, progress counter and side stream."""
+    """One per captured graph: its weight list, progress counters and side stream."""
 
     def __init__(self, device: torch.device, cfg: PrefetchConfig, capacity: int = 1024) -> None:
         self.cfg = cfg
@@ -96,21 +96,21 @@ class WeightPrefetcher:
         self.count = torch.zeros(1, dtype=torch.int32, device=device)
         self.progress = torch.zeros(2, dtype=torch.int32, device=device)
         self.stream = torch.cuda.Stream(device)
-        self.weights: list[torch.Tensor] = []  # in the order the last forward used them
+        self.weights: list[torch.Tensor] = []  # in the order the last eager forward used them
         self._recording: list[torch.Tensor] = []
 
     def signal(self, weight: torch.Tensor, num_programs: int) -> tuple[torch.Tensor, int]:
         """Called by the matmul about to launch on `weight` with `num_programs` programs:
-        records it and returns (progress counter, index of the program that signals)."""
+        records it and returns (progress counter, the program that signals as it ends)."""
         if len(self._recording) >= self.capacity:
             raise RuntimeError(f"more than {self.capacity} weights in one forward")
         self._recording.append(weight)
-        at = min(num_programs - 1, max(0, int(abs(self.cfg.signal_at) * num_programs) - 1))
-        return self.progress[:1], (at if self.cfg.signal_at > 0 else -2 - at)
+        at = min(num_programs - 1, max(0, round(self.cfg.signal_at * num_programs) - 1))
+        return self.progress[:1], at
 
     @contextlib.contextmanager
     def run(self):
-        """Around a forward: launch the prefetch program on the side stream, record the
+        """Around a forward: launch the prefetch programs on the side stream, record the
         matmuls the forward launches, and join the side stream at the end. Eagerly (outside
         capture) the weight table is then filled from what was recorded; a capture must list
         the same weights as the eager run before it."""
@@ -121,15 +121,15 @@ class WeightPrefetcher:
             self.progress.zero_()
         self.stream.wait_stream(main)
         with torch.cuda.stream(self.stream):
-            _prefetch_kernel[(self.cfg.programs,)](self.addr, self.nbytes, self.count, self.progress, self.cfg.lead,
-                                   NCHUNK=NCHUNK, num_warps=1)
+            _prefetch_kernel[(self.cfg.programs,)](self.addr, self.nbytes, self.count, self.progress,
+                                                   NCHUNK=NCHUNK, num_warps=1)
         self._recording = []
         _ACTIVE = self
         try:
             yield
         finally:
             _ACTIVE = None
-        main.wait_stream(self.stream)
+            main.wait_stream(self.stream)
         recorded, self._recording = self._recording, []
         if capturing:
             if [w.data_ptr() for w in recorded] != [w.data_ptr() for w in self.weights]:
@@ -142,9 +142,6 @@ class WeightPrefetcher:
         self.weights = weights
         n = len(weights)
         self.addr[:n].copy_(torch.tensor([w.data_ptr() for w in weights], dtype=torch.int64))
-        sizes = [min(cap, w.numel() * w.element_size()) // 16 * 16
-                 if self.cfg.only < 0 or i % self.cfg.period == self.cfg.only else 0
-                 for i, w in enumerate(weights)]
+        sizes = [min(cap, w.numel() * w.element_size()) // 16 * 16 for w in weights]
         self.nbytes[:n].copy_(torch.tensor(sizes, dtype=torch.int64))
         self.count.fill_(n)
-
