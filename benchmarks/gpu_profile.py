@@ -5,6 +5,7 @@ gpu_matmul.py."""
 
 from __future__ import annotations
 
+import gc
 import os
 
 import torch
@@ -445,9 +446,6 @@ def weight_prefetch(quick: bool) -> None:
                 res.setdefault("hit_probe", []).append(_prefetch_hit_probe(lin.weight, lin.skinny_plan[1]))
                 record(f"  matmul us after prefetch ({res['hit_probe'][-1]['weight_mb']} MB)",
                        str(res["hit_probe"][-1]["matmul_us_after_prefetch"]))
-        graphs.capture_bucket(1, None)
         del llm, graphs
-        import gc
-
         gc.collect()
         torch.cuda.empty_cache()

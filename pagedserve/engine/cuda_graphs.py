@@ -98,8 +98,9 @@ class DecodeGraphRunner:
 
     @torch.inference_mode()
     def capture_bucket(self, bs: int, prefetch: PrefetchConfig | None = None) -> None:
-        """(Re)capture the graph of one bucket, with the L2 weight prefetch beside it if
-        `prefetch` is given (and the GPU has it)."""
+        """(Re)capture the graph of one bucket (after `capture`, whose memory pool and stream
+        it reuses), with the L2 weight prefetch beside it if `prefetch` is given and the GPU
+        has it."""
         meta = self._meta(bs)
         ctx = AttentionContext(self.backend, meta)
         ids, pos = self.input_ids[:bs], self.positions[:bs]
@@ -152,6 +153,7 @@ def prefetch_config() -> PrefetchConfig | None:
 
 
 def weight_prefetch_supported(device: torch.device) -> bool:
+    """The bulk L2 prefetch needs a CUDA GPU of compute capability 9.0 (Hopper) or newer."""
     from pagedserve.kernels._utils import triton_available
 
     return (device.type == "cuda" and triton_available()

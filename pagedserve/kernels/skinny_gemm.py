@@ -208,7 +208,7 @@ def skinny_matmul(x: torch.Tensor, weight: torch.Tensor, cfg: SkinnyConfig,
     else:
         partial, locks = y, y  # unused
     precision = "ieee" if x.dtype == torch.float32 else "tf32"
-    prefetcher = weight_prefetch.active()  # set while a decode graph with the prefetch is captured
+    prefetcher = weight_prefetch.active()  # set while a decode graph with the prefetch is made
     progress, signal_at = (prefetcher.signal(weight, n_blocks * split_k) if prefetcher is not None
                            else (_locks(x.device, 1), -1))  # int32 either way: one compiled variant
     if tma and all(_tma_ok(t) for t in (x, weight)):

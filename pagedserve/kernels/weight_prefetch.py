@@ -88,7 +88,7 @@ def active() -> WeightPrefetcher | None:
 class WeightPrefetcher:
     """One per captured graph: its weight list, progress counters and side stream."""
 
-    def __init__(self, device: torch.device, cfg: PrefetchConfig, capacity: int = 1024) -> None:
+    def __init__(self, device: torch.device, cfg: PrefetchConfig, capacity: int = 4096) -> None:
         self.cfg = cfg
         self.capacity = capacity
         self.addr = torch.zeros(capacity, dtype=torch.int64, device=device)
