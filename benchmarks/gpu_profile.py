@@ -378,13 +378,37 @@ def _prefetch_hit_probe(weight: torch.Tensor, cfg) -> dict:
     return {"weight_mb": round(mb, 1), "matmul_us_after_prefetch": found}
 
 
+def _replay_ms(graph, reps: int = 200) -> float:
+    """GPU ms per replay of a captured graph, after 20 warm replays."""
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    for _ in range(20):
+        graph.replay()
+    start.record()
+    for _ in range(reps):
+        graph.replay()
+    end.record()
+    end.synchronize()
+    return start.elapsed_time(end) / reps
+
+
+def _same_hidden(graphs, bs: int, name: str, want: dict, res: dict) -> None:
+    """Note in res["mismatch"] a graph whose hidden states differ from the first capture's."""
+    got = graphs.outputs[bs][:bs].clone()
+    if bs not in want:
+        want[bs] = got
+    elif not torch.equal(got, want[bs]):
+        res.setdefault("mismatch", []).append(f"b{bs} {name}")
+
+
 @section
 def weight_prefetch(quick: bool) -> None:
-    """The batch-1 decode graph with and without the L2 weight prefetch beside it
+    """The decode graphs with and without the L2 weight prefetch beside them
     (`kernels/weight_prefetch.py`), recaptured per setting in one engine: GPU ms per replay
     (median over interleaved rounds), and the hidden states bit for bit against the plain
-    graph. A 512-token context, as `bench latency`'s batch-size sweep. Also how fast the
-    prefetch program issues its requests alone, and whether a prefetched weight's matmul
+    graph. Every row has a 512-token context, as in `bench latency`'s batch-size sweep.
+    Batch 1 under several settings; batches 4-64 with the default setting and without (the
+    engine gives it to graphs of up to `PrefetchConfig.max_batch` rows). Also how fast the
+    prefetch programs issue their requests alone, and whether a prefetched weight's matmul
     then runs from L2."""
     import statistics
 
@@ -395,49 +419,45 @@ def weight_prefetch(quick: bool) -> None:
     settings = [None, default, default._replace(signal_at=1.0), default._replace(signal_at=0.8),
                 default._replace(cap_mb=6), default._replace(cap_mb=12), default._replace(programs=24)]
     models = ("qwen3-4b-instruct-2507",) if quick else ("qwen3-4b-instruct-2507", "nanbeige4.1-3b")
+    buckets, ctx = (1, 4, 16, 32, 64), 512
     found = RESULTS.setdefault("weight_prefetch", {})
     for model in models:
-        llm = LLM(model, load_format="dummy", dtype="bfloat16", max_model_len=4096, max_num_seqs=8,
-                  kv_cache_memory=4 << 30, tokenizer=os.environ.get("PS_TOKENIZER"))
+        llm = LLM(model, load_format="dummy", dtype="bfloat16", max_model_len=4096, max_num_seqs=max(buckets),
+                  kv_cache_memory=8 << 30, tokenizer=os.environ.get("PS_TOKENIZER"))
         graphs = llm.engine.runner.graphs
-        ctx = 512
-        graphs.input_ids[0], graphs.positions[0] = 1234, ctx - 1
-        graphs.slot_mapping[0], graphs.seq_lens[0] = ctx - 1, ctx
-        graphs.block_tables[0, : ctx // 16] = torch.arange(ctx // 16, dtype=torch.int32)
-        for cache in llm.engine.runner.kv_caches:  # the context's K/V: random, not leftover memory
-            cache[:, : ctx // 16].normal_()
-        res = found.setdefault(model, {"graph_ms": {}, "issue_ms": {}})
-        want = None
+        nb = ctx // 16  # blocks per row: row r owns blocks r * nb ... (r + 1) * nb - 1
+        for r in range(max(buckets)):
+            graphs.input_ids[r], graphs.positions[r], graphs.seq_lens[r] = 1234 + r, ctx - 1, ctx
+            graphs.slot_mapping[r] = (r * nb + nb - 1) * 16 + 15
+            graphs.block_tables[r, :nb] = torch.arange(r * nb, (r + 1) * nb, dtype=torch.int32)
+        for cache in llm.engine.runner.kv_caches:  # the contexts' K/V: random, not leftover memory
+            cache[:, : max(buckets) * nb].normal_()
+        res = found.setdefault(model, {"graph_ms": {}, "issue_ms": {}, "by_batch": {}})
+        want: dict[int, torch.Tensor] = {}
         for _ in range(3):
             for cfg in settings:
                 name = "off" if cfg is None else ",".join(f"{v:g}" for v in cfg)
                 graphs.capture_bucket(1, cfg)
-                g = graphs.graphs[1]
-                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                for _ in range(20):
-                    g.replay()
-                reps = 200
-                start.record()
-                for _ in range(reps):
-                    g.replay()
-                end.record()
-                end.synchronize()
-                res["graph_ms"].setdefault(name, []).append(round(start.elapsed_time(end) / reps, 4))
-                got = graphs.outputs[1][:1].clone()
-                if want is None:
-                    want = got
-                elif not torch.equal(got, want):
-                    res.setdefault("mismatch", []).append(name)
+                res["graph_ms"].setdefault(name, []).append(round(_replay_ms(graphs.graphs[1]), 4))
+                _same_hidden(graphs, 1, name, want, res)
                 if cfg is not None:
                     res["issue_ms"].setdefault(name, []).append(
                         round(_prefetch_issue_ms(graphs.prefetchers[1], cfg.programs), 4))
+            for bs in buckets[1:]:
+                for cfg in (None, default):
+                    name = "off" if cfg is None else "on"
+                    graphs.capture_bucket(bs, cfg)
+                    res["by_batch"].setdefault(f"b{bs} {name}", []).append(round(_replay_ms(graphs.graphs[bs]), 4))
+                    _same_hidden(graphs, bs, name, want, res)
         res["best"] = min(res["graph_ms"], key=lambda k: statistics.median(res["graph_ms"][k]))
+        short = model.split("-")[0]
         for k, v in res["graph_ms"].items():
-            record(f"b1 graph {model.split('-')[0]} prefetch {k} ms", statistics.median(v), None, "{:.4f}")
+            record(f"b1 graph {short} prefetch {k} ms", statistics.median(v), None, "{:.4f}")
         for k, v in res["issue_ms"].items():
             record(f"  issue alone {k} ms", statistics.median(v), None, "{:.4f}")
-        record(f"b1 graph {model.split('-')[0]} prefetch: identical hidden states", not res.get("mismatch"),
-               not res.get("mismatch"))
+        for k, v in res["by_batch"].items():
+            record(f"{short} graph {k} ms", statistics.median(v), None, "{:.4f}")
+        record(f"{short} prefetch: identical hidden states", not res.get("mismatch"), not res.get("mismatch"))
         if model.startswith("qwen3"):
             mlp = llm.engine.runner.model.layers[0].mlp
             for lin in (mlp.gate_up_proj, mlp.down_proj):
