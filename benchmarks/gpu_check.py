@@ -7,7 +7,8 @@ catches its own failures so one bug does not hide the other results. `startup` t
 processes' start-up with an empty Triton cache, compiling ahead and not. The profiling
 sections live beside it: batch-1 pieces and attention kernels (`extend_tune`, `decode_tune`,
 ...) in gpu_profile.py, serving steps (`mixed`, `sustained`, `arrival`) in gpu_steps.py,
-weight matmuls (`gemm_*`, `skinny*`) in gpu_matmul.py; the shared helpers in gpu_common.py.
+weight matmuls (`gemm_*`, `skinny*`) in gpu_matmul.py, the L2 weight prefetch
+(`weight_prefetch`) in gpu_prefetch.py; the shared helpers in gpu_common.py.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from types import SimpleNamespace
 
 import torch
 from gpu_matmul import gemm_m, gemm_power, gemm_tunable, skinny, skinny_big, skinny_tma
+from gpu_prefetch import weight_prefetch
 from gpu_steps import arrival, mixed, sustained
 
 from gpu_common import DEV, RESULTS, TABLE, paged_step, record, rel_err, section
@@ -33,7 +35,6 @@ from gpu_profile import (
     decode_splits,
     decode_tune,
     extend_tune,
-    weight_prefetch,
 )
 from pagedserve.attention.torch_ref import TorchReferenceBackend
 from pagedserve.attention.triton_backend import TritonBackend

@@ -135,9 +135,10 @@ class WeightPrefetcher:
             if [w.data_ptr() for w in recorded] != [w.data_ptr() for w in self.weights]:
                 raise RuntimeError("the captured forward multiplies by other weights than the eager one")
         else:
-            self._fill(recorded)
+            self.fill(recorded)
 
-    def _fill(self, weights: list[torch.Tensor]) -> None:
+    def fill(self, weights: list[torch.Tensor]) -> None:
+        """List `weights` (in forward order) as the ones to prefetch, `cap_mb` of each."""
         cap = int(self.cfg.cap_mb * 2**20)
         self.weights = weights
         n = len(weights)
