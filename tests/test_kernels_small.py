@@ -494,3 +494,83 @@ def test_fused_sampling_greedy_rows_seeds_and_dtypes():
         sample_with_temperature(logits, temp.double(), 3)
     with pytest.raises(ValueError, match="expected logits"):
         sample_with_temperature(logits[0], temp, 3)
+
+
+# ----- the persistent MLP block for one row (kernels/fused_mlp.py) -------------------------
+
+
+def _mlp_inputs(dtype, h=48, k_o=40, inter=72):
+    a, res = torch.randn(1, k_o, dtype=dtype), torch.randn(1, h, dtype=dtype)
+    wo = (torch.randn(h, k_o) / k_o**0.5).to(dtype)
+    g = (1 + 0.1 * torch.randn(h)).to(dtype)
+    wgu = (torch.randn(2 * inter, h) / h**0.5).to(dtype)
+    wd = (torch.randn(h, inter) / inter**0.5).to(dtype)
+    return a, res, wo, g, wgu, wd
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("split_phases, programs", [(True, 3), (False, 1)])
+def test_fused_mlp_matches_the_unfused_layers(dtype, split_phases, programs):
+    """o_proj .. down_proj in one kernel equals the separate kernels' roundings, with the
+    residual updated in place; K not a multiple of the tile, programs with ragged row counts.
+    One launch of all three phases (one program: the barriers pass at once) re-arms its
+    barrier counter."""
+    from pagedserve.kernels.fused_mlp import FusedMLPConfig, _barrier, fused_mlp, fused_mlp_ref
+
+    a, res, wo, g, wgu, wd = _mlp_inputs(dtype)
+    want, want_res = fused_mlp_ref(a, res, wo, g, 1e-6, wgu, wd)
+    cfg = FusedMLPConfig(rows=8, rows_i=4, block_k=16)
+    got = fused_mlp(a, res, wo, g, 1e-6, wgu, wd, cfg, num_programs=programs, split_phases=split_phases)
+    torch.testing.assert_close(res, want_res, **TOL[dtype])
+    torch.testing.assert_close(got, want, **TOL[dtype])
+    assert _barrier(a.device).tolist() == [0, 0]
+
+
+def test_fused_mlp_signals_the_weight_prefetch_once(monkeypatch):
+    """Recorded as one launch on o_proj's weight; its named program bumps the counter once."""
+    from pagedserve.kernels import weight_prefetch
+    from pagedserve.kernels.fused_mlp import FusedMLPConfig, fused_mlp
+
+    recorder = weight_prefetch.WeightPrefetcher.__new__(weight_prefetch.WeightPrefetcher)
+    recorder.cfg = weight_prefetch.PrefetchConfig()
+    recorder.capacity, recorder._recording = 8, []
+    recorder.progress = torch.zeros(2, dtype=torch.int32)
+    monkeypatch.setattr(weight_prefetch, "_ACTIVE", recorder)
+    a, res, wo, g, wgu, wd = _mlp_inputs(torch.float32, inter=24)
+    fused_mlp(a, res, wo, g, 1e-6, wgu, wd, FusedMLPConfig(rows=8, rows_i=4, block_k=16))
+    assert recorder.progress.tolist() == [1, 0]
+    assert len(recorder._recording) == 1 and recorder._recording[0] is wo
+
+
+def test_fused_mlp_rejects_what_it_cannot_do():
+    from pagedserve.kernels.fused_mlp import FusedMLPConfig, fused_mlp
+
+    a, res, wo, g, wgu, wd = _mlp_inputs(torch.float32)
+    cfg = FusedMLPConfig()
+    with pytest.raises(ValueError, match="one row"):
+        fused_mlp(torch.cat([a, a]), res, wo, g, 1e-6, wgu, wd, cfg)
+    with pytest.raises(ValueError, match="weight shapes"):
+        fused_mlp(a, res, wo, g, 1e-6, wgu[:-2], wd, cfg)
+
+
+def test_decoder_with_the_fused_mlp_matches_the_unfused_model():
+    """A one-token forward of a small Qwen3-style model (q/k norm) through the fused block in
+    every layer gives the logits of the ordinary layers."""
+    from helpers import run_prefill
+    from pagedserve.config import ModelConfig
+    from pagedserve.kernels.fused_mlp import FusedMLPConfig
+    from pagedserve.models.llama import LlamaForCausalLM
+
+    cfg = ModelConfig("Qwen3ForCausalLM", vocab_size=64, hidden_size=48, intermediate_size=80,
+                      num_layers=3, num_heads=4, num_kv_heads=2, head_dim=16, rms_norm_eps=1e-6,
+                      rope_theta=10000.0, max_position_embeddings=64, tie_word_embeddings=True,
+                      qk_norm=True)
+    model = LlamaForCausalLM(cfg)
+    for p in model.parameters():
+        torch.nn.init.normal_(p, std=0.2)
+    want = run_prefill(model, [[7]])[0]
+    want2 = run_prefill(model, [[7, 9]])[0]
+    for layer in model.layers:
+        layer.fused_mlp = FusedMLPConfig(rows=8, rows_i=4, block_k=16)
+    torch.testing.assert_close(run_prefill(model, [[7]])[0], want, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(run_prefill(model, [[7, 9]])[0], want2)  # two rows: the ordinary path
