@@ -8,8 +8,7 @@ processes' start-up with an empty Triton cache, compiling ahead and not. The pro
 sections live beside it: batch-1 pieces and attention kernels (`extend_tune`, `decode_tune`,
 ...) in gpu_profile.py, serving steps (`mixed`, `sustained`, `arrival`) in gpu_steps.py,
 weight matmuls (`gemm_*`, `skinny*`) in gpu_matmul.py, the L2 weight prefetch
-(`weight_prefetch`) in gpu_prefetch.py, the persistent MLP block (`fused_mlp`) in
-gpu_fused_mlp.py; the shared helpers in gpu_common.py.
+(`weight_prefetch`) in gpu_prefetch.py; the shared helpers in gpu_common.py.
 """
 
 from __future__ import annotations
@@ -25,7 +24,6 @@ import time
 from types import SimpleNamespace
 
 import torch
-from gpu_fused_mlp import fused_mlp
 from gpu_matmul import gemm_m, gemm_power, gemm_tunable, skinny, skinny_big, skinny_tma
 from gpu_prefetch import weight_prefetch
 from gpu_steps import arrival, mixed, sustained
@@ -441,8 +439,7 @@ def main() -> None:
                       "triton": __import__("triton").__version__}
     sections = {"kernels": kernels, "sampling": sampling, "parity": parity, "bench": bench, "startup": startup, "extend_tune": extend_tune,
                 "mixed": mixed, "sustained": sustained, "gemm_m": gemm_m, "gemm_power": gemm_power, "gemm_tunable": gemm_tunable, "decode_tune": decode_tune, "decode_order": decode_order, "decode_splits": decode_splits, "arrival": arrival, "skinny": skinny,
-                "skinny_big": skinny_big, "skinny_tma": skinny_tma, "weight_prefetch": weight_prefetch,
-                "fused_mlp": fused_mlp}
+                "skinny_big": skinny_big, "skinny_tma": skinny_tma, "weight_prefetch": weight_prefetch}
     for name in args.sections.split(","):
         sections[name](args.quick)
     out = os.path.join(os.environ.get("OUT", "."), "gpu_check.json")

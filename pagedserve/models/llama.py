@@ -8,21 +8,16 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
-from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
 
 from pagedserve.attention.backend import AttentionContext
 from pagedserve.config import ModelConfig
-from pagedserve.kernels._utils import kernels_usable
 from pagedserve.layers.activation import silu_and_mul
 from pagedserve.layers.linear import Linear, SkinnyPlan, matmul
 from pagedserve.layers.norm import RMSNorm
 from pagedserve.layers.rotary import RotaryEmbedding
-
-if TYPE_CHECKING:
-    from pagedserve.kernels.fused_mlp import FusedMLPConfig
 
 
 class Attention(nn.Module):
@@ -45,9 +40,7 @@ class Attention(nn.Module):
         positions: torch.Tensor,  # [T]
         rotary: RotaryEmbedding,
         attn: AttentionContext,
-        project: bool = True,
     ) -> torch.Tensor:
-        """[T, hidden] through o_proj, or the attention output [T, q_size] if not `project`."""
         qkv = self.qkv_proj(x)  # [T, q_size + 2 * kv_size]
         target = None
         if qkv.is_cuda:  # one kernel: split, per-head q/k norm (Qwen3), RoPE, KV-cache write
@@ -72,8 +65,7 @@ class Attention(nn.Module):
             q = RotaryEmbedding.apply(q, cos, sin)
             k = RotaryEmbedding.apply(k, cos, sin)
         out = attn.backend.forward(self.layer_idx, q, k, v, attn.meta, kv_stored=target is not None)  # [T, H, D]
-        out = out.reshape(-1, self.q_size)  # [T, q_size]
-        return self.o_proj(out) if project else out
+        return self.o_proj(out.reshape(-1, self.q_size))
 
 
 class MLP(nn.Module):
@@ -94,9 +86,6 @@ class DecoderLayer(nn.Module):
         self.self_attn = Attention(cfg, layer_idx)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = MLP(cfg)
-        # One-row steps on the GPU: o_proj through down_proj in one persistent kernel
-        # (kernels/fused_mlp.py) with this setting, where start-up found it faster.
-        self.fused_mlp: FusedMLPConfig | None = None
 
     def forward(
         self,
@@ -110,14 +99,6 @@ class DecoderLayer(nn.Module):
             residual, h = h, self.input_layernorm(h)
         else:
             h, residual = self.input_layernorm(h, residual)
-        if self.fused_mlp is not None and h.shape[0] == 1 and kernels_usable(h):
-            from pagedserve.kernels.fused_mlp import fused_mlp
-
-            a = self.self_attn(h, positions, rotary, attn, project=False)  # [1, q_size]
-            norm = self.post_attention_layernorm
-            out = fused_mlp(a, residual, self.self_attn.o_proj.weight, norm.weight, norm.eps,
-                            self.mlp.gate_up_proj.weight, self.mlp.down_proj.weight, self.fused_mlp)
-            return out, residual  # residual: updated in place, as the norm does
         h = self.self_attn(h, positions, rotary, attn)
         h, residual = self.post_attention_layernorm(h, residual)
         return self.mlp(h), residual
