@@ -2,18 +2,21 @@
 
 Run on the GPU machine from the repository root:
     PYTHONPATH=. python3 benchmarks/gpu_check.py [--quick] [--sections kernels,sampling,parity,bench]
-Writes $OUT/gpu_check.json (or ./gpu_check.json) and prints a short table last. Each section
-catches its own failures so one bug does not hide the other results. `startup` times fresh
-processes' start-up with an empty Triton cache, compiling ahead and not. The profiling
+Writes $OUT/gpu_check.json (or ./gpu_check.json) after every section and prints a short table
+last. Each section catches its own failures so one bug does not hide the other results, and a
+section that runs past --section-timeout (a hung kernel) ends the process with every thread's
+stack printed. `startup` times fresh processes' start-up with an empty Triton cache, compiling
+ahead and not. The profiling
 sections live beside it: batch-1 pieces and attention kernels (`extend_tune`, `decode_tune`,
 ...) in gpu_profile.py, serving steps (`mixed`, `sustained`, `arrival`) in gpu_steps.py,
 weight matmuls (`gemm_*`, `skinny*`) in gpu_matmul.py, the L2 weight prefetch
-(`weight_prefetch`) in gpu_prefetch.py; the shared helpers in gpu_common.py.
+(`weight_prefetch`, `prefetch_batches`) in gpu_prefetch.py; the shared helpers in gpu_common.py.
 """
 
 from __future__ import annotations
 
 import argparse
+import faulthandler
 import json
 import os
 import random
@@ -25,7 +28,7 @@ from types import SimpleNamespace
 
 import torch
 from gpu_matmul import gemm_m, gemm_power, gemm_tunable, skinny, skinny_big, skinny_tma
-from gpu_prefetch import weight_prefetch
+from gpu_prefetch import prefetch_batches, weight_prefetch
 from gpu_steps import arrival, mixed, sustained
 
 from gpu_common import DEV, RESULTS, TABLE, paged_step, record, rel_err, section
@@ -430,21 +433,40 @@ def time_prefill(engine, num_seqs: int, length: int) -> float:
     return (time.perf_counter() - t0) / 5 * 1e3
 
 
+def _save() -> None:
+    """Write what has been gathered so far to $OUT/gpu_check.json (or ./gpu_check.json)."""
+    with open(os.path.join(os.environ.get("OUT", "."), "gpu_check.json"), "w") as f:
+        json.dump(RESULTS, f, indent=1, default=str)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--sections", default="kernels,sampling,parity,bench")
+    ap.add_argument("--section-timeout", type=float, default=480,
+                    help="seconds a section may run; then every thread's stack is printed and the process "
+                         "exits, keeping the JSON of the sections before it (0: no limit)")
     args = ap.parse_args()
     RESULTS["env"] = {"torch": torch.__version__, "gpu": torch.cuda.get_device_name(),
                       "triton": __import__("triton").__version__}
     sections = {"kernels": kernels, "sampling": sampling, "parity": parity, "bench": bench, "startup": startup, "extend_tune": extend_tune,
                 "mixed": mixed, "sustained": sustained, "gemm_m": gemm_m, "gemm_power": gemm_power, "gemm_tunable": gemm_tunable, "decode_tune": decode_tune, "decode_order": decode_order, "decode_splits": decode_splits, "arrival": arrival, "skinny": skinny,
-                "skinny_big": skinny_big, "skinny_tma": skinny_tma, "weight_prefetch": weight_prefetch}
+                "skinny_big": skinny_big, "skinny_tma": skinny_tma, "weight_prefetch": weight_prefetch,
+                "prefetch_batches": prefetch_batches}
+    unknown = [n for n in args.sections.split(",") if n not in sections]
+    if unknown:
+        ap.error(f"unknown section(s) {', '.join(unknown)}; known: {', '.join(sections)}")
     for name in args.sections.split(","):
+        # A GPU kernel that never finishes would hold the whole device call: the watchdog
+        # names the section in the JSON, prints where it waits and ends the process.
+        RESULTS["running"] = name
+        _save()
+        if args.section_timeout > 0:
+            faulthandler.dump_traceback_later(args.section_timeout, exit=True)
         sections[name](args.quick)
-    out = os.path.join(os.environ.get("OUT", "."), "gpu_check.json")
-    with open(out, "w") as f:
-        json.dump(RESULTS, f, indent=1, default=str)
+        faulthandler.cancel_dump_traceback_later()
+        del RESULTS["running"]
+        _save()
     print("\n" + "-" * 78)
     for name, value, verdict in TABLE:
         print(f"{name:<58} {value:>12} {verdict:>5}")

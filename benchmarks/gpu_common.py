@@ -24,6 +24,7 @@ def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
 def record(name: str, value, ok: bool | None = None, fmt: str = "{:.3g}") -> None:
     shown = fmt.format(value) if isinstance(value, float) else str(value)
     TABLE.append((name, shown, "" if ok is None else ("ok" if ok else "FAIL")))
+    print(f"{name}: {shown} {TABLE[-1][2]}", flush=True)  # progress, in case the run is cut short
     RESULTS.setdefault("checks", {})[name] = {"value": value, "ok": ok}
 
 

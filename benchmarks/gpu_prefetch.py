@@ -1,7 +1,8 @@
 """The L2 weight prefetch beside the decode graphs (`pagedserve/kernels/weight_prefetch.py`),
-for the GPU check (`benchmarks/gpu_check.py --sections weight_prefetch`): graph time with each
-setting and without, how fast the prefetch programs issue their requests, and whether a
-prefetched weight's matmul then reads it from L2."""
+for the GPU check (`benchmarks/gpu_check.py --sections weight_prefetch,prefetch_batches`): graph
+time with each setting and without, how fast the prefetch programs issue their requests,
+whether a prefetched weight's matmul then reads it from L2, and bigger decode graphs with the
+prefetch and without."""
 
 from __future__ import annotations
 
@@ -82,39 +83,43 @@ def _same_hidden(graphs, bs: int, name: str, want: dict, res: dict) -> None:
         res.setdefault("mismatch", []).append(f"b{bs} {name}")
 
 
+def _engine(model: str, max_batch: int, ctx: int):
+    """A dummy-weight engine whose decode-graph rows 0 .. max_batch - 1 each hold a context of
+    `ctx` tokens with random K/V (as in `bench latency`'s batch-size sweep)."""
+    from pagedserve import LLM
+
+    llm = LLM(model, load_format="dummy", dtype="bfloat16", max_model_len=4096, max_num_seqs=max_batch,
+              kv_cache_memory=8 << 30, tokenizer=os.environ.get("PS_TOKENIZER"))
+    graphs = llm.engine.runner.graphs
+    nb = ctx // 16  # blocks per row: row r owns blocks r * nb ... (r + 1) * nb - 1
+    for r in range(max_batch):
+        graphs.input_ids[r], graphs.positions[r], graphs.seq_lens[r] = 1234 + r, ctx - 1, ctx
+        graphs.slot_mapping[r] = (r * nb + nb - 1) * 16 + 15
+        graphs.block_tables[r, :nb] = torch.arange(r * nb, (r + 1) * nb, dtype=torch.int32)
+    for cache in llm.engine.runner.kv_caches:  # the contexts' K/V: random, not leftover memory
+        cache[:, : max_batch * nb].normal_()
+    return llm, graphs
+
+
 @section
 def weight_prefetch(quick: bool) -> None:
-    """The decode graphs with and without the L2 weight prefetch beside them
+    """The batch-1 decode graph with and without the L2 weight prefetch beside it
     (`kernels/weight_prefetch.py`), recaptured per setting in one engine: GPU ms per replay
     (median over interleaved rounds), and the hidden states bit for bit against the plain
-    graph. Every row has a 512-token context, as in `bench latency`'s batch-size sweep.
-    Batch 1 under several settings; batches 4-64 with the default setting and without (the
-    engine gives it to graphs of up to `PrefetchConfig.max_batch` rows). Also how fast the
-    prefetch programs issue their requests alone, and whether a prefetched weight's matmul
-    then runs from L2."""
+    graph, with a 512-token context. Also how fast the prefetch programs issue their requests
+    alone, and whether a prefetched weight's matmul then runs from L2."""
     import statistics
 
-    from pagedserve import LLM
     from pagedserve.kernels.weight_prefetch import PrefetchConfig
 
     default = PrefetchConfig()
     settings = [None, default, default._replace(signal_at=1.0), default._replace(signal_at=0.8),
                 default._replace(cap_mb=6), default._replace(cap_mb=12), default._replace(programs=24)]
     models = ("qwen3-4b-instruct-2507",) if quick else ("qwen3-4b-instruct-2507", "nanbeige4.1-3b")
-    buckets, ctx = (1, 4, 16, 32, 64), 512
     found = RESULTS.setdefault("weight_prefetch", {})
     for model in models:
-        llm = LLM(model, load_format="dummy", dtype="bfloat16", max_model_len=4096, max_num_seqs=max(buckets),
-                  kv_cache_memory=8 << 30, tokenizer=os.environ.get("PS_TOKENIZER"))
-        graphs = llm.engine.runner.graphs
-        nb = ctx // 16  # blocks per row: row r owns blocks r * nb ... (r + 1) * nb - 1
-        for r in range(max(buckets)):
-            graphs.input_ids[r], graphs.positions[r], graphs.seq_lens[r] = 1234 + r, ctx - 1, ctx
-            graphs.slot_mapping[r] = (r * nb + nb - 1) * 16 + 15
-            graphs.block_tables[r, :nb] = torch.arange(r * nb, (r + 1) * nb, dtype=torch.int32)
-        for cache in llm.engine.runner.kv_caches:  # the contexts' K/V: random, not leftover memory
-            cache[:, : max(buckets) * nb].normal_()
-        res = found.setdefault(model, {"graph_ms": {}, "issue_ms": {}, "by_batch": {}})
+        llm, graphs = _engine(model, 8, 512)
+        res = found.setdefault(model, {"graph_ms": {}, "issue_ms": {}})
         want: dict[int, torch.Tensor] = {}
         for _ in range(3):
             for cfg in settings:
@@ -125,20 +130,12 @@ def weight_prefetch(quick: bool) -> None:
                 if cfg is not None:
                     res["issue_ms"].setdefault(name, []).append(
                         round(_prefetch_issue_ms(graphs.prefetchers[1], cfg.programs), 4))
-            for bs in buckets[1:]:
-                for cfg in (None, default):
-                    name = "off" if cfg is None else "on"
-                    graphs.capture_bucket(bs, cfg)
-                    res["by_batch"].setdefault(f"b{bs} {name}", []).append(round(_replay_ms(graphs.graphs[bs]), 4))
-                    _same_hidden(graphs, bs, name, want, res)
         res["best"] = min(res["graph_ms"], key=lambda k: statistics.median(res["graph_ms"][k]))
         short = model.split("-")[0]
         for k, v in res["graph_ms"].items():
             record(f"b1 graph {short} prefetch {k} ms", statistics.median(v), None, "{:.4f}")
         for k, v in res["issue_ms"].items():
             record(f"  issue alone {k} ms", statistics.median(v), None, "{:.4f}")
-        for k, v in res["by_batch"].items():
-            record(f"{short} graph {k} ms", statistics.median(v), None, "{:.4f}")
         record(f"{short} prefetch: identical hidden states", not res.get("mismatch"), not res.get("mismatch"))
         if model.startswith("qwen3"):
             mlp = llm.engine.runner.model.layers[0].mlp
@@ -151,3 +148,32 @@ def weight_prefetch(quick: bool) -> None:
         del llm, graphs
         gc.collect()
         torch.cuda.empty_cache()
+
+
+@section
+def prefetch_batches(quick: bool) -> None:
+    """Decode graphs of 4-64 rows with the default prefetch and without, Qwen3 only: whether
+    `PrefetchConfig.max_batch` (16) should grow. Every row has a 512-token context; three
+    interleaved rounds (two with --quick); hidden states compared bit for bit."""
+    import statistics
+
+    from pagedserve.kernels.weight_prefetch import PrefetchConfig
+
+    buckets = (16, 32, 64) if quick else (4, 16, 32, 64)
+    llm, graphs = _engine("qwen3-4b-instruct-2507", max(buckets), 512)
+    res = RESULTS.setdefault("prefetch_batches", {"graph_ms": {}})
+    want: dict[int, torch.Tensor] = {}
+    for _ in range(2 if quick else 3):
+        for bs in buckets:
+            for cfg in (None, PrefetchConfig()):
+                name = f"b{bs} {'off' if cfg is None else 'on'}"
+                print(f"prefetch_batches: capturing {name}", flush=True)
+                graphs.capture_bucket(bs, cfg)
+                res["graph_ms"].setdefault(name, []).append(round(_replay_ms(graphs.graphs[bs]), 4))
+                _same_hidden(graphs, bs, name, want, res)
+    for k, v in res["graph_ms"].items():
+        record(f"qwen3 graph {k} ms", statistics.median(v), None, "{:.4f}")
+    record("qwen3 prefetch by batch: identical hidden states", not res.get("mismatch"), not res.get("mismatch"))
+    del llm, graphs
+    gc.collect()
+    torch.cuda.empty_cache()
