@@ -6,11 +6,11 @@ Writes $OUT/gpu_check.json (or ./gpu_check.json) after every section and prints 
 last. Each section catches its own failures so one bug does not hide the other results, and a
 section that runs past --section-timeout (a hung kernel) ends the process with every thread's
 stack printed. `startup` times fresh processes' start-up with an empty Triton cache, compiling
-ahead and not. The profiling
-sections live beside it: batch-1 pieces and attention kernels (`extend_tune`, `decode_tune`,
-...) in gpu_profile.py, serving steps (`mixed`, `sustained`, `arrival`) in gpu_steps.py,
-weight matmuls (`gemm_*`, `skinny*`) in gpu_matmul.py, the L2 weight prefetch
-(`weight_prefetch`, `prefetch_batches`) in gpu_prefetch.py; the shared helpers in gpu_common.py.
+ahead and not. The profiling sections live beside it: batch-1 pieces and attention kernels
+(`extend_tune`, `decode_tune`, ...) in gpu_profile.py, serving steps (`mixed`, `sustained`,
+`arrival`) in gpu_steps.py, weight matmuls (`gemm_*`, `skinny*`) in gpu_matmul.py, the L2
+weight prefetch (`weight_prefetch`, `prefetch_batches`) in gpu_prefetch.py; the shared helpers
+in gpu_common.py.
 """
 
 from __future__ import annotations
