@@ -4,12 +4,14 @@ talks to a real SmolLM2 server, or to a port where nothing listens."""
 from __future__ import annotations
 
 import pytest
+from playwright.sync_api import TimeoutError as PlaywrightTimeout
 from server_helpers import MODEL, free_port
 from ui_helpers import (
     ANSWER,
     REASONING,
     UIProcess,
     chromium_page,
+    diagnostics,
     fake_reasoning_server,
     screenshot,
     send_message,
@@ -48,6 +50,8 @@ def test_chat_streams_an_answer_in_the_browser(uis):
         try:
             page.wait_for_function("() => document.body.innerText.includes('Paris')", timeout=60_000)
             page.wait_for_timeout(500)
+        except PlaywrightTimeout:
+            pytest.fail("no answer with 'Paris'\n" + diagnostics(page, live))
         finally:
             shot = screenshot(page, "ui_chat_paris.png")
         text = body_text(page)
@@ -66,6 +70,8 @@ def test_unreachable_server_is_a_clear_message_in_the_browser(uis):
             page.wait_for_function(
                 "() => document.body.innerText.split('Cannot reach the model server').length > 2",
                 timeout=30_000)
+        except PlaywrightTimeout:
+            pytest.fail("no error message answered the turn\n" + diagnostics(page, dead))
         finally:
             screenshot(page, "ui_server_down.png")
         text = body_text(page)

@@ -54,8 +54,9 @@ def chromium_page(origin: str):
         browser = p.chromium.launch(executable_path=CHROMIUM, headless=True, args=CHROMIUM_FLAGS)
         try:
             page = browser.new_page(viewport={"width": 1200, "height": 800})
-            page.route("**/*", lambda route: route.continue_()
-                       if route.request.url.startswith(origin) else route.abort())
+            # Only foreign URLs are routed: the page's own requests (socket.io's polling among
+            # them) go straight to the UI instead of waiting on this thread to continue them.
+            page.route(lambda url: not url.startswith(origin), lambda route: route.abort())
             yield page
         finally:
             browser.close()
@@ -66,6 +67,8 @@ def send_message(page, text: str, timeout: float = 30.0) -> None:
     page's socket session is up but drops the send. The settings button appears when the app's
     on_chat_start has sent the settings panel."""
     page.locator("#chat-settings-open-modal").wait_for(timeout=timeout * 1000)
+    sent = page.locator('[data-step-type="user_message"]', has_text=text)
+    before = sent.count()
     page.fill("#chat-input", text)
     deadline = time.monotonic() + timeout
     while page.input_value("#chat-input") == text:
@@ -73,6 +76,14 @@ def send_message(page, text: str, timeout: float = 30.0) -> None:
         page.focus("#chat-input")
         page.keyboard.press("Enter")
         page.wait_for_timeout(500)
+    # The composer empties only when it sends; the message then shows in the thread.
+    sent.nth(before).wait_for(timeout=timeout * 1000)
+
+
+def diagnostics(page, ui: UIProcess) -> str:
+    """What the page shows and what the UI logged: for the message of a failed wait."""
+    return (f"--- page text ---\n{page.inner_text('body')[-3000:]}\n"
+            f"--- UI log ---\n{ui.log_tail(3000)}")
 
 
 def screenshot(page, name: str) -> Path:

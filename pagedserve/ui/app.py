@@ -12,6 +12,7 @@ import contextlib
 import chainlit as cl
 from chainlit.config import config as chainlit_config
 from chainlit.input_widget import Slider, TextInput
+from chainlit.logger import logger
 
 from pagedserve.ui.chat import ChatSession, Delta, GenerationSettings, UIConfig
 
@@ -64,6 +65,7 @@ async def on_chat_start() -> None:
     await _settings_panel(_defaults(config)).send()
     status = await chat.probe()
     if not status.ok:
+        logger.warning("chat start: %s", status.message)
         await cl.ErrorMessage(content=status.message, author="pagedserve").send()
 
 
@@ -89,6 +91,7 @@ async def on_message(message: cl.Message) -> None:
 
         result = await chat.turn(message.content, settings, on_delta)
     if result.error:
+        logger.warning("chat turn failed: %s", result.error)
         await cl.ErrorMessage(content=result.error, author="pagedserve").send()
         if answer.content:
             await answer.send()
