@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -54,9 +55,11 @@ def chromium_page(origin: str):
         browser = p.chromium.launch(executable_path=CHROMIUM, headless=True, args=CHROMIUM_FLAGS)
         try:
             page = browser.new_page(viewport={"width": 1200, "height": 800})
-            # Only foreign URLs are routed: the page's own requests (socket.io's polling among
-            # them) go straight to the UI instead of waiting on this thread to continue them.
-            page.route(lambda url: not url.startswith(origin), lambda route: route.abort())
+            # Only foreign URLs are intercepted. The pattern is a regular expression, which the
+            # browser side matches, so the page's own requests (socket.io's polling among them)
+            # never wait on this thread (a Python predicate would intercept every request).
+            foreign = re.compile(f"^(?!{re.escape(origin)}(?:[/?#]|$))")
+            page.route(foreign, lambda route: route.abort())
             yield page
         finally:
             browser.close()
