@@ -166,11 +166,11 @@ def prefetch_batches(quick: bool) -> None:
     for _ in range(2 if quick else 3):
         for bs in buckets:
             for cfg in (None, PrefetchConfig()):
-                name = f"b{bs} {'off' if cfg is None else 'on'}"
-                print(f"prefetch_batches: capturing {name}", flush=True)
+                name = "off" if cfg is None else "on"
+                print(f"prefetch_batches: capturing b{bs} {name}", flush=True)
                 graphs.capture_bucket(bs, cfg)
-                res["graph_ms"].setdefault(name, []).append(round(_replay_ms(graphs.graphs[bs]), 4))
-                _same_hidden(graphs, bs, name, want, res)
+                res["graph_ms"].setdefault(f"b{bs} {name}", []).append(round(_replay_ms(graphs.graphs[bs]), 4))
+                _same_hidden(graphs, bs, name, want, res)  # labels a mismatch "b{bs} {name}"
     for k, v in res["graph_ms"].items():
         record(f"qwen3 graph {k} ms", statistics.median(v), None, "{:.4f}")
     record("qwen3 prefetch by batch: identical hidden states", not res.get("mismatch"), not res.get("mismatch"))
