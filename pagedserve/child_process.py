@@ -1,5 +1,6 @@
 """Child processes that pagedserve starts and supervises (`pagedserve up`, `bench serve --launch`):
-each in its own session with its output in a log file, stopped together with whatever it forked.
+each in its own session with its output in a log file, stopped together with whatever it forked,
+and killed by the kernel if this process dies first (`lifeline`).
 """
 
 from __future__ import annotations
@@ -13,6 +14,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import httpx
+
+from pagedserve.lifeline import preexec_die_with_parent
 
 
 @dataclass
@@ -28,7 +31,8 @@ class Child:
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         with open(self.log_path, "wb") as log:
             self.proc = subprocess.Popen(self.cmd, stdout=log, stderr=subprocess.STDOUT, env=env,
-                                         stdin=subprocess.DEVNULL, start_new_session=True)
+                                         stdin=subprocess.DEVNULL, start_new_session=True,
+                                         preexec_fn=preexec_die_with_parent())
 
     def exit_code(self) -> int | None:
         return None if self.proc is None else self.proc.poll()

@@ -75,6 +75,24 @@ def build_parser() -> argparse.ArgumentParser:
                      help="pagedserve, or a naive Transformers baseline: hf (one request at a time) "
                           "or hf-batched (static batches of up to --max-num-seqs)")
     srv.add_argument("--log-stats-interval", type=float, default=10.0, help="seconds between status lines")
+    srv.add_argument("--trust-request-chat-template", action="store_true",
+                     help="render chat templates sent in requests (chat_template); they still "
+                          "render under a 2 s deadline, off the event loop")
+    srv.add_argument("--shutdown-timeout", type=float, default=30.0,
+                     help="on SIGTERM: seconds running requests may take to finish before they "
+                          "end with an error (new requests get 503 meanwhile)")
+    srv.add_argument("--max-engine-restarts", type=int, default=5,
+                     help="restarts of a dead engine core allowed within 10 minutes; one more "
+                          "and the server exits with code 1")
+    srv.add_argument("--max-connections", type=int, default=4096,
+                     help="open connections (or running requests) beyond which requests get 503")
+    srv.add_argument("--timeout-keep-alive", type=float, default=5.0,
+                     help="seconds an idle kept-alive connection stays open")
+    srv.add_argument("--timeout-header-read", type=float, default=30.0,
+                     help="seconds a client has to send a request's headers once it connects")
+    srv.add_argument("--timeout-body-read", type=float, default=30.0,
+                     help="seconds a client may pause while sending a request body (then 408)")
+    srv.add_argument("--inject-faults", default=None, help=argparse.SUPPRESS)  # chaos tests: faults.py
     srv.set_defaults(func=_cmd_serve)
 
     bench = sub.add_parser("bench", help="benchmarks").add_subparsers(dest="bench", required=True)
@@ -180,7 +198,7 @@ def _cmd_bench_latency(args: argparse.Namespace) -> int:
 def _cmd_serve(args: argparse.Namespace) -> int:
     from pagedserve.server.launch import serve
 
-    return serve(args, engine_kwargs(args))
+    return serve(args, {**engine_kwargs(args), "inject_faults": args.inject_faults})
 
 
 def _cmd_generate(args: argparse.Namespace) -> int:

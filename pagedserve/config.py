@@ -11,6 +11,8 @@ from typing import Any
 
 import torch
 
+from pagedserve.faults import FaultPlan
+
 DTYPES: dict[str, torch.dtype] = {
     "float32": torch.float32,
     "fp32": torch.float32,
@@ -187,6 +189,7 @@ class EngineConfig:
     attention_backend: str = "auto"  # "auto" = triton on CUDA, torch elsewhere
     enforce_eager: bool = False
     async_scheduling: bool = True  # overlap host scheduling with the GPU (see EngineCore.step)
+    faults: FaultPlan = field(default_factory=FaultPlan)  # chaos tests only (faults.py)
 
     def resolved_device(self) -> torch.device:
         if self.device == "auto":

@@ -5,7 +5,6 @@ from __future__ import annotations
 import itertools
 import logging
 from collections.abc import Sequence
-from dataclasses import replace
 from typing import Any
 
 from pagedserve.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
@@ -100,7 +99,7 @@ class LLM:
                 ro = RequestOutput(str(next(self._ids)), prompt if isinstance(prompt, str) else None, ids)
                 results.append(ro)
                 for i in range(p.n):
-                    child = p if p.n == 1 else replace(p, n=1, seed=None if p.seed is None else p.seed + i)
+                    child = p.for_sample(i)
                     rid = f"{ro.request_id}-{i}"
                     self.engine.add_request(EngineRequest(rid, ids, child, priority=prio))
                     proc.add(rid, i, ids, child)
@@ -134,6 +133,8 @@ class LLM:
         bar.close()
         for rid, (ro, _) in children.items():
             s = samples.get(rid)
+            if s is not None and s.error:
+                logger.error("request %s failed: %s", rid, s.error)
             if s is not None:
                 ro.outputs.append(s.to_completion())
                 ro.num_cached_tokens = s.num_cached_tokens

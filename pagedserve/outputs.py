@@ -12,11 +12,12 @@ class CompletionOutput:
     index: int
     text: str
     token_ids: list[int]
-    finish_reason: str | None = None  # "stop" | "length" | "abort"; None while running
+    finish_reason: str | None = None  # "stop" | "length" | "abort" | "error"; None while running
     stop_reason: int | str | None = None  # the stop string or stop token id that ended it
     # Per generated token: {token id: logprob} holding the sampled token and the top-k.
     logprobs: list[dict[int, float]] | None = None
     cumulative_logprob: float | None = None
+    error: str | None = None  # with finish_reason "error": what failed
 
     @property
     def finished(self) -> bool:

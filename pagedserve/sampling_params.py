@@ -9,6 +9,11 @@ from dataclasses import dataclass
 # Temperatures below this count as greedy: dividing logits by them would overflow.
 SAMPLING_EPS = 1e-5
 MAX_LOGPROBS = 20
+# Smaller top_p values round to 0 in float32 and would mask every token; 1e-30 already
+# keeps only the most likely one.
+MIN_TOP_P = 1e-30
+# Repetition penalties outside this range divide or multiply logits into Inf or 0.
+REPETITION_PENALTY_RANGE = (1e-6, 1e6)
 
 
 def _is_int(value: object) -> bool:
@@ -75,6 +80,9 @@ class SamplingParams:
             raise ValueError(f"temperature must be >= 0, got {self.temperature!r}")
         if not _is_number(self.top_p) or not 0 < self.top_p <= 1:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
+        if self.top_p < MIN_TOP_P:
+            raise ValueError(f"top_p must be at least {MIN_TOP_P:g} (smaller values underflow "
+                             f"float32; {MIN_TOP_P:g} already keeps only the top token), got {self.top_p!r}")
         if not _is_int(self.top_k) or self.top_k < 0:
             raise ValueError(f"top_k must be 0 or -1 (off) or >= 1, got {self.top_k!r}")
         if not _is_number(self.min_p) or not 0 <= self.min_p <= 1:
@@ -95,8 +103,10 @@ class SamplingParams:
         for t in self.stop_token_ids:
             if not _is_int(t) or t < 0:
                 raise ValueError(f"stop_token_ids must contain ints >= 0, got {t!r}")
-        if not _is_number(self.repetition_penalty) or self.repetition_penalty <= 0:
-            raise ValueError(f"repetition_penalty must be > 0, got {self.repetition_penalty!r}")
+        lo, hi = REPETITION_PENALTY_RANGE
+        if not _is_number(self.repetition_penalty) or not lo <= self.repetition_penalty <= hi:
+            raise ValueError(f"repetition_penalty must be in [{lo:g}, {hi:g}] (1 = off), "
+                             f"got {self.repetition_penalty!r}")
         for name in ("presence_penalty", "frequency_penalty"):
             value = getattr(self, name)
             if not _is_number(value) or not -2 <= value <= 2:
@@ -118,6 +128,14 @@ class SamplingParams:
         """True when any of the repetition, presence or frequency penalties is active."""
         return (self.repetition_penalty != 1.0 or self.presence_penalty != 0.0
                 or self.frequency_penalty != 0.0)
+
+    def for_sample(self, index: int) -> SamplingParams:
+        """The params of sample `index` of an n > 1 request: n = 1 and, when seeded, a seed
+        of its own (seed + index, wrapped into the signed 64-bit range)."""
+        if self.n == 1:
+            return self
+        seed = None if self.seed is None else (self.seed + index + 2**63) % 2**64 - 2**63
+        return dataclasses.replace(self, n=1, seed=seed)
 
     def clone(self) -> SamplingParams:
         """A validated copy whose lists are not shared with this one."""

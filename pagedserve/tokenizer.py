@@ -21,6 +21,7 @@ top of the same Rust `decode` that Transformers calls.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 from os import PathLike
 from typing import Any
@@ -146,6 +147,15 @@ class Tokenizer:
     @property
     def is_stand_in(self) -> bool:
         return self._vocab_size != self.known_vocab_size or bool(self._extra_special)
+
+    @functools.cached_property
+    def max_token_bytes(self) -> int:
+        """An upper bound on the UTF-8 bytes of text one token covers: the longest token
+        string in UTF-8 (a byte-level BPE symbol stands for one byte but takes one or two; a
+        SentencePiece "▁" stands for a one-byte space; "<0xNN>" for one byte). A text of B bytes
+        is therefore at least B / max_token_bytes tokens, before any normalization."""
+        tokens = self.hf.convert_ids_to_tokens(list(range(self.known_vocab_size)))
+        return max((len(t.encode("utf-8", "surrogatepass")) for t in tokens if t), default=1)
 
     # ---- encode / decode --------------------------------------------------------------------
 

@@ -1,9 +1,10 @@
-"""The engine-core loop survives a failing step: its requests fail, the engine serves on."""
+"""The engine-core process's loop, and engine start-up and logging details."""
 
 from __future__ import annotations
 
 import pytest
 
+from pagedserve.engine.core import FatalEngineError
 from pagedserve.engine.core_process import MAX_CONSECUTIVE_FAILURES, _loop
 
 
@@ -24,87 +25,66 @@ class FakeSockets:
 
 
 class FakeCore:
-    """A core with two requests whose steps fail `fail_times` times, then finish them."""
+    """A core whose steps fail (their requests come back failed) `fail_times` times in a row,
+    then succeed; each round a new request is added."""
 
     def __init__(self, fail_times: int):
-        self.fail_times, self.requests, self.steps = fail_times, {"a": 1, "b": 2}, 0
+        self.fail_times, self.requests, self.consecutive_failed_steps = fail_times, {}, 0
         self.kv = type("KV", (), {"usage": 0.0, "stats": type("S", (), {"queries": 0, "hits": 0})()})()
         self.scheduler = type("Sch", (), {"running": [], "waiting": [], "num_preemptions": 0})()
         self.num_prefill_tokens = self.num_generation_tokens = 0
+        self.num_failed_steps = self.num_failed_requests = 0
+
+    def add_request(self, er):
+        self.requests[er.request_id] = er
 
     def has_unfinished_requests(self):
         return bool(self.requests)
 
     def step(self):
-        self.steps += 1
+        ids, self.requests = list(self.requests), {}
         if self.fail_times:
             self.fail_times -= 1
-            raise RuntimeError("kernel exploded")
-        self.requests.clear()
-        return ["done"]
-
-    def fail_all(self):
-        ids, self.requests = list(self.requests), {}
-        return ids
+            self.consecutive_failed_steps += 1
+            return [("failed", rid) for rid in ids]
+        self.consecutive_failed_steps = 0
+        return [("done", rid) for rid in ids]
 
 
-def _sockets_until_shutdown(core, rounds):
-    """Re-add a request before each round so the loop keeps stepping, then shut down."""
+def _inputs(core, rounds):
+    """A request per round (once the core has none), then a shutdown."""
     from pagedserve.engine.core import EngineRequest
     from pagedserve.sampling_params import SamplingParams
 
+    msgs = []
+    for i in range(rounds):
+        msgs.append([("add", EngineRequest(f"r{i}", [1], SamplingParams()))])
+    msgs.append([("shutdown",)])
+
     class Inp(FakeSockets):
         def poll(self, timeout):
-            if not core.requests and self.rounds_left:
-                self.rounds_left -= 1
-                self.messages.append(("add", EngineRequest("c", [1], SamplingParams())))
-            elif not core.requests:
-                self.messages.append(("shutdown",))
+            if not self.messages and msgs and not core.requests:
+                self.messages += msgs.pop(0)
             return bool(self.messages)
 
-    inp = Inp([])
-    inp.rounds_left = rounds
-    return inp
+    return Inp([])
 
 
-def test_a_failed_step_fails_its_requests_and_the_loop_goes_on():
-    core = FakeCore(fail_times=1)
-    core.add_request = lambda er: core.requests.__setitem__(er.request_id, er)
-    inp, out = _sockets_until_shutdown(core, rounds=1), FakeSockets([])
-    _loop(core, inp, out)
-    kinds = [m[0] for m in out.sent]
-    assert kinds[:2] == ["step_failed", "outputs"]
-    assert out.sent[0][1] == ["a", "b"] and "RuntimeError: kernel exploded" in out.sent[0][2]
-    assert out.sent[1][1] == []  # the failed step produced no tokens
-    assert ("outputs", ["done"]) in [m[:2] for m in out.sent]  # the next request was served
+def test_failed_steps_are_reported_and_the_loop_goes_on():
+    out, core = FakeSockets([]), FakeCore(fail_times=MAX_CONSECUTIVE_FAILURES - 1)
+    _loop(core, _inputs(core, MAX_CONSECUTIVE_FAILURES), out)
+    sent = [m[1] for m in out.sent if m[0] == "outputs"]
+    assert sent == [[("failed", "r0")], [("failed", "r1")], [("done", "r2")]]
 
 
-def test_repeated_failures_end_the_process():
-    core = FakeCore(fail_times=MAX_CONSECUTIVE_FAILURES)
-    core.add_request = lambda er: core.requests.__setitem__(er.request_id, er)
-    inp, out = _sockets_until_shutdown(core, rounds=MAX_CONSECUTIVE_FAILURES), FakeSockets([])
-    with pytest.raises(RuntimeError, match="kernel exploded"):
-        _loop(core, inp, out)
-    assert [m[0] for m in out.sent].count("step_failed") == MAX_CONSECUTIVE_FAILURES - 1
-
-
-def test_fail_all_frees_every_block_of_a_real_engine(monkeypatch):
-    from pagedserve import LLM, SamplingParams
-    from pagedserve.engine.core import EngineRequest
-
-    llm = LLM(dtype="float32", device="cpu", max_model_len=512)
-    core = llm.engine
-    for i in range(3):
-        core.add_request(EngineRequest(f"r{i}", list(range(10, 60 + 20 * i)), SamplingParams(max_tokens=50)))
-    core.step()
-    core.step()
-    assert core.kv.usage > 0
-    assert sorted(core.fail_all()) == ["r0", "r1", "r2"]
-    assert not core.has_unfinished_requests()
-    core.kv.check_integrity(expect_all_free=True)
-    out = llm.generate(["The capital of France is"], SamplingParams(max_tokens=4, temperature=0))
-    assert len(out[0].outputs[0].token_ids) == 4  # and it serves on
-
+def test_repeated_step_failures_end_the_process_after_reporting_them():
+    """MAX_CONSECUTIVE_FAILURES failed steps in a row: the loop sends the last failures, then
+    raises FatalEngineError (the process exits 1 and the server starts a new core)."""
+    out, core = FakeSockets([]), FakeCore(fail_times=MAX_CONSECUTIVE_FAILURES)
+    with pytest.raises(FatalEngineError, match="in a row"):
+        _loop(core, _inputs(core, MAX_CONSECUTIVE_FAILURES + 1), out)
+    sent = [m[1] for m in out.sent if m[0] == "outputs"]
+    assert sent == [[("failed", f"r{i}")] for i in range(MAX_CONSECUTIVE_FAILURES)]
 
 
 def test_warm_up_leaves_no_trace():

@@ -31,7 +31,7 @@ import threading
 import time
 from collections import deque
 from collections.abc import AsyncIterator
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 
 import torch
 
@@ -40,7 +40,12 @@ from pagedserve.engine.core import TokenOutput
 from pagedserve.engine.core_process import CoreInfo, CoreStats
 from pagedserve.engine.output_processor import OutputProcessor, SampleState
 from pagedserve.sampling_params import SamplingParams
-from pagedserve.server.engine_client import EngineDeadError, RequestRejected, _Pending
+from pagedserve.server.engine_client import (
+    EngineDeadError,
+    RequestFailed,
+    RequestRejected,
+    _Pending,
+)
 from pagedserve.tokenizer import Tokenizer
 
 logger = logging.getLogger("pagedserve")
@@ -129,6 +134,8 @@ class HFEngineClient:
         self.stats: CoreStats | None = None
         self.dead_reason: str | None = None
         self.on_finish = None  # optional callback(pending, state, now) for metrics
+        self.on_failure = self.on_restart = self.on_fatal = None  # (the paged client's hooks)
+        self.restarts = 0  # (this engine is never restarted)
         self._pending: dict[str, _Pending] = {}
         self._cond = threading.Condition()
         self._queue: deque[_Job] = deque()  # guarded by _cond
@@ -179,11 +186,6 @@ class HFEngineClient:
     @property
     def num_in_flight(self) -> int:
         return len(self._pending)
-
-    def sample_params(self, params: SamplingParams, index: int) -> SamplingParams:
-        if params.n == 1:
-            return params
-        return replace(params, n=1, seed=None if params.seed is None else params.seed + index)
 
     # ---- requests ---------------------------------------------------------------------
 
@@ -246,6 +248,11 @@ class HFEngineClient:
             if pending is None:
                 continue
             pending.state = state
+            if state.error is not None:  # handling its output failed: it fails alone
+                self._abort([state.request_id])
+                pending.error = RequestFailed(state.error, state.error_source)
+                pending.wake.set()
+                continue
             if pending.first_token is None:
                 pending.first_token = now
             if state.finished and self.on_finish is not None:
@@ -254,8 +261,12 @@ class HFEngineClient:
 
     def _fail_all(self, reason: str) -> None:
         self.dead_reason = reason
+        self.fail_all(EngineDeadError(reason), "engine_died")
+
+    def fail_all(self, error: Exception, source: str) -> None:
+        """Fail every request in flight with `error`."""
         for pending in self._pending.values():
-            pending.error = EngineDeadError(reason)
+            pending.error = error
             pending.wake.set()
 
     def _post(self, outputs: list[TokenOutput]) -> None:

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
-from pagedserve import envs
+from pagedserve import envs, faults
 from pagedserve.attention.backend import get_backend_class
 from pagedserve.config import EngineConfig, SchedulerConfig, resolve_dtype
 from pagedserve.engine.cache_sizing import bytes_per_block, determine_num_blocks
@@ -61,6 +61,11 @@ class TokenOutput:
     # to its first token (the prefill, chunks and all).
     queue_s: float | None = None
     prefill_s: float | None = None
+    error: str | None = None  # with finish_reason "error": why this request failed
+
+
+class FatalEngineError(RuntimeError):
+    """The engine cannot go on safely (its process ends; the server starts a new one)."""
 
 
 class EngineCore:
@@ -126,6 +131,12 @@ class EngineCore:
                 max_seqs=sched.max_num_seqs, ahead=ahead)
         self.requests: dict[str, Request] = {}
         self._inflight = None  # (SchedulerOutput, StepHandle) launched but not yet read back
+        self._launching = None  # the SchedulerOutput of the step being scheduled and launched
+        self._step_outputs: list[TokenOutput] = []  # outputs made so far in the current step
+        self.num_failed_steps = 0  # cumulative: steps that raised (their requests failed)
+        self.num_failed_requests = 0  # cumulative: requests failed by a step or on their own
+        self.consecutive_failed_steps = 0
+        self._faults: dict[str, frozenset[str]] = {}  # request id -> injected-fault places
         self._trace: StepTrace | None = None  # $PAGEDSERVE_STEP_TRACE, set once ready
         self.timer = StepTimer()  # host-side phase timings; off unless enabled
         self._slow_step_ms = envs.slow_step_ms()
@@ -184,21 +195,17 @@ class EngineCore:
             req.arrival_time = er.arrival_time
         self.scheduler.add_request(req)
         self.requests[req.request_id] = req
+        places = self.config.faults.places_for(req.prompt_token_ids)
+        if places:
+            self._faults[req.request_id] = places
 
     def abort_requests(self, request_ids: list[str]) -> None:
         """Drop requests (finished or not); their blocks are freed at once."""
         for rid in request_ids:
+            self._faults.pop(rid, None)
             req = self.requests.pop(rid, None)
             if req is not None and not req.is_finished:
                 self.scheduler.finish(req, "abort")
-
-    def fail_all(self) -> list[str]:
-        """After a failed step: drop every request (their blocks are freed) and the step in
-        flight, so the engine can serve new requests. Returns the dropped request ids."""
-        ids = list(self.requests)
-        self._inflight = None
-        self.abort_requests(ids)
-        return ids
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.num_unfinished > 0 or self._inflight is not None
@@ -213,20 +220,37 @@ class EngineCore:
         that stops at step k was already scheduled in step k+1: that extra token is dropped.
         Requests with sampling penalties need every token on the host, so while one runs
         each step is completed before the next is scheduled.
+
+        Failures stay as small as they can: a request whose own part of a step raises (stop
+        checks, logprobs, non-finite logits in its row) fails alone; a step that raises fails
+        the requests it held and the one in flight held, and the engine goes on. Failed
+        requests come back as outputs with finish_reason "error" and an `error` message.
         """
-        outputs: list[TokenOutput] = []
+        self._step_outputs = []
+        try:
+            self._step()
+        except Exception as e:
+            self._fail_step(e)
+            return self._step_outputs
+        self.consecutive_failed_steps = 0
+        return self._step_outputs
+
+    def _step(self) -> None:
         timer = self.timer
         t0 = time.perf_counter()
         gc0 = GC_CLOCK.seconds
         allocs0 = allocator_counts() if self._slow_step_ms else None
         if self._inflight is not None and self._needs_sync():
-            outputs += self._complete(*self._inflight)
+            self._complete(*self._inflight)
             self._inflight = None
         timer.mark()
         out = self.scheduler.schedule()
+        self._launching = out
         timer.mark("schedule")
         t_scheduled = time.perf_counter()
         launched = None
+        if self._faults:
+            self._inject_step_fault(out)
         if not out.is_empty:
             tables = [self.kv.block_ids(c.request.request_id) for c in out.chunks]
             if self._trace:
@@ -239,10 +263,10 @@ class EngineCore:
         timer.mark("prepare+launch")
         t_launched = time.perf_counter()
         if self._inflight is not None:
-            outputs += self._complete(*self._inflight)
-        self._inflight = launched
+            self._complete(*self._inflight)
+        self._inflight, self._launching = launched, None
         if launched is not None and not self.config.async_scheduling:
-            outputs += self._complete(*launched)
+            self._complete(*launched)
             self._inflight = None
         if self._trace and self._inflight is None:  # idle now: write the last steps out
             self._trace.flush()
@@ -252,7 +276,50 @@ class EngineCore:
                                 (GC_CLOCK.seconds - gc0) * 1e3, allocs0)
         if self._log_times_every:
             self._log_step_times()
-        return outputs
+
+    # ---- failures ---------------------------------------------------------------------
+
+    def _fail_step(self, error: Exception) -> None:
+        """A step raised: fail the requests of the step being launched and of the step in
+        flight (their pending tokens are lost), then check the bookkeeping is whole."""
+        self.num_failed_steps += 1
+        self.consecutive_failed_steps += 1
+        logger.exception("engine step failed (%d in a row); failing the requests it held",
+                         self.consecutive_failed_steps)
+        message = f"the engine step running this request failed ({type(error).__name__}: {error})"
+        reqs: dict[str, Request] = {}
+        for out in (self._inflight[0] if self._inflight else None, self._launching):
+            for chunk in out.chunks if out is not None else ():
+                reqs[chunk.request.request_id] = chunk.request
+        self._inflight = self._launching = None
+        for req in reqs.values():
+            if req.request_id in self.requests:
+                self._step_outputs.append(self._fail_request(req, message[:500]))
+        # Anything inconsistent now would corrupt later requests: end the process instead
+        # (the server starts a fresh engine core).
+        try:
+            self.kv.check_integrity()
+        except AssertionError as e:
+            raise FatalEngineError(f"the KV-cache bookkeeping is broken after a failed step: {e}") from e
+        orphans = set(self.kv.request_ids()) - set(self.requests)
+        if orphans:
+            raise FatalEngineError("KV blocks are held by unknown requests after a failed step: "
+                                   f"{sorted(orphans)[:5]}")
+
+    def _fail_request(self, req: Request, message: str) -> TokenOutput:
+        """Finish one request with an error (its blocks are freed); the output that says so."""
+        self.num_failed_requests += 1
+        if not req.is_finished:
+            self.scheduler.finish(req, "error")
+        self.requests.pop(req.request_id, None)
+        self._faults.pop(req.request_id, None)
+        return TokenOutput(req.request_id, [], [], finished=True, finish_reason="error",
+                           num_prompt_tokens=req.num_prompt_tokens, error=message)
+
+    def _inject_step_fault(self, out) -> None:
+        for chunk in out.chunks:
+            if "step" in self._faults.get(chunk.request.request_id, ()):
+                faults.fail("step", chunk.request.request_id)
 
     def _log_step_times(self) -> None:
         """Every N steps: host milliseconds per step by phase, and how many steps were graphs."""
@@ -287,31 +354,48 @@ class EngineCore:
     def _needs_sync(self) -> bool:
         return any(r.sampling_params.uses_penalties for r in self.scheduler.running)
 
-    def _complete(self, out, handle) -> list[TokenOutput]:
-        """Read a launched step's tokens back; apply them; stop what should stop."""
+    def _complete(self, out, handle) -> None:
+        """Read a launched step's tokens back; apply them; stop what should stop. The outputs
+        go straight to the step's list, so a failure halfway loses none of them."""
         result = self.runner.collect(handle)
         self.timer.mark("wait for GPU")
+        outputs = self._step_outputs
+        for rid in result.non_finite:  # fail before the bad token is applied
+            req = self.requests.get(rid)
+            if req is not None:
+                logger.error("request %s: the model produced NaN or Inf logits; failing it", rid)
+                outputs.append(self._fail_request(
+                    req, "the model produced non-finite (NaN or Inf) logits for this request"))
         updated = self.scheduler.apply_results(out, result.token_ids)
         self.num_generation_tokens += len(updated)
-        outputs = []
         now = time.monotonic()
         for req in updated:
-            lp = result.logprobs.get(req.request_id)
-            o = TokenOutput(req.request_id, [req.token_ids[-1]], [lp] if lp else [],
-                            num_prompt_tokens=req.num_prompt_tokens,
-                            num_cached_tokens=req.num_cached_tokens)
-            if req.first_token_time is None:
-                req.first_token_time = now
-                scheduled = req.first_scheduled_time or now
-                o.queue_s, o.prefill_s = scheduled - req.arrival_time, now - scheduled
-            stop = check_stop(req, self.scheduler_config.max_model_len)
-            if stop is not None:
-                o.finished, (o.finish_reason, o.stop_reason) = True, stop
-                self.scheduler.finish(req, o.finish_reason)
-                del self.requests[req.request_id]
-            outputs.append(o)
+            try:
+                outputs.append(self._output(req, result, now))
+            except Exception as e:  # this request's own part of the step: it fails alone
+                logger.exception("request %s failed while its token was processed", req.request_id)
+                outputs.append(self._fail_request(req, f"{type(e).__name__}: {e}"[:500]))
         self.timer.mark("apply results")
-        return outputs
+
+    def _output(self, req: Request, result, now: float) -> TokenOutput:
+        """The output of one request that got a token; finishes it when it should stop."""
+        if self._faults and "request" in self._faults.get(req.request_id, ()):
+            faults.fail("request", req.request_id)
+        lp = result.logprobs.get(req.request_id)
+        o = TokenOutput(req.request_id, [req.token_ids[-1]], [lp] if lp else [],
+                        num_prompt_tokens=req.num_prompt_tokens,
+                        num_cached_tokens=req.num_cached_tokens)
+        if req.first_token_time is None:
+            req.first_token_time = now
+            scheduled = req.first_scheduled_time or now
+            o.queue_s, o.prefill_s = scheduled - req.arrival_time, now - scheduled
+        stop = check_stop(req, self.scheduler_config.max_model_len)
+        if stop is not None:
+            o.finished, (o.finish_reason, o.stop_reason) = True, stop
+            self.scheduler.finish(req, o.finish_reason)
+            del self.requests[req.request_id]
+            self._faults.pop(req.request_id, None)
+        return o
 
 
 def check_stop(req: Request, max_model_len: int) -> tuple[str, int | None] | None:

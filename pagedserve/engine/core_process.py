@@ -6,22 +6,25 @@ The front end (HTTP server) binds two IPC sockets; the core process connects to 
     front end  <--PULL--  [outputs]   <--PUSH--  core   ("ready", CoreInfo) / ("failed", text)
                                                         ("outputs", [TokenOutput], CoreStats)
                                                         ("rejected", request_id, message)
-                                                        ("step_failed", [request_id], message)
 
 Messages are pickled Python objects: both ends are pagedserve processes of one user.
 The core steps whenever it has unfinished requests and blocks on its input otherwise.
-A step that raises fails the requests it held ("step_failed") and the core serves on;
-MAX_CONSECUTIVE_FAILURES failed steps in a row end the process (the front end then answers 503).
+A request or a step that fails comes back as outputs with finish_reason "error"
+(`EngineCore.step`) and the core serves on; MAX_CONSECUTIVE_FAILURES failed steps in a row
+(a broken device, say) end the process with exit code 1, and the front end starts a new one.
+The process also ends within a second of its parent's death (`lifeline.die_with_parent`).
 """
 
 from __future__ import annotations
 
 import gc
 import logging
+import sys
 import traceback
 from dataclasses import dataclass
 
 from pagedserve.config import EngineConfig
+from pagedserve.lifeline import die_with_parent
 
 logger = logging.getLogger("pagedserve")
 MAX_CONSECUTIVE_FAILURES = 3
@@ -53,10 +56,15 @@ class CoreStats:
     num_preemptions: int
     prompt_tokens_computed: int  # cumulative prefill tokens actually computed
     generation_tokens: int  # cumulative sampled tokens
+    failed_steps: int = 0  # cumulative steps that raised
+    failed_requests: int = 0  # cumulative requests failed inside the engine
 
 
-def run_engine_core(config: EngineConfig, in_addr: str, out_addr: str, log_level: str = "INFO") -> None:
-    """Entry point of the engine-core process."""
+def run_engine_core(config: EngineConfig, in_addr: str, out_addr: str, log_level: str = "INFO",
+                    parent_pid: int | None = None, parent_death_signal: bool = True) -> None:
+    """Entry point of the engine-core process; it ends when `parent_pid` does."""
+    if parent_pid is not None:
+        die_with_parent(parent_pid, use_signal=parent_death_signal)
     import zmq
 
     logging.basicConfig(level=log_level, format="%(asctime)s %(levelname)s engine-core: %(message)s")
@@ -66,7 +74,7 @@ def run_engine_core(config: EngineConfig, in_addr: str, out_addr: str, log_level
     out = ctx.socket(zmq.PUSH)
     out.connect(out_addr)
     try:
-        from pagedserve.engine.core import EngineCore
+        from pagedserve.engine.core import EngineCore, FatalEngineError
 
         core = EngineCore(config)
     except Exception:
@@ -84,13 +92,17 @@ def run_engine_core(config: EngineConfig, in_addr: str, out_addr: str, log_level
         core.kv.block_size, sched.max_num_seqs, core.model_config.eos_token_ids,
         core.startup_seconds,
     )))
-    _loop(core, inp, out)
+    try:
+        _loop(core, inp, out)
+    except FatalEngineError as e:
+        logger.error("%s", e)
+        out.close(linger=2000)  # the failed requests' outputs go out first
+        sys.exit(1)
     out.close(linger=1000)
     inp.close(linger=0)
 
 
 def _loop(core, inp, out) -> None:
-    failures = 0
     while True:
         # Block while idle; otherwise only drain what has already arrived.
         timeout = 0 if core.has_unfinished_requests() else None
@@ -109,18 +121,13 @@ def _loop(core, inp, out) -> None:
                 core.abort_requests(msg[1])
             changed, timeout = True, 0
         if core.has_unfinished_requests():
-            try:
-                outputs = core.step()
-                failures = 0
-            except Exception as e:
-                failures += 1
-                logger.exception("engine step failed (%d in a row); failing its requests", failures)
-                if failures >= MAX_CONSECUTIVE_FAILURES:
-                    raise
-                ids = core.fail_all()
-                out.send_pyobj(("step_failed", ids, f"{type(e).__name__}: {e}"[:500]))
-                outputs = []
+            outputs = core.step()  # (failed requests are in outputs, with their errors)
             out.send_pyobj(("outputs", outputs, core_stats(core)))
+            if core.consecutive_failed_steps >= MAX_CONSECUTIVE_FAILURES:
+                from pagedserve.engine.core import FatalEngineError
+
+                raise FatalEngineError(f"{core.consecutive_failed_steps} engine steps failed in a "
+                                       "row; ending the engine core so that a new one starts")
         elif changed:  # e.g. an abort emptied the engine: report the new state
             out.send_pyobj(("outputs", [], core_stats(core)))
 
@@ -130,4 +137,5 @@ def core_stats(core) -> CoreStats:
     return CoreStats(
         len(sched.running), len(sched.waiting), kv.usage, kv.stats.queries, kv.stats.hits,
         sched.num_preemptions, core.num_prefill_tokens, core.num_generation_tokens,
+        core.num_failed_steps, core.num_failed_requests,
     )

@@ -89,6 +89,10 @@ class KVCacheManager:
         """The request's block table (shared list; do not mutate)."""
         return self._reqs[request_id].block_ids
 
+    def request_ids(self) -> list[str]:
+        """The requests that hold blocks now."""
+        return list(self._reqs)
+
     def blocks_needed(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
 

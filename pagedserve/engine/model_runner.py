@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
@@ -33,7 +33,9 @@ class StepHandle:
 
     reqs: list
     token_ids: torch.Tensor | None  # [N] int64 (the device tensor; the next step reads it)
-    host: tuple | None = None  # (tokens [N], logprobs [N, 1+k] | None, ids [N, 1+k] | None)
+    # (tokens [N] with -1 in rows whose logits were not finite, logprobs [N, 1+k] | None,
+    #  ids [N, 1+k] | None)
+    host: tuple | None = None
     ready: torch.cuda.Event | None = None
 
 
@@ -51,6 +53,8 @@ class StepResult:
     token_ids: dict[str, int]
     # request id -> (sampled token's logprob, [(token id, logprob) of the top-k])
     logprobs: dict[str, tuple[float, list[tuple[int, float]]]]
+    # requests whose logits held a NaN or an Inf (not in token_ids: their token is garbage)
+    non_finite: list[str] = field(default_factory=list)
 
 
 class ModelRunner:
@@ -205,7 +209,12 @@ class ModelRunner:
             )
             result = self.sampler(logits, batch)
             handle = StepHandle(reqs, result.token_ids)
-            outs = (result.token_ids, result.logprobs, result.logprob_token_ids)
+            # A NaN or Inf anywhere in a row makes its sum non-finite (finite logits cannot
+            # overflow a float32 sum); such rows reach the host as token -1. The device copy
+            # the next step reads keeps the sampled ids, which are always in range.
+            finite = torch.isfinite(logits.sum(dim=-1, dtype=torch.float32))  # [N] bool
+            host_tokens = result.token_ids.masked_fill(~finite, -1)  # [N] int64
+            outs = (host_tokens, result.logprobs, result.logprob_token_ids)
             if self.device.type == "cuda":
                 handle.host = tuple(None if t is None else _to_pinned_async(t) for t in outs)
                 handle.ready = torch.cuda.Event()
@@ -230,6 +239,11 @@ class ModelRunner:
         tokens_t, logprobs_t, logprob_ids_t = handle.host
         tokens = tokens_t.tolist()
         token_ids = {r.request_id: t for r, t in zip(reqs, tokens)}
+        non_finite = []
+        if min(tokens) < 0:
+            non_finite = [r.request_id for r, t in zip(reqs, tokens) if t < 0]
+            for rid in non_finite:
+                del token_ids[rid]
         logprobs: dict[str, tuple[float, list[tuple[int, float]]]] = {}
         if logprobs_t is not None:
             lp, lp_ids = logprobs_t.tolist(), logprob_ids_t.tolist()
@@ -238,7 +252,7 @@ class ModelRunner:
                 if k is not None:
                     top = list(zip(lp_ids[row][1 : 1 + k], lp[row][1 : 1 + k]))
                     logprobs[r.request_id] = (lp[row][0], top)
-        return StepResult(token_ids, logprobs)
+        return StepResult(token_ids, logprobs, non_finite)
 
     def _generator(self, req) -> torch.Generator | None:
         seed = req.sampling_params.seed

@@ -2,18 +2,24 @@
 
 Runs wherever the tokenizer lives (in-process for the offline LLM, in the HTTP process
 for the server). A sample that hits a stop string is finished here, and its id is
-returned so the caller aborts it in the engine core.
+returned so the caller aborts it in the engine core. A sample whose output cannot be handled
+(a detokenizer error, say) or that failed in the engine finishes with finish_reason "error"
+and an `error` message; the others in the same batch of outputs are unaffected.
 """
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass, field
 
+from pagedserve import faults
 from pagedserve.engine.core import TokenOutput
+from pagedserve.faults import FaultPlan
 from pagedserve.outputs import CompletionOutput
 from pagedserve.sampling_params import SamplingParams
 from pagedserve.tokenizer import IncrementalDetokenizer, Tokenizer
 
+logger = logging.getLogger("pagedserve")
 
 @dataclass
 class SampleState:
@@ -32,6 +38,9 @@ class SampleState:
     num_cached_tokens: int = 0
     queue_s: float | None = None  # engine-side: waiting to be scheduled
     prefill_s: float | None = None  # engine-side: first scheduled -> first token
+    error: str | None = None  # with finish_reason "error": what failed
+    error_source: str | None = None  # "engine" | "output" (handling the output here)
+    inject_fault: bool = False  # chaos tests: fail while handling this sample's output
 
     @property
     def finished(self) -> bool:
@@ -48,7 +57,7 @@ class SampleState:
         return CompletionOutput(
             index=self.index, text=self.visible_text(), token_ids=list(self.token_ids),
             finish_reason=self.finish_reason, stop_reason=self.stop_reason,
-            logprobs=self.logprobs, cumulative_logprob=self.cumulative_logprob,
+            logprobs=self.logprobs, cumulative_logprob=self.cumulative_logprob, error=self.error,
         )
 
 
@@ -60,9 +69,11 @@ class OutputProcessor:
     work per step.
     """
 
-    def __init__(self, tokenizer: Tokenizer, stream_text: bool = True) -> None:
+    def __init__(self, tokenizer: Tokenizer, stream_text: bool = True,
+                 fault_plan: FaultPlan | None = None) -> None:
         self.tokenizer = tokenizer
         self.stream_text = stream_text
+        self.fault_plan = fault_plan or FaultPlan()
         self.samples: dict[str, SampleState] = {}
 
     def add(self, request_id: str, index: int, prompt_ids: list[int], params: SamplingParams) -> None:
@@ -70,6 +81,7 @@ class OutputProcessor:
             self.tokenizer, skip_special_tokens=params.skip_special_tokens, prompt_ids=prompt_ids
         )
         state = SampleState(request_id, index, params, detok)
+        state.inject_fault = "output" in self.fault_plan.places_for(prompt_ids)
         if params.logprobs is not None:
             state.logprobs, state.cumulative_logprob = [], 0.0
         self.samples[request_id] = state
@@ -84,31 +96,48 @@ class OutputProcessor:
             s = self.samples.get(o.request_id)
             if s is None or s.finished:
                 continue
-            s.num_cached_tokens = o.num_cached_tokens
-            if o.queue_s is not None:
-                s.queue_s, s.prefill_s = o.queue_s, o.prefill_s
-            s.token_ids.extend(o.new_token_ids)
-            if s.logprobs is not None:
-                for token, (lp, top) in zip(o.new_token_ids, o.new_logprobs):
-                    entry = dict(top)
-                    entry[token] = lp  # the sampled token is always present
-                    s.logprobs.append(entry)
-                    s.cumulative_logprob += lp
-            prev_len = len(s.text)
-            if self.stream_text or s.params.stop:
-                s.detok.step(o.new_token_ids)
-            elif o.finished:
-                s.detok.step(s.token_ids)  # the whole output in one decode
-            if o.finished:
-                s.detok.flush()
-            s.text = s.detok.text
-            if self._check_stop_strings(s, prev_len):
+            try:
+                if self._apply(s, o):
+                    to_abort.append(o.request_id)
+            except Exception as e:  # this sample fails alone
+                logger.exception("request %s: handling its output failed", o.request_id)
+                s.finish_reason, s.error_source = "error", "output"
+                s.error = f"handling this request's output failed ({type(e).__name__}: {e})"[:500]
                 if not o.finished:
                     to_abort.append(o.request_id)
-            elif o.finished:
-                s.finish_reason, s.stop_reason = o.finish_reason, o.stop_reason
             updated.append(s)
         return updated, to_abort
+
+    def _apply(self, s: SampleState, o: TokenOutput) -> bool:
+        """Apply one output to its sample; True when a stop string ended it early."""
+        if s.inject_fault:
+            faults.fail("output", o.request_id)
+        if o.finish_reason == "error":
+            s.finish_reason, s.error, s.error_source = "error", o.error, "engine"
+            return False
+        s.num_cached_tokens = o.num_cached_tokens
+        if o.queue_s is not None:
+            s.queue_s, s.prefill_s = o.queue_s, o.prefill_s
+        s.token_ids.extend(o.new_token_ids)
+        if s.logprobs is not None:
+            for token, (lp, top) in zip(o.new_token_ids, o.new_logprobs):
+                entry = dict(top)
+                entry[token] = lp  # the sampled token is always present
+                s.logprobs.append(entry)
+                s.cumulative_logprob += lp
+        prev_len = len(s.text)
+        if self.stream_text or s.params.stop:
+            s.detok.step(o.new_token_ids)
+        elif o.finished:
+            s.detok.step(s.token_ids)  # the whole output in one decode
+        if o.finished:
+            s.detok.flush()
+        s.text = s.detok.text
+        if self._check_stop_strings(s, prev_len):
+            return not o.finished
+        if o.finished:
+            s.finish_reason, s.stop_reason = o.finish_reason, o.stop_reason
+        return False
 
     @staticmethod
     def _check_stop_strings(s: SampleState, prev_len: int) -> bool:

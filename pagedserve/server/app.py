@@ -7,6 +7,8 @@ import contextlib
 import gc
 import hmac
 import logging
+import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from fastapi import FastAPI, Request
@@ -18,9 +20,9 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from pagedserve.config import EngineConfig
 from pagedserve.monitor.collectors import register_system_collectors
 from pagedserve.sampling_params import SamplingParams
-from pagedserve.server.chat import create_chat_completion
+from pagedserve.server.chat import create_chat_completion, render_messages
 from pagedserve.server.completions import create_completion
-from pagedserve.server.engine_client import AsyncEngineClient, SpawnedCore
+from pagedserve.server.engine_client import AsyncEngineClient, ServerShuttingDown, SpawnedCore
 from pagedserve.server.errors import APIError, error_response, install_error_handlers
 from pagedserve.server.metrics import Metrics, log_periodically
 from pagedserve.server.protocol import (
@@ -38,6 +40,7 @@ from pagedserve.server.serving import (
     new_id,
     usage,
 )
+from pagedserve.server.supervisor import RestartPolicy
 from pagedserve.tokenizer import Tokenizer
 
 logger = logging.getLogger("pagedserve")
@@ -54,27 +57,60 @@ class ServerSettings:
     max_waiting_requests: int = 1024
     reasoning_parser: str | None = None
     max_body_bytes: int = 8 << 20
+    body_read_timeout: float = 30.0  # seconds the client may pause while sending a body
     log_stats_interval: float = 10.0
     log_level: str = "INFO"
     engine_kind: str = "pagedserve"  # pagedserve | hf | hf-batched (baseline engines)
-    extra: dict = field(default_factory=dict)
+    trust_request_chat_template: bool = False
+    shutdown_timeout: float = 30.0  # on SIGTERM: how long running requests may take to finish
+    restart_policy: RestartPolicy = field(default_factory=RestartPolicy)
+    # Called when the engine cannot be restarted any more (the server should exit non-zero).
+    on_fatal: Callable[[str], None] | None = None
 
 
 def create_app(settings: ServerSettings, core: SpawnedCore | None = None) -> FastAPI:
-    """The app; `core`: an engine-core process already started for settings.engine."""
+    """The app; `core`: an engine-core process already started for settings.engine.
+
+    `app.state.drain()` is the graceful shutdown's first half (launch.py calls it on SIGTERM):
+    refuse new requests, let running ones finish for up to `shutdown_timeout` seconds, then
+    end the rest with an error."""
     if settings.engine_kind == "pagedserve":
-        client = AsyncEngineClient(settings.engine, settings.tokenizer, settings.log_level, core)
+        client = AsyncEngineClient(settings.engine, settings.tokenizer, settings.log_level, core,
+                                   settings.restart_policy)
     else:  # the naive Transformers baselines, behind the same API
         from pagedserve.baseline.hf_engine import HFEngineClient
 
         client = HFEngineClient(settings.engine, settings.tokenizer, settings.log_level,
                                 batched=settings.engine_kind == "hf-batched")
     server = Server(client, settings.served_names, settings.max_waiting_requests,
-                    settings.reasoning_parser)
+                    settings.reasoning_parser, settings.trust_request_chat_template)
     metrics = Metrics(settings.served_names[0])
     client.on_finish = metrics.on_finish
+    client.on_failure = metrics.on_failure
+    client.on_restart = metrics.on_engine_restart
+    client.on_fatal = settings.on_fatal
     # GPU (NVML) and process CPU/memory, read on each scrape; the baselines have no engine pid.
     register_system_collectors(metrics.registry, lambda: getattr(client, "engine_pid", None))
+
+    async def drain() -> None:
+        server.draining = "the server is shutting down"
+        deadline = time.monotonic() + settings.shutdown_timeout
+        if server.num_admitted:
+            logger.info("shutting down: waiting up to %.0f s for %d running requests",
+                        settings.shutdown_timeout, server.num_admitted)
+        while server.num_admitted and time.monotonic() < deadline:
+            await asyncio.sleep(0.1)
+        if server.num_admitted:
+            logger.warning("shutting down: ending %d requests that did not finish within %.0f s",
+                           server.num_admitted, settings.shutdown_timeout)
+            client.fail_all(ServerShuttingDown(
+                f"the server is shutting down and this request did not finish within "
+                f"{settings.shutdown_timeout:g} s"), "shutdown")
+            # Requests still before the engine (tokenizing) see `draining` in check_capacity
+            # or fail here; give the streams a moment to send their last event.
+            end = time.monotonic() + 2.0
+            while server.num_admitted and time.monotonic() < end:
+                await asyncio.sleep(0.05)
 
     @contextlib.asynccontextmanager
     async def lifespan(_: FastAPI):
@@ -96,12 +132,15 @@ def create_app(settings: ServerSettings, core: SpawnedCore | None = None) -> Fas
             await client.shutdown()
 
     app = FastAPI(title="pagedserve", lifespan=lifespan)
-    app.state.server, app.state.metrics = server, metrics
+    app.state.server, app.state.metrics, app.state.drain = server, metrics, drain
     install_error_handlers(app)
-    app.add_middleware(_Guard, api_key=settings.api_key, max_body_bytes=settings.max_body_bytes)
+    app.add_middleware(_Guard, api_key=settings.api_key, max_body_bytes=settings.max_body_bytes,
+                       body_read_timeout=settings.body_read_timeout)
 
     @app.get("/health")
     async def health():
+        if server.draining:
+            return error_response(503, f"draining: {server.draining}", code="server_shutting_down")
         if not client.healthy:
             return error_response(503, client.dead_reason or "the engine is starting", code="engine_unavailable")
         return Response(status_code=200)
@@ -136,15 +175,12 @@ def create_app(settings: ServerSettings, core: SpawnedCore | None = None) -> Fas
         if (body.prompt is None) == (body.messages is None):
             raise APIError(400, "send exactly one of 'prompt' or 'messages'", param="prompt")
         if body.messages is not None:
-            msgs = [m.as_template_dict() for m in body.messages]
-            try:
-                text = server.tokenizer.render_chat(msgs, body.add_generation_prompt)
-            except Exception as e:  # no template, or one that raises on these messages
-                raise APIError(400, f"the chat template cannot render these messages: {e}",
-                               param="messages") from None
-            tokens = server.encode(text, False, "messages")  # what apply_chat_template does
+            if not body.messages:
+                raise APIError(400, "messages must not be empty", param="messages")
+            text = await render_messages(server, body)
+            tokens = await server.encode_async(text, False, "messages")  # as apply_chat_template
         else:
-            tokens = server.encode(body.prompt, body.add_special_tokens, "prompt")
+            tokens = await server.encode_async(body.prompt, body.add_special_tokens, "prompt")
         return {"tokens": tokens, "count": len(tokens), "max_model_len": server.max_model_len}
 
     @app.post("/detokenize")
@@ -154,7 +190,8 @@ def create_app(settings: ServerSettings, core: SpawnedCore | None = None) -> Fas
 
     @app.post("/generate")
     async def generate(body: GenerateRequest, request: Request):
-        ids = server.encode(body.prompt, True, "prompt")
+        server.check_model(body.model)
+        ids = await server.encode_async(body.prompt, True, "prompt")
         max_tokens = server.resolve_max_tokens(ids, body.max_tokens, "prompt")
         params = make_params(
             lambda mt, _lp: SamplingParams(max_tokens=mt, temperature=body.temperature, top_p=body.top_p),
@@ -177,8 +214,10 @@ class _Guard:
     The size limit also covers bodies sent without Content-Length (chunked).
     """
 
-    def __init__(self, app: ASGIApp, api_key: str | None, max_body_bytes: int) -> None:
+    def __init__(self, app: ASGIApp, api_key: str | None, max_body_bytes: int,
+                 body_read_timeout: float) -> None:
         self.app, self.api_key, self.max_body_bytes = app, api_key, max_body_bytes
+        self.body_read_timeout = body_read_timeout
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -200,14 +239,24 @@ class _Guard:
             await error_response(413, too_big)(scope, receive, send)
             return
         received = 0
+        body_done = False
 
         async def limited_receive() -> Message:
-            nonlocal received
-            message = await receive()
+            """The body, with its size limit and a limit on pauses while it arrives (a client
+            that stops half-way would otherwise hold its connection and task for ever)."""
+            nonlocal received, body_done
+            if body_done:  # (afterwards receive() only waits for a disconnect)
+                return await receive()
+            try:
+                message = await asyncio.wait_for(receive(), self.body_read_timeout)
+            except TimeoutError:
+                raise StarletteHTTPException(408, "the request body did not arrive in time "
+                                             f"(no data for {self.body_read_timeout:g} s)") from None
             if message["type"] == "http.request":
                 received += len(message.get("body", b""))
                 if received > limit:  # FastAPI re-raises this while reading the body
                     raise StarletteHTTPException(413, too_big)
+                body_done = not message.get("more_body", False)
             return message
 
         await self.app(scope, limited_receive, send)

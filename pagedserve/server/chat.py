@@ -9,8 +9,8 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
 from pagedserve.engine.output_processor import SampleState
-from pagedserve.server.errors import APIError
-from pagedserve.server.protocol import ChatCompletionRequest
+from pagedserve.server.chat_template import render_chat, template_kwargs
+from pagedserve.server.protocol import ChatCompletionRequest, TokenizeRequest
 from pagedserve.server.reasoning import ReasoningParser, get_reasoning_parser
 from pagedserve.server.serving import (
     Choice,
@@ -25,18 +25,20 @@ from pagedserve.server.serving import (
 )
 
 
+async def render_messages(server: Server, body: ChatCompletionRequest | TokenizeRequest) -> str:
+    """The prompt text of a request's messages (checked for size first, rendered off the event
+    loop when large or when the request brings its own template)."""
+    kwargs = template_kwargs(body.chat_template_kwargs, body.chat_template,
+                             server.trust_request_chat_template)
+    server.check_size(sum(m.num_bytes() for m in body.messages), "messages")
+    messages = [m.as_template_dict() for m in body.messages]
+    return await render_chat(server.tokenizer, messages, body.add_generation_prompt, kwargs)
+
+
 async def _prepare(server: Server, body: ChatCompletionRequest) -> tuple[list[Choice], list[int], bool]:
     """Render the chat template; return the choices, prompt ids, and whether it opened <think>."""
     server.check_model(body.model)
-    messages = [m.as_template_dict() for m in body.messages]
-    try:
-        text = server.tokenizer.render_chat(messages, body.add_generation_prompt,
-                                            **(body.chat_template_kwargs or {}))
-    except ValueError as e:
-        raise APIError(400, str(e), param="messages") from None
-    except Exception as e:  # a template that raises on these messages (jinja2 errors)
-        raise APIError(400, f"the chat template cannot render these messages: {e}",
-                       param="messages") from None
+    text = await render_messages(server, body)
     ids = await server.encode_async(text, False, "messages")
     max_tokens = server.resolve_max_tokens(ids, body.output_limit, "messages")
     params = make_params(body.sampling_params, max_tokens, body.num_logprobs)
@@ -68,7 +70,7 @@ def _logprobs(server: Server, s: SampleState, start: int, top: int) -> dict:
 
 async def create_chat_completion(server: Server, body: ChatCompletionRequest, request: Request):
     choices, prompt_ids, opened = await _prepare(server, body)
-    rid, created, model = new_id("chatcmpl"), int(time.time()), server.check_model(body.model)
+    rid, created, model = new_id("chatcmpl", body.user), int(time.time()), server.check_model(body.model)
     if body.stream:
         gen = _stream(server, body, choices, prompt_ids, opened, rid, created, model)
         return StreamingResponse(gen, media_type="text/event-stream")

@@ -1,9 +1,18 @@
-"""The HTTP process's handle on the engine-core process.
+"""The HTTP process's handle on the engine-core process, and its supervisor.
 
 Starts the core (spawned, so no CUDA or tokenizer threads are forked), sends it requests
 over ZeroMQ, and runs one asyncio task that receives its outputs, detokenizes them
-(OutputProcessor: text, stop strings) and wakes the coroutine serving each request. If the
-core process dies, every waiting request fails at once and `healthy` turns False.
+(OutputProcessor: text, stop strings) and wakes the coroutine serving each request.
+
+Failures stay as small as they can:
+- a request whose output cannot be handled here, or that failed in the engine, fails alone
+  (its consumer gets a RequestFailed; the core aborts it);
+- if the output loop itself raises (a bug outside any one request's part), the error is
+  logged, every in-flight request fails (its outputs may be lost), `healthy` is False for the
+  moment it takes, and the loop starts again;
+- if the core process dies, every in-flight request fails at once (EngineDeadError),
+  `healthy` is False, and a new core is started after a back-off (`supervisor.RestartPolicy`);
+  when the restart budget is spent, `on_fatal` is called (the server then exits non-zero).
 """
 
 from __future__ import annotations
@@ -13,10 +22,12 @@ import contextlib
 import logging
 import multiprocessing
 import os
+import shutil
 import tempfile
+import threading
 import time
-from collections.abc import AsyncIterator
-from dataclasses import dataclass, field, replace
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass, field
 
 import zmq
 import zmq.asyncio
@@ -26,21 +37,32 @@ from pagedserve.engine.core import EngineRequest
 from pagedserve.engine.core_process import CoreInfo, CoreStats, run_engine_core
 from pagedserve.engine.output_processor import OutputProcessor, SampleState
 from pagedserve.sampling_params import SamplingParams
+from pagedserve.server.supervisor import RestartBudget, RestartPolicy
 from pagedserve.tokenizer import Tokenizer
 
 logger = logging.getLogger("pagedserve")
 
+WATCH_INTERVAL_S = 0.25  # how often the supervisor checks that the core process lives
+
 
 class EngineDeadError(RuntimeError):
-    """The engine-core process is gone; no request can be served."""
+    """The engine-core process is gone (being restarted, or for good)."""
 
 
 class RequestRejected(ValueError):
     """The engine core refused a request (the message says why)."""
 
 
-class EngineStepError(RuntimeError):
-    """An engine step failed while this request was in it (the engine serves on)."""
+class RequestFailed(RuntimeError):
+    """This request failed (in the engine or while its output was handled); others go on."""
+
+    def __init__(self, message: str, source: str = "engine") -> None:
+        super().__init__(message)
+        self.source = source  # "engine" | "output" | "loop"
+
+
+class ServerShuttingDown(RuntimeError):
+    """The server is shutting down and this request did not finish within the grace period."""
 
 
 @dataclass
@@ -78,73 +100,104 @@ class SpawnedCore:
 def spawn_engine_core(config: EngineConfig, log_level: str = "INFO") -> SpawnedCore:
     """Start the engine-core process now. `pagedserve serve` calls this before it loads the
     tokenizer and builds the app, so the core's imports and model set-up overlap with those;
-    the core's sockets connect whenever the client binds (ZeroMQ retries until then)."""
+    the core's sockets connect whenever the client binds (ZeroMQ retries until then).
+
+    The core dies with this process (`lifeline.die_with_parent`); the kernel's parent-death
+    signal is only asked for when this runs on the main thread, as the kernel ties it to the
+    thread that started the child."""
     folder = tempfile.mkdtemp(prefix="pagedserve-")
     in_addr, out_addr = f"ipc://{folder}/in", f"ipc://{folder}/out"
     mp = multiprocessing.get_context("spawn")
+    on_main = threading.current_thread() is threading.main_thread()
     proc = mp.Process(target=run_engine_core, name="pagedserve-engine-core",
-                      args=(config, in_addr, out_addr, log_level), daemon=True)
+                      args=(config, in_addr, out_addr, log_level, os.getpid(), on_main), daemon=True)
     proc.start()
     return SpawnedCore(proc, folder, in_addr, out_addr)
 
 
 class AsyncEngineClient:
     def __init__(self, config: EngineConfig, tokenizer: Tokenizer, log_level: str = "INFO",
-                 core: SpawnedCore | None = None) -> None:
+                 core: SpawnedCore | None = None,
+                 restart_policy: RestartPolicy | None = None) -> None:
         """`core`: an engine-core process already started for `config` (else `start` spawns one)."""
         self.config = config
         self.tokenizer = tokenizer
         self.log_level = log_level
         self._core = core
-        self.processor = OutputProcessor(tokenizer)
+        self._budget = RestartBudget(restart_policy or RestartPolicy())
+        self.processor = OutputProcessor(tokenizer, fault_plan=config.faults)
         self.info: CoreInfo | None = None
         self.stats: CoreStats | None = None
         self.dead_reason: str | None = None
+        self.restarts = 0
+        self.output_loop_failures = 0
+        self._tasks: set[asyncio.Task] = set()
         self._pending: dict[str, _Pending] = {}
-        self._tasks: list[asyncio.Task] = []
-        self.on_finish = None  # optional callback(pending, state) for metrics
+        self._supervisor: asyncio.Task | None = None
+        self._ctx: zmq.asyncio.Context | None = None
+        self._in = self._out = None
+        self._proc = None
+        self._closing = False
+        # Callbacks the server sets (each optional):
+        self.on_finish: Callable | None = None  # (pending, state, now): a sample finished
+        self.on_failure: Callable[[str], None] | None = None  # (source): a request failed
+        self.on_restart: Callable[[], None] | None = None  # a new core is serving
+        self.on_fatal: Callable[[str], None] | None = None  # (reason): restarts exhausted
 
     # ---- life cycle -------------------------------------------------------------------
 
     async def start(self, timeout: float = 900.0) -> CoreInfo:
-        """Spawn the engine core (unless it was started already) and wait until it has loaded
-        the model."""
-        core = self._core or spawn_engine_core(self.config, self.log_level)
-        self._dir, self._proc = core.dir, core.proc
+        """Spawn the engine core (unless it was started already), wait until it has loaded
+        the model, then supervise it. A core that fails here is not restarted."""
         self._ctx = zmq.asyncio.Context()
+        self._timeout = timeout
+        await self._connect(self._core or spawn_engine_core(self.config, self.log_level))
+        self._supervisor = asyncio.create_task(self._supervise())
+        return self.info
+
+    async def _connect(self, core: SpawnedCore) -> None:
+        """Bind fresh sockets for `core` and wait for its "ready"."""
+        self._close_sockets()
+        self._dir, self._proc = core.dir, core.proc
         self._in = self._ctx.socket(zmq.PUSH)
         self._in.bind(core.in_addr)
         self._out = self._ctx.socket(zmq.PULL)
         self._out.bind(core.out_addr)
-        deadline = time.monotonic() + timeout
+        deadline = time.monotonic() + self._timeout
         while True:
             if await self._out.poll(500):
                 msg = await self._out.recv_pyobj()
                 if msg[0] == "ready":
                     self.info = msg[1]
-                    break
+                    return
                 raise RuntimeError(f"the engine core failed to start:\n{msg[1]}")
             if not self._proc.is_alive():
                 raise RuntimeError(f"the engine core exited during start-up (code {self._proc.exitcode})")
             if time.monotonic() > deadline:
                 raise RuntimeError("the engine core did not become ready in time")
-        self._tasks = [asyncio.create_task(self._output_loop()), asyncio.create_task(self._watch())]
-        return self.info
+
+    def _close_sockets(self) -> None:
+        for sock in (self._in, self._out):
+            if sock is not None:
+                sock.close(linger=0)
+        self._in = self._out = None
+        if getattr(self, "_dir", None):
+            shutil.rmtree(self._dir, ignore_errors=True)
 
     async def shutdown(self) -> None:
-        for t in self._tasks:
-            t.cancel()
-        if getattr(self, "_proc", None) is not None and self._proc.is_alive():
+        self._closing = True
+        if self._supervisor is not None:
+            self._supervisor.cancel()
+            await asyncio.gather(self._supervisor, return_exceptions=True)
+        if self._proc is not None and self._proc.is_alive():
             with contextlib.suppress(zmq.ZMQError):
                 await self._in.send_pyobj(("shutdown",))
-            self._proc.join(timeout=5)
+            await asyncio.to_thread(self._proc.join, 5)
             if self._proc.is_alive():
                 self._proc.kill()
-        if getattr(self, "_ctx", None) is not None:
+        self._close_sockets()
+        if self._ctx is not None:
             self._ctx.destroy(linger=0)
-        for name in ("in", "out"):
-            with contextlib.suppress(OSError, AttributeError):
-                os.unlink(os.path.join(self._dir, name))
 
     @property
     def healthy(self) -> bool:
@@ -157,8 +210,7 @@ class AsyncEngineClient:
     @property
     def engine_pid(self) -> int | None:
         """The engine-core process's pid (for the process metrics), once started."""
-        proc = getattr(self, "_proc", None)
-        return proc.pid if proc is not None else None
+        return self._proc.pid if self._proc is not None else None
 
     # ---- requests ---------------------------------------------------------------------
 
@@ -193,49 +245,143 @@ class AsyncEngineClient:
         with contextlib.suppress(zmq.ZMQError):
             await self._in.send_pyobj(("abort", ids))
 
-    def sample_params(self, params: SamplingParams, index: int) -> SamplingParams:
-        """The params of sample `index` of an n > 1 request (distinct seeds)."""
-        if params.n == 1:
-            return params
-        return replace(params, n=1, seed=None if params.seed is None else params.seed + index)
+    def fail_all(self, error: Exception, source: str) -> None:
+        """Fail every request in flight with `error` (each consumer raises it at once)."""
+        if self._pending and source != "shutdown":
+            logger.error("failing %d in-flight requests: %s", len(self._pending), error)
+        self._fail(list(self._pending), error, source)
 
-    # ---- background tasks -------------------------------------------------------------
+    def _fail(self, request_ids: list[str], error: Exception, source: str) -> None:
+        for rid in request_ids:
+            pending = self._pending.get(rid)
+            if pending is not None and pending.error is None:
+                pending.error = error
+                pending.wake.set()
+                self._count_failure(source)
+
+    def _count_failure(self, source: str) -> None:
+        if self.on_failure is not None:
+            with contextlib.suppress(Exception):
+                self.on_failure(source)
+
+    # ---- supervision ------------------------------------------------------------------
+
+    async def _supervise(self) -> None:
+        """Serve the core until it dies, then start a new one; give up per the budget."""
+        while not self._closing:
+            await self._serve_until_core_dies()
+            if self._closing:
+                return
+            code = self._proc.exitcode
+            self.dead_reason = f"the engine core process died (exit code {code}); restarting it"
+            self.fail_all(EngineDeadError(f"the engine core process died (exit code {code}) while "
+                                          "this request was running; retry it"), "engine_died")
+            self.stats = None
+            if not await self._restart(code):
+                return
+
+    async def _restart(self, code: int | None) -> bool:
+        """Start a new core with back-off; False (after `on_fatal`) when the budget is spent."""
+        while True:
+            delay = self._budget.next_delay(time.monotonic())
+            if delay is None:
+                p = self._budget.policy
+                reason = (f"the engine core died {p.max_restarts + 1} times within "
+                          f"{p.window_s:.0f} s (last exit code {code}); giving up")
+                logger.critical(reason)
+                self.dead_reason = reason
+                if self.on_fatal is not None:
+                    self.on_fatal(reason)
+                return False
+            logger.error("the engine core died (exit code %s); starting a new one in %.0f s",
+                         code, delay)
+            await asyncio.sleep(delay)
+            if self._closing:
+                return False
+            try:
+                t0 = time.monotonic()
+                await self._connect(spawn_engine_core(self.config, self.log_level))
+            except Exception as e:
+                logger.error("a new engine core failed to start: %s", e)
+                if self._proc is not None and self._proc.is_alive():
+                    self._proc.kill()
+                code = self._proc.exitcode if self._proc is not None else None
+                continue
+            self.restarts += 1
+            self.stats, self.dead_reason = None, None
+            logger.warning("a new engine core is serving (restart %d, ready in %.1f s)",
+                           self.restarts, time.monotonic() - t0)
+            if self.on_restart is not None:
+                self.on_restart()
+            return True
+
+    async def _serve_until_core_dies(self) -> None:
+        """Run the output loop while the core lives; restart the loop if it ever raises."""
+        loop = asyncio.create_task(self._output_loop())
+        try:
+            while self._proc.is_alive():
+                await asyncio.wait({loop}, timeout=WATCH_INTERVAL_S)
+                if loop.done() and not self._closing:
+                    self._output_loop_died(loop)
+                    loop = asyncio.create_task(self._output_loop())
+        finally:
+            loop.cancel()
+            await asyncio.gather(loop, return_exceptions=True)
+        with contextlib.suppress(Exception):  # outputs the core sent before it died
+            while await self._out.poll(100):
+                await self._handle(await self._out.recv_pyobj())
+
+    def _output_loop_died(self, loop: asyncio.Task) -> None:
+        """Log the loop's error and fail what it may have lost; the caller starts a new loop
+        at once (so /health never sees it down)."""
+        error = loop.exception() if not loop.cancelled() else None
+        self.output_loop_failures += 1
+        logger.error("the engine client's output loop failed; failing %d in-flight requests and "
+                     "restarting it", len(self._pending), exc_info=error)
+        ids = list(self._pending)
+        self.fail_all(RequestFailed("the server lost track of this request's output (an "
+                                    "internal error, logged); retry it", "loop"), "loop")
+        if ids:
+            self._background(self._send_abort(ids))
+
+    def _background(self, coro) -> None:
+        """Run `coro` as a task that is kept alive until it ends."""
+        task = asyncio.ensure_future(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    # ---- outputs ----------------------------------------------------------------------
 
     async def _output_loop(self) -> None:
         while True:
             msg = await self._out.recv_pyobj()
-            if msg[0] == "outputs":
-                _, outputs, self.stats = msg
-                now = time.monotonic()
-                updated, to_abort = self.processor.process(outputs)
-                if to_abort:
-                    await self._send_abort(to_abort)
-                for state in updated:
-                    pending = self._pending.get(state.request_id)
-                    if pending is None:
-                        continue
-                    if pending.first_token is None:
-                        pending.first_token = now
-                    if state.finished and self.on_finish is not None:
+            await self._handle(msg)
+
+    async def _handle(self, msg: tuple) -> None:
+        """Handle one message from the core; a failure that concerns one request fails it alone."""
+        kind = msg[0]
+        if kind == "outputs":
+            _, outputs, self.stats = msg
+            now = time.monotonic()
+            updated, to_abort = self.processor.process(outputs)
+            if to_abort:
+                await self._send_abort(to_abort)
+            for state in updated:
+                pending = self._pending.get(state.request_id)
+                if pending is None:
+                    continue
+                if state.error is not None:
+                    logger.error("request %s failed: %s", state.request_id, state.error)
+                    self._fail([state.request_id], RequestFailed(state.error, state.error_source),
+                               state.error_source)
+                    continue
+                if pending.first_token is None:
+                    pending.first_token = now
+                if state.finished and self.on_finish is not None:
+                    try:
                         self.on_finish(pending, state, now)
-                    pending.wake.set()
-            elif msg[0] == "rejected":
-                self._fail([msg[1]], RequestRejected(msg[2]))
-            elif msg[0] == "step_failed":
-                self._fail(msg[1], EngineStepError(f"the engine failed while running this request ({msg[2]})"))
-
-    def _fail(self, request_ids: list[str], error: Exception) -> None:
-        for rid in request_ids:
-            pending = self._pending.get(rid)
-            if pending is not None:
-                pending.error = error
+                    except Exception:  # metrics only: the request itself is fine
+                        logger.exception("request %s: recording its metrics failed", state.request_id)
                 pending.wake.set()
-
-    async def _watch(self) -> None:
-        while self._proc.is_alive():
-            await asyncio.sleep(0.5)
-        self.dead_reason = f"the engine core process died (exit code {self._proc.exitcode})"
-        logger.error("%s; failing %d in-flight requests", self.dead_reason, len(self._pending))
-        for pending in self._pending.values():
-            pending.error = EngineDeadError(self.dead_reason)
-            pending.wake.set()
+        elif kind == "rejected":
+            self._fail([msg[1]], RequestRejected(msg[2]), "rejected")

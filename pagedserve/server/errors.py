@@ -10,6 +10,8 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from pagedserve.server.protocol import UnsupportedField
+
 logger = logging.getLogger("pagedserve")
 
 _TYPES = {
@@ -17,6 +19,7 @@ _TYPES = {
     401: "authentication_error",
     404: "not_found_error",
     405: "invalid_request_error",
+    408: "invalid_request_error",
     413: "invalid_request_error",
     429: "rate_limit_error",
     503: "service_unavailable",
@@ -54,6 +57,10 @@ def install_error_handlers(app: FastAPI) -> None:
         first = errors[0] if errors else {}
         loc = [str(x) for x in first.get("loc", ()) if x != "body"]
         param = ".".join(loc) or None
+        unsupported = (first.get("ctx") or {}).get("error")
+        if isinstance(unsupported, UnsupportedField):
+            return error_response(400, str(unsupported), ".".join([*loc, unsupported.param]),
+                                  "unsupported_field")
         if first.get("type") == "json_invalid":  # its loc is ("body", character offset)
             msg, param = "the request body is not valid JSON", None
         else:

@@ -7,6 +7,7 @@ import logging
 
 from pagedserve import envs
 from pagedserve.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
+from pagedserve.faults import FaultPlan
 
 logger = logging.getLogger("pagedserve")
 
@@ -27,7 +28,7 @@ def engine_config(kw: dict) -> tuple[EngineConfig, object, ModelConfig]:
         cache=CacheConfig(kw["block_size"], kw["enable_prefix_caching"], kw["kv_cache_memory"],
                           kw["gpu_memory_utilization"]),
         enforce_eager=kw["enforce_eager"], attention_backend=kw["attention_backend"],
-        seed=kw["seed"],
+        seed=kw["seed"], faults=FaultPlan.parse(kw.get("inject_faults")),
     )
     return config, source, model_cfg
 
@@ -48,19 +49,39 @@ def serve(args: argparse.Namespace, kw: dict) -> int:
 
     from pagedserve.models.loader import load_tokenizer
     from pagedserve.server.app import ServerSettings, create_app
+    from pagedserve.server.http_server import (
+        Server,
+        header_timeout_protocol,
+        raise_open_files_limit,
+    )
+    from pagedserve.server.supervisor import RestartPolicy
 
     names = args.served_model_name or [kw["model"] or source.name]  # type: ignore[attr-defined]
     settings = ServerSettings(
         engine=config, tokenizer=load_tokenizer(source, model_cfg, kw["tokenizer"]), served_names=names,
         api_key=args.api_key or envs.api_key(), max_waiting_requests=args.max_waiting_requests,
         reasoning_parser=args.reasoning_parser, max_body_bytes=args.max_request_body_bytes,
+        body_read_timeout=args.timeout_body_read,
         log_stats_interval=args.log_stats_interval, log_level=args.log_level.upper(),
-        engine_kind=engine_kind,
+        engine_kind=engine_kind, trust_request_chat_template=args.trust_request_chat_template,
+        shutdown_timeout=args.shutdown_timeout,
+        restart_policy=RestartPolicy(max_restarts=args.max_engine_restarts),
+        on_fatal=lambda reason: server.stop_fatal(reason),
     )
     app = create_app(settings, core)
+    raise_open_files_limit()
     logger.info("serving %s on http://%s:%d (OpenAI API under /v1)", names[0], args.host, args.port)
     # (uvicorn's access log lines are INFO messages; above INFO it would still format each path)
-    uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level.lower(),
-                access_log=logging.getLevelName(args.log_level.upper()) <= logging.INFO,
-                timeout_graceful_shutdown=5)
-    return 0
+    uv_config = uvicorn.Config(
+        app, host=args.host, port=args.port, log_level=args.log_level.lower(),
+        access_log=logging.getLevelName(args.log_level.upper()) <= logging.INFO,
+        http=header_timeout_protocol(args.timeout_header_read),
+        timeout_keep_alive=args.timeout_keep_alive, limit_concurrency=args.max_connections,
+        # (the drain already waited for the requests; this only lets the last bytes go out)
+        timeout_graceful_shutdown=5,
+    )
+    server = Server(uv_config, app.state.drain)
+    server.run()
+    if not server.started:
+        return 1  # start-up failed (logged by uvicorn)
+    return server.exit_code

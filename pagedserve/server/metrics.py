@@ -15,6 +15,7 @@ logger = logging.getLogger("pagedserve")
 
 _LATENCY_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0,
                     7.5, 10.0, 20.0, 40.0, 80.0)
+_ZERO = CoreStats(0, 0, 0.0, 0, 0, 0, 0, 0)
 _TPOT_BUCKETS = (0.001, 0.002, 0.003, 0.004, 0.005, 0.0075, 0.01, 0.015, 0.02, 0.03, 0.05,
                  0.075, 0.1, 0.2, 0.5, 1.0, 2.5)
 
@@ -48,13 +49,22 @@ class Metrics:
                                       labels, buckets=_LATENCY_BUCKETS, registry=r)
         self.e2e = Histogram("pagedserve_e2e_request_latency_seconds", "End-to-end request latency", labels,
                              buckets=_LATENCY_BUCKETS, registry=r)
-        self._last = CoreStats(0, 0, 0.0, 0, 0, 0, 0, 0)
+        self.failures = Counter("pagedserve_request_failures", "Requests that failed, by where: engine "
+                                "(a failed step or this request's part of one), output (handling its "
+                                "output), loop (the output loop), engine_died, shutdown, rejected",
+                                labels + ["source"], registry=r)
+        self.step_failures = Counter("pagedserve_engine_step_failures", "Engine steps that raised",
+                                     labels, registry=r)
+        self.restarts = Counter("pagedserve_engine_restarts", "Engine-core processes started after "
+                                "one died", labels, registry=r)
+        self._last = _ZERO
         self._logged = (time.monotonic(), 0, 0)
 
     def update(self, stats: CoreStats | None) -> None:
-        """Bring gauges and counters up to the core's latest stats (zeros before the first)."""
+        """Bring gauges and counters up to the core's latest stats (None: no core serving, or
+        none yet: the gauges read as an empty engine, the counters stay)."""
         if stats is None:
-            stats = self._last
+            stats = CoreStats(0, 0, 0.0, *self._cumulative(self._last))
         m, last = self.model_name, self._last
         self.running.labels(m).set(stats.num_running)
         self.waiting.labels(m).set(stats.num_waiting)
@@ -65,7 +75,23 @@ class Metrics:
         self.preemptions.labels(m).inc(stats.num_preemptions - last.num_preemptions)
         self.prompt_tokens.labels(m).inc(stats.prompt_tokens_computed - last.prompt_tokens_computed)
         self.generation_tokens.labels(m).inc(stats.generation_tokens - last.generation_tokens)
+        self.step_failures.labels(m).inc(stats.failed_steps - last.failed_steps)
         self._last = stats
+
+    def on_engine_restart(self) -> None:
+        """A new engine core serves: its cumulative counts start from zero again."""
+        self.restarts.labels(self.model_name).inc()
+        self._last = _ZERO
+        self._logged = (time.monotonic(), 0, 0)
+        self.update(_ZERO)  # gauges back to an empty engine
+
+    def on_failure(self, source: str) -> None:
+        self.failures.labels(self.model_name, source).inc()
+
+    @staticmethod
+    def _cumulative(s: CoreStats) -> tuple:
+        return (s.prefix_queries, s.prefix_hits, s.num_preemptions, s.prompt_tokens_computed,
+                s.generation_tokens, s.failed_steps, s.failed_requests)
 
     def on_finish(self, pending, state: SampleState, now: float) -> None:
         """Record one finished sample's latencies (called by the engine client)."""

@@ -2,28 +2,111 @@
 
 Field names and defaults follow the OpenAI API; a few vLLM extensions (top_k, min_p,
 repetition_penalty, ignore_eos, min_tokens, stop_token_ids, ...) are accepted too.
-Unknown fields are ignored, as vLLM does. Responses are plain dicts built in serving code.
+Every accepted field takes effect. Fields that OpenAI or vLLM define but pagedserve does not
+implement yet (`UNSUPPORTED`) are a 400 naming the field when they ask for anything;
+fields nobody defines are logged once and ignored, as vLLM does. Responses are plain dicts
+built in serving code.
 """
 
 from __future__ import annotations
 
+import logging
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, StrictInt, field_validator
+from pydantic import BaseModel, ConfigDict, Field, StrictInt, field_validator, model_validator
 
 from pagedserve.sampling_params import MAX_LOGPROBS, SamplingParams
+
+logger = logging.getLogger("pagedserve")
 
 MAX_N = 128  # most samples one request may ask for
 
 
-class StreamOptions(BaseModel):
+def _unset(value: Any) -> bool:
+    return value is None or value == {} or value == []
+
+
+# field -> (what a request may send and still mean "nothing", why it is refused otherwise)
+_NO_STRUCTURED = "structured output is not supported yet"
+UNSUPPORTED: dict[str, tuple[Any, str]] = {
+    "logit_bias": (_unset, "logit_bias is not supported yet"),
+    "response_format": (lambda v: _unset(v) or v == {"type": "text"},
+                        'only response_format {"type": "text"} is supported yet (no JSON mode or '
+                        "JSON schema)"),
+    "tools": (_unset, "tool calling is not supported yet"),
+    "tool_choice": (lambda v: _unset(v) or v == "none", "tool calling is not supported yet"),
+    "parallel_tool_calls": (lambda v: v is None, "tool calling is not supported yet"),
+    "functions": (_unset, "function calling is not supported"),
+    "function_call": (lambda v: _unset(v) or v == "none", "function calling is not supported"),
+    "best_of": (lambda v: v is None or v == 1, "best_of > 1 is not supported (use n)"),
+    "suffix": (_unset, "suffix (insertion) is not supported"),
+    "structured_outputs": (_unset, _NO_STRUCTURED),
+    "guided_json": (_unset, _NO_STRUCTURED),
+    "guided_regex": (_unset, _NO_STRUCTURED),
+    "guided_choice": (_unset, _NO_STRUCTURED),
+    "guided_grammar": (_unset, _NO_STRUCTURED),
+    "guided_decoding_backend": (_unset, _NO_STRUCTURED),
+    "guided_whitespace_pattern": (_unset, _NO_STRUCTURED),
+    "prediction": (_unset, "predicted outputs are not supported"),
+    "modalities": (lambda v: _unset(v) or v == ["text"], "only text output is supported"),
+    "audio": (_unset, "audio output is not supported"),
+    "web_search_options": (_unset, "web search is not supported"),
+    "reasoning_effort": (lambda v: v is None, "reasoning_effort is not supported"),
+    "store": (lambda v: v in (None, False), "stored completions are not supported"),
+    "metadata": (_unset, "metadata is only for stored completions, which are not supported"),
+    "service_tier": (lambda v: v in (None, "auto", "default"), "service tiers are not supported"),
+    "prompt_logprobs": (lambda v: v is None, "prompt_logprobs is not supported yet"),
+    "use_beam_search": (lambda v: v in (None, False), "beam search is not supported"),
+    "length_penalty": (lambda v: v in (None, 1, 1.0), "length_penalty (beam search) is not supported"),
+    "truncate_prompt_tokens": (lambda v: v is None, "truncate_prompt_tokens is not supported yet"),
+    "allowed_token_ids": (lambda v: v is None, "allowed_token_ids is not supported yet"),
+    "bad_words": (_unset, "bad_words is not supported yet"),
+    # (in messages, echoed back from a response)
+    "refusal": (_unset, "refusal messages are not supported"),
+    "annotations": (_unset, "annotations are not supported"),
+}
+_logged_unknown: set[str] = set()
+
+
+class UnsupportedField(ValueError):
+    """A request field pagedserve knows of but does not implement (a 400 naming it)."""
+
+    def __init__(self, name: str, why: str) -> None:
+        super().__init__(f"{name}: {why}")
+        self.param = name
+
+
+class _Body(BaseModel):
+    """A request body: refuses UNSUPPORTED fields that ask for something, logs unknown ones."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _check_fields(cls, data: Any) -> Any:
+        if not isinstance(data, dict):
+            return data
+        for name, value in data.items():
+            if name in cls.model_fields:
+                continue
+            rule = UNSUPPORTED.get(name)
+            if rule is not None:
+                accepted, why = rule
+                if not accepted(value):
+                    raise UnsupportedField(name, why)
+            elif name not in _logged_unknown and len(_logged_unknown) < 1000:
+                _logged_unknown.add(name)
+                logger.warning("ignoring the request field %r: neither OpenAI nor pagedserve "
+                               "defines it (logged once)", name[:100])
+        return data
+
+
+class StreamOptions(_Body):
     include_usage: bool = False
 
 
-class _SamplingFields(BaseModel):
+class _SamplingFields(_Body):
     """Fields shared by /v1/completions and /v1/chat/completions."""
-
-    model_config = ConfigDict(extra="ignore")
 
     model: str | None = None
     n: int = Field(1, ge=1, le=MAX_N)
@@ -45,7 +128,7 @@ class _SamplingFields(BaseModel):
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     priority: int = 0
-    user: str | None = None
+    user: str | None = None  # the end user, for the server's logs (as OpenAI's abuse monitoring)
 
     @field_validator("stop")
     @classmethod
@@ -119,19 +202,39 @@ class TextPart(BaseModel):
     text: str
 
 
-class ChatMessage(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+_PASSED_TO_TEMPLATE = ("name", "tool_calls", "tool_call_id", "reasoning_content")
+
+
+class ChatMessage(_Body):
+    """One message. `name`, `tool_calls`, `tool_call_id` and `reasoning_content` reach the chat
+    template as sent (templates that know them use them); `refusal`, `audio`, `annotations`
+    and `function_call`, which clients echo back from a response, must be null."""
 
     role: Literal["system", "user", "assistant", "developer", "tool"]
     content: str | list[TextPart] | None = None
     name: str | None = None
+    tool_calls: list[dict[str, Any]] | None = None
+    tool_call_id: str | None = None
+    reasoning_content: str | None = None
 
     def as_template_dict(self) -> dict[str, Any]:
         content = self.content
         if isinstance(content, list):
             content = "\n".join(p.text for p in content)
         role = "system" if self.role == "developer" else self.role
-        return {"role": role, "content": content or ""}
+        out: dict[str, Any] = {"role": role, "content": content or ""}
+        for key in _PASSED_TO_TEMPLATE:
+            value = getattr(self, key)
+            if value is not None:
+                out[key] = value
+        return out
+
+    def num_bytes(self) -> int:
+        """UTF-8 bytes of the text content (an upper bound's input; see Server.check_size)."""
+        content = self.content
+        if isinstance(content, list):
+            return sum(len(p.text.encode("utf-8", "surrogatepass")) for p in content)
+        return len(content.encode("utf-8", "surrogatepass")) if content else 0
 
 
 class ChatCompletionRequest(_SamplingFields):
@@ -141,6 +244,7 @@ class ChatCompletionRequest(_SamplingFields):
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     add_generation_prompt: bool = True
+    chat_template: str | None = None  # a template of the request's own (vLLM's field)
     chat_template_kwargs: dict[str, Any] | None = None
 
     @property
@@ -152,29 +256,26 @@ class ChatCompletionRequest(_SamplingFields):
         return (self.top_logprobs or 0) if self.logprobs else None
 
 
-class GenerateRequest(BaseModel):
+class GenerateRequest(_Body):
     """The simple body of POST /generate, for users coming from a hand-written wrapper."""
 
-    model_config = ConfigDict(extra="ignore")
-
+    model: str | None = None
     prompt: str = Field(min_length=1)
     max_tokens: int = Field(128, ge=1)
     temperature: float = Field(1.0, ge=0.0, le=2.0)
     top_p: float = Field(1.0, gt=0.0, le=1.0)
 
 
-class TokenizeRequest(BaseModel):
-    model_config = ConfigDict(extra="ignore")
-
+class TokenizeRequest(_Body):
     model: str | None = None
     prompt: str | None = None
     messages: list[ChatMessage] | None = None
     add_special_tokens: bool = False
     add_generation_prompt: bool = True
+    chat_template: str | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
 
 
-class DetokenizeRequest(BaseModel):
-    model_config = ConfigDict(extra="ignore")
-
+class DetokenizeRequest(_Body):
     model: str | None = None
     tokens: list[int]

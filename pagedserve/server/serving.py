@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import time
 import uuid
 import weakref
@@ -17,12 +18,18 @@ from pagedserve.sampling_params import SamplingParams
 from pagedserve.server.engine_client import (
     AsyncEngineClient,
     EngineDeadError,
-    EngineStepError,
+    RequestFailed,
     RequestRejected,
+    ServerShuttingDown,
 )
 from pagedserve.server.errors import APIError, error_body
 
 OFFLOAD_CHARS = 16_384  # prompts at least this long are tokenized off the event loop
+# A text longer than max_model_len x max_token_bytes x this cannot fit the context, whatever
+# the tokenizer's normalizer does to it (the margin covers normalizers that shrink text).
+SIZE_MARGIN = 2
+
+logger = logging.getLogger("pagedserve")
 
 
 @dataclass(eq=False)  # hashed by identity: Server counts the live ones in a WeakSet
@@ -38,12 +45,14 @@ class Server:
     """What every endpoint needs: the engine client, names and limits."""
 
     def __init__(self, client: AsyncEngineClient, served_names: list[str], max_waiting: int,
-                 reasoning_parser: str | None = None) -> None:
+                 reasoning_parser: str | None = None, trust_request_chat_template: bool = False) -> None:
         self.client = client
         self.tokenizer = client.tokenizer
         self.served_names = served_names
         self.max_waiting = max_waiting
         self.reasoning_parser = reasoning_parser
+        self.trust_request_chat_template = trust_request_chat_template
+        self.draining: str | None = None  # set on SIGTERM: why new requests are refused
         self.created = int(time.time())
         # Choices admitted by check_capacity and still alive (a choice lives as long as the
         # request that holds it). Counted here, not by the engine client, which only learns of
@@ -62,8 +71,17 @@ class Server:
                             f"{', '.join(repr(n) for n in self.served_names)}",
                        param="model", code="model_not_found")
 
+    @property
+    def num_admitted(self) -> int:
+        """Choices admitted and not yet released (their requests still run or stream)."""
+        return len(self._admitted)
+
     def check_capacity(self, choices: list[Choice]) -> None:
-        """Admit `choices`, or refuse them when the engine is dead or the waiting queue is full."""
+        """Admit `choices`, or refuse them when the server drains, the engine is down or the
+        waiting queue is full."""
+        if self.draining:
+            raise APIError(503, self.draining, code="server_shutting_down",
+                           headers={"Retry-After": "5"})
         if not self.client.healthy:
             raise APIError(503, self.client.dead_reason or "the engine is not ready",
                            code="engine_unavailable", headers={"Retry-After": "5"})
@@ -88,11 +106,22 @@ class Server:
                                 "(an escape such as \\ud800 without its pair)", param=param) from None
         return self.tokenizer.encode(text, add_special_tokens=add_special_tokens)
 
+    def check_size(self, num_bytes: int, param: str) -> None:
+        """Refuse text that cannot fit max_model_len tokens, before tokenizing it: a text of B
+        UTF-8 bytes is at least B / max_token_bytes tokens (a 7 MB prompt took 9 s to tokenize)."""
+        limit = self.max_model_len * self.tokenizer.max_token_bytes * SIZE_MARGIN
+        if num_bytes > limit:
+            raise APIError(400, f"the {param} is {num_bytes} bytes of text, more than this model's "
+                                f"context of {self.max_model_len} tokens (max_model_len) can hold "
+                                f"with this tokenizer; shorten it", param=param,
+                           code="context_length_exceeded")
+
     async def encode_async(self, text: str, add_special_tokens: bool, param: str) -> list[int]:
-        """`encode`, in a worker thread for long texts so the event loop (every other
-        request's stream) does not stall while a long prompt is tokenized."""
+        """`encode`, after `check_size`, in a worker thread for long texts so the event loop
+        (every other request's stream) does not stall while a long prompt is tokenized."""
         if len(text) < OFFLOAD_CHARS:
             return self.encode(text, add_special_tokens, param)
+        self.check_size(len(text.encode("utf-8", "surrogatepass")), param)
         return await asyncio.to_thread(self.encode, text, add_special_tokens, param)
 
     def resolve_max_tokens(self, prompt_ids: list[int], max_tokens: int | None, param: str) -> int:
@@ -127,8 +156,13 @@ def make_params(build, max_tokens: int, logprobs: int | None) -> SamplingParams:
         raise APIError(400, msg, param=msg.split(" ", 1)[0]) from None
 
 
-def new_id(prefix: str) -> str:
-    return f"{prefix}-{uuid.uuid4().hex}"
+def new_id(prefix: str, user: str | None = None) -> str:
+    """A request id; a request that names its end `user` has the pair logged (the OpenAI
+    field's purpose: tracing abuse to a user)."""
+    rid = f"{prefix}-{uuid.uuid4().hex}"
+    if user:
+        logger.info("request %s is from user %r", rid, user[:200])
+    return rid
 
 
 async def run_choices(
@@ -144,7 +178,7 @@ async def run_choices(
     async def pump(choice: Choice) -> None:
         try:
             rid = f"{request_id}-{choice.index}"
-            params = client.sample_params(choice.params, choice.index % max(choice.params.n, 1))
+            params = choice.params.for_sample(choice.index % choice.params.n)
             async for state in client.generate(rid, choice.prompt_ids, params, priority):
                 queue.put_nowait((choice.index, state))
         except Exception as e:  # delivered to the consumer below
@@ -174,8 +208,10 @@ def _as_api_error(e: Exception) -> Exception:
         return APIError(400, str(e))
     if isinstance(e, EngineDeadError):
         return APIError(503, str(e), code="engine_unavailable", headers={"Retry-After": "5"})
-    if isinstance(e, EngineStepError):
-        return APIError(500, str(e), code="engine_error")
+    if isinstance(e, ServerShuttingDown):
+        return APIError(503, str(e), code="server_shutting_down", headers={"Retry-After": "5"})
+    if isinstance(e, RequestFailed):
+        return APIError(500, str(e), code="engine_error" if e.source == "engine" else "internal_error")
     return e
 
 
@@ -235,6 +271,11 @@ class SSEChunks:
 
 
 def sse_error(e: Exception) -> str:
-    """An error after the stream's headers went out is reported in-band, as OpenAI does."""
-    status = e.status if isinstance(e, APIError) else 500
-    return f"data: {json.dumps(error_body(status, str(e)))}\n\n"
+    """An error after the stream's headers went out is reported in-band, as OpenAI does, and
+    the stream still ends with [DONE], so every client's loop ends."""
+    if isinstance(e, APIError):
+        body = error_body(e.status, e.message, e.param, e.code)
+    else:
+        logger.error("a stream failed", exc_info=e)
+        body = error_body(500, f"internal error: {type(e).__name__}")
+    return f"data: {json.dumps(body)}\n\ndata: [DONE]\n\n"
