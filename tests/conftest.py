@@ -56,7 +56,7 @@ def server():
     """A real `pagedserve serve` of the embedded SmolLM2 on 127.0.0.1 (shared by the server tests)."""
     from server_helpers import ServerProcess
 
-    proc = ServerProcess().wait_ready()
+    proc = ServerProcess("--trust-request-chat-template").wait_ready()
     yield proc
     leftovers = proc.stop()
     assert not leftovers, f"child processes outlived the server: {leftovers}\n{proc.log_tail()}"

@@ -338,3 +338,22 @@ def test_tokenize_detokenize(server, client):
     by_text = client.completions.create(model=MODEL, prompt="Hello world, héllo 🌍", max_tokens=4,
                                         temperature=0)
     assert by_ids.choices[0].text == by_text.choices[0].text
+
+
+def test_message_fields_and_request_templates_reach_the_template(server, client):
+    """A message's name, tool_calls, tool_call_id and reasoning_content reach the chat template
+    (this server trusts request templates); a chat completion renders the same prompt."""
+    template = ("{% for m in messages %}[{{ m.role }}|{{ m.name }}|{{ m.tool_call_id }}|"
+                "{{ m.reasoning_content }}|{{ m.tool_calls[0].id if m.tool_calls else '' }}]"
+                "{{ m.content }}{% endfor %}")
+    messages = [{"role": "user", "content": "hi", "name": "ann"},
+                {"role": "assistant", "content": "yo", "reasoning_content": "think",
+                 "tool_calls": [{"id": "call_1", "type": "function",
+                                 "function": {"name": "f", "arguments": "{}"}}]},
+                {"role": "tool", "content": "42", "tool_call_id": "call_1"}]
+    tok = httpx.post(server.url + "/tokenize", json={"messages": messages, "chat_template": template}).json()
+    text = httpx.post(server.url + "/detokenize", json={"tokens": tok["tokens"]}).json()["prompt"]
+    assert text == "[user|ann|||]hi[assistant|||think|call_1]yo[tool||call_1||]42"
+    r = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=1,
+                                       extra_body={"chat_template": template})
+    assert r.usage.prompt_tokens == tok["count"]

@@ -121,3 +121,17 @@ def test_up_refuses_a_port_in_use(up_process):
     out = up.output()
     assert f"the chat UI's port {port} on 127.0.0.1 is already in use" in out, out
     assert "Traceback" not in out
+
+
+def test_a_killed_up_leaves_no_process(up_process):
+    """SIGKILL `pagedserve up` (it cannot stop its children then): the kernel ends the server,
+    its engine core and the chat UI within 2 s (lifeline.py), so no port or memory stays held."""
+    up = up_process("--log-level", "WARNING")
+    kids = up.wait_ready()
+    assert len(kids) >= 3, [cmdline(p) for p in kids]  # server, engine core, UI (and helpers)
+    up.proc.kill()
+    killed = time.monotonic()
+    up.proc.wait(10)
+    left = gone(kids, timeout=2.0)
+    assert not left, f"left running 2 s after up was killed: {[cmdline(p) for p in left]}"
+    print(f"all {len(kids)} children gone {time.monotonic() - killed:.2f} s after the kill")

@@ -209,12 +209,9 @@ class ModelRunner:
             )
             result = self.sampler(logits, batch)
             handle = StepHandle(reqs, result.token_ids)
-            # A NaN or Inf anywhere in a row makes its sum non-finite (finite logits cannot
-            # overflow a float32 sum); such rows reach the host as token -1. The device copy
-            # the next step reads keeps the sampled ids, which are always in range.
-            finite = torch.isfinite(logits.sum(dim=-1, dtype=torch.float32))  # [N] bool
-            host_tokens = result.token_ids.masked_fill(~finite, -1)  # [N] int64
-            outs = (host_tokens, result.logprobs, result.logprob_token_ids)
+            # Rows with NaN or Inf logits reach the host as token -1; the device copy the next
+            # step reads keeps the sampled ids, which are always in range.
+            outs = (result.checked_token_ids, result.logprobs, result.logprob_token_ids)
             if self.device.type == "cuda":
                 handle.host = tuple(None if t is None else _to_pinned_async(t) for t in outs)
                 handle.ready = torch.cuda.Event()

@@ -162,7 +162,8 @@ def _pad(seqs: Sequence[Sequence[int]], pad: int, device: torch.device | str) ->
 class SamplerOutput:
     """The sampled tokens of one step, plus logprobs when some row asked for them."""
 
-    token_ids: Tensor  # [N] int64
+    token_ids: Tensor  # [N] int64 (always valid ids: the next step may read them)
+    checked_token_ids: Tensor  # [N] int64: the same, -1 in rows whose logits hold a NaN or Inf
     logprobs: Tensor | None  # [N, 1 + k] float32: sampled token's logprob, then the top-k
     logprob_token_ids: Tensor | None  # [N, 1 + k] int64: sampled token id, then the top-k ids
 
@@ -233,10 +234,18 @@ def _exponential_noise(probs: Tensor, batch: SamplingBatch) -> Tensor:
 
 
 def temperature_only(batch: SamplingBatch) -> bool:
-    """Whether every random row of `batch` samples with a temperature alone, from the default
-    generator: no penalties, bans, top-k, top-p, min-p or seed (the fused kernel's case)."""
-    return not (batch.all_greedy or batch.need_penalties or batch.ban_rows is not None
+    """Whether every row of `batch` takes the argmax or samples with a temperature alone, from
+    the default generator: no penalties, bans, top-k, top-p, min-p or seed (the fused kernel's
+    case)."""
+    return not (batch.need_penalties or batch.ban_rows is not None
                 or batch.need_top_k_top_p or batch.need_min_p or batch.seeded)
+
+
+def check_finite(logits: Tensor, token_ids: Tensor) -> Tensor:
+    """[N] token ids with -1 in rows of `logits` [N, V] that hold a NaN or an Inf (any of them
+    makes the row's float32 sum non-finite; finite logits cannot overflow it)."""
+    finite = torch.isfinite(logits.sum(dim=-1, dtype=torch.float32))  # [N] bool
+    return token_ids.masked_fill(~finite, -1)
 
 
 class Sampler:
@@ -255,26 +264,29 @@ class Sampler:
         assert logits.shape == (batch.num_rows, batch.vocab_size), (logits.shape, batch.num_rows)
         logits = logits.float()  # [N, V]
         raw_logits = logits
-        if batch.need_penalties:
-            logits = apply_penalties(logits, batch)
-        if batch.ban_rows is not None:
-            neg_inf = logits.new_full((), float("-inf"))
-            logits = logits.index_put((batch.ban_rows, batch.ban_token_ids), neg_inf)
-        # [N] int64
-        if batch.all_greedy:
-            token_ids = logits.argmax(dim=-1)
-        elif logits.is_cuda and temperature_only(batch) and envs.fused_sampling():
+        if logits.is_cuda and temperature_only(batch) and envs.fused_sampling():
+            # one kernel: the argmax or Gumbel race, and the NaN/Inf check
             from pagedserve.kernels.sampling import sample_with_temperature
 
-            assert batch.temperature is not None
             self._fused_calls += 1
-            token_ids = sample_with_temperature(logits, batch.temperature, self._seed + self._fused_calls)
+            checked = torch.empty(batch.num_rows, dtype=torch.int64, device=logits.device)
+            token_ids = sample_with_temperature(
+                logits, None if batch.all_greedy else batch.temperature,
+                self._seed + self._fused_calls, checked=checked)
         else:
-            token_ids = self._sample(logits, batch)
+            if batch.need_penalties:
+                logits = apply_penalties(logits, batch)
+            if batch.ban_rows is not None:
+                neg_inf = logits.new_full((), float("-inf"))
+                logits = logits.index_put((batch.ban_rows, batch.ban_token_ids), neg_inf)
+            # [N] int64
+            token_ids = logits.argmax(dim=-1) if batch.all_greedy else self._sample(logits, batch)
+            checked = check_finite(raw_logits, token_ids)
         logprobs = ids = None
         if batch.max_num_logprobs is not None:
             logprobs, ids = self._logprobs(raw_logits, token_ids, batch.max_num_logprobs)
-        return SamplerOutput(token_ids=token_ids, logprobs=logprobs, logprob_token_ids=ids)
+        return SamplerOutput(token_ids=token_ids, checked_token_ids=checked, logprobs=logprobs,
+                             logprob_token_ids=ids)
 
     @staticmethod
     def _sample(logits: Tensor, batch: SamplingBatch) -> Tensor:

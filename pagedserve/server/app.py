@@ -186,7 +186,7 @@ def create_app(settings: ServerSettings, core: SpawnedCore | None = None) -> Fas
     @app.post("/detokenize")
     async def detokenize(body: DetokenizeRequest):
         server.check_model(body.model)
-        return {"prompt": server.tokenizer.decode(body.tokens, skip_special_tokens=False)}
+        return {"prompt": await server.decode_async(body.tokens, skip_special_tokens=False)}
 
     @app.post("/generate")
     async def generate(body: GenerateRequest, request: Request):

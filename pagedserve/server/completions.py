@@ -55,7 +55,7 @@ def _logprobs(server: Server, s: SampleState, start: int, text_offset: int) -> d
 async def create_completion(server: Server, body: CompletionRequest, request: Request):
     choices, prompts = await _prepare(server, body)
     rid, created, model = new_id("cmpl", body.user), int(time.time()), server.check_model(body.model)
-    prompt_texts = [server.tokenizer.decode(p) for p in prompts] if body.echo else []
+    prompt_texts = [await server.decode_async(p) for p in prompts] if body.echo else []
     if body.stream:
         gen = _stream(server, body, choices, prompts, prompt_texts, rid, created, model)
         return StreamingResponse(gen, media_type="text/event-stream")
