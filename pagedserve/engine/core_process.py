@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import gc
 import logging
-import sys
+import os
 import traceback
 from dataclasses import dataclass
 
@@ -97,7 +97,8 @@ def run_engine_core(config: EngineConfig, in_addr: str, out_addr: str, log_level
     except FatalEngineError as e:
         logger.error("%s", e)
         out.close(linger=2000)  # the failed requests' outputs go out first
-        sys.exit(1)
+        # No interpreter clean-up: with a broken device it could hang instead of exiting.
+        os._exit(1)
     out.close(linger=1000)
     inp.close(linger=0)
 

@@ -75,8 +75,8 @@ def warm_up_full_step(core: EngineCore) -> None:
 
 @torch.inference_mode()
 def warm_up_sampler(core: EngineCore) -> None:
-    """Compile the fused sampler's variants, greedy and with temperatures, at the batch sizes
-    whose rows split differently; otherwise the first request of a kind waits."""
+    """Compile the fused temperature sampler (the warm-up's own requests are greedy, which
+    takes the argmax instead); otherwise the first request with a temperature waits."""
     device = core.runner.device
     if device.type != "cuda" or not envs.fused_sampling():  # (the sampler's own condition)
         return
@@ -85,7 +85,6 @@ def warm_up_sampler(core: EngineCore) -> None:
     for rows in sorted({1, core.scheduler_config.max_num_seqs}):
         logits = torch.zeros(rows, core.model_config.vocab_size, device=device)
         sample_with_temperature(logits, torch.ones(rows, device=device), seed=1)
-        sample_with_temperature(logits, None, seed=1)
 
 
 @torch.inference_mode()

@@ -12,9 +12,9 @@ take the plain argmax. Ties go to the lowest token id, as torch.argmax breaks th
 
 The same pass flags rows whose logits hold a NaN or an Inf (a broken model or overflow): such a
 row's token reaches the host as -1 (`checked` output) while the device copy keeps a valid id
-for the next step to read, so the engine fails that request instead of emitting garbage. An
-all-greedy batch (ALL_GREEDY) skips the random numbers: one read of the logits for the
-argmax and the check together.
+for the next step to read, so the engine fails that request instead of emitting garbage.
+(All-greedy batches stay on torch's argmax: start-up rehearses the warm-up's greedy steps with
+Triton kernels skipped (kernels/compile_ahead.py), and the ids they feed back must be valid.)
 
 The uniforms come from Triton's Philox generator, four per call (`tl.rand4x`), keyed by the
 seed and a counter unique to (row, block of tokens, lane): the caller passes a new seed each
@@ -35,18 +35,15 @@ _EMPTY: tl.constexpr = tl.constexpr(-(2**63))  # the smallest int64: no (score, 
 
 
 @triton.jit
-def _race(row_logits, ids, v_end, u, inv_t, greedy, best, best_id, bad, ALL_GREEDY: tl.constexpr):
+def _race(row_logits, ids, v_end, u, inv_t, greedy, best, best_id, bad):
     """One quarter block of the Gumbel-max race: tokens `ids` with uniforms `u`, against the
     lanes' best (score, token) so far; `bad` notes a NaN or Inf among the logits."""
     ok = ids < v_end
     logit = tl.load(row_logits + ids, mask=ok, other=0.0).to(tl.float32)
     bad = bad | ((logit != logit) | (tl.abs(logit) == float("inf"))).to(tl.int32)
-    if ALL_GREEDY:
-        score = logit
-    else:
-        u = tl.maximum(u, 1e-20)  # u = 0 would give g = -inf: the token could never win anyway
-        gumbel = -tl.log(-tl.log(u))
-        score = tl.where(greedy, logit, logit * inv_t + gumbel)
+    u = tl.maximum(u, 1e-20)  # u = 0 would give g = -inf: the token could never win anyway
+    gumbel = -tl.log(-tl.log(u))
+    score = tl.where(greedy, logit, logit * inv_t + gumbel)
     score = tl.where(ok, score, float("-inf"))
     better = score > best  # strict: an earlier token keeps a tie
     return tl.where(better, score, best), tl.where(better, ids, best_id), bad
@@ -55,7 +52,7 @@ def _race(row_logits, ids, v_end, u, inv_t, greedy, best, best_id, bad, ALL_GREE
 @triton.jit(do_not_specialize=["seed"])  # a new seed each step: one compiled variant for all
 def _sample_kernel(
     LOGITS, stride_l,  # [N, V] float32/float16/bfloat16, tokens contiguous
-    TEMP,  # [N] float32: temperature, 0 = greedy (not read when ALL_GREEDY)
+    TEMP,  # [N] float32: temperature, 0 = greedy
     OUT,  # [N] int64: the sampled token ids
     CHECKED,  # [N] int64: the same, but -1 in rows whose logits hold a NaN or an Inf
     BEST, COUNT, BAD,  # SPLIT only: [N] int64 packed (score, token) maxima, all _EMPTY;
@@ -63,20 +60,15 @@ def _sample_kernel(
     V, V_PER_PROGRAM, seed,
     BLOCK_V: tl.constexpr,
     SPLIT: tl.constexpr,  # several programs per row (grid axis 1)
-    ALL_GREEDY: tl.constexpr,  # every row takes the argmax: no random numbers
     PDL: tl.constexpr,  # programmatic dependent launch (kernels/pdl.py)
 ):
     pdl.wait_and_release(PDL)
     row = tl.program_id(0).to(tl.int64)
     v_start = tl.program_id(1) * V_PER_PROGRAM
     v_end = tl.minimum(V, v_start + V_PER_PROGRAM)
-    if ALL_GREEDY:
-        greedy = True
-        inv_t = 1.0
-    else:
-        t = tl.load(TEMP + row)
-        greedy = t == 0.0
-        inv_t = 1.0 / tl.where(greedy, 1.0, t)
+    t = tl.load(TEMP + row)
+    greedy = t == 0.0
+    inv_t = 1.0 / tl.where(greedy, 1.0, t)
     QUARTER: tl.constexpr = BLOCK_V // 4
     best = tl.full([QUARTER], float("-inf"), dtype=tl.float32)  # per lane: best score so far
     best_id = tl.zeros([QUARTER], dtype=tl.int32)  # and its token (the first one on ties)
@@ -84,25 +76,19 @@ def _sample_kernel(
     lanes = tl.arange(0, QUARTER)
     row_counters = tl.cdiv(V, BLOCK_V) * QUARTER  # Philox counters per row (one per 4 tokens)
     for v0 in range(v_start, v_end, BLOCK_V):
-        if ALL_GREEDY:
-            u0 = tl.zeros([QUARTER], dtype=tl.float32)  # (unused)
-            u1 = u0
-            u2 = u0
-            u3 = u0
-        else:
-            # One Philox call gives four uniforms: lane i's feed tokens v0 + i + (0, 1, 2, 3) *
-            # QUARTER, so every load stays contiguous; counters are unique per (row, block, lane).
-            counter = (row * row_counters + v0 // 4 + lanes).to(tl.uint32)
-            u0, u1, u2, u3 = tl.rand4x(seed, counter)  # [QUARTER] each, uniform in [0, 1)
+        # One Philox call gives four uniforms: lane i's feed tokens v0 + i + (0, 1, 2, 3) * QUARTER,
+        # so every load stays contiguous; counters are unique per (row, block, lane).
+        counter = (row * row_counters + v0 // 4 + lanes).to(tl.uint32)
+        u0, u1, u2, u3 = tl.rand4x(seed, counter)  # [QUARTER] each, uniform in [0, 1)
         # quarters in token order: within a lane a later token only wins on a strictly better score
         best, best_id, bad = _race(LOGITS + row * stride_l, v0 + lanes, v_end, u0, inv_t, greedy,
-                                   best, best_id, bad, ALL_GREEDY)
+                                   best, best_id, bad)
         best, best_id, bad = _race(LOGITS + row * stride_l, v0 + QUARTER + lanes, v_end, u1, inv_t,
-                                   greedy, best, best_id, bad, ALL_GREEDY)
-        best, best_id, bad = _race(LOGITS + row * stride_l, v0 + 2 * QUARTER + lanes, v_end, u2, inv_t,
-                                   greedy, best, best_id, bad, ALL_GREEDY)
-        best, best_id, bad = _race(LOGITS + row * stride_l, v0 + 3 * QUARTER + lanes, v_end, u3, inv_t,
-                                   greedy, best, best_id, bad, ALL_GREEDY)
+                                   greedy, best, best_id, bad)
+        best, best_id, bad = _race(LOGITS + row * stride_l, v0 + 2 * QUARTER + lanes, v_end, u2,
+                                   inv_t, greedy, best, best_id, bad)
+        best, best_id, bad = _race(LOGITS + row * stride_l, v0 + 3 * QUARTER + lanes, v_end, u3,
+                                   inv_t, greedy, best, best_id, bad)
     top = tl.max(best, axis=0)
     # lowest id among the lanes' ties (all -inf: every lane still holds id 0, as torch.argmax says)
     winner = tl.min(tl.where(best == top, best_id, V), axis=0)
@@ -146,12 +132,11 @@ def _scratch(device: torch.device, rows: int) -> tuple[torch.Tensor, torch.Tenso
     return have
 
 
-def sample_with_temperature(logits: torch.Tensor, temperature: torch.Tensor | None, seed: int,
+def sample_with_temperature(logits: torch.Tensor, temperature: torch.Tensor, seed: int,
                             out: torch.Tensor | None = None, programs_per_row: int | None = None,
                             checked: torch.Tensor | None = None) -> torch.Tensor:
     """One token per row of `logits` [N, V], drawn from softmax(logits / T) with T the row's
-    entry of `temperature` ([N] float32; 0 = argmax; None: every row takes the argmax). Returns
-    [N] int64 (or writes `out`). `checked`, if given ([N] int64), receives the same tokens with
+    entry of `temperature` ([N] float32; 0 = argmax). Returns [N] int64 (or writes `out`). `checked`, if given ([N] int64), receives the same tokens with
     -1 in rows whose logits hold a NaN or an Inf. `seed` (any int) keys the random draws: give
     each call a new one. A row is split among `programs_per_row` programs (default: enough for
     about 1,024 programs in all); the result does not depend on the split."""
@@ -159,7 +144,7 @@ def sample_with_temperature(logits: torch.Tensor, temperature: torch.Tensor | No
         raise ValueError(f"expected logits of shape [N, V], got {tuple(logits.shape)}")
     n, vocab = logits.shape
     check_dtype(logits)
-    if temperature is not None and (temperature.shape != (n,) or temperature.dtype != torch.float32):
+    if temperature.shape != (n,) or temperature.dtype != torch.float32:
         raise ValueError(f"temperature must be a float32 [{n}] tensor, got {temperature.dtype} "
                          f"{tuple(temperature.shape)}")
     if n * triton.cdiv(vocab, _BLOCK_V) * (_BLOCK_V // 4) >= 2**32:
@@ -174,13 +159,11 @@ def sample_with_temperature(logits: torch.Tensor, temperature: torch.Tensor | No
     per_program = triton.cdiv(blocks, split) * _BLOCK_V
     split = triton.cdiv(vocab, per_program)
     best, count, bad = _scratch(logits.device, n) if split > 1 else (out, out, out)
-    greedy = temperature is None
     if checked is None:
         checked = torch.empty_like(out)
     _sample_kernel[(n, split)](
-        logits, logits.stride(0), out if greedy else temperature.contiguous(), out, checked,
-        best, count, bad, vocab, per_program,
-        seed % (2**31), BLOCK_V=_BLOCK_V, SPLIT=split > 1, ALL_GREEDY=greedy, num_warps=8,
+        logits, logits.stride(0), temperature.contiguous(), out, checked, best, count, bad, vocab,
+        per_program, seed % (2**31), BLOCK_V=_BLOCK_V, SPLIT=split > 1, num_warps=8,
         **pdl.launch_options(logits),
     )
     return out

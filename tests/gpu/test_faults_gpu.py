@@ -88,7 +88,7 @@ def test_step_and_request_faults_on_the_gpu(core):
 
 def test_the_fused_sampler_flags_non_finite_rows_on_the_gpu():
     """Qwen3's vocabulary, bf16 and float32 logits, one and many rows (split and not): rows with
-    a NaN or Inf are -1 in `checked`; the greedy path equals torch.argmax exactly."""
+    a NaN or Inf are -1 in `checked`; greedy rows equal torch.argmax exactly."""
     from pagedserve.kernels.sampling import sample_with_temperature
 
     for rows in (1, 7, 300, 1100):
@@ -99,7 +99,8 @@ def test_the_fused_sampler_flags_non_finite_rows_on_the_gpu():
                 logits[r, (r * 7919) % 151936] = float("nan") if r % 2 else float("inf")
                 bad[r] = True
             checked = torch.empty(rows, dtype=torch.int64, device="cuda")
-            tokens = sample_with_temperature(logits, None, 1, checked=checked)
+            greedy = torch.zeros(rows, device="cuda")
+            tokens = sample_with_temperature(logits, greedy, 1, checked=checked)
             assert torch.equal(checked == -1, bad), (rows, dtype)
             assert torch.equal(tokens[~bad], logits[~bad].float().argmax(-1)), (rows, dtype)
             temp = torch.full((rows,), 0.8, device="cuda")
