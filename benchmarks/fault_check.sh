@@ -9,6 +9,7 @@
 set -uo pipefail
 OUT="${OUT:-fault_results}"
 mkdir -p "$OUT"
+OUT="$(cd "$OUT" && pwd)"
 ROOT="$PWD"
 python3 -m pip install -q --no-index --no-deps --target /tmp/pydeps .whl/*.whl
 export PYTHONUNBUFFERED=1
@@ -18,7 +19,7 @@ LAT="-m pagedserve.cli bench latency qwen3-4b-instruct-2507 --load-format dummy 
 for round in 1 2; do
     if [ -n "${BASE:-}" ]; then
         echo "=== latency, base, round $round ==="
-        (cd "$BASE" && timeout 200 python3 $LAT --output-json "$ROOT/$OUT/lat_base_$round.json" > /tmp/lat_base_$round.log 2>&1)
+        (cd "$BASE" && timeout 200 python3 $LAT --output-json "$OUT/lat_base_$round.json" > /tmp/lat_base_$round.log 2>&1)
         grep -E "^batch" /tmp/lat_base_$round.log || tail -5 /tmp/lat_base_$round.log
     fi
     echo "=== latency, this tree, round $round ==="
