@@ -122,6 +122,7 @@ def create_app(settings: ServerSettings, core: SpawnedCore | None = None) -> Fas
         # libraries); frozen, they are out of the garbage collector's view, so a full collection
         # while serving (about 0.2 s over all of them, every stream stalled) scans only what
         # came later.
+        logger.debug("longest token: %d bytes", server.tokenizer.max_token_bytes)  # (computed once)
         gc.collect()
         gc.freeze()
         logger_task = asyncio.create_task(log_periodically(metrics, client, settings.log_stats_interval))
@@ -249,7 +250,7 @@ class _Guard:
                 return await receive()
             try:
                 message = await asyncio.wait_for(receive(), self.body_read_timeout)
-            except TimeoutError:
+            except asyncio.TimeoutError:
                 raise StarletteHTTPException(408, "the request body did not arrive in time "
                                              f"(no data for {self.body_read_timeout:g} s)") from None
             if message["type"] == "http.request":

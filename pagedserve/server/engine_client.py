@@ -305,6 +305,7 @@ class AsyncEngineClient:
                 logger.error("a new engine core failed to start: %s", e)
                 if self._proc is not None and self._proc.is_alive():
                     self._proc.kill()
+                    await asyncio.to_thread(self._proc.join, 5)
                 code = self._proc.exitcode if self._proc is not None else None
                 continue
             self.restarts += 1
