@@ -3,7 +3,9 @@
 Both run as child processes in their own sessions (so a Ctrl-C in the terminal reaches only
 this supervisor, which then stops them in order), with their output in log files under
 <cache>/logs. If either child dies, the other is stopped, the tail of the dead one's log is
-printed and the exit code is 1; Ctrl-C or SIGTERM stops both and exits 0.
+printed and the exit code is 1; Ctrl-C or SIGTERM stops both and exits 0 (the server first
+drains: it gets its --shutdown-timeout and a margin before it is killed). If `up` itself is
+killed, the kernel ends both children (`lifeline`).
 """
 
 from __future__ import annotations
@@ -52,6 +54,7 @@ class Up:
     ui_url: str
     api_url: str
     startup_timeout: float = 600.0
+    server_stop_timeout: float = 40.0  # the server's --shutdown-timeout drain, and a margin
 
     def run(self) -> int:
         stop = _Stop()
@@ -113,7 +116,7 @@ class Up:
         self.ui.terminate()  # both at once; then wait for each
         self.server.terminate()
         self.ui.stop()
-        self.server.stop()
+        self.server.stop(self.server_stop_timeout)
         return code
 
 
@@ -140,5 +143,6 @@ def run_up(args, serve_argv: list[str]) -> int:
     up = Up(server=Child("server", [*me, "serve", *serve_argv], logs / f"up-server-{args.port}.log"),
             ui=Child("chat UI", ui_cmd, logs / f"up-ui-{args.ui_port}.log"),
             health_url=f"http://{_client_host(args.host)}:{args.port}/health",
-            ui_url=ui_url, api_url=api_url, startup_timeout=args.startup_timeout)
+            ui_url=ui_url, api_url=api_url, startup_timeout=args.startup_timeout,
+            server_stop_timeout=args.shutdown_timeout + 10)
     return up.run()
