@@ -194,7 +194,7 @@ def arrival(quick: bool) -> None:
     concurrency 16 then 64), twice: each step's wall time, token count and whether it was
     a graph replay. The first wave shows one-time costs (Triton compiles), the second the
     steady cost of the big prefill steps."""
-    from pagedserve.engine.core import EngineRequest
+    from pagedserve.engine.messages import EngineRequest
     from pagedserve.sampling_params import SamplingParams
 
     engine = _serving_engine()

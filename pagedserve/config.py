@@ -1,27 +1,26 @@
 """Frozen, validated configuration dataclasses.
 
 `ModelConfig` is built from a Hugging Face `config.json` dict; engine-level configs
-(cache, scheduler) live here too so there is one place to read what can be tuned.
+(cache, scheduler) live here too so there is one place to read what can be tuned. This
+module imports no torch (the HTTP process builds these configs too): the few methods that
+speak in torch types import it when called.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
-
-import torch
+from typing import TYPE_CHECKING, Any
 
 from pagedserve.faults import FaultPlan
 
-DTYPES: dict[str, torch.dtype] = {
-    "float32": torch.float32,
-    "fp32": torch.float32,
-    "float": torch.float32,
-    "bfloat16": torch.bfloat16,
-    "bf16": torch.bfloat16,
-    "float16": torch.float16,
-    "fp16": torch.float16,
-    "half": torch.float16,
+if TYPE_CHECKING:
+    import torch
+
+# user-facing dtype names -> torch dtype names
+DTYPE_NAMES: dict[str, str] = {
+    "float32": "float32", "fp32": "float32", "float": "float32",
+    "bfloat16": "bfloat16", "bf16": "bfloat16",
+    "float16": "float16", "fp16": "float16", "half": "float16",
 }
 
 
@@ -30,14 +29,16 @@ def resolve_dtype(dtype: str | torch.dtype | None, device: str | torch.device) -
 
     "auto" (or None) means bfloat16 on CUDA and float32 on the CPU.
     """
+    import torch
+
     if isinstance(dtype, torch.dtype):
-        if dtype not in DTYPES.values():
+        if dtype not in (torch.float32, torch.bfloat16, torch.float16):
             raise ValueError(f"dtype {dtype} is not supported; use float32, bfloat16 or float16")
         return dtype
     if dtype is None or dtype == "auto":
         return torch.bfloat16 if torch.device(device).type == "cuda" else torch.float32
     try:
-        return DTYPES[str(dtype).lower()]
+        return getattr(torch, DTYPE_NAMES[str(dtype).lower()])
     except KeyError:
         raise ValueError(
             f"dtype {dtype!r} is not supported; choose one of auto, float32, bfloat16, float16"
@@ -87,7 +88,7 @@ class ModelConfig:
 
     def kv_bytes_per_token(self, dtype: torch.dtype) -> int:
         """KV-cache bytes one token occupies across all layers (K and V)."""
-        itemsize = torch.empty((), dtype=dtype).element_size()
+        itemsize = dtype.itemsize
         return self.num_layers * 2 * self.num_kv_heads * self.head_dim * itemsize
 
     def num_parameters(self) -> int:
@@ -192,6 +193,8 @@ class EngineConfig:
     faults: FaultPlan = field(default_factory=FaultPlan)  # chaos tests only (faults.py)
 
     def resolved_device(self) -> torch.device:
+        import torch
+
         if self.device == "auto":
             return torch.device("cuda" if torch.cuda.is_available() else "cpu")
         return torch.device(self.device)

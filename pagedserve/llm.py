@@ -8,9 +8,10 @@ from collections.abc import Sequence
 from typing import Any
 
 from pagedserve.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
-from pagedserve.engine.core import EngineCore, EngineRequest
+from pagedserve.engine.core import EngineCore
+from pagedserve.engine.messages import EngineRequest
 from pagedserve.engine.output_processor import OutputProcessor, SampleState
-from pagedserve.models.loader import load_tokenizer, resolve_model
+from pagedserve.models.source import load_tokenizer, resolve_model
 from pagedserve.outputs import RequestOutput
 from pagedserve.sampling_params import SamplingParams
 

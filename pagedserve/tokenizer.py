@@ -24,6 +24,7 @@ from __future__ import annotations
 import functools
 from collections.abc import Sequence
 from os import PathLike
+from pathlib import Path
 from typing import Any
 
 PLACEHOLDER = "<|id:{}|>"
@@ -94,7 +95,16 @@ class Tokenizer:
 
     @classmethod
     def from_pretrained(cls, path: str | PathLike[str], **kwargs: Any) -> Tokenizer:
-        """Load the tokenizer files of a model folder (kwargs go to `AutoTokenizer`)."""
+        """Load the tokenizer files of a model folder (kwargs go to Transformers).
+
+        A folder with `tokenizer.json` loads through `PreTrainedTokenizerFast`, which imports
+        no torch (`AutoTokenizer` imports the model stack, and torch with it): the HTTP process
+        stays free of torch. Other folders (vocabulary files only) go through `AutoTokenizer`.
+        """
+        if (Path(path) / "tokenizer.json").is_file():
+            from transformers import PreTrainedTokenizerFast
+
+            return cls(PreTrainedTokenizerFast.from_pretrained(str(path), **kwargs))
         from transformers import AutoTokenizer
 
         return cls(AutoTokenizer.from_pretrained(str(path), **kwargs))

@@ -52,8 +52,9 @@ def smollm2_dir():
 
 
 @pytest.fixture(scope="session")
-def server():
-    """A real `pagedserve serve` of the embedded SmolLM2 on 127.0.0.1 (shared by the server tests)."""
+def server(smollm2_dir):
+    """A real `pagedserve serve` of the embedded SmolLM2 on 127.0.0.1 (shared by the server tests).
+    The model's cached folder exists before it starts (converting it would need torch)."""
     from server_helpers import ServerProcess
 
     proc = ServerProcess("--trust-request-chat-template").wait_ready()

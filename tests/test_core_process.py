@@ -6,6 +6,7 @@ import pytest
 
 from pagedserve.engine.core import FatalEngineError
 from pagedserve.engine.core_process import MAX_CONSECUTIVE_FAILURES, _loop
+from pagedserve.engine.messages import StepOutputs
 
 
 class FakeSockets:
@@ -53,13 +54,13 @@ class FakeCore:
 
 def _inputs(core, rounds):
     """A request per round (once the core has none), then a shutdown."""
-    from pagedserve.engine.core import EngineRequest
+    from pagedserve.engine.messages import AddRequest, EngineRequest, Shutdown
     from pagedserve.sampling_params import SamplingParams
 
     msgs = []
     for i in range(rounds):
-        msgs.append([("add", EngineRequest(f"r{i}", [1], SamplingParams()))])
-    msgs.append([("shutdown",)])
+        msgs.append([AddRequest(EngineRequest(f"r{i}", [1], SamplingParams()))])
+    msgs.append([Shutdown()])
 
     class Inp(FakeSockets):
         def poll(self, timeout):
@@ -73,7 +74,7 @@ def _inputs(core, rounds):
 def test_failed_steps_are_reported_and_the_loop_goes_on():
     out, core = FakeSockets([]), FakeCore(fail_times=MAX_CONSECUTIVE_FAILURES - 1)
     _loop(core, _inputs(core, MAX_CONSECUTIVE_FAILURES), out)
-    sent = [m[1] for m in out.sent if m[0] == "outputs"]
+    sent = [m.outputs for m in out.sent if isinstance(m, StepOutputs)]
     assert sent == [[("failed", "r0")], [("failed", "r1")], [("done", "r2")]]
 
 
@@ -83,7 +84,7 @@ def test_repeated_step_failures_end_the_process_after_reporting_them():
     out, core = FakeSockets([]), FakeCore(fail_times=MAX_CONSECUTIVE_FAILURES)
     with pytest.raises(FatalEngineError, match="in a row"):
         _loop(core, _inputs(core, MAX_CONSECUTIVE_FAILURES + 1), out)
-    sent = [m[1] for m in out.sent if m[0] == "outputs"]
+    sent = [m.outputs for m in out.sent if isinstance(m, StepOutputs)]
     assert sent == [[("failed", f"r{i}")] for i in range(MAX_CONSECUTIVE_FAILURES)]
 
 
@@ -173,7 +174,7 @@ def test_first_token_carries_queue_and_prefill_time():
     import time
 
     from pagedserve import LLM, SamplingParams
-    from pagedserve.engine.core import EngineRequest
+    from pagedserve.engine.messages import EngineRequest
 
     llm = LLM(dtype="float32", device="cpu", max_model_len=512)
     core = llm.engine
@@ -196,7 +197,7 @@ def test_an_engine_core_started_before_its_client_binds(smollm2_dir):
     import os
     import time
 
-    from pagedserve.models.loader import load_tokenizer
+    from pagedserve.models.source import load_tokenizer
     from pagedserve.sampling_params import SamplingParams
     from pagedserve.server.engine_client import AsyncEngineClient, spawn_engine_core
     from pagedserve.server.launch import engine_config

@@ -8,7 +8,8 @@ from __future__ import annotations
 import pytest
 
 from pagedserve.config import CacheConfig, EngineConfig, SchedulerConfig
-from pagedserve.engine.core import EngineCore, EngineRequest, FatalEngineError
+from pagedserve.engine.core import EngineCore, FatalEngineError
+from pagedserve.engine.messages import EngineRequest
 from pagedserve.faults import FaultPlan
 from pagedserve.sampling_params import SamplingParams
 

@@ -11,7 +11,7 @@ import time
 import pytest
 
 from pagedserve.config import EngineConfig
-from pagedserve.engine.core import TokenOutput
+from pagedserve.engine.messages import TokenOutput
 from pagedserve.engine.output_processor import OutputProcessor
 from pagedserve.faults import FaultPlan, InjectedFault
 from pagedserve.sampling_params import SamplingParams

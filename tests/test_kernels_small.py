@@ -398,7 +398,8 @@ def test_planned_model_matches_unplanned(tmp_path, monkeypatch):
     from pagedserve.kernels import skinny_gemm
     from pagedserve.layers import linear
     from pagedserve.layers.linear import Linear, plan_model_matmuls
-    from pagedserve.models.loader import build_model, resolve_model
+    from pagedserve.models.loader import build_model
+    from pagedserve.models.source import resolve_model
 
     make_hf_checkpoint("qwen3", tmp_path)
     model = build_model(resolve_model(str(tmp_path)), dtype="float32")

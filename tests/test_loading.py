@@ -10,8 +10,9 @@ from safetensors.torch import save_file
 
 from conftest import make_hf_checkpoint
 from pagedserve.config import ModelConfig
-from pagedserve.models.loader import build_model, resolve_model
+from pagedserve.models.loader import build_model
 from pagedserve.models.presets import PRESET_NAMES, load_preset
+from pagedserve.models.source import resolve_model
 
 
 @pytest.mark.parametrize("name,expected", [

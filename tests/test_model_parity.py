@@ -7,7 +7,8 @@ import torch
 
 from conftest import make_hf_checkpoint
 from helpers import greedy_nocache, hf_greedy, run_prefill
-from pagedserve.models.loader import build_model, resolve_model
+from pagedserve.models.loader import build_model
+from pagedserve.models.source import resolve_model
 
 
 @pytest.mark.parametrize("kind", ["llama", "qwen3"])

@@ -357,3 +357,18 @@ def test_message_fields_and_request_templates_reach_the_template(server, client)
     r = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=1,
                                        extra_body={"chat_template": template})
     assert r.usage.prompt_tokens == tok["count"]
+
+
+def test_the_http_process_never_loads_torch(server, client):
+    """The HTTP process (tokenizer, templates, streaming) imports no torch: only the engine
+    core holds the model stack. Checked on the running server, after it has served."""
+    from pathlib import Path
+
+    from server_helpers import cmdline
+
+    client.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=2)
+    assert "pagedserve.cli serve" in cmdline(server.proc.pid)
+    maps = Path(f"/proc/{server.proc.pid}/maps").read_text()
+    assert "libtorch" not in maps and "triton" not in maps
+    core_maps = Path(f"/proc/{server.engine_core_pid()}/maps").read_text()
+    assert "libtorch" in core_maps  # (the check can see torch where it is loaded)

@@ -36,8 +36,7 @@ from dataclasses import dataclass, field
 import torch
 
 from pagedserve.config import EngineConfig, ModelConfig, resolve_dtype
-from pagedserve.engine.core import TokenOutput
-from pagedserve.engine.core_process import CoreInfo, CoreStats
+from pagedserve.engine.messages import CoreInfo, CoreStats, TokenOutput
 from pagedserve.engine.output_processor import OutputProcessor, SampleState
 from pagedserve.sampling_params import SamplingParams
 from pagedserve.server.engine_client import (
@@ -83,7 +82,7 @@ def load_hf_model(config: EngineConfig):
     """The Transformers model for pagedserve's model argument, on its device, in eval mode."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    from pagedserve.models.loader import resolve_model
+    from pagedserve.models.source import resolve_model
 
     device = config.resolved_device()
     dtype = resolve_dtype(config.dtype, device)

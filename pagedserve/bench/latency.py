@@ -14,7 +14,7 @@ def run_latency(args, llm_kwargs: dict, llm=None) -> dict:
     import torch
 
     from pagedserve import LLM, SamplingParams
-    from pagedserve.engine.core import EngineRequest
+    from pagedserve.engine.messages import EngineRequest
 
     sizes = [int(b) for b in args.batch_sizes.split(",")]
     startup = None

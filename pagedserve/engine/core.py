@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass
 
 import torch
 
@@ -19,6 +18,7 @@ from pagedserve.attention.backend import get_backend_class
 from pagedserve.config import EngineConfig, SchedulerConfig, resolve_dtype
 from pagedserve.engine.cache_sizing import bytes_per_block, determine_num_blocks
 from pagedserve.engine.kv_cache_manager import KVCacheManager
+from pagedserve.engine.messages import EngineRequest, TokenOutput
 from pagedserve.engine.model_runner import ModelRunner
 from pagedserve.engine.request import Request
 from pagedserve.engine.scheduler import Scheduler
@@ -27,41 +27,10 @@ from pagedserve.engine.step_trace import StepTrace
 from pagedserve.engine.warm_up import profile_forward, warm_up
 from pagedserve.kernels.compile_ahead import compile_ahead, report_late_compiles
 from pagedserve.layers.linear import compile_plan_candidates, plan_model_matmuls
-from pagedserve.models.loader import ModelSource, build_model, resolve_model
-from pagedserve.sampling_params import SamplingParams
+from pagedserve.models.loader import build_model
+from pagedserve.models.source import ModelSource, resolve_model
 
 logger = logging.getLogger("pagedserve")
-
-
-@dataclass
-class EngineRequest:
-    """A request as handed to the engine core (token ids only)."""
-
-    request_id: str
-    prompt_token_ids: list[int]
-    sampling_params: SamplingParams
-    priority: int = 0
-    arrival_time: float | None = None
-
-
-@dataclass
-class TokenOutput:
-    """New tokens of one request after a step."""
-
-    request_id: str
-    new_token_ids: list[int]
-    # per new token: (its logprob, [(token id, logprob) of the top-k]); empty if not requested
-    new_logprobs: list[tuple[float, list[tuple[int, float]]]]
-    finished: bool = False
-    finish_reason: str | None = None  # "stop" | "length" | "abort"
-    stop_reason: int | str | None = None
-    num_prompt_tokens: int = 0
-    num_cached_tokens: int = 0
-    # With a request's first token only: seconds it waited to be scheduled, and from then
-    # to its first token (the prefill, chunks and all).
-    queue_s: float | None = None
-    prefill_s: float | None = None
-    error: str | None = None  # with finish_reason "error": why this request failed
 
 
 class FatalEngineError(RuntimeError):

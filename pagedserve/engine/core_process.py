@@ -2,12 +2,11 @@
 
 The front end (HTTP server) binds two IPC sockets; the core process connects to both:
 
-    front end  --PUSH-->  [requests]  --PULL-->  core   ("add", EngineRequest) / ("abort", ids) / ("shutdown",)
-    front end  <--PULL--  [outputs]   <--PUSH--  core   ("ready", CoreInfo) / ("failed", text)
-                                                        ("outputs", [TokenOutput], CoreStats)
-                                                        ("rejected", request_id, message)
+    front end  --PUSH-->  [requests]  --PULL-->  core   AddRequest / AbortRequests / Shutdown
+    front end  <--PULL--  [outputs]   <--PUSH--  core   Ready / StartFailed / StepOutputs / Rejected
 
-Messages are pickled Python objects: both ends are pagedserve processes of one user.
+The messages (`engine/messages.py`) are pickled dataclasses: both ends are pagedserve
+processes of one user. This module imports no torch until the process builds its engine.
 The core steps whenever it has unfinished requests and blocks on its input otherwise.
 A request or a step that fails comes back as outputs with finish_reason "error"
 (`EngineCore.step`) and the core serves on; MAX_CONSECUTIVE_FAILURES failed steps in a row
@@ -21,43 +20,23 @@ import gc
 import logging
 import os
 import traceback
-from dataclasses import dataclass
 
 from pagedserve.config import EngineConfig
+from pagedserve.engine.messages import (
+    AbortRequests,
+    AddRequest,
+    CoreInfo,
+    CoreStats,
+    Ready,
+    Rejected,
+    Shutdown,
+    StartFailed,
+    StepOutputs,
+)
 from pagedserve.lifeline import die_with_parent
 
 logger = logging.getLogger("pagedserve")
 MAX_CONSECUTIVE_FAILURES = 3
-
-
-@dataclass
-class CoreInfo:
-    """Facts the front end needs to validate requests, sent once when the core is ready."""
-
-    model_name: str
-    max_model_len: int
-    vocab_size: int
-    num_blocks: int
-    block_size: int
-    max_num_seqs: int
-    eos_token_ids: tuple[int, ...]
-    startup_seconds: float
-
-
-@dataclass
-class CoreStats:
-    """The core's state after a step (for /metrics and the periodic log line)."""
-
-    num_running: int
-    num_waiting: int
-    kv_usage: float  # fraction of KV blocks in use
-    prefix_queries: int  # prompt tokens looked up in the prefix cache (cumulative)
-    prefix_hits: int
-    num_preemptions: int
-    prompt_tokens_computed: int  # cumulative prefill tokens actually computed
-    generation_tokens: int  # cumulative sampled tokens
-    failed_steps: int = 0  # cumulative steps that raised
-    failed_requests: int = 0  # cumulative requests failed inside the engine
 
 
 def run_engine_core(config: EngineConfig, in_addr: str, out_addr: str, log_level: str = "INFO",
@@ -78,7 +57,7 @@ def run_engine_core(config: EngineConfig, in_addr: str, out_addr: str, log_level
 
         core = EngineCore(config)
     except Exception:
-        out.send_pyobj(("failed", traceback.format_exc()))
+        out.send_pyobj(StartFailed(traceback.format_exc()))
         out.close(linger=2000)
         return
     # Start-up leaves a great many long-lived objects (the model, compiled kernels, graphs).
@@ -87,7 +66,7 @@ def run_engine_core(config: EngineConfig, in_addr: str, out_addr: str, log_level
     gc.collect()
     gc.freeze()
     sched = core.scheduler_config
-    out.send_pyobj(("ready", CoreInfo(
+    out.send_pyobj(Ready(CoreInfo(
         core.source.name, sched.max_model_len, core.model_config.vocab_size, core.kv.num_blocks,
         core.kv.block_size, sched.max_num_seqs, core.model_config.eos_token_ids,
         core.startup_seconds,
@@ -110,27 +89,28 @@ def _loop(core, inp, out) -> None:
         changed = False
         while inp.poll(timeout):
             msg = inp.recv_pyobj()
-            kind = msg[0]
-            if kind == "shutdown":
+            if isinstance(msg, Shutdown):
                 return
-            if kind == "add":
+            if isinstance(msg, AddRequest):
                 try:
-                    core.add_request(msg[1])
+                    core.add_request(msg.request)
                 except ValueError as e:
-                    out.send_pyobj(("rejected", msg[1].request_id, str(e)))
-            elif kind == "abort":
-                core.abort_requests(msg[1])
+                    out.send_pyobj(Rejected(msg.request.request_id, str(e)))
+            elif isinstance(msg, AbortRequests):
+                core.abort_requests(msg.request_ids)
+            else:
+                logger.error("ignoring an unknown message: %r", type(msg))
             changed, timeout = True, 0
         if core.has_unfinished_requests():
             outputs = core.step()  # (failed requests are in outputs, with their errors)
-            out.send_pyobj(("outputs", outputs, core_stats(core)))
+            out.send_pyobj(StepOutputs(outputs, core_stats(core)))
             if core.consecutive_failed_steps >= MAX_CONSECUTIVE_FAILURES:
                 from pagedserve.engine.core import FatalEngineError
 
                 raise FatalEngineError(f"{core.consecutive_failed_steps} engine steps failed in a "
                                        "row; ending the engine core so that a new one starts")
         elif changed:  # e.g. an abort emptied the engine: report the new state
-            out.send_pyobj(("outputs", [], core_stats(core)))
+            out.send_pyobj(StepOutputs([], core_stats(core)))
 
 
 def core_stats(core) -> CoreStats:

@@ -13,7 +13,7 @@ import logging
 from dataclasses import dataclass, field
 
 from pagedserve import faults
-from pagedserve.engine.core import TokenOutput
+from pagedserve.engine.messages import TokenOutput
 from pagedserve.faults import FaultPlan
 from pagedserve.outputs import CompletionOutput
 from pagedserve.sampling_params import SamplingParams

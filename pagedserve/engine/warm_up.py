@@ -31,7 +31,7 @@ def warm_up(core: EngineCore) -> None:
     16), once as they normally run; then one step of the full token budget, the eager
     decode kernel at every split count and the fused sampler. Leaves no trace: blocks
     freed, prefix cache and counters reset."""
-    from pagedserve.engine.core import EngineRequest
+    from pagedserve.engine.messages import EngineRequest
 
     t0 = time.perf_counter()
     vocab = core.model_config.vocab_size
@@ -60,7 +60,7 @@ def warm_up_full_step(core: EngineCore) -> None:
     """One prefill step of max_num_batched_tokens tokens, so that the first full step of
     real requests finds its activation memory in the allocator's cache (the memory profile
     gave its own back before the KV cache was made) and its kernel variants loaded."""
-    from pagedserve.engine.core import EngineRequest
+    from pagedserve.engine.messages import EngineRequest
 
     sched, vocab = core.scheduler_config, core.model_config.vocab_size
     capacity = core.kv.num_blocks * core.kv.block_size  # a small KV cache must still fit one

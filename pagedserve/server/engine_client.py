@@ -33,8 +33,18 @@ import zmq
 import zmq.asyncio
 
 from pagedserve.config import EngineConfig
-from pagedserve.engine.core import EngineRequest
-from pagedserve.engine.core_process import CoreInfo, CoreStats, run_engine_core
+from pagedserve.engine.core_process import run_engine_core
+from pagedserve.engine.messages import (
+    AbortRequests,
+    AddRequest,
+    CoreInfo,
+    CoreStats,
+    EngineRequest,
+    Ready,
+    Rejected,
+    Shutdown,
+    StepOutputs,
+)
 from pagedserve.engine.output_processor import OutputProcessor, SampleState
 from pagedserve.sampling_params import SamplingParams
 from pagedserve.server.supervisor import RestartBudget, RestartPolicy
@@ -167,10 +177,10 @@ class AsyncEngineClient:
         while True:
             if await self._out.poll(500):
                 msg = await self._out.recv_pyobj()
-                if msg[0] == "ready":
-                    self.info = msg[1]
+                if isinstance(msg, Ready):
+                    self.info = msg.info
                     return
-                raise RuntimeError(f"the engine core failed to start:\n{msg[1]}")
+                raise RuntimeError(f"the engine core failed to start:\n{msg.traceback}")
             if not self._proc.is_alive():
                 raise RuntimeError(f"the engine core exited during start-up (code {self._proc.exitcode})")
             if time.monotonic() > deadline:
@@ -191,7 +201,7 @@ class AsyncEngineClient:
             await asyncio.gather(self._supervisor, return_exceptions=True)
         if self._proc is not None and self._proc.is_alive():
             with contextlib.suppress(zmq.ZMQError):
-                await self._in.send_pyobj(("shutdown",))
+                await self._in.send_pyobj(Shutdown())
             await asyncio.to_thread(self._proc.join, 5)
             if self._proc.is_alive():
                 self._proc.kill()
@@ -230,8 +240,8 @@ class AsyncEngineClient:
         finished = False
         try:
             # arrival = when this process took the request: the queue time then covers the hop
-            await self._in.send_pyobj(("add", EngineRequest(request_id, prompt_ids, params, priority,
-                                                            arrival_time=pending.arrival)))
+            await self._in.send_pyobj(AddRequest(EngineRequest(
+                request_id, prompt_ids, params, priority, arrival_time=pending.arrival)))
             async for state in pending.states():
                 finished = state.finished
                 yield state
@@ -243,7 +253,7 @@ class AsyncEngineClient:
 
     async def _send_abort(self, ids: list[str]) -> None:
         with contextlib.suppress(zmq.ZMQError):
-            await self._in.send_pyobj(("abort", ids))
+            await self._in.send_pyobj(AbortRequests(ids))
 
     def fail_all(self, error: Exception, source: str) -> None:
         """Fail every request in flight with `error` (each consumer raises it at once)."""
@@ -358,13 +368,12 @@ class AsyncEngineClient:
             msg = await self._out.recv_pyobj()
             await self._handle(msg)
 
-    async def _handle(self, msg: tuple) -> None:
+    async def _handle(self, msg: StepOutputs | Rejected) -> None:
         """Handle one message from the core; a failure that concerns one request fails it alone."""
-        kind = msg[0]
-        if kind == "outputs":
-            _, outputs, self.stats = msg
+        if isinstance(msg, StepOutputs):
+            self.stats = msg.stats
             now = time.monotonic()
-            updated, to_abort = self.processor.process(outputs)
+            updated, to_abort = self.processor.process(msg.outputs)
             if to_abort:
                 await self._send_abort(to_abort)
             for state in updated:
@@ -384,5 +393,7 @@ class AsyncEngineClient:
                     except Exception:  # metrics only: the request itself is fine
                         logger.exception("request %s: recording its metrics failed", state.request_id)
                 pending.wake.set()
-        elif kind == "rejected":
-            self._fail([msg[1]], RequestRejected(msg[2]), "rejected")
+        elif isinstance(msg, Rejected):
+            self._fail([msg.request_id], RequestRejected(msg.message), "rejected")
+        else:
+            logger.error("ignoring an unknown message from the engine core: %r", type(msg))

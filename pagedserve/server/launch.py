@@ -14,7 +14,7 @@ logger = logging.getLogger("pagedserve")
 
 def engine_config(kw: dict) -> tuple[EngineConfig, object, ModelConfig]:
     """EngineConfig from LLM-style keyword arguments; also the model source and config."""
-    from pagedserve.models.loader import resolve_model
+    from pagedserve.models.source import resolve_model
 
     source = resolve_model(kw["model"])
     model_cfg = ModelConfig.from_hf_config(source.hf_config)
@@ -47,7 +47,7 @@ def serve(args: argparse.Namespace, kw: dict) -> int:
 
     import uvicorn
 
-    from pagedserve.models.loader import load_tokenizer
+    from pagedserve.models.source import load_tokenizer
     from pagedserve.server.app import ServerSettings, create_app
     from pagedserve.server.http_server import (
         Server,

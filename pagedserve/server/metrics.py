@@ -8,7 +8,7 @@ import time
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
-from pagedserve.engine.core_process import CoreStats
+from pagedserve.engine.messages import CoreStats
 from pagedserve.engine.output_processor import SampleState
 
 logger = logging.getLogger("pagedserve")

@@ -33,7 +33,7 @@ def core(tmp_path_factory):
 
 
 def run(core, prompts: dict[str, list[int]], max_tokens: int = 24) -> dict:
-    from pagedserve.engine.core import EngineRequest
+    from pagedserve.engine.messages import EngineRequest
     from pagedserve.sampling_params import SamplingParams
 
     params = SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True)

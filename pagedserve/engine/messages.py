@@ -1,0 +1,120 @@
+"""What crosses the boundary between the front end (HTTP server, `LLM`) and the engine core:
+plain dataclasses, no torch, pickled over the ZeroMQ sockets of `engine/core_process.py`.
+
+Requests and results: `EngineRequest` in, `TokenOutput` out, `CoreInfo` once when the core is
+ready, `CoreStats` with every batch of outputs. The socket messages wrap them:
+
+    front end -> core: AddRequest, AbortRequests, Shutdown
+    core -> front end: Ready, StartFailed, StepOutputs, Rejected
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from pagedserve.sampling_params import SamplingParams
+
+
+@dataclass
+class EngineRequest:
+    """A request as handed to the engine core (token ids only)."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling_params: SamplingParams
+    priority: int = 0
+    arrival_time: float | None = None
+
+
+@dataclass
+class TokenOutput:
+    """New tokens of one request after a step."""
+
+    request_id: str
+    new_token_ids: list[int]
+    # per new token: (its logprob, [(token id, logprob) of the top-k]); empty if not requested
+    new_logprobs: list[tuple[float, list[tuple[int, float]]]]
+    finished: bool = False
+    finish_reason: str | None = None  # "stop" | "length" | "abort"
+    stop_reason: int | str | None = None
+    num_prompt_tokens: int = 0
+    num_cached_tokens: int = 0
+    # With a request's first token only: seconds it waited to be scheduled, and from then
+    # to its first token (the prefill, chunks and all).
+    queue_s: float | None = None
+    prefill_s: float | None = None
+    error: str | None = None  # with finish_reason "error": why this request failed
+
+
+@dataclass
+class CoreInfo:
+    """Facts the front end needs to validate requests, sent once when the core is ready."""
+
+    model_name: str
+    max_model_len: int
+    vocab_size: int
+    num_blocks: int
+    block_size: int
+    max_num_seqs: int
+    eos_token_ids: tuple[int, ...]
+    startup_seconds: float
+
+
+@dataclass
+class CoreStats:
+    """The core's state after a step (for /metrics and the periodic log line)."""
+
+    num_running: int
+    num_waiting: int
+    kv_usage: float  # fraction of KV blocks in use
+    prefix_queries: int  # prompt tokens looked up in the prefix cache (cumulative)
+    prefix_hits: int
+    num_preemptions: int
+    prompt_tokens_computed: int  # cumulative prefill tokens actually computed
+    generation_tokens: int  # cumulative sampled tokens
+    failed_steps: int = 0  # cumulative steps that raised
+    failed_requests: int = 0  # cumulative requests failed inside the engine
+
+
+# ---- socket messages ----------------------------------------------------------------------
+
+
+@dataclass
+class AddRequest:
+    request: EngineRequest
+
+
+@dataclass
+class AbortRequests:
+    request_ids: list[str]
+
+
+@dataclass
+class Shutdown:
+    pass
+
+
+@dataclass
+class Ready:
+    info: CoreInfo
+
+
+@dataclass
+class StartFailed:
+    traceback: str
+
+
+@dataclass
+class StepOutputs:
+    """One step's outputs (failed requests among them, with finish_reason "error")."""
+
+    outputs: list[TokenOutput]
+    stats: CoreStats
+
+
+@dataclass
+class Rejected:
+    """The core refused a request (it can never run); `message` says why."""
+
+    request_id: str
+    message: str
