@@ -35,7 +35,7 @@ class TokenOutput:
     # per new token: (its logprob, [(token id, logprob) of the top-k]); empty if not requested
     new_logprobs: list[tuple[float, list[tuple[int, float]]]]
     finished: bool = False
-    finish_reason: str | None = None  # "stop" | "length" | "abort"
+    finish_reason: str | None = None  # "stop" | "length" | "abort" | "error"
     stop_reason: int | str | None = None
     num_prompt_tokens: int = 0
     num_cached_tokens: int = 0
