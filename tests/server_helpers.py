@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -60,6 +61,28 @@ def alive(pid: int) -> bool:
     except OSError:
         return False
     return stat.rsplit(")", 1)[1].split()[0] != "Z"
+
+
+def metrics(url: str) -> dict[str, float]:
+    """The unlabelled-by-reason gauges and counters of a server's /metrics, by metric name."""
+    text = httpx.get(url + "/metrics", timeout=10).text
+    out = {}
+    for m in re.finditer(r"^(pagedserve_\w+)\{[^}]*\} (\S+)$", text, re.M):
+        out.setdefault(m.group(1), float(m.group(2)))
+    return out
+
+
+def wait_idle(url: str, timeout: float = 15.0) -> dict[str, float]:
+    """Poll /metrics until nothing runs or waits and the KV cache is empty (aborts are async);
+    the last reading."""
+    deadline = time.monotonic() + timeout
+    while True:
+        m = metrics(url)
+        idle = (m["pagedserve_num_requests_running"] == 0 and m["pagedserve_num_requests_waiting"] == 0
+                and m["pagedserve_kv_cache_usage_perc"] == 0)
+        if idle or time.monotonic() > deadline:
+            return m
+        time.sleep(0.2)
 
 
 class SubprocessUnderTest:

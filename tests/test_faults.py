@@ -18,7 +18,7 @@ import time
 
 import httpx
 import pytest
-from server_helpers import ServerProcess, alive, child_pids, cmdline
+from server_helpers import ServerProcess, alive, child_pids, cmdline, wait_idle
 
 OUTPUT_FAULT, REQUEST_FAULT, STEP_FAULT = 4242, 4243, 4244
 
@@ -87,15 +87,11 @@ def metric(url: str, name: str) -> float:
     return total
 
 
-def wait_idle(url: str, timeout: float = 10.0) -> None:
-    """Until the engine reports no running request and no KV block in use."""
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if (metric(url, "pagedserve_num_requests_running") == 0
-                and metric(url, "pagedserve_kv_cache_usage_perc") == 0):
-            return
-        time.sleep(0.2)
-    raise AssertionError("the engine still holds requests or KV blocks")
+def assert_idle(url: str) -> None:
+    """The engine comes to hold no request and no KV block."""
+    m = wait_idle(url, timeout=10)
+    assert m["pagedserve_num_requests_running"] == 0, m
+    assert m["pagedserve_kv_cache_usage_perc"] == 0, m
 
 
 def test_an_output_handling_failure_fails_only_its_request(chaos):
@@ -116,7 +112,7 @@ def test_an_output_handling_failure_fails_only_its_request(chaos):
             assert sum(len(e["choices"][0]["text"]) > 0 for e in s.events) >= 1
     assert httpx.get(chaos.url + "/health").status_code == 200
     assert metric(chaos.url, "pagedserve_request_failures_total") == 1
-    wait_idle(chaos.url)
+    assert_idle(chaos.url)
 
 
 def test_engine_failures_fail_their_requests_and_the_server_serves_on(chaos):
@@ -138,7 +134,7 @@ def test_engine_failures_fail_their_requests_and_the_server_serves_on(chaos):
     assert step[0] in failed and all(s.done for s in step)
     assert all(s.error["code"] == "engine_error" and "engine step" in s.error["message"] for s in failed)
     assert metric(chaos.url, "pagedserve_engine_step_failures_total") == steps_before + 1
-    wait_idle(chaos.url)
+    assert_idle(chaos.url)
     r = httpx.post(chaos.url + "/v1/completions", json={"prompt": prompt(1), "max_tokens": 4}, timeout=60)
     assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 4
 
@@ -236,7 +232,7 @@ def test_a_killed_engine_core_is_replaced(chaos):
     assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 4
     assert metric(url, "pagedserve_engine_restarts_total") == 1
     assert metric(url, "pagedserve_request_failures_total{model_name=\"smollm2-135m-instruct\",source=\"engine_died\"}") == 16
-    wait_idle(url)
+    assert_idle(url)
     learned = max(s.ended_at for s in results) - killed["at"]
     print(f"all 16 clients learned within {learned:.2f} s; serving again {back_s:.1f} s after the kill")
 

@@ -8,14 +8,12 @@ kept short: SmolLM2 in float32 on two CPU cores makes a few dozen tokens a secon
 from __future__ import annotations
 
 import asyncio
-import re
-import time
 
 import httpx
 import openai
 import pytest
 import torch
-from server_helpers import MODEL
+from server_helpers import MODEL, wait_idle
 
 CHAT = [{"role": "user", "content": "What is the capital of France? Answer in one sentence."}]
 PROMPT = "The three primary colors are"
@@ -40,27 +38,6 @@ def offline():
         yield LLM(dtype="float32", device="cpu", max_model_len=2048, kv_cache_memory=64 << 20)
     finally:
         torch.set_num_threads(threads)
-
-
-def metrics(server) -> dict[str, float]:
-    """The unlabelled-by-reason gauges and counters of /metrics, by metric name."""
-    text = httpx.get(server.url + "/metrics", timeout=10).text
-    out = {}
-    for m in re.finditer(r"^(pagedserve_\w+)\{[^}]*\} (\S+)$", text, re.M):
-        out.setdefault(m.group(1), float(m.group(2)))
-    return out
-
-
-def wait_idle(server, timeout: float = 15.0) -> dict[str, float]:
-    """Poll /metrics until nothing runs or waits and the KV cache is empty (aborts are async)."""
-    deadline = time.monotonic() + timeout
-    while True:
-        m = metrics(server)
-        idle = (m["pagedserve_num_requests_running"] == 0 and m["pagedserve_num_requests_waiting"] == 0
-                and m["pagedserve_kv_cache_usage_perc"] == 0)
-        if idle or time.monotonic() > deadline:
-            return m
-        time.sleep(0.2)
 
 
 # ---- parity with the offline engine ------------------------------------------------------
@@ -273,7 +250,7 @@ def test_concurrent_streams_with_early_disconnects(server):
     assert all(r[2] is None for r in closed)
     for _, text, finish in done:
         assert finish in ("stop", "length") and text
-    m = wait_idle(server)
+    m = wait_idle(server.url)
     assert m["pagedserve_num_requests_running"] == 0, m
     assert m["pagedserve_num_requests_waiting"] == 0, m
     assert m["pagedserve_kv_cache_usage_perc"] == 0, m
@@ -285,7 +262,7 @@ def test_non_streaming_disconnect_aborts(server):
     with pytest.raises(httpx.ReadTimeout):
         httpx.post(server.url + "/v1/completions", timeout=2,
                    json={"prompt": "Once upon a time", "max_tokens": 1500, "ignore_eos": True})
-    m = wait_idle(server, timeout=10)
+    m = wait_idle(server.url, timeout=10)
     assert m["pagedserve_num_requests_running"] == 0, m
     assert m["pagedserve_kv_cache_usage_perc"] == 0, m
 

@@ -2,10 +2,31 @@
 
 from __future__ import annotations
 
+import asyncio
+
+
+def run_counting_ticks(work, interval: float):
+    """Run the coroutine `work()` while a ticker coroutine counts its turns (one per `interval`
+    seconds): how much the event loop ran meanwhile. Returns (work's result, the count)."""
+    async def run():
+        ticks = 0
+
+        async def ticker():
+            nonlocal ticks
+            while True:
+                await asyncio.sleep(interval)
+                ticks += 1
+
+        t = asyncio.create_task(ticker())
+        result = await work()
+        t.cancel()
+        return result, ticks
+
+    return asyncio.run(run())
+
 
 def test_long_prompts_are_tokenized_off_the_event_loop():
     """While a long prompt is tokenized, other coroutines (other requests' streams) keep running."""
-    import asyncio
     import time
     from types import SimpleNamespace
 
@@ -17,31 +38,18 @@ def test_long_prompts_are_tokenized_off_the_event_loop():
 
     fake = SimpleNamespace(encode=slow_encode, check_size=lambda num_bytes, param: None)
 
-    async def run(n_chars):
-        ticks = 0
+    def run(n_chars):
+        return run_counting_ticks(lambda: Server.encode_async(fake, "x" * n_chars, True, "prompt"), 0.01)
 
-        async def ticker():
-            nonlocal ticks
-            while True:
-                await asyncio.sleep(0.01)
-                ticks += 1
-
-        t = asyncio.create_task(ticker())
-        await asyncio.sleep(0)
-        ids = await Server.encode_async(fake, "x" * n_chars, True, "prompt")
-        t.cancel()
-        return ids, ticks
-
-    ids, ticks = asyncio.run(run(OFFLOAD_CHARS))
+    ids, ticks = run(OFFLOAD_CHARS)
     assert ids == [OFFLOAD_CHARS] and ticks >= 10  # the loop ran during the 0.3 s encode
-    ids, ticks = asyncio.run(run(10))
+    ids, ticks = run(10)
     assert ids == [10] and ticks == 0  # short prompts stay inline (no thread hop)
 
 
 def test_text_too_big_for_the_context_is_refused_before_tokenizing():
     """A text of B bytes is at least B / max_token_bytes tokens: past max_model_len (with a
     margin) it is a 400 at once, and the tokenizer never sees it."""
-    import asyncio
     from types import SimpleNamespace
 
     import pytest
@@ -76,7 +84,6 @@ def test_the_tokenizer_bounds_the_bytes_a_token_covers(smollm2_dir):
 def test_long_id_lists_decode_in_pieces_exactly(smollm2_dir):
     """decode_async gives tokenizer.decode's text for long lists (multi-byte characters split
     across pieces included) while the event loop keeps turning."""
-    import asyncio
     import random
     from types import SimpleNamespace
 
@@ -91,20 +98,7 @@ def test_long_id_lists_decode_in_pieces_exactly(smollm2_dir):
         ids += emoji if rng.random() < 0.3 else [rng.randrange(tok.known_vocab_size)]
     server = SimpleNamespace(tokenizer=tok)
 
-    async def run():
-        ticks = 0
-
-        async def ticker():
-            nonlocal ticks
-            while True:
-                await asyncio.sleep(0)
-                ticks += 1
-
-        t = asyncio.create_task(ticker())
-        text = await Server.decode_async(server, ids, skip_special_tokens=False)
-        t.cancel()
-        return text, ticks
-
-    text, ticks = asyncio.run(run())
+    text, ticks = run_counting_ticks(
+        lambda: Server.decode_async(server, ids, skip_special_tokens=False), 0)
     assert text == tok.decode(ids, skip_special_tokens=False)
     assert ticks >= 4
