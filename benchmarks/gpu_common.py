@@ -4,12 +4,18 @@ measuring helpers."""
 
 from __future__ import annotations
 
+import sys
 import time
 import traceback
+from pathlib import Path
 
 import torch
 
-from pagedserve.attention.testing import random_paged_step
+# `python3 benchmarks/gpu_check.py` without PYTHONPATH=.: the working tree's pagedserve, which
+# every module here imports after this one
+_ROOT = str(Path(__file__).resolve().parent.parent)
+if _ROOT not in sys.path:
+    sys.path.insert(1, _ROOT)
 
 RESULTS: dict = {"sections": {}}
 TABLE: list[tuple[str, str, str]] = []  # (check, value, verdict)
@@ -57,5 +63,19 @@ def graph_ms(fn) -> float:
     return triton.testing.do_bench(g.replay, return_mode="median")
 
 
+def runner_of(engine):
+    """An EngineCore's ModelRunner, in its in-process executor's worker (the one place the
+    benchmarks look for it)."""
+    return engine.executor.worker.runner
+
+
+def decode_graph(runner, batch: int):
+    """(key, captured graph) of the smallest decode graph for `batch` rows."""
+    key = next(k for k in runner.graphs.decode_keys if k.num_tokens >= batch)
+    return key, runner.graphs.graphs[key]
+
+
 def paged_step(q_lens, seq_lens, block_size, num_blocks, gen):
+    from pagedserve.attention.testing import random_paged_step
+
     return random_paged_step(q_lens, seq_lens, block_size, num_blocks, gen, DEV)

@@ -11,7 +11,7 @@ import os
 
 import torch
 
-from gpu_common import DEV, RESULTS, record, section
+from gpu_common import DEV, RESULTS, record, runner_of, section
 
 
 @torch.inference_mode()
@@ -83,22 +83,52 @@ def _same_hidden(graphs, bs: int, name: str, want: dict, res: dict) -> None:
         res.setdefault("mismatch", []).append(f"b{bs} {name}")
 
 
+class _DecodeGraphs:
+    """Decode graphs of the engine's step buffers, recaptured per bucket with a prefetch
+    setting of the probe's choosing (the engine captures with the default one)."""
+
+    def __init__(self, runner) -> None:
+        self.runner = runner
+        self.graphs, self.outputs, self.prefetchers = {}, {}, {}
+        self.stream = torch.cuda.Stream(runner.device)
+
+    @torch.inference_mode()
+    def capture_bucket(self, bs: int, cfg) -> None:
+        from pagedserve.attention.backend import GraphKey
+        from pagedserve.engine.graphs import capture_graph
+        from pagedserve.kernels.weight_prefetch import WeightPrefetcher
+
+        key, graphs = GraphKey(bs, 1), self.runner.graphs
+        prefetcher = self.prefetchers[bs] = None if cfg is None else WeightPrefetcher(graphs.device, cfg)
+
+        def fn():
+            if prefetcher is None:
+                return graphs.forward(key)
+            with prefetcher.run():
+                return graphs.forward(key)
+        self.graphs[bs], self.outputs[bs] = capture_graph(fn, None, self.stream)
+
+
 def _engine(model: str, max_batch: int, ctx: int):
     """A dummy-weight engine whose decode-graph rows 0 .. max_batch - 1 each hold a context of
     `ctx` tokens with random K/V (as in `bench latency`'s batch-size sweep)."""
-    from pagedserve import LLM
+    from pagedserve import LLM, SamplingParams
+    from pagedserve.attention.backend import GraphKey
+    from pagedserve.engine.input_batch import pack_step
+    from pagedserve.engine.request import Request
+    from pagedserve.engine.scheduler import ScheduledChunk
 
     llm = LLM(model, load_format="dummy", dtype="bfloat16", max_model_len=4096, max_num_seqs=max_batch,
               kv_cache_memory=8 << 30, tokenizer=os.environ.get("PS_TOKENIZER"))
-    graphs = llm.engine.runner.graphs
+    runner = runner_of(llm.engine)
     nb = ctx // 16  # blocks per row: row r owns blocks r * nb ... (r + 1) * nb - 1
-    for r in range(max_batch):
-        graphs.input_ids[r], graphs.positions[r], graphs.seq_lens[r] = 1234 + r, ctx - 1, ctx
-        graphs.slot_mapping[r] = (r * nb + nb - 1) * 16 + 15
-        graphs.block_tables[r, :nb] = torch.arange(r * nb, (r + 1) * nb, dtype=torch.int32)
-    for cache in llm.engine.runner.kv_caches:  # the contexts' K/V: random, not leftover memory
+    reqs = [Request(f"r{r}", [1234 + r] * ctx, SamplingParams(), max_tokens=1) for r in range(max_batch)]
+    tables = [list(range(r * nb, (r + 1) * nb)) for r in range(max_batch)]
+    a = pack_step([ScheduledChunk(q, ctx - 1, 1, samples=True) for q in reqs], tables, {}, 16)
+    runner.buffers.load(a, max_batch, GraphKey(max_batch, 1), None)
+    for cache in runner.kv_caches:  # the contexts' K/V: random, not leftover memory
         cache[:, : max_batch * nb].normal_()
-    return llm, graphs
+    return llm, _DecodeGraphs(runner)
 
 
 @section
@@ -138,7 +168,7 @@ def weight_prefetch(quick: bool) -> None:
             record(f"  issue alone {k} ms", statistics.median(v), None, "{:.4f}")
         record(f"{short} prefetch: identical hidden states", not res.get("mismatch"), not res.get("mismatch"))
         if model.startswith("qwen3"):
-            mlp = llm.engine.runner.model.layers[0].mlp
+            mlp = runner_of(llm.engine).model.layers[0].mlp
             for lin in (mlp.gate_up_proj, mlp.down_proj):
                 if not lin.skinny_plan or lin.skinny_plan.get(1) is None:
                     continue

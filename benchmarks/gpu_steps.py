@@ -10,7 +10,7 @@ from pathlib import Path
 
 import torch
 
-from gpu_common import RESULTS, record, section
+from gpu_common import RESULTS, record, runner_of, section
 
 
 def _serving_engine():
@@ -70,7 +70,7 @@ def sustained(quick: bool) -> None:
     import subprocess
 
     engine = _serving_engine()
-    runner = engine.runner
+    runner = runner_of(engine)
 
     def gpu_ms(out, tabs, n: int = 10) -> float:
         for _ in range(3):
@@ -131,7 +131,7 @@ def mixed(quick: bool) -> None:
     from torch.profiler import ProfilerActivity, profile
 
     engine = _serving_engine()
-    runner = engine.runner
+    runner = runner_of(engine)
 
     # (decodes, their context, prefill chunk lengths); " eager" names run without mixed graphs.
     # The first four are the concurrency-256 serving steps the step trace found (2026-12-01):
@@ -144,10 +144,9 @@ def mixed(quick: bool) -> None:
               "mixed 240 dec + 2x1024": (240, 1100, (1024, 1024)),
               "mixed 16 dec + 1024": (16, 1100, (1024,))}
     found = {}
-    mixed_graphs, graphs = runner.mixed_graphs, runner.graphs
+    graphs = runner.graphs
     for name, (nd, ctx, pre_lens) in shapes.items():
         eager = name.endswith("eager")
-        runner.mixed_graphs = None if eager else mixed_graphs
         runner.graphs = None if eager else graphs
         reqs, out, tables = _step_chunks(engine, nd, ctx, pre_lens, name[:3] + name[-3:], rng=random.Random(0))
         for _ in range(3):
@@ -184,7 +183,7 @@ def mixed(quick: bool) -> None:
                f"{row['serial_ms']} / {row['gpu_ms']} / {row['host_launch_ms']}")
         for r in reqs:
             engine.kv.free(r.request_id)
-    runner.mixed_graphs, runner.graphs = mixed_graphs, graphs
+    runner.graphs = graphs
     RESULTS["mixed_step"] = found
 
 
@@ -198,7 +197,7 @@ def arrival(quick: bool) -> None:
     from pagedserve.sampling_params import SamplingParams
 
     engine = _serving_engine()
-    runner = engine.runner
+    runner = runner_of(engine)
     params = SamplingParams(max_tokens=128, temperature=1.0, ignore_eos=True)
     found = {}
     cache = Path(os.environ.get("TRITON_CACHE_DIR", Path.home() / ".triton" / "cache"))

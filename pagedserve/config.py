@@ -16,6 +16,8 @@ from pagedserve.faults import FaultPlan
 if TYPE_CHECKING:
     import torch
 
+    from pagedserve.models.source import ModelSource
+
 # user-facing dtype names -> torch dtype names
 DTYPE_NAMES: dict[str, str] = {
     "float32": "float32", "fp32": "float32", "float": "float32",
@@ -85,11 +87,6 @@ class ModelConfig:
     @property
     def kv_size(self) -> int:
         return self.num_kv_heads * self.head_dim
-
-    def kv_bytes_per_token(self, dtype: torch.dtype) -> int:
-        """KV-cache bytes one token occupies across all layers (K and V)."""
-        itemsize = dtype.itemsize
-        return self.num_layers * 2 * self.num_kv_heads * self.head_dim * itemsize
 
     def num_parameters(self) -> int:
         """Parameter count computed from the shapes, without allocating anything."""
@@ -177,8 +174,34 @@ class CacheConfig:
 
 
 @dataclass(frozen=True)
+class KernelConfig:
+    """Kernel choices of the engine (every default is the measured winner on the H200; the
+    switches exist for A/B measurements, `envs.kernel_config` reads them from $PAGEDSERVE_*)."""
+
+    skinny_matmul: bool = True  # time the skinny Triton matmul against cuBLAS at start-up (CUDA, 16-bit)
+    pdl: bool = True  # programmatic dependent launch of the Triton kernels (compute capability 9.0+)
+    fused_sampling: bool = True  # temperature-only batches sampled by one Triton kernel
+    weight_prefetch: bool = True  # L2 weight prefetch beside decode graphs of up to 16 rows (Hopper)
+    compile_ahead: bool = True  # rehearse each CUDA start-up phase with Triton compiles in parallel
+    mixed_graph_tokens: int = 2048  # largest prefill/mixed step replayed from a CUDA graph (0 = none)
+
+    def __post_init__(self) -> None:
+        if self.mixed_graph_tokens < 0:
+            raise ValueError(f"mixed_graph_tokens must be >= 0, got {self.mixed_graph_tokens}")
+
+
+@dataclass(frozen=True)
+class ObservabilityConfig:
+    """Engine-step logging and tracing (all off by default; `envs.observability_config`)."""
+
+    slow_step_ms: float = 0.0  # log steps slower than this, with their make-up (0 = off)
+    step_times_every: int = 0  # every N steps, log host milliseconds per step phase (0 = off)
+    step_trace: str | None = None  # append each step's make-up and GPU times to this JSONL file
+
+
+@dataclass(frozen=True)
 class EngineConfig:
-    """Everything needed to build an engine core."""
+    """Everything needed to build an engine core (built once: `EngineConfig.from_args`)."""
 
     model: str | None = None  # None = embedded default model; else preset, folder or .gguf
     dtype: str = "auto"
@@ -191,6 +214,44 @@ class EngineConfig:
     enforce_eager: bool = False
     async_scheduling: bool = True  # overlap host scheduling with the GPU (see EngineCore.step)
     faults: FaultPlan = field(default_factory=FaultPlan)  # chaos tests only (faults.py)
+    kernels: KernelConfig = field(default_factory=KernelConfig)
+    observability: ObservabilityConfig = field(default_factory=ObservabilityConfig)
+
+    @classmethod
+    def from_args(cls, model: str | None = None, *, max_model_len: int | None = None,
+                  max_num_seqs: int = 256, max_num_batched_tokens: int = 8192, block_size: int = 16,
+                  enable_prefix_caching: bool = True, kv_cache_memory: int | None = None,
+                  gpu_memory_utilization: float = 0.9, **kw: Any) -> tuple[EngineConfig, ModelSource, ModelConfig]:
+        """The one place a user's settings (LLM(...) arguments or CLI flags) become a config:
+        resolves the model, checks max_model_len against it (default: the model's limit), and
+        reads the kernel and logging switches from the environment. Returns (config, the
+        resolved model source, its ModelConfig). `kw`: the other EngineConfig fields."""
+        from pagedserve import envs
+        from pagedserve.models.source import resolve_model
+
+        source = resolve_model(model)
+        model_cfg = ModelConfig.from_hf_config(source.hf_config)
+        limit = model_cfg.max_position_embeddings
+        max_len = max_model_len or limit
+        if max_len > limit:
+            raise ValueError(f"max_model_len={max_len} exceeds the model's max_position_embeddings "
+                             f"({limit}); lower --max-model-len")
+        kw.setdefault("kernels", envs.kernel_config())
+        kw.setdefault("observability", envs.observability_config())
+        config = cls(
+            model=model, scheduler=SchedulerConfig(max_num_seqs, max_num_batched_tokens, max_len),
+            cache=CacheConfig(block_size, enable_prefix_caching, kv_cache_memory, gpu_memory_utilization),
+            **kw,
+        )
+        return config, source, model_cfg
+
+    def scheduler_for(self, model_cfg: ModelConfig) -> SchedulerConfig:
+        """The scheduler limits with max_model_len clamped to what the model supports."""
+        sched = self.scheduler
+        max_len = min(sched.max_model_len, model_cfg.max_position_embeddings)
+        if max_len == sched.max_model_len:
+            return sched
+        return SchedulerConfig(sched.max_num_seqs, sched.max_num_batched_tokens, max_len)
 
     def resolved_device(self) -> torch.device:
         import torch

@@ -4,6 +4,10 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from pagedserve.config import KernelConfig, ObservabilityConfig
 
 
 def cache_dir() -> Path:
@@ -13,6 +17,11 @@ def cache_dir() -> Path:
         return Path(env).expanduser()
     base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
     return Path(base) / "pagedserve"
+
+
+def environment() -> dict[str, str]:
+    """A copy of this process's whole environment (the base of a child process's)."""
+    return dict(os.environ)
 
 
 def api_key() -> str | None:
@@ -25,62 +34,46 @@ def log_level() -> str:
     return os.environ.get("PAGEDSERVE_LOG_LEVEL", "INFO").upper()
 
 
-def slow_step_ms() -> float:
-    """$PAGEDSERVE_SLOW_STEP_MS: log engine steps slower than this, with their make-up (0 = off)."""
-    return float(os.environ.get("PAGEDSERVE_SLOW_STEP_MS") or 0)
+def kernel_config() -> KernelConfig:
+    """The engine's kernel switches (each default is the measured winner; 0 turns one off):
+    $PAGEDSERVE_SKINNY_MATMUL (time the skinny Triton matmul against cuBLAS per weight shape
+    at start-up), $PAGEDSERVE_PDL (programmatic dependent launch), $PAGEDSERVE_FUSED_SAMPLING
+    (one Triton kernel samples temperature-only batches), $PAGEDSERVE_WEIGHT_PREFETCH (L2
+    weight prefetch beside small decode graphs on Hopper), $PAGEDSERVE_COMPILE_AHEAD (compile
+    each start-up phase's Triton kernels in parallel first), and $PAGEDSERVE_MIXED_GRAPH_TOKENS
+    (the largest prefill/mixed step replayed from a CUDA graph, default 2048; 0 = decode only)."""
+    from pagedserve.config import KernelConfig
+
+    return KernelConfig(
+        skinny_matmul=_flag("PAGEDSERVE_SKINNY_MATMUL"), pdl=_flag("PAGEDSERVE_PDL"),
+        fused_sampling=_flag("PAGEDSERVE_FUSED_SAMPLING"),
+        weight_prefetch=_flag("PAGEDSERVE_WEIGHT_PREFETCH"),
+        compile_ahead=_flag("PAGEDSERVE_COMPILE_AHEAD"),
+        mixed_graph_tokens=int(os.environ.get("PAGEDSERVE_MIXED_GRAPH_TOKENS") or 2048),
+    )
 
 
-def step_times_every() -> int:
-    """$PAGEDSERVE_STEP_TIMES=N: every N engine steps, log the host's milliseconds per step in
-    each phase (schedule, prepare+launch, wait for GPU, apply results); 0 = off."""
-    return int(os.environ.get("PAGEDSERVE_STEP_TIMES") or 0)
+def observability_config() -> ObservabilityConfig:
+    """$PAGEDSERVE_SLOW_STEP_MS: log engine steps slower than this, with their make-up (0 =
+    off); $PAGEDSERVE_STEP_TIMES=N: every N steps, log the host's milliseconds per step phase;
+    $PAGEDSERVE_STEP_TRACE=FILE.jsonl: append each step's make-up and GPU start and end times
+    to FILE (CUDA only; `engine/step_trace.py`)."""
+    from pagedserve.config import ObservabilityConfig
+
+    return ObservabilityConfig(
+        slow_step_ms=float(os.environ.get("PAGEDSERVE_SLOW_STEP_MS") or 0),
+        step_times_every=int(os.environ.get("PAGEDSERVE_STEP_TIMES") or 0),
+        step_trace=os.environ.get("PAGEDSERVE_STEP_TRACE") or None,
+    )
 
 
-def step_trace() -> str | None:
-    """$PAGEDSERVE_STEP_TRACE=FILE.jsonl: append each engine step's make-up and GPU start and
-    end times to FILE (CUDA only; `engine/step_trace.py`)."""
-    return os.environ.get("PAGEDSERVE_STEP_TRACE") or None
+def triton_interpret() -> bool:
+    """$TRITON_INTERPRET=1: Triton's CPU interpreter runs the kernels (tests)."""
+    return os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "on", "yes")
 
 
-def mixed_graph_tokens() -> int:
-    """$PAGEDSERVE_MIXED_GRAPH_TOKENS: the largest prefill/mixed step (in tokens) replayed
-    from a CUDA graph; bigger steps run eagerly (default 2048; 0 = decode graphs only). Above
-    about 2,000 tokens the GPU's time exceeds an eager step's launch time, which async
-    scheduling overlaps with the previous step, and padding costs more than graphs save."""
-    return int(os.environ.get("PAGEDSERVE_MIXED_GRAPH_TOKENS") or 2048)
-
-
-def skinny_matmul() -> bool:
-    """$PAGEDSERVE_SKINNY_MATMUL=0 keeps every weight matmul on cuBLAS; by default (1) the
-    engine times the skinny Triton kernel against cuBLAS at start-up for batches of 1-64 rows
-    and uses whichever is faster per weight shape (CUDA, 16-bit weights only)."""
-    return (os.environ.get("PAGEDSERVE_SKINNY_MATMUL") or "1") != "0"
-
-
-def pdl() -> bool:
-    """$PAGEDSERVE_PDL=0 launches the Triton kernels the normal way; by default (1) they use
-    programmatic dependent launch where the GPU (compute capability 9.0+) and Triton allow."""
-    return (os.environ.get("PAGEDSERVE_PDL") or "1") != "0"
-
-
-def fused_sampling() -> bool:
-    """$PAGEDSERVE_FUSED_SAMPLING=0 samples every batch with the torch ops; by default (1) a
-    batch whose random rows only set a temperature is sampled by one Triton kernel on the GPU."""
-    return (os.environ.get("PAGEDSERVE_FUSED_SAMPLING") or "1") != "0"
-
-
-def weight_prefetch() -> bool:
-    """$PAGEDSERVE_WEIGHT_PREFETCH=0 turns off the L2 weight prefetch that runs beside the
-    decode graphs of up to 16 rows on Hopper GPUs (`kernels/weight_prefetch.py`; default 1)."""
-    return (os.environ.get("PAGEDSERVE_WEIGHT_PREFETCH") or "1") != "0"
-
-
-def compile_ahead() -> bool:
-    """$PAGEDSERVE_COMPILE_AHEAD=0 lets Triton compile each kernel when it is first launched;
-    by default (1) each CUDA start-up phase (memory profile, matmul plan, graph capture,
-    warm-up) is first rehearsed with its Triton launches compiled in parallel threads
-    (`kernels/compile_ahead.py`), which shortens a start-up with an empty kernel cache."""
-    return (os.environ.get("PAGEDSERVE_COMPILE_AHEAD") or "1") != "0"
+def _flag(name: str) -> bool:
+    return (os.environ.get(name) or "1") != "0"
 
 
 # The chat UI (`pagedserve ui` sets these for the Chainlit app it starts).

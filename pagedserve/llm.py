@@ -7,11 +7,11 @@ import logging
 from collections.abc import Sequence
 from typing import Any
 
-from pagedserve.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
+from pagedserve.config import EngineConfig
 from pagedserve.engine.core import EngineCore
 from pagedserve.engine.messages import EngineRequest
 from pagedserve.engine.output_processor import OutputProcessor, SampleState
-from pagedserve.models.source import load_tokenizer, resolve_model
+from pagedserve.models.source import load_tokenizer
 from pagedserve.outputs import RequestOutput
 from pagedserve.sampling_params import SamplingParams
 
@@ -48,21 +48,13 @@ class LLM:
         tokenizer: str | None = None,
         async_scheduling: bool = True,
     ) -> None:
-        source = resolve_model(model)
-        model_cfg = ModelConfig.from_hf_config(source.hf_config)
-        max_len = max_model_len or model_cfg.max_position_embeddings
-        if max_len > model_cfg.max_position_embeddings:
-            raise ValueError(
-                f"max_model_len={max_len} exceeds the model's max_position_embeddings="
-                f"{model_cfg.max_position_embeddings}"
-            )
-        config = EngineConfig(
-            model=model, dtype=dtype, device=device, load_format=load_format, seed=seed,
-            scheduler=SchedulerConfig(max_num_seqs, max_num_batched_tokens, max_len),
-            cache=CacheConfig(block_size, enable_prefix_caching, kv_cache_memory,
-                              gpu_memory_utilization),
-            attention_backend=attention_backend, enforce_eager=enforce_eager,
-            async_scheduling=async_scheduling,
+        config, source, model_cfg = EngineConfig.from_args(
+            model, max_model_len=max_model_len, max_num_seqs=max_num_seqs,
+            max_num_batched_tokens=max_num_batched_tokens, block_size=block_size,
+            enable_prefix_caching=enable_prefix_caching, kv_cache_memory=kv_cache_memory,
+            gpu_memory_utilization=gpu_memory_utilization, dtype=dtype, device=device,
+            load_format=load_format, seed=seed, attention_backend=attention_backend,
+            enforce_eager=enforce_eager, async_scheduling=async_scheduling,
         )
         self.engine = EngineCore(config, source)
         self.tokenizer = load_tokenizer(source, model_cfg, tokenizer)

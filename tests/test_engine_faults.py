@@ -74,7 +74,7 @@ def test_a_failed_step_fails_the_requests_it_held_and_the_engine_goes_on(core, s
 
 def test_a_failed_step_mid_generation_loses_nothing_of_the_others(core, solo):
     """A step that raises after some steps went well (the in-flight step's requests included)."""
-    real_execute = core.runner.execute
+    real_execute = core.executor.execute
     calls = {"n": 0}
 
     def flaky(out, tables):
@@ -83,11 +83,11 @@ def test_a_failed_step_mid_generation_loses_nothing_of_the_others(core, solo):
             raise RuntimeError("device hiccup")
         return real_execute(out, tables)
 
-    core.runner.execute = flaky
+    core.executor.execute = flaky
     try:
         out = run(core, {"a": PROMPTS["a"], "b": PROMPTS["b"], "c": PROMPTS["c"]})
     finally:
-        core.runner.execute = real_execute
+        core.executor.execute = real_execute
     assert [out[r][1] for r in "ab"] == ["error", "error"]
     assert all("RuntimeError: device hiccup" in out[r][2] for r in "ab")
     # what they streamed before the failure is a prefix of their solo output
@@ -96,7 +96,7 @@ def test_a_failed_step_mid_generation_loses_nothing_of_the_others(core, solo):
 
 
 def test_non_finite_logits_fail_only_their_request(core, solo, monkeypatch):
-    model = core.runner.model
+    model = core.executor.worker.model
     real = model.compute_logits
     bad_rows = {"n": 0}
 
@@ -126,12 +126,12 @@ def test_broken_bookkeeping_after_a_failed_step_ends_the_engine(core):
     def boom(out, tables):
         raise RuntimeError("boom")
 
-    real_execute, core.runner.execute = core.runner.execute, boom
+    real_execute, core.executor.execute = core.executor.execute, boom
     try:
         with pytest.raises(FatalEngineError, match="unknown requests"):
             core.step()
     finally:
-        core.runner.execute = real_execute
+        core.executor.execute = real_execute
         core.kv.free("ghost")
         core.abort_requests(list(core.requests))
     core.kv.check_integrity(expect_all_free=True)

@@ -334,7 +334,8 @@ def test_linear_follows_its_plan(monkeypatch):
     F.linear where the plan says cuBLAS and for more rows than any bucket."""
     from pagedserve.kernels import skinny_gemm
     from pagedserve.kernels.skinny_gemm import SkinnyConfig
-    from pagedserve.layers.linear import Linear, row_bucket
+    from pagedserve.layers.linear import Linear
+    from pagedserve.layers.skinny import row_bucket
 
     assert [row_bucket(r) for r in (1, 2, 3, 5, 9, 16, 17, 64)] == [1, 2, 4, 8, 16, 16, 32, 64]
     lin = Linear(72, 40)
@@ -358,10 +359,10 @@ def test_plan_picks_the_fastest_that_agrees(monkeypatch):
     """The planner keeps cuBLAS unless a candidate is faster, and never picks a candidate
     whose product disagrees with cuBLAS's, however fast (timings injected: no GPU here)."""
     from pagedserve.kernels import skinny_gemm
-    from pagedserve.layers import linear
+    from pagedserve.layers import skinny
 
     weights = [torch.randn(24, 40) for _ in range(3)]
-    cands = {rows: linear._candidates(rows) for rows in linear.ROW_BUCKETS}
+    cands = {rows: skinny._candidates(rows) for rows in skinny.ROW_BUCKETS}
     broken = cands[1][0]  # its products come out wrong: must be skipped, not timed
     real = skinny_gemm.skinny_matmul
 
@@ -373,7 +374,7 @@ def test_plan_picks_the_fastest_that_agrees(monkeypatch):
     # per bucket: cuBLAS, then each candidate that agrees. Bucket 1: the third candidate is
     # fastest (the second is slower than cuBLAS); every other bucket: cuBLAS is fastest.
     times = []
-    for rows in linear.ROW_BUCKETS:
+    for rows in skinny.ROW_BUCKETS:
         if rows == 1:
             times += [1.0, 2.0, 0.5] + [0.7] * (len(cands[1]) - 3)
         else:
@@ -384,9 +385,9 @@ def test_plan_picks_the_fastest_that_agrees(monkeypatch):
         fn()  # the timed code must run
         return next(it)
 
-    plans = linear.plan_skinny_matmuls({"w": weights}, timer=fake_timer)
+    plans = skinny.plan_skinny_matmuls({"w": weights}, timer=fake_timer)
     assert plans["w"][1] == cands[1][2]
-    assert all(plans["w"][rows] is None for rows in linear.ROW_BUCKETS[1:])
+    assert all(plans["w"][rows] is None for rows in skinny.ROW_BUCKETS[1:])
     assert next(it, None) is None  # cuBLAS and every agreeing candidate timed once per bucket
 
 
@@ -396,7 +397,7 @@ def test_planned_model_matches_unplanned(tmp_path, monkeypatch):
     from conftest import make_hf_checkpoint
     from helpers import run_prefill
     from pagedserve.kernels import skinny_gemm
-    from pagedserve.layers import linear
+    from pagedserve.layers import skinny
     from pagedserve.layers.linear import Linear, plan_model_matmuls
     from pagedserve.models.loader import build_model
     from pagedserve.models.source import resolve_model
@@ -405,12 +406,12 @@ def test_planned_model_matches_unplanned(tmp_path, monkeypatch):
     model = build_model(resolve_model(str(tmp_path)), dtype="float32")
     seqs = [[5, 9, 200], [7], [3, 3]]
     before = run_prefill(model, seqs)
-    plans = plan_model_matmuls(model, model.logits_weight(), timer=lambda fn: (fn(), 1.0)[1])
+    plans = plan_model_matmuls(model, timer=lambda fn: (fn(), 1.0)[1])
     assert set(plans) == {"qkv_proj (256, 64)", "o_proj (64, 128)", "gate_up_proj (256, 64)",
                           "down_proj (64, 128)", "logits"}
     for key, plan in plans.items():  # equal times: cuBLAS kept everywhere
         assert all(cfg is None for cfg in plan.values()), key
-    first = {rows: linear._candidates(rows)[0] for rows in linear.ROW_BUCKETS}
+    first = {rows: skinny._candidates(rows)[0] for rows in skinny.ROW_BUCKETS}
     linears = [m for m in model.modules() if isinstance(m, Linear)]
     assert len(linears) == 4 * 3
     for mod in linears:

@@ -288,3 +288,25 @@ def test_which_batches_take_the_fused_kernel():
                   dict(repetition_penalty=1.2), dict(min_tokens=3)):
         assert not temperature_only(batch(t, SamplingParams(temperature=0.7, **other))), other
     assert not temperature_only(batch(t, SamplingParams(temperature=0.7, seed=1), gens=[None, gen(1, "cpu")]))
+
+
+def test_allowed_token_mask_restricts_each_row(device):
+    """The structured-output slot: a row's bitmask leaves only its allowed tokens, for greedy
+    and random rows alike; an all-ones row is untouched; such a batch never takes the fused
+    kernel."""
+    from pagedserve.layers.sampler import temperature_only
+
+    torch.manual_seed(0)
+    vocab = 70  # three 32-bit words, the last one partly past the vocabulary
+    logits = torch.randn(3, vocab, device=device)
+    mask = torch.zeros(3, 3, dtype=torch.int32)
+    mask[0, 1] = 1 << 5  # row 0: token 37 only
+    mask[1, 0], mask[1, 2] = 1 << 2, 1 << 3  # row 1: tokens 2 and 67
+    mask[2] = -1  # row 2: every token
+    params = [SamplingParams(temperature=0), SamplingParams(temperature=1.0), SamplingParams(temperature=0)]
+    for _ in range(20):
+        batch = make_batch(params, device, vocab)
+        batch.allowed_token_mask = mask.to(device)
+        assert not temperature_only(batch)
+        out = sampler(logits, batch).token_ids.tolist()
+        assert out[0] == 37 and out[1] in (2, 67) and out[2] == logits[2].argmax().item()

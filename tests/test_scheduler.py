@@ -61,7 +61,7 @@ class FakeEngine:
 
     def resolve(self, out):
         # The fake model's token depends on every token before it, all known by now.
-        sampled = {c.request.request_id: fake_next_token(c.request.token_ids)
+        sampled = {c.request.request_id: [fake_next_token(c.request.token_ids)]
                    for c in out.chunks if c.samples}
         for req in self.sched.apply_results(out, sampled):
             if req.num_output_tokens - req.num_pending >= req.max_tokens:

@@ -9,8 +9,9 @@ tokens sit at positions seq_lens[i] - query_len_i ... seq_lens[i] - 1.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 import torch
@@ -94,22 +95,59 @@ class AttentionBackend(ABC):
         return None
 
     def prepare(self, meta: AttentionMetadata) -> None:
-        """Host-side, once per step before the forward: derive backend-specific metadata."""
+        """For a standalone step (tests, the memory profile): derive the backend's metadata
+        from meta's host lists, with device copies of its own. The engine's steps go
+        through the step-buffer hooks below instead."""
         meta.backend_data = None
 
-    # Hooks for CUDA-graph capture and replay (no-ops for eager backends).
+    def eager_variants(self) -> list[dict[str, Any]]:
+        """Keyword sets for `prepare` that select kernel variants an eager step may pick at
+        run time (each is compiled during the warm-up); none by default."""
+        return []
+
+    # ---- the engine's step buffers (engine/input_batch.py) and CUDA graphs ----------
+    # A backend may keep per-step int32 fields of its own in the engine's field buffer
+    # (copied with the common fields, one copy per step); `view(name, length)` gives the
+    # device view of a field.
+
+    def step_fields(self, max_tokens: int, max_seqs: int) -> dict[str, int]:
+        """Name -> length of this backend's per-step int32 fields (none by default)."""
+        return {}
+
+    def fill_step_fields(self, query_start_loc: np.ndarray, seq_lens: np.ndarray,
+                         key: GraphKey | None, put: Callable[[str, np.ndarray], None]) -> object:
+        """Host side, once per step: write this backend's fields with `put(name, values)`
+        for a step with these query starts [S + 1] and context lengths [S], padded for the
+        graph `key` (None: eager). Returns a note for `step_metadata`."""
+        return None
+
+    def step_metadata(self, meta: AttentionMetadata, noted: object,
+                      view: Callable[..., torch.Tensor]) -> None:
+        """Complete an eager step's metadata (common fields already in `meta`)."""
+        meta.backend_data = None
+
     def supports_cuda_graphs(self) -> bool:
         return False
 
-    def decode_order(self, seq_lens: np.ndarray) -> np.ndarray:
-        """The order in which a decode step's rows (context lengths seq_lens) should be
-        processed, as row indices; by default the batch order."""
-        return np.arange(len(seq_lens))
+    def graph_fits(self, query_start_loc: np.ndarray, key: GraphKey, max_seqs: int) -> bool:
+        """Whether a step with these query starts can replay the graph of `key` (beyond the
+        token and sequence counts, which the graph runner checks)."""
+        return True
 
-    def graph_decode_rows(self, meta: AttentionMetadata, rows: torch.Tensor) -> None:
-        """For a decode CUDA graph: take the decode rows from `rows` ([batch] int64 on the
-        device), a buffer the graph runner refills with `decode_order` each step."""
+    def graph_metadata(self, meta: AttentionMetadata, key: GraphKey, max_seqs: int,
+                       view: Callable[..., torch.Tensor]) -> None:
+        """Complete the static metadata a graph of `key` is captured with: fixed buffers,
+        kernel grids sized for the key (the fields say at replay which entries are real)."""
         raise NotImplementedError(f"the {self.name} attention backend has no CUDA graphs")
+
+
+class GraphKey(NamedTuple):
+    """What a CUDA graph is captured for: `num_tokens` token rows and, when every sequence
+    has the same number of new tokens (1 for decodes, k + 1 for a speculative verify step),
+    that number; 0 for a mixed step (any split of the tokens, up to max_seqs sequences)."""
+
+    num_tokens: int
+    uniform_query_len: int = 0
 
 
 @dataclass

@@ -7,7 +7,12 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from pagedserve.attention.backend import AttentionBackend, AttentionMetadata, register_backend
+from pagedserve.attention.backend import (
+    AttentionBackend,
+    AttentionMetadata,
+    GraphKey,
+    register_backend,
+)
 from pagedserve.engine.host_copy import to_device_views
 
 
@@ -91,6 +96,21 @@ def extend_tiles(qsl: np.ndarray, block_m: int | None = None) -> tuple[np.ndarra
     return tile_seq[order], (qsl[tile_seq] + offset)[order]
 
 
+# Sequences with more than one new token that one mixed-step graph can hold (each adds at
+# most one partial tile of the extend kernel); a step with more runs eagerly.
+MAX_EXTEND_SEQS = 32
+
+
+def tile_capacity(num_tokens: int, max_seqs: int, block_m: int, max_extend_seqs: int | None = None) -> int:
+    """Extend tiles a step of `num_tokens` tokens can need: one per `block_m` tokens, plus
+    one partial tile per prefilling sequence (each has at least two tokens), of which there
+    are at most `max_extend_seqs` (no limit: None)."""
+    seqs = min(max_seqs, num_tokens // 2)
+    if max_extend_seqs is not None:
+        seqs = min(seqs, max_extend_seqs)
+    return -(-num_tokens // block_m) + seqs
+
+
 @register_backend
 class TritonBackend(AttentionBackend):
     name = "triton"
@@ -113,11 +133,58 @@ class TritonBackend(AttentionBackend):
             num_splits = choose_num_splits(len(dec), self.num_kv_heads, meta.max_seq_len)
         meta.backend_data = TritonStepData(dec_t, tile_seq_t, tile_start_t, num_splits)
 
-    def decode_order(self, seq_lens: np.ndarray) -> np.ndarray:
-        return decode_order(np.arange(len(seq_lens)), seq_lens, self.num_kv_heads)
+    def eager_variants(self) -> list[dict]:
+        return [{"num_splits": s} for s in (1, 2, 4, 8, 16)]  # choose_num_splits' choices
 
-    def graph_decode_rows(self, meta: AttentionMetadata, rows: torch.Tensor) -> None:
-        meta.backend_data.decode_seq_ids = rows
+    # ---- step buffers and CUDA graphs ----------------------------------------------
+    # Fields: the decode rows (in `decode_order`), (decodes, tiles) counts for mixed-step
+    # graphs, and the extend tiles (sequence, first token).
+
+    def step_fields(self, max_tokens: int, max_seqs: int) -> dict[str, int]:
+        from pagedserve.kernels.paged_attention import EXTEND_BLOCK_M
+
+        tiles = tile_capacity(max_tokens, max_seqs, EXTEND_BLOCK_M)
+        return {"decodes": max_seqs, "counts": 2, "tile_seq": tiles, "tile_start": tiles}
+
+    def fill_step_fields(self, query_start_loc, seq_lens, key, put):
+        dec, tile_seq, tile_start = step_layout(query_start_loc, seq_lens, self.num_kv_heads)
+        if key is not None and key.uniform_query_len == 1:  # padding rows take the tail
+            dec = np.concatenate([dec, np.arange(len(seq_lens), key.num_tokens)])
+        put("decodes", dec)
+        put("counts", np.array([len(dec), len(tile_seq)]))
+        put("tile_seq", tile_seq)
+        put("tile_start", tile_start)
+        return len(dec), len(tile_seq)
+
+    def step_metadata(self, meta, noted, view) -> None:
+        num_decodes, num_tiles = noted
+        splits = choose_num_splits(num_decodes, self.num_kv_heads, meta.max_seq_len)
+        meta.backend_data = TritonStepData(view("decodes", num_decodes), view("tile_seq", num_tiles),
+                                           view("tile_start", num_tiles), splits)
+
+    def graph_fits(self, query_start_loc, key, max_seqs) -> bool:
+        if key.uniform_query_len:
+            return True
+        from pagedserve.kernels.paged_attention import EXTEND_BLOCK_M
+
+        tiles = int(extend_tile_counts(query_start_loc)[1].sum())
+        return tiles <= tile_capacity(key.num_tokens, max_seqs, EXTEND_BLOCK_M, MAX_EXTEND_SEQS)
+
+    def graph_metadata(self, meta, key: GraphKey, max_seqs: int, view) -> None:
+        from pagedserve.kernels.paged_attention import EXTEND_BLOCK_M
+
+        if key.uniform_query_len == 1:  # decodes only: exactly num_tokens rows, split-KV by length
+            rows = key.num_tokens
+            meta.backend_data = TritonStepData(
+                view("decodes", rows), view("tile_seq", 0), view("tile_start", 0),
+                choose_num_splits(rows, self.num_kv_heads, meta.max_seq_len))
+        elif key.uniform_query_len == 0:  # any mix: grids for the capacity, counts on the device
+            tiles = tile_capacity(key.num_tokens, max_seqs, EXTEND_BLOCK_M, MAX_EXTEND_SEQS)
+            meta.backend_data = TritonStepData(
+                view("decodes"), view("tile_seq", tiles), view("tile_start", tiles), num_splits=1,
+                counts=view("counts"))
+        else:
+            raise NotImplementedError(f"no CUDA graphs for {key.uniform_query_len} tokens per sequence yet")
 
     def partials(self, rows: int, splits: int, device) -> tuple[torch.Tensor, torch.Tensor]:
         """Reusable split-KV scratch, at least [rows, splits, ...] (stable for graph capture)."""

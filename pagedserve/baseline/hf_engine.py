@@ -38,6 +38,7 @@ import torch
 from pagedserve.config import EngineConfig, ModelConfig, resolve_dtype
 from pagedserve.engine.messages import CoreInfo, CoreStats, TokenOutput
 from pagedserve.engine.output_processor import OutputProcessor, SampleState
+from pagedserve.engine.stopping import check_stop
 from pagedserve.sampling_params import SamplingParams
 from pagedserve.server.engine_client import (
     EngineDeadError,
@@ -156,7 +157,7 @@ class HFEngineClient:
         self._cache_arg = "cache" if "cache" in params else "past_key_values"
         model_cfg = ModelConfig.from_hf_config(source.hf_config)
         self.eos_token_ids = set(model_cfg.eos_token_ids)
-        self.max_model_len = min(self.config.scheduler.max_model_len, model_cfg.max_position_embeddings)
+        self.max_model_len = self.config.scheduler_for(model_cfg).max_model_len
         pad = getattr(self.tokenizer, "pad_token_id", None)
         self.pad_id = pad if isinstance(pad, int) else (min(self.eos_token_ids) if self.eos_token_ids else 0)
         self._thread = threading.Thread(target=self._worker, name="pagedserve-hf-worker", daemon=True)
@@ -343,7 +344,9 @@ class HFEngineClient:
                 job.output_ids.append(token)
                 next_ids.append(token)
                 o = TokenOutput(job.request_id, [token], [], num_prompt_tokens=len(job.prompt_ids))
-                stop = self._check_stop(job, token)
+                stop = check_stop(job.params, token, len(job.output_ids),
+                                  len(job.prompt_ids) + len(job.output_ids), job.max_tokens,
+                                  self.max_model_len, self.eos_token_ids)
                 if stop is not None:
                     job.done = True
                     o.finished, (o.finish_reason, o.stop_reason) = True, stop
@@ -371,14 +374,3 @@ class HFEngineClient:
                          logits_to_keep=1, **kw)
         new_cache = out.cache if self._cache_arg == "cache" else out.past_key_values
         return out.logits[:, -1, :].float(), new_cache
-
-    def _check_stop(self, job: _Job, token: int) -> tuple[str, int | None] | None:
-        """Token-level stops, as the paged engine decides them (stop strings: OutputProcessor)."""
-        p = job.params
-        if not p.ignore_eos and token in self.eos_token_ids:
-            return "stop", None
-        if token in p.stop_token_ids:
-            return "stop", token
-        if len(job.output_ids) >= job.max_tokens:
-            return "length", None
-        return None

@@ -7,22 +7,18 @@ from collections.abc import Callable
 
 import torch
 
-from pagedserve.config import CacheConfig, ModelConfig, SchedulerConfig
+from pagedserve.config import CacheConfig, SchedulerConfig
+from pagedserve.engine.kv_cache_spec import KVCacheSpec
 
 logger = logging.getLogger("pagedserve")
 
 CPU_DEFAULT_KV_BYTES = 2 << 30  # 2 GiB when running on the CPU with no explicit budget
 
 
-def bytes_per_block(model: ModelConfig, cache: CacheConfig, dtype: torch.dtype) -> int:
-    return cache.block_size * model.kv_bytes_per_token(dtype)
-
-
 def determine_num_blocks(
-    model: ModelConfig,
+    spec: KVCacheSpec,
     cache: CacheConfig,
     sched: SchedulerConfig,
-    dtype: torch.dtype,
     device: torch.device,
     profile: Callable[[], None],
 ) -> int:
@@ -34,7 +30,7 @@ def determine_num_blocks(
       the profiled activation peak and memory used by other processes;
     - on the CPU: 2 GiB, or less if max_num_seqs x max_model_len needs less.
     """
-    per_block = bytes_per_block(model, cache, dtype)
+    per_block = spec.bytes_per_block
     if cache.kv_cache_memory is not None:
         budget = cache.kv_cache_memory
     elif device.type == "cuda":

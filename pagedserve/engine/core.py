@@ -1,9 +1,10 @@
-"""The engine core: scheduler + KV manager + model runner, stepping token ids.
+"""The engine core: scheduler + executor + stop checks, stepping token ids.
 
 It knows nothing of text: requests arrive as token ids and leave as token ids. Token
 level stops (EOS, stop_token_ids, max_tokens, max_model_len) are decided here; stop
 *strings* need text, so the front end (offline LLM or HTTP server) detokenizes and
-aborts a request that hit one.
+aborts a request that hit one. The model, its KV tensors and the sampler live behind the
+executor (`engine/executor.py`, `engine/worker.py`); the core holds only plain Python state.
 """
 
 from __future__ import annotations
@@ -11,23 +12,17 @@ from __future__ import annotations
 import logging
 import time
 
-import torch
-
-from pagedserve import envs, faults
-from pagedserve.attention.backend import get_backend_class
-from pagedserve.config import EngineConfig, SchedulerConfig, resolve_dtype
-from pagedserve.engine.cache_sizing import bytes_per_block, determine_num_blocks
+from pagedserve import faults
+from pagedserve.config import EngineConfig
+from pagedserve.engine.executor import Executor, UniprocExecutor
 from pagedserve.engine.kv_cache_manager import KVCacheManager
 from pagedserve.engine.messages import EngineRequest, TokenOutput
-from pagedserve.engine.model_runner import ModelRunner
 from pagedserve.engine.request import Request
 from pagedserve.engine.scheduler import Scheduler
 from pagedserve.engine.step_timer import GC_CLOCK, StepTimer, allocator_counts
 from pagedserve.engine.step_trace import StepTrace
-from pagedserve.engine.warm_up import profile_forward, warm_up
-from pagedserve.kernels.compile_ahead import compile_ahead, report_late_compiles
-from pagedserve.layers.linear import compile_plan_candidates, plan_model_matmuls
-from pagedserve.models.loader import build_model
+from pagedserve.engine.stopping import check_stop
+from pagedserve.engine.warm_up import warm_up
 from pagedserve.models.source import ModelSource, resolve_model
 
 logger = logging.getLogger("pagedserve")
@@ -40,102 +35,73 @@ class FatalEngineError(RuntimeError):
 class EngineCore:
     """Steps the model over all admitted requests; one `step()` = one forward pass."""
 
-    def __init__(self, config: EngineConfig, source: ModelSource | None = None) -> None:
+    def __init__(self, config: EngineConfig, source: ModelSource | None = None,
+                 executor: Executor | None = None) -> None:
         t0 = time.perf_counter()
         self.config = config
-        device = config.resolved_device()
         self.source = source or resolve_model(config.model)
-        model = build_model(self.source, dtype=config.dtype, device=device,
-                            load_format=config.load_format, seed=config.seed)
-        self.model_config = cfg = model.config
-        dtype = resolve_dtype(config.dtype, device)
-        sched = config.scheduler
-        max_len = min(sched.max_model_len, cfg.max_position_embeddings)
-        if max_len != sched.max_model_len:
-            sched = SchedulerConfig(sched.max_num_seqs, sched.max_num_batched_tokens, max_len)
-        self.scheduler_config = sched
-        backend_name = config.attention_backend
-        if backend_name == "auto":
-            backend_name = "triton" if device.type == "cuda" else "torch"
-        backend = get_backend_class(backend_name)(
-            cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.head_dim**-0.5
-        )
-        # On CUDA each start-up phase is first rehearsed with its Triton kernels compiled in
-        # parallel (kernels/compile_ahead.py), then run for real.
-        self.compile_ahead_seconds = 0.0
-
-        def rehearse(fn, what: str) -> None:
-            """Run a start-up phase over the first two decoder layers only, its Triton kernels
-            compiled in parallel instead of launched."""
-            with model.first_layers_only(2):
-                self.compile_ahead_seconds += compile_ahead(fn, what)
-
-        ahead = rehearse if device.type == "cuda" and envs.compile_ahead() else None
-        if device.type == "cuda":
-            report_late_compiles(False)  # (this start-up's compiles are expected)
-
-        def profile() -> None:
-            run = lambda: profile_forward(model, backend, sched, config.cache.block_size)  # noqa: E731
-            if ahead:
-                ahead(run, "memory profile")
-            run()
-
-        num_blocks = determine_num_blocks(cfg, config.cache, sched, dtype, device, profile=profile)
-        self.kv = KVCacheManager(num_blocks, config.cache.block_size, config.cache.enable_prefix_caching)
+        self.executor = ex = executor or UniprocExecutor(config, self.source)
+        self.model_config = ex.model_config
+        self.scheduler_config = sched = ex.scheduler_config
+        self.kv = KVCacheManager(ex.num_blocks, ex.block_size, config.cache.enable_prefix_caching)
         self.scheduler = Scheduler(sched, self.kv)
-        self.runner = ModelRunner(model, backend, num_blocks, config.cache.block_size)
-        self.matmul_plan_seconds = 0.0
-        if device.type == "cuda" and dtype in (torch.bfloat16, torch.float16) and envs.skinny_matmul():
-            t_plan = time.perf_counter()
-            if ahead:
-                ahead(lambda: compile_plan_candidates(model, model.logits_weight()), "matmul plan")
-            plan_model_matmuls(model, model.logits_weight())
-            self.matmul_plan_seconds = time.perf_counter() - t_plan
-            logger.info("small-batch matmuls planned in %.1f s", self.matmul_plan_seconds)
-        self.graph_capture_seconds = 0.0
-        if device.type == "cuda" and not config.enforce_eager and backend.supports_cuda_graphs():
-            self.graph_capture_seconds = self.runner.enable_cuda_graphs(
-                min(sched.max_num_seqs, 512), max_len,
-                max_mixed_tokens=min(envs.mixed_graph_tokens(), sched.max_num_batched_tokens),
-                max_seqs=sched.max_num_seqs, ahead=ahead)
         self.requests: dict[str, Request] = {}
-        self._inflight = None  # (SchedulerOutput, StepHandle) launched but not yet read back
+        self._inflight = None  # (SchedulerOutput, step handle) launched but not yet read back
         self._launching = None  # the SchedulerOutput of the step being scheduled and launched
         self._step_outputs: list[TokenOutput] = []  # outputs made so far in the current step
         self.num_failed_steps = 0  # cumulative: steps that raised (their requests failed)
         self.num_failed_requests = 0  # cumulative: requests failed by a step or on their own
         self.consecutive_failed_steps = 0
         self._faults: dict[str, frozenset[str]] = {}  # request id -> injected-fault places
-        self._trace: StepTrace | None = None  # $PAGEDSERVE_STEP_TRACE, set once ready
+        obs = config.observability
+        self._trace: StepTrace | None = None  # set once ready (only real steps are traced)
         self.timer = StepTimer()  # host-side phase timings; off unless enabled
-        self._slow_step_ms = envs.slow_step_ms()
-        self._log_times_every = envs.step_times_every()
+        self._slow_step_ms = obs.slow_step_ms
+        self._log_times_every = obs.step_times_every
         self._timed_steps = 0
-        self._timed_graph_steps = self._timed_eager_steps = 0  # the runner's counts at the last log
+        self._timed_counts = (0, 0)  # the executor's (graph, eager) step counts at the last log
         self.num_prefill_tokens = 0  # cumulative tokens computed other than decodes
         self.num_generation_tokens = 0  # cumulative sampled tokens
-        capacity = num_blocks * config.cache.block_size
-        logger.info(
-            "KV cache: %d blocks of %d tokens = %d tokens (%.2f GiB, %s); max concurrency at "
-            "max_model_len=%d: %.2fx", num_blocks, config.cache.block_size, capacity,
-            num_blocks * bytes_per_block(cfg, config.cache, dtype) / 2**30, dtype,
-            max_len, capacity / max_len,
-        )
-        if device.type == "cuda":
-            if ahead:  # (greedy warm-up: argmax of whatever the skipped kernels left is a valid id)
-                ahead(self.warm_up, "warm-up")
-            self.warm_up()
-            report_late_compiles(True)
+        if ex.is_cuda:
+            # (greedy warm-up: in the compile-ahead rehearsal the argmax of whatever the
+            # skipped kernels left is still a valid id)
+            ex.rehearsed(self.warm_up, "warm-up")
+            ex.report_late_compiles()
         self.startup_seconds = time.perf_counter() - t0
-        logger.info("engine ready on %s in %.1f s", device, self.startup_seconds)
+        logger.info("engine ready in %.1f s", self.startup_seconds)
         if self._log_times_every:
             self.timer.enable()
-        trace = envs.step_trace()  # (after the warm-up, so only real steps are traced)
-        self._trace = StepTrace(trace) if trace and device.type == "cuda" else None
+        if obs.step_trace and ex.is_cuda:
+            self._trace = StepTrace(obs.step_trace)
+
+    @property
+    def graph_capture_seconds(self) -> float:
+        return self.executor.graph_capture_seconds
+
+    @property
+    def matmul_plan_seconds(self) -> float:
+        return self.executor.matmul_plan_seconds
+
+    @property
+    def compile_ahead_seconds(self) -> float:
+        return self.executor.compile_ahead_seconds
+
+    def kv_capacity(self) -> int:
+        """Tokens the KV cache holds."""
+        return self.kv.num_blocks * self.kv.block_size
 
     def warm_up(self) -> None:
-        """Throw-away steps that pay first-use costs before "ready" (`engine/warm_up.py`)."""
+        """Throw-away steps that pay first-use costs before "ready" (`engine/warm_up.py`),
+        then every component's statistics back to zero."""
         warm_up(self)
+        self.reset_stats()
+
+    def reset_stats(self) -> None:
+        """Zero the counters and drop the prefix cache (no request may be running)."""
+        self.kv.reset_stats()
+        self.scheduler.reset_stats()
+        self.executor.reset_stats()
+        self.num_prefill_tokens = self.num_generation_tokens = 0
 
     # ---- requests ---------------------------------------------------------------------
 
@@ -171,8 +137,8 @@ class EngineCore:
     def abort_requests(self, request_ids: list[str]) -> None:
         """Drop requests (finished or not); their blocks are freed at once."""
         for rid in request_ids:
-            self._faults.pop(rid, None)
-            req = self.requests.pop(rid, None)
+            req = self.requests.get(rid)
+            self._forget(rid)
             if req is not None and not req.is_finished:
                 self.scheduler.finish(req, "abort")
 
@@ -223,10 +189,10 @@ class EngineCore:
         if not out.is_empty:
             tables = [self.kv.block_ids(c.request.request_id) for c in out.chunks]
             if self._trace:
-                trace_start, graphs = self._trace.begin(), self.runner.num_graph_steps
-            launched = (out, self.runner.execute(out, tables))
+                trace_start, graphs = self._trace.begin(), self.executor.graph_counts()[0]
+            launched = (out, self.executor.execute(out, tables))
             if self._trace:
-                self._trace.end(trace_start, out.chunks, self.runner.num_graph_steps > graphs,
+                self._trace.end(trace_start, out.chunks, self.executor.graph_counts()[0] > graphs,
                                 (time.perf_counter() - t_scheduled) * 1e3)
             self.num_prefill_tokens += sum(c.num_tokens for c in out.chunks if not c.is_decode)
         timer.mark("prepare+launch")
@@ -280,8 +246,7 @@ class EngineCore:
         self.num_failed_requests += 1
         if not req.is_finished:
             self.scheduler.finish(req, "error")
-        self.requests.pop(req.request_id, None)
-        self._faults.pop(req.request_id, None)
+        self._forget(req.request_id)
         return TokenOutput(req.request_id, [], [], finished=True, finish_reason="error",
                            num_prompt_tokens=req.num_prompt_tokens, error=message)
 
@@ -295,12 +260,11 @@ class EngineCore:
         self._timed_steps += 1
         if self._timed_steps < self._log_times_every:
             return
-        runner, n = self.runner, self._timed_steps
+        n, (graphs, eager) = self._timed_steps, self.executor.graph_counts()
         phases = ", ".join(f"{k} {v:.2f}" for k, v in self.timer.summary(n).items())
         logger.info("last %d steps (%d from CUDA graphs, %d eager), host ms per step: %s", n,
-                    runner.num_graph_steps - self._timed_graph_steps,
-                    runner.num_eager_steps - self._timed_eager_steps, phases)
-        self._timed_graph_steps, self._timed_eager_steps = runner.num_graph_steps, runner.num_eager_steps
+                    graphs - self._timed_counts[0], eager - self._timed_counts[1], phases)
+        self._timed_counts = (graphs, eager)
         self._timed_steps = 0
         self.timer.enable()  # clears the phase totals
 
@@ -308,7 +272,7 @@ class EngineCore:
                        allocs0: dict[str, int] | None) -> None:
         chunks = out.chunks
         decodes = sum(1 for c in chunks if c.is_decode)
-        inputs, model, sample = self.runner.last_launch_ms
+        inputs, model, sample = self.executor.last_launch_ms()
         allocs = ""
         if allocs0:  # what the CUDA memory allocators had to do during the step
             now = allocator_counts()
@@ -326,7 +290,7 @@ class EngineCore:
     def _complete(self, out, handle) -> None:
         """Read a launched step's tokens back; apply them; stop what should stop. The outputs
         go straight to the step's list, so a failure halfway loses none of them."""
-        result = self.runner.collect(handle)
+        result = self.executor.collect(handle)
         self.timer.mark("wait for GPU")
         outputs = self._step_outputs
         for rid in result.non_finite:  # fail before the bad token is applied
@@ -351,33 +315,26 @@ class EngineCore:
         if self._faults and "request" in self._faults.get(req.request_id, ()):
             faults.fail("request", req.request_id)
         lp = result.logprobs.get(req.request_id)
-        o = TokenOutput(req.request_id, [req.token_ids[-1]], [lp] if lp else [],
+        o = TokenOutput(req.request_id, list(result.token_ids[req.request_id]), [lp] if lp else [],
                         num_prompt_tokens=req.num_prompt_tokens,
                         num_cached_tokens=req.num_cached_tokens)
         if req.first_token_time is None:
             req.first_token_time = now
             scheduled = req.first_scheduled_time or now
             o.queue_s, o.prefill_s = scheduled - req.arrival_time, now - scheduled
-        stop = check_stop(req, self.scheduler_config.max_model_len)
+        num_known = len(req.token_ids)  # the state as of this token (later ones may be pending)
+        stop = check_stop(req.sampling_params, req.token_ids[-1], num_known - req.num_prompt_tokens,
+                          num_known, req.max_tokens, self.scheduler_config.max_model_len,
+                          req.eos_token_ids)
         if stop is not None:
             o.finished, (o.finish_reason, o.stop_reason) = True, stop
             self.scheduler.finish(req, o.finish_reason)
-            del self.requests[req.request_id]
-            self._faults.pop(req.request_id, None)
+            self._forget(req.request_id)
         return o
 
+    def _forget(self, request_id: str) -> None:
+        """A request left the engine: drop what is kept about it."""
+        self.requests.pop(request_id, None)
+        self._faults.pop(request_id, None)
+        self.executor.release([request_id])
 
-def check_stop(req: Request, max_model_len: int) -> tuple[str, int | None] | None:
-    """Token-level stop test for a request that just got a token."""
-    p = req.sampling_params
-    token = req.token_ids[-1]
-    num_known = len(req.token_ids)  # the state as of this token (later ones may be pending)
-    num_out = num_known - req.num_prompt_tokens
-    if num_out >= p.min_tokens:
-        if not p.ignore_eos and token in req.eos_token_ids:
-            return "stop", None
-        if token in p.stop_token_ids:
-            return "stop", token
-    if num_out >= req.max_tokens or num_known >= max_model_len:
-        return "length", None
-    return None

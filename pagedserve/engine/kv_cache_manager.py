@@ -226,6 +226,11 @@ class KVCacheManager:
             self.blocks[b].forget()
         self._hash_to_block = {h: b for h, b in self._hash_to_block.items() if self.blocks[b].ref_count}
 
+    def reset_stats(self) -> None:
+        """Forget the prefix cache and zero its hit statistics (after the warm-up)."""
+        self.reset_prefix_cache()
+        self.stats = PrefixCacheStats()
+
     # ---- integrity --------------------------------------------------------------------
 
     def check_integrity(self, expect_all_free: bool = False) -> None:

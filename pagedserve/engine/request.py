@@ -43,8 +43,6 @@ class Request:
     stop_reason: int | str | None = None
     first_scheduled_time: float | None = None  # when the scheduler first admitted it
     first_token_time: float | None = None
-    # Per-request extras the runner/sampler may attach (e.g. a seeded torch.Generator).
-    extras: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         self.token_ids = list(self.prompt_token_ids)

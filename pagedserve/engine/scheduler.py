@@ -63,6 +63,9 @@ class Scheduler:
         self.running: list[Request] = []  # in admission order
         self.num_preemptions = 0  # total, for metrics and tests
 
+    def reset_stats(self) -> None:
+        self.num_preemptions = 0
+
     # ---- queue management -------------------------------------------------------------
 
     def add_request(self, req: Request) -> None:
@@ -195,8 +198,9 @@ class Scheduler:
 
     # ---- after the step ---------------------------------------------------------------
 
-    def apply_results(self, out: SchedulerOutput, sampled: dict[str, int]) -> list[Request]:
-        """Resolve a step's pending tokens; return the unfinished requests that got one.
+    def apply_results(self, out: SchedulerOutput, sampled: dict[str, list[int]]) -> list[Request]:
+        """Resolve a step's pending tokens (`sampled`: the new tokens of each request that
+        sampled); return the unfinished requests that got some.
 
         Requests finished or aborted since the step was scheduled are skipped; preempted ones
         still get their token (it was computed from the right context).
@@ -206,7 +210,7 @@ class Scheduler:
             req = chunk.request
             if not chunk.samples or req.status == RequestStatus.FINISHED:
                 continue
-            req.token_ids.append(sampled[req.request_id])
+            req.token_ids.extend(sampled[req.request_id])
             req.num_pending -= 1
             if req.status == RequestStatus.RUNNING:
                 known = min(req.num_computed_tokens, len(req.token_ids))

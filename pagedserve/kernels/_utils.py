@@ -8,9 +8,10 @@ from __future__ import annotations
 
 import functools
 import importlib.util
-import os
 
 import torch
+
+from pagedserve import envs
 
 SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
@@ -23,7 +24,7 @@ def triton_available() -> bool:
 
 def interpreting() -> bool:
     """True if Triton's CPU interpreter is switched on ($TRITON_INTERPRET=1)."""
-    return os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "on", "yes")
+    return envs.triton_interpret()
 
 
 def kernels_usable(t: torch.Tensor) -> bool:

@@ -6,8 +6,8 @@ normal way) starts with `wait_and_release(PDL)`: it waits until the previous
 kernel has finished and its writes are visible (so no input is read early and nothing the
 previous kernel reads is overwritten), then lets the next kernel launch. `launch_options`
 gives the kernel arguments that turn this on for a launch: on CUDA with compute capability
-9.0+, a Triton that has the instructions, not under the interpreter, and unless
-$PAGEDSERVE_PDL=0. A kernel launched the normal way still waits for all earlier work, so
+9.0+, a Triton that has the instructions, not under the interpreter, and unless the
+engine's `KernelConfig.pdl` is off (`set_enabled`, called once by the Worker at start-up). A kernel launched the normal way still waits for all earlier work, so
 mixing these kernels with cuBLAS or torch kernels is safe.
 """
 
@@ -19,8 +19,9 @@ import torch
 import triton
 import triton.language as tl
 
-from pagedserve import envs
 from pagedserve.kernels._utils import interpreting
+
+_enabled = True  # the process's setting; see set_enabled
 
 
 @triton.jit
@@ -30,10 +31,16 @@ def wait_and_release(PDL: tl.constexpr):
         tl.extra.cuda.gdc_launch_dependents()
 
 
+def set_enabled(on: bool) -> None:
+    """Turn programmatic dependent launch on or off for this process's later launches (the
+    engine's worker applies `KernelConfig.pdl` once, before its first kernel; a CUDA graph
+    keeps the launches it captured)."""
+    global _enabled
+    _enabled = on
+
+
 @functools.cache
 def _supported(device_index: int) -> bool:
-    if not envs.pdl():
-        return False
     cuda = getattr(getattr(tl, "extra", None), "cuda", None)
     if cuda is None or not hasattr(cuda, "gdc_wait"):
         return False
@@ -45,6 +52,6 @@ def launch_options(t: torch.Tensor) -> dict:
     {"PDL": True, "launch_pdl": True} where programmatic dependent launch works, else {"PDL": False}."""
     if t.is_cuda and not interpreting():
         index = t.device.index if t.device.index is not None else torch.cuda.current_device()
-        if _supported(index):
+        if _enabled and _supported(index):
             return {"PDL": True, "launch_pdl": True}
     return {"PDL": False}

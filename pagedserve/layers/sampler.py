@@ -18,7 +18,6 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from pagedserve import envs
 from pagedserve.engine.host_copy import to_device
 from pagedserve.sampling_params import SamplingParams
 
@@ -54,6 +53,9 @@ class SamplingBatch:
     need_top_p: bool
     need_min_p: bool
     need_penalties: bool
+    # [N, ceil(V / 32)] int32: bit t of row i set = token t allowed (structured output fills
+    # it for constrained rows; unconstrained rows are all ones); None = no row constrained
+    allowed_token_mask: Tensor | None = None
 
     @property
     def need_top_k_top_p(self) -> bool:
@@ -237,7 +239,16 @@ def temperature_only(batch: SamplingBatch) -> bool:
     """Whether every random row of `batch` samples with a temperature alone, from the default
     generator: no penalties, bans, top-k, top-p, min-p or seed (the fused kernel's case)."""
     return not (batch.all_greedy or batch.need_penalties or batch.ban_rows is not None
-                or batch.need_top_k_top_p or batch.need_min_p or batch.seeded)
+                or batch.need_top_k_top_p or batch.need_min_p or batch.seeded
+                or batch.allowed_token_mask is not None)
+
+
+def apply_token_bitmask(logits: Tensor, mask: Tensor) -> Tensor:
+    """-inf where a token is not allowed: logits [N, V] float32, mask [N, ceil(V / 32)] int32
+    (bit t % 32 of word t // 32 set = token t allowed). Returns a new tensor."""
+    bits = torch.arange(32, device=mask.device, dtype=torch.int32)  # [32]
+    allowed = ((mask.unsqueeze(-1) >> bits) & 1).bool().flatten(1)  # [N, 32 * words]
+    return logits.masked_fill(~allowed[:, : logits.shape[-1]], float("-inf"))
 
 
 def check_finite(logits: Tensor, token_ids: Tensor) -> Tensor:
@@ -256,7 +267,8 @@ class Sampler:
     keyed by a seed drawn from torch's default generator at construction plus a step count.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, fused: bool = True) -> None:
+        self.fused = fused  # KernelConfig.fused_sampling
         self._seed = int(torch.randint(2**31 - 1, (1,)).item())
         self._fused_calls = 0
 
@@ -264,7 +276,7 @@ class Sampler:
         assert logits.shape == (batch.num_rows, batch.vocab_size), (logits.shape, batch.num_rows)
         logits = logits.float()  # [N, V]
         raw_logits = logits
-        if logits.is_cuda and temperature_only(batch) and envs.fused_sampling():
+        if logits.is_cuda and temperature_only(batch) and self.fused:
             # one kernel: the Gumbel race (argmax for greedy rows) and the NaN/Inf check
             from pagedserve.kernels.sampling import sample_with_temperature
 
@@ -279,6 +291,8 @@ class Sampler:
             if batch.ban_rows is not None:
                 neg_inf = logits.new_full((), float("-inf"))
                 logits = logits.index_put((batch.ban_rows, batch.ban_token_ids), neg_inf)
+            if batch.allowed_token_mask is not None:
+                logits = apply_token_bitmask(logits, batch.allowed_token_mask)
             # [N] int64
             token_ids = logits.argmax(dim=-1) if batch.all_greedy else self._sample(logits, batch)
             checked = check_finite(raw_logits, token_ids)

@@ -6,7 +6,8 @@ delegates attention, including the KV-cache write, to an attention backend.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator
+import os
+from collections.abc import Hashable, Iterable, Iterator
 from contextlib import contextmanager
 
 import torch
@@ -15,20 +16,35 @@ from torch import nn
 from pagedserve.attention.backend import AttentionContext
 from pagedserve.config import ModelConfig
 from pagedserve.layers.activation import silu_and_mul
-from pagedserve.layers.linear import Linear, SkinnyPlan, matmul
+from pagedserve.layers.linear import Linear, MergedLinear
+from pagedserve.layers.linear_method import LinearMethod
+from pagedserve.layers.lm_head import LMHead
 from pagedserve.layers.norm import RMSNorm
 from pagedserve.layers.rotary import RotaryEmbedding
+from pagedserve.layers.skinny import SkinnyPlan
+from pagedserve.layers.weight_utils import ShapeMismatchError, default_weight_loader, param_shards
+
+# Checkpoint (HF) name part -> (our fused parameter's name part, shard id): the separate q/k/v
+# and gate/up projections of a checkpoint fill rows of our fused qkv_proj and gate_up_proj.
+STACKED_PARAMS: dict[str, tuple[str, str]] = {
+    "self_attn.q_proj": ("self_attn.qkv_proj", "q"),
+    "self_attn.k_proj": ("self_attn.qkv_proj", "k"),
+    "self_attn.v_proj": ("self_attn.qkv_proj", "v"),
+    "mlp.gate_proj": ("mlp.gate_up_proj", "gate"),
+    "mlp.up_proj": ("mlp.gate_up_proj", "up"),
+}
 
 
 class Attention(nn.Module):
-    def __init__(self, cfg: ModelConfig, layer_idx: int) -> None:
+    def __init__(self, cfg: ModelConfig, layer_idx: int, linear_method: LinearMethod | None = None) -> None:
         super().__init__()
         self.layer_idx = layer_idx
         self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         self.q_size, self.kv_size = cfg.q_size, cfg.kv_size
         # q, k and v projections fused into one matmul: rows [q | k | v].
-        self.qkv_proj = Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=cfg.attention_bias)
-        self.o_proj = Linear(self.q_size, cfg.hidden_size, bias=False)
+        self.qkv_proj = MergedLinear(cfg.hidden_size, [self.q_size, self.kv_size, self.kv_size],
+                                     ("q", "k", "v"), bias=cfg.attention_bias, linear_method=linear_method)
+        self.o_proj = Linear(self.q_size, cfg.hidden_size, bias=False, linear_method=linear_method)
         self.qk_norm = cfg.qk_norm
         if cfg.qk_norm:
             self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
@@ -69,23 +85,24 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
-    def __init__(self, cfg: ModelConfig) -> None:
+    def __init__(self, cfg: ModelConfig, linear_method: LinearMethod | None = None) -> None:
         super().__init__()
         # gate and up projections fused: rows [gate | up].
-        self.gate_up_proj = Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)
-        self.down_proj = Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+        self.gate_up_proj = MergedLinear(cfg.hidden_size, [cfg.intermediate_size] * 2, ("gate", "up"),
+                                         bias=False, linear_method=linear_method)
+        self.down_proj = Linear(cfg.intermediate_size, cfg.hidden_size, bias=False, linear_method=linear_method)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(silu_and_mul(self.gate_up_proj(x)))
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig, layer_idx: int) -> None:
+    def __init__(self, cfg: ModelConfig, layer_idx: int, linear_method: LinearMethod | None = None) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.self_attn = Attention(cfg, layer_idx)
+        self.self_attn = Attention(cfg, layer_idx, linear_method)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.mlp = MLP(cfg)
+        self.mlp = MLP(cfg, linear_method)
 
     def forward(
         self,
@@ -109,20 +126,19 @@ class LlamaForCausalLM(nn.Module):
 
     forward(input_ids [T], positions [T], attn) -> hidden states [T, hidden];
     compute_logits(hidden [N, hidden]) -> float32 logits [N, vocab].
+    `linear_method` sets the weight format of every decoder projection (default: unquantized).
     """
 
-    def __init__(self, cfg: ModelConfig) -> None:
+    def __init__(self, cfg: ModelConfig, linear_method: LinearMethod | None = None) -> None:
         super().__init__()
         self.config = cfg
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.num_layers))
+        self.layers = nn.ModuleList(DecoderLayer(cfg, i, linear_method) for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.rotary = RotaryEmbedding(cfg.head_dim, cfg.rope_theta)
-        if cfg.tie_word_embeddings:
-            self.lm_head = None
-        else:
-            self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
-        self.logits_plan: SkinnyPlan | None = None  # see layers.linear.plan_model_matmuls
+        # tied: no parameter of its own (no `lm_head.weight`); it multiplies by embed_tokens'
+        self.lm_head = LMHead(cfg.vocab_size, cfg.hidden_size,
+                              tie_to=self.embed_tokens if cfg.tie_word_embeddings else None)
 
     def forward(
         self, input_ids: torch.Tensor, positions: torch.Tensor, attn: AttentionContext
@@ -146,83 +162,104 @@ class LlamaForCausalLM(nn.Module):
         finally:
             self.layers = layers
 
+    @property
+    def logits_plan(self) -> SkinnyPlan | None:
+        """The logits matmul's small-batch plan (held by `lm_head`; see
+        `layers.linear.plan_model_matmuls`)."""
+        return self.lm_head.skinny_plan
+
+    @logits_plan.setter
+    def logits_plan(self, plan: SkinnyPlan | None) -> None:
+        self.lm_head.skinny_plan = plan
+
     def logits_weight(self) -> torch.Tensor:
         """[vocab, hidden]: the output projection (the input embedding when tied)."""
-        return self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+        return self.lm_head.logits_weight()
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return matmul(hidden, self.logits_weight(), self.logits_plan).float()  # [N, vocab]
+        return self.lm_head.logits(hidden)  # [N, hidden] -> float32 [N, vocab]
 
     # ---- weight loading -------------------------------------------------------------
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-        """Copy HF-named tensors into the fused parameters.
+        """Copy HF-named tensors into our parameters, each through its `weight_loader`
+        (q/k/v and gate/up as shards of the fused projections, see STACKED_PARAMS), then let
+        each layer's linear method process its weights.
 
-        Raises ValueError naming any parameter that no tensor filled, or a shape mismatch.
+        Raises ValueError naming a checkpoint tensor with no place in the model or of the
+        wrong shape, or the HF tensors of any parameter (or shard) that none filled.
         """
         params = dict(self.named_parameters())
-        filled: dict[str, int] = {}  # param name -> number of shards written
+        filled: dict[str, set[Hashable | None]] = {}  # param name -> shard ids written
         for hf_name, tensor in weights:
-            target = _map_hf_name(hf_name, self.config)
-            if target is None:
+            if "rotary_emb" in hf_name:
                 continue
-            name, shard = target
-            if name not in params:
+            name, shard_id = _param_name(hf_name)
+            param = params.get(name)
+            if param is None:
                 if name == "lm_head.weight":  # tied models may ship a copy of the embedding
                     continue
                 raise ValueError(f"checkpoint tensor {hf_name!r} has no place in the model")
-            param = params[name]
-            dst = param.data if shard is None else param.data.narrow(0, shard[0], shard[1])
-            if tuple(dst.shape) != tuple(tensor.shape):
+            loader = getattr(param, "weight_loader", default_weight_loader)
+            try:
+                loader(param, tensor, shard_id)
+            except ShapeMismatchError as e:
                 raise ValueError(
-                    f"checkpoint tensor {hf_name!r} has shape {tuple(tensor.shape)}, "
-                    f"expected {tuple(dst.shape)}"
-                )
-            dst.copy_(tensor.to(dst.dtype))
-            filled[name] = filled.get(name, 0) + 1
+                    f"checkpoint tensor {hf_name!r} has shape {e.got}, expected {e.expected}"
+                ) from e
+            except ValueError as e:
+                raise ValueError(f"checkpoint tensor {hf_name!r}: {e}") from e
+            shards = filled.setdefault(name, set())
+            shards.update(param_shards(param) if shard_id is None else (shard_id,))
         missing = []
-        for name in params:
-            need = _num_shards(name)
-            if filled.get(name, 0) < need:
-                missing.append(name)
+        for name, param in params.items():
+            want = param_shards(param)
+            got = filled.get(name, set())
+            if not got.issuperset(want):
+                lacking = [s for s in want if s not in got]
+                partly = f" (no {', '.join(map(str, lacking))})" if got else ""
+                missing.append(_hf_names(name) + partly)
         if missing:
             raise ValueError(
-                f"checkpoint is missing weight tensors for: {', '.join(_hf_names(m) for m in missing[:8])}"
+                f"checkpoint is missing weight tensors for: {', '.join(missing[:8])}"
                 + (f" (and {len(missing) - 8} more)" if len(missing) > 8 else "")
             )
+        self.process_weights_after_loading()
+
+    def process_weights_after_loading(self) -> None:
+        """Once the weights are in (from a checkpoint or dummy): each linear method's pass."""
+        for mod in self.modules():
+            if isinstance(mod, Linear):
+                mod.linear_method.process_weights_after_loading(mod)
 
 
-def _num_shards(param_name: str) -> int:
-    if param_name.endswith("qkv_proj.weight") or param_name.endswith("qkv_proj.bias"):
-        return 3
-    if param_name.endswith("gate_up_proj.weight"):
-        return 2
-    return 1
+def _param_name(hf_name: str) -> tuple[str, str | None]:
+    """HF tensor name -> (our parameter name, shard id into a fused parameter or None)."""
+    name = hf_name.removeprefix("model.")
+    for part, (fused, shard_id) in STACKED_PARAMS.items():
+        if f".{part}." in name:
+            return name.replace(part, fused), shard_id
+    return name, None
 
 
 def _hf_names(param_name: str) -> str:
-    """The HF tensor name(s) a pagedserve parameter is filled from (for error messages)."""
+    """The HF tensor name(s) a parameter is filled from, for error messages:
+    `layers.0.self_attn.qkv_proj.weight` -> `model.layers.0.self_attn.{q,k,v}_proj.weight`."""
     name = param_name
-    if name.startswith("layers.") or name.startswith("embed_tokens") or name.startswith("norm"):
+    if name.startswith(("layers.", "embed_tokens", "norm")):
         name = "model." + name
-    name = name.replace("qkv_proj", "{q,k,v}_proj").replace("gate_up_proj", "{gate,up}_proj")
+    fused_parts: dict[str, list[str]] = {}
+    for part, (fused, _) in STACKED_PARAMS.items():
+        fused_parts.setdefault(fused, []).append(part)
+    for fused, parts in fused_parts.items():
+        if f".{fused}." in name:
+            return name.replace(fused, _brace(parts))
     return name
 
 
-def _map_hf_name(hf_name: str, cfg: ModelConfig) -> tuple[str, tuple[int, int] | None] | None:
-    """HF tensor name -> (our parameter name, (row offset, rows) into a fused param or None)."""
-    if "rotary_emb" in hf_name:
-        return None
-    name = hf_name.removeprefix("model.")
-    q, kv, inter = cfg.q_size, cfg.kv_size, cfg.intermediate_size
-    fused = {
-        "self_attn.q_proj": ("self_attn.qkv_proj", (0, q)),
-        "self_attn.k_proj": ("self_attn.qkv_proj", (q, kv)),
-        "self_attn.v_proj": ("self_attn.qkv_proj", (q + kv, kv)),
-        "mlp.gate_proj": ("mlp.gate_up_proj", (0, inter)),
-        "mlp.up_proj": ("mlp.gate_up_proj", (inter, inter)),
-    }
-    for part, (new, shard) in fused.items():
-        if f".{part}." in name:
-            return name.replace(part, new), shard
-    return name, None
+def _brace(parts: list[str]) -> str:
+    """["mlp.gate_proj", "mlp.up_proj"] -> "mlp.{gate,up}_proj"."""
+    prefix = os.path.commonprefix(parts)
+    suffix = os.path.commonprefix([p[len(prefix):][::-1] for p in parts])[::-1]
+    middles = [p[len(prefix):len(p) - len(suffix)] for p in parts]
+    return f"{prefix}{{{','.join(middles)}}}{suffix}"

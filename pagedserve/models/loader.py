@@ -36,6 +36,7 @@ def build_model(
     model = _materialise(cfg, torch_dtype, device)
     if load_format == "dummy":
         _fill_dummy(model, seed)
+        model.process_weights_after_loading()
     elif source.gguf_file is not None:
         from pagedserve.models.gguf_loader import read_gguf
 

@@ -6,31 +6,20 @@ import argparse
 import logging
 
 from pagedserve import envs
-from pagedserve.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
+from pagedserve.config import EngineConfig, ModelConfig
 from pagedserve.faults import FaultPlan
+from pagedserve.models.source import ModelSource
 
 logger = logging.getLogger("pagedserve")
 
 
-def engine_config(kw: dict) -> tuple[EngineConfig, object, ModelConfig]:
-    """EngineConfig from LLM-style keyword arguments; also the model source and config."""
-    from pagedserve.models.source import resolve_model
-
-    source = resolve_model(kw["model"])
-    model_cfg = ModelConfig.from_hf_config(source.hf_config)
-    max_len = kw["max_model_len"] or model_cfg.max_position_embeddings
-    if max_len > model_cfg.max_position_embeddings:
-        raise ValueError(f"--max-model-len {max_len} exceeds the model's max_position_embeddings "
-                         f"({model_cfg.max_position_embeddings})")
-    config = EngineConfig(
-        model=kw["model"], dtype=kw["dtype"], device=kw["device"], load_format=kw["load_format"],
-        scheduler=SchedulerConfig(kw["max_num_seqs"], kw["max_num_batched_tokens"], max_len),
-        cache=CacheConfig(kw["block_size"], kw["enable_prefix_caching"], kw["kv_cache_memory"],
-                          kw["gpu_memory_utilization"]),
-        enforce_eager=kw["enforce_eager"], attention_backend=kw["attention_backend"],
-        seed=kw["seed"], faults=FaultPlan.parse(kw.get("inject_faults")),
-    )
-    return config, source, model_cfg
+def engine_config(kw: dict) -> tuple[EngineConfig, ModelSource, ModelConfig]:
+    """EngineConfig from the CLI's LLM-style keyword arguments; also the model source and config."""
+    names = ("max_model_len", "max_num_seqs", "max_num_batched_tokens", "block_size",
+             "enable_prefix_caching", "kv_cache_memory", "gpu_memory_utilization", "dtype", "device",
+             "load_format", "enforce_eager", "attention_backend", "seed")
+    return EngineConfig.from_args(kw["model"], faults=FaultPlan.parse(kw.get("inject_faults")),
+                                  **{name: kw[name] for name in names})
 
 
 def serve(args: argparse.Namespace, kw: dict) -> int:

@@ -64,7 +64,7 @@ def ui_command(host: str, port: int) -> list[str]:
 def ui_env(base_url: str, api_key: str | None, model: str | None, temperature: float | None,
            base: dict[str, str] | None = None) -> dict[str, str]:
     """The environment for the Chainlit process: the UI's settings, telemetry off."""
-    env = dict(os.environ if base is None else base)
+    env = dict(envs.environment() if base is None else base)
     for var in _CHAINLIT_OPTION_VARS:
         env.pop(var, None)
     env.update(_NO_TELEMETRY)

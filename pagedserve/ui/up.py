@@ -11,7 +11,6 @@ killed, the kernel ends both children (`lifeline`).
 from __future__ import annotations
 
 import logging
-import os
 import signal
 import sys
 import time
@@ -60,7 +59,7 @@ class Up:
         stop = _Stop()
         children = (self.server, self.ui)
         try:
-            env = dict(os.environ)
+            env = envs.environment()
             for child in children:
                 child.start(env)
             print(f"pagedserve up: starting the server and the chat UI (logs: "

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from gpu_helpers import runner_of
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
@@ -54,8 +55,8 @@ PROMPTS = {f"r{i}": [1 + i, 20 + i, 40 + i, 60 + i, 80 + i] for i in range(6)}
 def test_decode_graphs_run_and_a_poisoned_row_fails_alone(core, monkeypatch):
     """NaN logits in one row of a step fail that request only; the others run to the end
     through graph-replayed decode steps."""
-    graphs = core.runner.num_graph_steps
-    model = core.runner.model
+    graphs = runner_of(core).num_graph_steps
+    model = runner_of(core).model
     real = model.compute_logits
 
     def poisoned(hidden):
@@ -67,7 +68,7 @@ def test_decode_graphs_run_and_a_poisoned_row_fails_alone(core, monkeypatch):
 
     monkeypatch.setattr(model, "compute_logits", poisoned)
     out = run(core, PROMPTS)
-    assert core.runner.num_graph_steps > graphs  # the decode steps replayed graphs
+    assert runner_of(core).num_graph_steps > graphs  # the decode steps replayed graphs
     failed = [rid for rid, (_, reason, _) in out.items() if reason == "error"]
     assert len(failed) == 1 and "non-finite" in out[failed[0]][2]
     for rid, (tokens, reason, _) in out.items():

@@ -1,0 +1,125 @@
+"""Executors: how the engine core's steps reach the worker(s) that run the model.
+
+The core speaks only to an `Executor`: it launches a scheduled step and later collects its
+sampled tokens. `UniprocExecutor` drives one in-process `Worker`; a tensor-parallel executor
+(one worker process per GPU, the step broadcast to all, rank 0's tokens returned) implements
+the same interface without touching the core.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Callable
+from contextlib import AbstractContextManager
+from typing import Any
+
+from pagedserve.config import EngineConfig, ModelConfig, SchedulerConfig
+from pagedserve.engine.scheduler import SchedulerOutput
+from pagedserve.models.source import ModelSource
+
+
+class Executor(ABC):
+    """Runs steps on the model. Facts the core needs after start-up are attributes:
+    `model_config`, `scheduler_config` (max_model_len clamped to the model), `num_blocks`,
+    `block_size`, and the start-up timings (`load_seconds`, `graph_capture_seconds`,
+    `matmul_plan_seconds`, `compile_ahead_seconds`)."""
+
+    model_config: ModelConfig
+    scheduler_config: SchedulerConfig
+    num_blocks: int
+    block_size: int
+    load_seconds: float
+    graph_capture_seconds: float
+    matmul_plan_seconds: float
+    compile_ahead_seconds: float
+    is_cuda: bool
+
+    @abstractmethod
+    def execute(self, out: SchedulerOutput, block_tables: list[list[int]]) -> Any:
+        """Launch one step and return at once with a handle for `collect`.
+        block_tables[i] is the block table of out.chunks[i]'s request."""
+
+    @abstractmethod
+    def collect(self, handle: Any):
+        """Wait for a launched step; its `StepResult` (tokens per sampling request)."""
+
+    @abstractmethod
+    def release(self, request_ids: list[str]) -> None:
+        """Forget the per-request state of requests that ended."""
+
+    @abstractmethod
+    def graph_counts(self) -> tuple[int, int]:
+        """(steps replayed from CUDA graphs, eager steps) since the last reset."""
+
+    @abstractmethod
+    def last_launch_ms(self) -> tuple[float, float, float]:
+        """Host ms of the last launch: inputs, model, logits and sampling (for slow-step logs)."""
+
+    @abstractmethod
+    def rehearsed(self, fn: Callable[[], object], what: str) -> None:
+        """Run a start-up phase (compile-ahead rehearsal first where the workers use it)."""
+
+    @abstractmethod
+    def eager_mixed_steps(self) -> AbstractContextManager[None]:
+        """Within: prefill and mixed steps run eagerly (for the warm-up)."""
+
+    @abstractmethod
+    def warm_up_kernels(self) -> None:
+        """Compile kernel variants that no warm-up step reaches."""
+
+    @abstractmethod
+    def report_late_compiles(self) -> None:
+        """Log kernel variants first compiled from now on (the engine is ready)."""
+
+    @abstractmethod
+    def reset_stats(self) -> None:
+        """Zero the step counters (after the warm-up)."""
+
+
+class UniprocExecutor(Executor):
+    """One worker in this process."""
+
+    def __init__(self, config: EngineConfig, source: ModelSource) -> None:
+        from pagedserve.engine.worker import Worker
+
+        self.worker = w = Worker(config, source)
+        self.model_config, self.scheduler_config = w.model_config, w.scheduler_config
+        self.num_blocks, self.block_size = w.num_blocks, w.kv_spec.block_size
+        self.load_seconds, self.graph_capture_seconds = w.load_seconds, w.graph_capture_seconds
+        self.matmul_plan_seconds = w.matmul_plan_seconds
+        self.is_cuda = w.cuda
+
+    @property
+    def compile_ahead_seconds(self) -> float:  # (grows while the warm-up is rehearsed)
+        return self.worker.compile_ahead_seconds
+
+    def execute(self, out, block_tables):
+        return self.worker.execute(out, block_tables)
+
+    def collect(self, handle):
+        return self.worker.collect(handle)
+
+    def release(self, request_ids: list[str]) -> None:
+        self.worker.runner.release(request_ids)
+
+    def graph_counts(self) -> tuple[int, int]:
+        runner = self.worker.runner
+        return runner.num_graph_steps, runner.num_eager_steps
+
+    def last_launch_ms(self) -> tuple[float, float, float]:
+        return self.worker.runner.last_launch_ms
+
+    def rehearsed(self, fn, what: str) -> None:
+        self.worker.rehearsed(fn, what)
+
+    def eager_mixed_steps(self):
+        return self.worker.runner.eager_mixed_steps()
+
+    def warm_up_kernels(self) -> None:
+        self.worker.warm_up_kernels(self.scheduler_config.max_num_seqs)
+
+    def report_late_compiles(self) -> None:
+        self.worker.report_late_compiles()
+
+    def reset_stats(self) -> None:
+        self.worker.reset_stats()

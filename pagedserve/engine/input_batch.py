@@ -1,0 +1,208 @@
+"""One input path for every step: a host packer and persistent device step buffers.
+
+`pack_step` flattens any step (decodes, prefill chunks, or both) into numpy arrays
+(`StepArrays`). `StepBuffers` holds the device copies at fixed addresses, so a CUDA graph
+captured over them replays any step that fits its key, and eager steps read the same
+buffers: per step one copy of the token rows, one of the per-sequence int32 fields, one of
+the block tables. Padding up to a graph's token bucket has slot -1 (no K/V written),
+position 0, id 0; padded sequences have seq len 0 (attention writes zeros there).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from pagedserve.attention.backend import AttentionBackend, AttentionMetadata, GraphKey
+from pagedserve.engine.host_copy import ALIGN
+
+
+@dataclass
+class StepArrays:
+    """The flattened batch of one step on the host (numpy): T tokens of S sequences."""
+
+    ids: np.ndarray  # [T] int64; 0 where the token is still pending on the device
+    positions: np.ndarray  # [T] int64
+    slots: np.ndarray  # [T] int64 KV-cache slot of each token
+    src_rows: np.ndarray  # [T] int64: row of a pending token in the previous step's samples, else -1
+    query_start_loc: np.ndarray  # [S + 1] int64
+    seq_lens: np.ndarray  # [S] int64, context length including this step's tokens
+    tables: np.ndarray  # [S, widest table] int32 block tables
+    logits_idx: np.ndarray  # [N] int64: the token whose logits each sampling sequence needs
+    sample_rows: list[int]  # the N sequences that sample, in order
+    max_query_len: int
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.ids)
+
+    @property
+    def num_seqs(self) -> int:
+        return len(self.seq_lens)
+
+    @property
+    def has_pending(self) -> bool:
+        return bool((self.src_rows >= 0).any())
+
+
+def pack_step(chunks, block_tables: list[list[int]], prev_rows: dict[str, int],
+              block_size: int) -> StepArrays:
+    """Flatten a step's chunks into arrays, vectorised except for one loop over sequences.
+    A chunk whose last input token is still pending (sampled by the previous step, not yet
+    read back) gets id 0 and the row of its request in the previous step's samples."""
+    bs = block_size
+    n = len(chunks)
+    q_lens = np.fromiter((c.num_tokens for c in chunks), dtype=np.int64, count=n)
+    starts = np.fromiter((c.start for c in chunks), dtype=np.int64, count=n)
+    cu = np.zeros(n + 1, dtype=np.int64)
+    np.cumsum(q_lens, out=cu[1:])
+    total = int(cu[-1])
+    ids = np.zeros(total, dtype=np.int64)
+    src = np.full(total, -1, dtype=np.int64)
+    tables = np.zeros((n, max(len(t) for t in block_tables)), dtype=np.int32)
+    for i, (chunk, table) in enumerate(zip(chunks, block_tables)):
+        s = int(cu[i])
+        known = chunk.request.token_ids[chunk.start : chunk.start + chunk.num_tokens]
+        ids[s : s + len(known)] = known
+        if len(known) < chunk.num_tokens:  # the last input token is still on the device
+            src[s + chunk.num_tokens - 1] = prev_rows[chunk.request.request_id]
+        tables[i, : len(table)] = table
+    positions = np.repeat(starts - cu[:-1], q_lens) + np.arange(total)
+    row_of_token = np.repeat(np.arange(n), q_lens)
+    slots = tables[row_of_token, positions // bs].astype(np.int64) * bs + positions % bs
+    sample_rows = [i for i, c in enumerate(chunks) if c.samples]
+    return StepArrays(ids, positions, slots, src, cu, starts + q_lens, tables,
+                      cu[1:][sample_rows] - 1, sample_rows, int(q_lens.max()))
+
+
+def _aligned(n: int) -> int:
+    return -(-n // ALIGN) * ALIGN
+
+
+class SeqLayout:
+    """Offsets of the per-sequence int32 fields inside one flat buffer (one copy per step):
+    the common ones, then the attention backend's (`AttentionBackend.step_fields`)."""
+
+    def __init__(self, max_seqs: int, backend_fields: dict[str, int]) -> None:
+        sizes = {"query_start_loc": max_seqs + 1, "seq_lens": max_seqs, "logits_idx": max_seqs,
+                 **backend_fields}
+        self.offsets: dict[str, tuple[int, int]] = {}  # name -> (start, length)
+        at = 0
+        for name, n in sizes.items():
+            self.offsets[name] = (at, n)  # every start a multiple of ALIGN (see host_copy)
+            at += _aligned(n)
+        self.size = at
+
+
+def pack_inputs(a: StepArrays, bucket: int, key: GraphKey | None, layout: SeqLayout,
+                backend: AttentionBackend) -> tuple[np.ndarray, np.ndarray, object]:
+    """Host images of the step buffers for a step padded to `bucket` tokens: token rows
+    [4, bucket] int64 (ids, positions, slots, pending-source rows) and the int32 field
+    buffer of `layout`. Padded sequences: an empty query range at T for a mixed step; for
+    a uniform key (every sequence q tokens), one query range of q padding tokens each.
+    Also returns what the backend noted for its metadata (`fill_step_fields`)."""
+    T = a.num_tokens
+    tokens = np.zeros((4, bucket), dtype=np.int64)
+    tokens[:, :T] = (a.ids, a.positions, a.slots, a.src_rows)
+    tokens[2:, T:] = -1
+    seq = np.zeros(layout.size, dtype=np.int32)
+    off = layout.offsets
+
+    def put(name: str, values: np.ndarray) -> None:
+        start = off[name][0]
+        seq[start : start + len(values)] = values
+
+    qsl_start, qsl_len = off["query_start_loc"]
+    if key is not None and key.uniform_query_len:
+        q = key.uniform_query_len
+        seq[qsl_start : qsl_start + qsl_len] = np.minimum(np.arange(qsl_len) * q, bucket)
+    else:
+        seq[qsl_start : qsl_start + qsl_len] = T
+    put("query_start_loc", a.query_start_loc)
+    put("seq_lens", a.seq_lens)
+    put("logits_idx", a.logits_idx)
+    noted = backend.fill_step_fields(a.query_start_loc, a.seq_lens, key, put)
+    return tokens, seq, noted
+
+
+class StepBuffers:
+    """The device step buffers (fixed addresses): token rows for up to `max_tokens` tokens,
+    the int32 field buffer, block tables [max_seqs, max_blocks]."""
+
+    def __init__(self, backend: AttentionBackend, max_tokens: int, max_seqs: int, max_blocks: int,
+                 device: torch.device) -> None:
+        self.backend, self.device = backend, device
+        self.max_tokens, self.max_seqs, self.max_blocks = max_tokens, max_seqs, max_blocks
+        self.layout = SeqLayout(max_seqs, backend.step_fields(max_tokens, max_seqs))
+        # For a step of n tokens the token rows live at tokens[:4 * n] viewed as [4, n]: one
+        # copy of exactly the step's inputs, at the same addresses in every replay.
+        self.tokens = torch.zeros(4 * max_tokens, dtype=torch.long, device=device)
+        self.seq = torch.zeros(self.layout.size, dtype=torch.int32, device=device)
+        self.block_tables = torch.zeros((max_seqs, max_blocks), dtype=torch.int32, device=device)
+
+    def fits(self, a: StepArrays) -> bool:
+        return (a.num_tokens <= self.max_tokens and a.num_seqs <= self.max_seqs
+                and a.tables.shape[1] <= self.max_blocks)
+
+    def view(self, name: str, length: int | None = None) -> torch.Tensor:
+        start, n = self.layout.offsets[name]
+        return self.seq[start : start + (n if length is None else length)]
+
+    def token_rows(self, n: int) -> torch.Tensor:
+        return self.tokens[: 4 * n].view(4, n)  # ids, positions, slots, sources
+
+    def load(self, a: StepArrays, bucket: int, key: GraphKey | None,
+             prev_tokens: torch.Tensor | None) -> object:
+        """Copy a step's inputs (padded to `bucket` tokens) into the buffers and fill its
+        pending input tokens from the previous step's samples on the device. Returns the
+        backend's note for `metadata`."""
+        tokens, seq, noted = pack_inputs(a, bucket, key, self.layout, self.backend)
+        cuda = self.device.type == "cuda"
+        pin = _pinned if cuda else (lambda t: t)
+        self.tokens[: tokens.size].copy_(pin(torch.from_numpy(tokens.reshape(-1))), non_blocking=cuda)
+        self.seq.copy_(pin(torch.from_numpy(seq)), non_blocking=cuda)
+        S, W = a.tables.shape
+        self.block_tables[:S, :W].copy_(pin(torch.from_numpy(a.tables)), non_blocking=cuda)
+        if a.has_pending:
+            rows = self.token_rows(bucket)
+            ids, src = rows[0, : a.num_tokens], rows[3, : a.num_tokens]
+            if cuda:
+                from pagedserve.kernels.step_inputs import fill_pending_tokens
+
+                fill_pending_tokens(ids, src, prev_tokens)
+            else:
+                pending = src >= 0
+                ids[pending] = prev_tokens[src[pending]]
+        return noted
+
+    def metadata(self, a: StepArrays, noted: object) -> AttentionMetadata:
+        """Metadata of an eager step over the loaded buffers (exact sizes; `noted`: what
+        `load` returned)."""
+        S = a.num_seqs
+        meta = AttentionMetadata(
+            query_start_loc=self.view("query_start_loc", S + 1), seq_lens=self.view("seq_lens", S),
+            slot_mapping=self.token_rows(a.num_tokens)[2], block_tables=self.block_tables[:S],
+            max_query_len=a.max_query_len, max_seq_len=int(a.seq_lens.max()),
+            query_start_loc_cpu=a.query_start_loc.tolist(), seq_lens_cpu=a.seq_lens.tolist(),
+        )
+        self.backend.step_metadata(meta, noted, self.view)
+        return meta
+
+    def graph_metadata(self, key: GraphKey, max_seq_len: int) -> AttentionMetadata:
+        """The static metadata a graph of `key` reads (kernel grids sized for the key)."""
+        num_seqs = key.num_tokens // key.uniform_query_len if key.uniform_query_len else self.max_seqs
+        meta = AttentionMetadata(
+            query_start_loc=self.view("query_start_loc", num_seqs + 1),
+            seq_lens=self.view("seq_lens", num_seqs),
+            slot_mapping=self.token_rows(key.num_tokens)[2], block_tables=self.block_tables[:num_seqs],
+            max_query_len=key.uniform_query_len or key.num_tokens, max_seq_len=max_seq_len,
+            query_start_loc_cpu=[], seq_lens_cpu=[],
+        )
+        self.backend.graph_metadata(meta, key, self.max_seqs, self.view)
+        return meta
+
+
+def _pinned(t: torch.Tensor) -> torch.Tensor:
+    return t if t.is_pinned() else t.pin_memory()

@@ -1,0 +1,151 @@
+"""The Worker: the model, its KV-cache tensors, attention backend and sampler on one device.
+
+Start-up is one sequence, in `Worker.__init__`: load the weights -> profile a full step's
+activation peak -> size the KV cache -> plan the small-batch matmuls -> capture the CUDA
+graphs. On CUDA each phase is first rehearsed with its Triton kernels compiled in parallel
+(`kernels/compile_ahead.py`). The warm-up steps come after, through the engine core
+(`engine/warm_up.py`), because they exercise the scheduler and the step loop too; the
+kernel variants that no step reaches are warmed here (`warm_up_kernels`).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+
+import torch
+
+from pagedserve.attention.backend import AttentionBackend, AttentionContext, get_backend_class
+from pagedserve.config import EngineConfig, ModelConfig, resolve_dtype
+from pagedserve.engine.cache_sizing import determine_num_blocks
+from pagedserve.engine.kv_cache_spec import KVCacheSpec
+from pagedserve.engine.model_runner import ModelRunner, StepHandle, StepResult
+from pagedserve.engine.scheduler import SchedulerOutput
+from pagedserve.engine.warm_up import profile_forward
+from pagedserve.layers.sampler import Sampler
+from pagedserve.models.loader import build_model
+from pagedserve.models.source import ModelSource
+
+logger = logging.getLogger("pagedserve")
+
+
+def make_backend(name: str, device: torch.device, cfg: ModelConfig) -> AttentionBackend:
+    """The attention backend `name` ("auto": triton on CUDA, torch elsewhere) for `cfg`."""
+    if name == "auto":
+        name = "triton" if device.type == "cuda" else "torch"
+    return get_backend_class(name)(cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.head_dim**-0.5)
+
+
+class Worker:
+    """Runs the model on one device; `execute` launches a step, `collect` reads it back."""
+
+    def __init__(self, config: EngineConfig, source: ModelSource) -> None:
+        t0 = time.perf_counter()
+        kernels = config.kernels
+        self.device = device = config.resolved_device()
+        self.cuda = device.type == "cuda"
+        if self.cuda:
+            from pagedserve.kernels import pdl
+            from pagedserve.kernels.compile_ahead import report_late_compiles
+
+            pdl.set_enabled(kernels.pdl)
+            report_late_compiles(False)  # (this start-up's compiles are expected)
+        model = build_model(source, dtype=config.dtype, device=device,
+                            load_format=config.load_format, seed=config.seed)
+        self.model_config = cfg = model.config
+        self.dtype = dtype = resolve_dtype(config.dtype, device)
+        self.scheduler_config = sched = config.scheduler_for(cfg)
+        backend = make_backend(config.attention_backend, device, cfg)
+        self.kv_spec = spec = KVCacheSpec.for_model(cfg, config.cache.block_size, dtype)
+        self._compile_ahead = self.cuda and kernels.compile_ahead
+        self.compile_ahead_seconds = 0.0
+        self.model = model
+
+        num_blocks = determine_num_blocks(
+            spec, config.cache, sched, device,
+            profile=lambda: self.rehearsed(lambda: profile_forward(model, backend, sched, spec), "memory profile"))
+        self.runner = ModelRunner(model, backend, spec, num_blocks, Sampler(fused=kernels.fused_sampling),
+                                  sched)
+        self.num_blocks = num_blocks
+
+        self.matmul_plan_seconds = 0.0
+        if self.cuda and dtype in (torch.bfloat16, torch.float16) and kernels.skinny_matmul:
+            from pagedserve.layers.linear import compile_plan_candidates, plan_model_matmuls
+
+            t_plan = time.perf_counter()
+            if self._compile_ahead:
+                self._rehearse(lambda: compile_plan_candidates(model), "matmul plan")
+            plan_model_matmuls(model)
+            self.matmul_plan_seconds = time.perf_counter() - t_plan
+            logger.info("small-batch matmuls planned in %.1f s", self.matmul_plan_seconds)
+
+        self.graph_capture_seconds = 0.0
+        if self.cuda and not config.enforce_eager and backend.supports_cuda_graphs():
+            self.graph_capture_seconds = self.runner.enable_cuda_graphs(
+                min(sched.max_num_seqs, 512), kernels.mixed_graph_tokens, sched.max_model_len,
+                prefetch=kernels.weight_prefetch, ahead=self._rehearse if self._compile_ahead else None)
+        logger.info(
+            "KV cache: %d blocks of %d tokens = %d tokens (%.2f GiB, %s); max concurrency at "
+            "max_model_len=%d: %.2fx", num_blocks, spec.block_size, num_blocks * spec.block_size,
+            num_blocks * spec.bytes_per_block / 2**30, dtype, sched.max_model_len,
+            num_blocks * spec.block_size / sched.max_model_len,
+        )
+        self.load_seconds = time.perf_counter() - t0
+
+    # ---- start-up helpers -------------------------------------------------------------
+
+    def _rehearse(self, fn: Callable[[], object], what: str) -> None:
+        """Run `fn` over the first two decoder layers with its Triton kernels compiled in
+        parallel instead of launched (`kernels/compile_ahead.py`)."""
+        from pagedserve.kernels.compile_ahead import compile_ahead
+
+        with self.model.first_layers_only(2):
+            self.compile_ahead_seconds += compile_ahead(fn, what)
+
+    def rehearsed(self, fn: Callable[[], object], what: str) -> None:
+        """Run a start-up phase, rehearsed first where compile-ahead is on."""
+        if self._compile_ahead:
+            self._rehearse(fn, what)
+        fn()
+
+    @torch.inference_mode()
+    def warm_up_kernels(self, max_num_seqs: int) -> None:
+        """Kernel variants no warm-up step reaches: the attention backend's eager variants
+        (e.g. every split-KV count of the Triton decode kernel: measured on the H200, each
+        first use otherwise stalls a serving step by about half a second) and the fused
+        temperature sampler (the warm-up's requests are greedy)."""
+        if not self.cuda:
+            return
+        runner, backend = self.runner, self.runner.backend
+        variants = backend.eager_variants()
+        if variants:
+            length = min(600, self.scheduler_config.max_model_len)
+            ids, positions, meta = runner.decode_probe(num_seqs=2, length=length)
+            for variant in variants:
+                backend.prepare(meta, **variant)
+                self.model(ids, positions, AttentionContext(backend, meta))
+        if runner.sampler.fused:
+            from pagedserve.kernels.sampling import sample_with_temperature
+
+            for rows in sorted({1, max_num_seqs}):
+                logits = torch.zeros(rows, self.model_config.vocab_size, device=self.device)
+                sample_with_temperature(logits, torch.ones(rows, device=self.device), seed=1)
+
+    def report_late_compiles(self) -> None:
+        """From now on, log every Triton kernel variant first launched (a warm-up gap)."""
+        if self.cuda:
+            from pagedserve.kernels.compile_ahead import report_late_compiles
+
+            report_late_compiles(True)
+
+    # ---- steps ------------------------------------------------------------------------
+
+    def execute(self, out: SchedulerOutput, block_tables: list[list[int]]) -> StepHandle:
+        return self.runner.execute(out, block_tables)
+
+    def collect(self, handle: StepHandle) -> StepResult:
+        return self.runner.collect(handle)
+
+    def reset_stats(self) -> None:
+        self.runner.reset_stats()

@@ -1,0 +1,67 @@
+"""How a linear layer keeps its weights and multiplies by them: the seam for quantization.
+
+A `LinearMethod` is handed to each linear layer (`layers/linear.py`). It registers the
+layer's parameters (their shapes, dtypes and weight loaders), may convert them once the
+checkpoint is in (repacking, scales), and computes the layer's product. The only method today
+is `UnquantizedLinearMethod`: a plain weight, multiplied on the skinny Triton kernel where the
+layer's `skinny_plan` says so, else by cuBLAS.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from pagedserve.layers.skinny import matmul
+from pagedserve.layers.weight_utils import linear_weight_loader, set_weight_attrs
+
+
+class LinearMethod:
+    """Interface of a linear layer's weight format. Stateless: per-layer state lives on the layer."""
+
+    def create_weights(self, layer: nn.Module, input_size: int, output_sizes: list[int],
+                       bias: bool, dtype: torch.dtype | None) -> None:
+        """Register the parameters of `layer` (y = x W^T + b, output = the concatenation of
+        `output_sizes`, e.g. [q, kv, kv]) with `set_weight_attrs` giving each its
+        `weight_loader`, `output_dim`/`input_dim` and `layer.shard_offsets` where it is split
+        along the output. Must register `bias` (None when `bias` is False). dtype None: the
+        default dtype."""
+        raise NotImplementedError
+
+    def process_weights_after_loading(self, layer: nn.Module) -> None:
+        """Convert the loaded parameters once, after the whole checkpoint is in (no-op here)."""
+
+    def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        """x [T, input_size] -> [T, sum(output_sizes)] (+ bias). Runs every step and inside
+        CUDA graphs: keep it to the product itself."""
+        raise NotImplementedError
+
+
+class UnquantizedLinearMethod(LinearMethod):
+    """A plain weight [out, in] in the model's dtype (nn.Linear's parameters and initialisation)."""
+
+    def create_weights(self, layer: nn.Module, input_size: int, output_sizes: list[int],
+                       bias: bool, dtype: torch.dtype | None) -> None:
+        out = sum(output_sizes)
+        layer.register_parameter("weight", nn.Parameter(torch.empty(out, input_size, dtype=dtype)))  # [out, in]
+        set_weight_attrs(layer, "weight", output_dim=0, input_dim=1,
+                         shard_offsets=layer.shard_offsets, weight_loader=linear_weight_loader)
+        if bias:
+            layer.register_parameter("bias", nn.Parameter(torch.empty(out, dtype=dtype)))  # [out]
+            set_weight_attrs(layer, "bias", output_dim=0,
+                             shard_offsets=layer.shard_offsets, weight_loader=linear_weight_loader)
+        else:
+            layer.register_parameter("bias", None)
+        # as nn.Linear.reset_parameters (same values for the same seed; a no-op on meta)
+        nn.init.kaiming_uniform_(layer.weight, a=math.sqrt(5))
+        if bias:
+            bound = 1 / math.sqrt(input_size) if input_size > 0 else 0
+            nn.init.uniform_(layer.bias, -bound, bound)
+
+    def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        if bias is None:  # the skinny kernel takes no bias
+            return matmul(x, layer.weight, layer.skinny_plan)
+        return F.linear(x, layer.weight, bias)

@@ -1,0 +1,141 @@
+"""Small-batch weight matmuls on the skinny Triton kernel, and the timing that plans them.
+
+For a decode batch of a few rows the weight matmuls are bound by reading the weights, and
+cuBLAS leaves bandwidth unused on some shapes (measured on the H200: 2.0 TB/s for Qwen3-4B's
+o_proj at one row). `plan_skinny_matmuls` times, on the real weights, cuBLAS against a few
+settings of `kernels.skinny_gemm` for each weight shape and row bucket, and records the
+fastest; `matmul` then follows such a plan. Without a plan (CPU, float32, or turned off)
+everything is plain `F.linear`. `layers/linear.py` plans a whole model with these.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from typing import TYPE_CHECKING
+
+import torch
+import torch.nn.functional as F
+
+if TYPE_CHECKING:
+    from pagedserve.kernels.skinny_gemm import SkinnyConfig
+
+logger = logging.getLogger(__name__)
+
+ROW_BUCKETS = (1, 2, 4, 8, 16, 32, 64)  # a plan's row counts; 3 rows follow the plan for 4, ...
+
+# Plan for one weight: row bucket -> SkinnyConfig, or None where cuBLAS was faster.
+SkinnyPlan = dict[int, "SkinnyConfig | None"]
+
+Timer = Callable[[Callable[[], None]], float]  # timer(fn) -> ms
+
+
+def row_bucket(rows: int) -> int:
+    """The smallest ROW_BUCKETS entry >= rows (rows <= ROW_BUCKETS[-1])."""
+    return next(b for b in ROW_BUCKETS if b >= rows)
+
+
+def matmul(x: torch.Tensor, weight: torch.Tensor, plan: SkinnyPlan | None) -> torch.Tensor:
+    """x [T, K] @ weight [N, K]^T -> [T, N], on the skinny kernel where `plan` says so."""
+    rows = x.shape[0]
+    if plan and x.dim() == 2 and 0 < rows <= ROW_BUCKETS[-1]:
+        cfg = plan.get(row_bucket(rows))
+        if cfg is not None and x.stride(-1) == 1:
+            from pagedserve.kernels.skinny_gemm import skinny_matmul
+
+            return skinny_matmul(x, weight, cfg)
+    return F.linear(x, weight)
+
+
+def _candidates(rows: int) -> list:
+    """Settings worth timing for a row bucket (from `gpu_check.py --sections skinny` and
+    `skinny_tma` on the H200: one-row FMA programs over a few output columns for one row;
+    tensor-core programs for more, pointer loads for qkv_proj, TMA loads with split-K and a
+    deep pipeline for the narrow o_proj and down_proj, TMA without split-K for gate_up)."""
+    from pagedserve.kernels.skinny_gemm import SkinnyConfig
+
+    dot = [SkinnyConfig(64, 64, 4, 6, True, 4, True), SkinnyConfig(64, 128, 4, 4, True, 1),
+           SkinnyConfig(64, 64, 4, 4, True, 1, True)]
+    if rows == 1:
+        return [SkinnyConfig(2, 1024, 4, 1, False, 1), SkinnyConfig(8, 512, 4, 1, False, 1),
+                SkinnyConfig(2, 512, 2, 1, False, 1), *dot]
+    return dot
+
+
+def _gpu_ms(fn: Callable[[], None], reps: int = 2) -> float:
+    """GPU time of fn (ms, best of `reps`), measured behind a sleep kernel so the host's launch
+    cost stays out of the figure."""
+    best = float("inf")
+    for _ in range(reps):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        torch.cuda._sleep(8_000_000)  # ~4 ms: time for the host to queue fn's launches
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        best = min(best, start.elapsed_time(end))
+    return best
+
+
+@torch.inference_mode()
+def plan_skinny_matmuls(groups: dict[str, list[torch.Tensor]],
+                        timer: Timer = _gpu_ms) -> dict[str, SkinnyPlan]:
+    """For each group of same-shaped weights (e.g. every layer's o_proj), the fastest way to
+    multiply 1..64 rows by them, timed (`timer(fn)` -> ms) over the whole group as a decode
+    step reads it: cuBLAS first, then each candidate setting that agrees with cuBLAS.
+
+    Returns group name -> plan (row bucket -> SkinnyConfig, or None for cuBLAS).
+    """
+    from pagedserve.kernels.skinny_gemm import skinny_matmul
+
+    plans: dict[str, SkinnyPlan] = {}
+    for name, weights in groups.items():
+        n, k = weights[0].shape
+        plan: SkinnyPlan = {}
+        if weights[0].numel() >= 2**31:  # past the kernel's 32-bit offsets: cuBLAS
+            plans[name] = plan
+            continue
+        summary = []
+        for rows in ROW_BUCKETS:
+            x = torch.randn(rows, k, device=weights[0].device, dtype=weights[0].dtype)  # [rows, K]
+            out = torch.empty(rows, n, device=x.device, dtype=x.dtype)  # [rows, N]
+
+            def blas(x=x, weights=weights):
+                for w in weights:
+                    F.linear(x, w)
+            best_ms, best = timer(blas), None
+            ref = F.linear(x, weights[0]).float()
+            for cfg in _candidates(rows):
+                got = skinny_matmul(x, weights[0], cfg, out).float()  # compiles; checked once
+                if (got - ref).norm() > 1e-2 * ref.norm():
+                    logger.warning("skinny matmul %s disagrees with cuBLAS on %s; not used", cfg, name)
+                    continue
+
+                def skinny(x=x, cfg=cfg, out=out, weights=weights):
+                    for w in weights:
+                        skinny_matmul(x, w, cfg, out)
+                ms = timer(skinny)
+                if ms < best_ms:
+                    best_ms, best = ms, cfg
+            plan[rows] = best
+            summary.append(f"{rows}: {'cuBLAS' if best is None else tuple(best)} {best_ms:.3f} ms")
+        plans[name] = plan
+        logger.info("matmul plan for %s [%d x %d] x%d: %s", name, n, k, len(weights), "; ".join(summary))
+    return plans
+
+
+@torch.inference_mode()
+def compile_skinny_candidates(weights: list[torch.Tensor]) -> None:
+    """Launch every setting `plan_skinny_matmuls` would time, once per weight and row bucket,
+    on uninitialised inputs (one weight per shape is enough: kernels compile per shape)."""
+    from pagedserve.kernels.skinny_gemm import skinny_matmul
+
+    for weight in weights:
+        n, k = weight.shape
+        if weight.numel() >= 2**31:
+            continue
+        for rows in ROW_BUCKETS:
+            x = torch.empty(rows, k, device=weight.device, dtype=weight.dtype)  # [rows, K]
+            out = torch.empty(rows, n, device=x.device, dtype=x.dtype)  # [rows, N]
+            for cfg in _candidates(rows):
+                skinny_matmul(x, weight, cfg, out)

@@ -1,0 +1,97 @@
+"""Per-parameter weight loaders, and the attributes that tell them where a checkpoint tensor goes.
+
+Every parameter can carry a `weight_loader(param, loaded, shard_id=None)` that copies one
+checkpoint tensor into it (`LlamaForCausalLM.load_weights` calls it), plus the facts that
+loader needs: `output_dim` / `input_dim` (which dimension of the parameter is the layer's
+output / input) and, for a fused layer such as qkv_proj, `shard_offsets` (shard id -> (offset,
+size) along `output_dim`). A tensor-parallel rank's slice or a quantization scale would be
+added in these loaders and attributes; parameters without a loader get `default_weight_loader`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Hashable
+from typing import Any
+
+import torch
+from torch import nn
+
+# weight_loader(param, loaded tensor, shard id or None for the whole parameter)
+WeightLoader = Callable[[nn.Parameter, torch.Tensor, "Hashable | None"], None]
+
+
+class ShapeMismatchError(ValueError):
+    """A checkpoint tensor whose shape is not the one its destination needs."""
+
+    def __init__(self, what: str, got: tuple[int, ...], expected: tuple[int, ...]) -> None:
+        self.got, self.expected = tuple(got), tuple(expected)
+        super().__init__(f"{what}: loaded tensor has shape {self.got}, expected {self.expected}")
+
+
+class ParamAttrsModule(nn.Module):
+    """A module whose parameters carry loader attributes (`set_weight_attrs`). `to_empty`,
+    `to` and the like may replace the Parameter objects (e.g. from the meta device), which
+    drops such attributes; `_apply` puts them back on the new ones."""
+
+    def _apply(self, fn: Any, *args: Any, **kwargs: Any) -> nn.Module:
+        out = super()._apply(fn, *args, **kwargs)
+        for name, attrs in self.__dict__.get("_weight_attrs", {}).items():
+            param = self._parameters.get(name)
+            if param is not None:
+                for key, value in attrs.items():
+                    setattr(param, key, value)
+        return out
+
+
+def set_weight_attrs(layer: nn.Module, name: str, **attrs: Any) -> None:
+    """Set `attrs` (weight_loader, output_dim, shard_offsets, ...) on `layer`'s parameter
+    `name`, and remember them on `layer` so a `ParamAttrsModule` keeps them across `to_empty`."""
+    layer.__dict__.setdefault("_weight_attrs", {}).setdefault(name, {}).update(attrs)
+    param = layer._parameters[name]
+    for key, value in attrs.items():
+        setattr(param, key, value)
+
+
+def param_shards(param: nn.Parameter) -> tuple[Hashable | None, ...]:
+    """The shard ids a loading must fill for `param`: its `shard_offsets` keys, or (None,)."""
+    offsets = getattr(param, "shard_offsets", None)
+    return tuple(offsets) if offsets else (None,)
+
+
+def copy_checked(dst: torch.Tensor, loaded: torch.Tensor, what: str) -> None:
+    """dst.copy_(loaded) in dst's dtype; ShapeMismatchError (a ValueError) if shapes differ."""
+    if tuple(dst.shape) != tuple(loaded.shape):
+        raise ShapeMismatchError(what, tuple(loaded.shape), tuple(dst.shape))
+    dst.copy_(loaded.to(dst.dtype))
+
+
+def default_weight_loader(param: nn.Parameter, loaded: torch.Tensor,
+                          shard_id: Hashable | None = None) -> None:
+    """Copy `loaded` over the whole of `param` (a norm, an embedding, ...)."""
+    if shard_id is not None:
+        raise ValueError(f"a parameter of shape {tuple(param.shape)} has no shard {shard_id!r}")
+    copy_checked(param.data, loaded, f"parameter of shape {tuple(param.shape)}")
+
+
+def shard_view(param: nn.Parameter, shard_id: Hashable | None) -> torch.Tensor:
+    """The part of `param` that output shard `shard_id` fills (all of it for None): rows
+    `param.shard_offsets[shard_id]` = (offset, size) along `param.output_dim`."""
+    if shard_id is None:
+        return param.data
+    offsets = getattr(param, "shard_offsets", None) or {}
+    if shard_id not in offsets:
+        raise ValueError(f"a parameter of shape {tuple(param.shape)} has no shard {shard_id!r} "
+                         f"(its shards: {list(offsets) or 'none'})")
+    offset, size = offsets[shard_id]
+    return param.data.narrow(param.output_dim, offset, size)
+
+
+def linear_weight_loader(param: nn.Parameter, loaded: torch.Tensor,
+                         shard_id: Hashable | None = None) -> None:
+    """A linear layer's weight or bias: `loaded` fills output shard `shard_id` (e.g. "k" of
+    qkv_proj) or, for None, the whole parameter. The one place a tensor-parallel rank would
+    narrow `loaded` to its slice along `output_dim` (column-parallel) or `input_dim`
+    (row-parallel) before the copy."""
+    dst = shard_view(param, shard_id)
+    what = "parameter" if shard_id is None else f"shard {shard_id!r} of parameter"
+    copy_checked(dst, loaded, f"{what} of shape {tuple(param.shape)}")

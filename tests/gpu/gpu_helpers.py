@@ -1,0 +1,79 @@
+"""What the GPU tests share, and the one place they reach into the engine's internals.
+
+`teacher_forced_logits` drives the model runner by hand (the parity tests need every
+position's logits, which no public API returns); `runner_of` finds an engine's runner (the
+fault tests count its graph steps and wrap its model); `skinny_candidates` names the start-up
+plan's private candidate settings. When the engine's classes move (ModelRunner/EngineCore become
+Worker/Executor), only this module changes. Imports of pagedserve and Triton stay inside the
+functions: a machine without CUDA collects the tests without loading any kernel.
+"""
+
+from __future__ import annotations
+
+import torch
+
+DEV = "cuda"
+
+
+def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
+    """||a - b|| / ||b|| in float64 (the same measure as benchmarks/gpu_common.py)."""
+    a, b = a.double(), b.double()
+    return float((a - b).norm() / b.norm().clamp_min(1e-30))
+
+
+def skinny_candidates(rows: int) -> list:
+    """Every skinny-matmul setting the engine's start-up plan may pick for `rows` rows."""
+    from pagedserve.layers.skinny import _candidates
+
+    return _candidates(rows)
+
+
+def runner_of(engine):
+    """An EngineCore's ModelRunner (in its in-process executor's worker)."""
+    return engine.executor.worker.runner
+
+
+def teacher_forced_logits(cfg, state_dict: dict, dtype: torch.dtype, ids: list[int]) -> torch.Tensor:
+    """Teacher-forced logits [len(ids), vocab] (float32) of our model built from `cfg` (a
+    ModelConfig) with `state_dict` (HF names), through the engine's own step path: two
+    128-token chunks (the extend kernel, the second over cached context, each replayed from
+    a mixed-step CUDA graph), then one decode step per position (the split-KV decode kernel,
+    replayed from the decode graphs). len(ids) must be more than 256 and at most 1,024."""
+    from pagedserve.attention.backend import GraphKey
+    from pagedserve.attention.triton_backend import TritonBackend
+    from pagedserve.config import SchedulerConfig
+    from pagedserve.engine.input_batch import pack_step
+    from pagedserve.engine.kv_cache_manager import KVCacheManager
+    from pagedserve.engine.kv_cache_spec import KVCacheSpec
+    from pagedserve.engine.model_runner import ModelRunner
+    from pagedserve.engine.request import Request
+    from pagedserve.engine.scheduler import ScheduledChunk
+    from pagedserve.layers.sampler import Sampler
+    from pagedserve.models.loader import _materialise
+    from pagedserve.sampling_params import SamplingParams
+
+    n = len(ids)
+    assert 256 < n <= 1024, n
+    model = _materialise(cfg, dtype, torch.device(DEV))
+    model.load_weights(state_dict.items())
+    backend = TritonBackend(cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.head_dim**-0.5)
+    runner = ModelRunner(model, backend, KVCacheSpec.for_model(cfg, 16, dtype), 64, Sampler(),
+                         SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=256, max_model_len=1024))
+    runner.enable_cuda_graphs(8, 256, 1024)
+    graphs = runner.graphs
+    kv = KVCacheManager(64, 16)
+    req = Request("r", ids, SamplingParams(), max_tokens=1)
+    kv.allocate("r", n)
+    table = kv.block_ids("r")
+    logits = []
+    plan = [(0, 128), (128, 128)] + [(p, 1) for p in range(256, n)]
+    with torch.inference_mode():
+        for start, count in plan:
+            # every position's logits, not just the sampled one's: replay by hand
+            a = pack_step([ScheduledChunk(req, start, count, samples=True)], [table], {}, 16)
+            key = graphs.key_for(a, all_decode=count == 1)
+            assert key == (GraphKey(1, 1) if count == 1 else GraphKey(128, 0)), key
+            runner.buffers.load(a, key.num_tokens, key, None)
+            graphs.graphs[key].replay()
+            logits.append(model.compute_logits(graphs.outputs[key][:count]))
+    return torch.cat(logits)

@@ -1,0 +1,297 @@
+"""The one input path on the CPU: the step packer, the step buffers' padding for each graph
+key, graph buckets, and the captured forward (Triton kernels under the interpreter) against
+a standalone step."""
+
+from __future__ import annotations
+
+import os
+
+os.environ["TRITON_INTERPRET"] = "1"  # before triton is imported
+
+import numpy as np  # noqa: E402
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+from pagedserve.attention.backend import AttentionContext, AttentionMetadata, GraphKey  # noqa: E402
+from pagedserve.config import ModelConfig  # noqa: E402
+from pagedserve.engine.graphs import graph_buckets, token_buckets  # noqa: E402
+from pagedserve.engine.input_batch import SeqLayout, StepBuffers, pack_inputs, pack_step  # noqa: E402
+from pagedserve.engine.request import Request  # noqa: E402
+from pagedserve.engine.scheduler import ScheduledChunk  # noqa: E402
+from pagedserve.models.llama import LlamaForCausalLM  # noqa: E402
+from pagedserve.sampling_params import SamplingParams  # noqa: E402
+
+pytest.importorskip("triton")
+from pagedserve.attention.triton_backend import (  # noqa: E402
+    MAX_EXTEND_SEQS,
+    TritonBackend,
+    tile_capacity,
+)
+
+
+def test_buckets_cover_every_batch_size():
+    for max_batch in (1, 3, 8, 16, 100, 256, 512):
+        buckets = graph_buckets(max_batch)
+        assert buckets == sorted(set(buckets)) and buckets[-1] == max_batch
+        for b in range(1, max_batch + 1):
+            smallest = min(x for x in buckets if x >= b)
+            assert smallest - b < 16  # padding waste stays below one step of 16
+    assert graph_buckets(256)[:6] == [1, 2, 4, 8, 16, 32]
+
+
+def test_token_buckets_cover_every_count_with_bounded_padding():
+    for max_tokens in (16, 100, 2048, 3000, 4096):
+        buckets = token_buckets(max_tokens)
+        assert buckets == sorted(set(buckets)) and buckets[-1] == max_tokens
+        for t in range(1, max_tokens + 1):
+            b = min(x for x in buckets if x >= t)
+            assert b - t < (64 if t <= 2048 else 128)
+    assert token_buckets(4096)[:5] == [16, 32, 64, 128, 192]
+
+
+def test_tile_capacity_covers_any_step_of_few_prefills():
+    # k prefilling sequences sharing T tokens need at most T // 64 + k tiles of 64
+    rng = np.random.default_rng(0)
+    for _ in range(200):
+        k = int(rng.integers(1, MAX_EXTEND_SEQS + 1))
+        lens = rng.integers(2, 300, size=k)
+        T = int(lens.sum())
+        assert int((-(-lens // 64)).sum()) <= tile_capacity(T, 256, 64, MAX_EXTEND_SEQS)
+        assert int((-(-lens // 64)).sum()) <= tile_capacity(T, 256, 64)  # (no limit: eager steps)
+
+
+def test_kernel_switches_follow_the_environment(monkeypatch):
+    """Each kernel switch is on by default (the measured setting) and off with its
+    $PAGEDSERVE_*=0, read once into the engine's KernelConfig."""
+    from pagedserve import envs
+    from pagedserve.config import EngineConfig, KernelConfig
+
+    switches = {"SKINNY_MATMUL": "skinny_matmul", "PDL": "pdl", "FUSED_SAMPLING": "fused_sampling",
+                "WEIGHT_PREFETCH": "weight_prefetch", "COMPILE_AHEAD": "compile_ahead"}
+    for var in [*switches, "MIXED_GRAPH_TOKENS"]:
+        monkeypatch.delenv(f"PAGEDSERVE_{var}", raising=False)
+    assert envs.kernel_config() == KernelConfig() and KernelConfig().mixed_graph_tokens == 2048
+    for var, name in switches.items():
+        monkeypatch.setenv(f"PAGEDSERVE_{var}", "0")
+        assert getattr(envs.kernel_config(), name) is False
+        monkeypatch.delenv(f"PAGEDSERVE_{var}")
+    monkeypatch.setenv("PAGEDSERVE_MIXED_GRAPH_TOKENS", "0")
+    monkeypatch.setenv("PAGEDSERVE_SLOW_STEP_MS", "250")
+    config, _, _ = EngineConfig.from_args(None, max_model_len=512)
+    assert config.kernels.mixed_graph_tokens == 0 and config.observability.slow_step_ms == 250
+    assert EngineConfig().kernels == KernelConfig()  # built directly: the defaults, no environment
+
+
+def _chunks():
+    """Two decodes (one with its input still pending), a chunk after 5 cached tokens that
+    does not sample, and a whole 9-token prompt that does."""
+    sp = SamplingParams()
+    a = Request("a", list(range(1, 8)), sp, max_tokens=5)  # decode at position 6
+    b = Request("b", [3, 4, 5], sp, max_tokens=5)
+    b.num_pending = 1  # b's token at position 3 is on the device (previous step's row 1)
+    c = Request("c", list(range(10, 30)), sp, max_tokens=5)
+    d = Request("d", list(range(40, 49)), sp, max_tokens=5)
+    chunks = [ScheduledChunk(a, 6, 1, samples=True), ScheduledChunk(b, 3, 1, samples=True),
+              ScheduledChunk(c, 5, 7, samples=False), ScheduledChunk(d, 0, 9, samples=True)]
+    tables = [[0, 1], [2], [3, 4, 5], [6, 7, 8]]
+    return chunks, tables
+
+
+def _backend(heads=4, kv_heads=2, head_dim=16):
+    return TritonBackend(heads, kv_heads, head_dim, head_dim**-0.5)
+
+
+def test_pack_step_flattens_any_step():
+    chunks, tables = _chunks()
+    a = pack_step(chunks, tables, {"b": 1}, block_size=4)
+    assert a.num_tokens == 18 and a.num_seqs == 4 and a.has_pending
+    assert a.ids[:2].tolist() == [7, 0] and a.src_rows[:3].tolist() == [-1, 1, -1]
+    assert a.positions[:3].tolist() == [6, 3, 5] and a.slots[0] == 1 * 4 + 2  # position 6: block 1, row 2
+    assert a.query_start_loc.tolist() == [0, 1, 2, 9, 18] and a.seq_lens.tolist() == [7, 4, 12, 9]
+    assert a.sample_rows == [0, 1, 3] and a.logits_idx.tolist() == [0, 1, 17] and a.max_query_len == 9
+    assert a.tables.tolist() == [[0, 1, 0], [2, 0, 0], [3, 4, 5], [6, 7, 8]]
+
+
+def test_mixed_key_pads_tokens_and_sequences():
+    chunks, tables = _chunks()
+    a = pack_step(chunks, tables, {"b": 1}, block_size=4)
+    backend = _backend()
+    layout = SeqLayout(8, backend.step_fields(64, 8))
+    tokens, seq, noted = pack_inputs(a, 32, GraphKey(32, 0), layout, backend)
+    T = 18
+    assert tokens.shape == (4, 32)
+    ids, pos, slots, src = tokens
+    assert ids[:2].tolist() == [7, 0] and src[:3].tolist() == [-1, 1, -1]
+    assert (slots[T:] == -1).all() and (src[T:] == -1).all() and (ids[T:] == 0).all()
+
+    def get(name):
+        start, n = layout.offsets[name]
+        assert start % 16 == 0
+        return seq[start : start + n].tolist()
+
+    assert get("query_start_loc") == [0, 1, 2, 9, T, T, T, T, T]
+    assert get("seq_lens") == [7, 4, 12, 9, 0, 0, 0, 0]
+    assert get("decodes")[:2] == [0, 1] and get("counts") == [2, 2] and noted == (2, 2)
+    assert get("logits_idx")[:3] == [0, 1, T - 1]
+    assert sorted(get("tile_seq")[:2]) == [2, 3]
+
+
+def test_decode_key_pads_one_query_token_per_sequence():
+    sp = SamplingParams()
+    a = Request("a", [10, 11, 12, 13, 14], sp, max_tokens=5)
+    b = Request("b", [20, 21], sp, max_tokens=5)
+    b.num_pending = 1  # b's third token was sampled last step and is still on the device
+    chunks = [ScheduledChunk(a, 4, 1, samples=True), ScheduledChunk(b, 2, 1, samples=True)]
+    arrays = pack_step(chunks, [[7, 3], [5]], {"b": 9}, block_size=4)
+    backend = _backend()
+    layout = SeqLayout(8, backend.step_fields(16, 8))
+    tokens, seq, _ = pack_inputs(arrays, 4, GraphKey(4, 1), layout, backend)
+    ids, pos, slots, src = tokens
+    assert ids.tolist() == [14, 0, 0, 0] and src.tolist() == [-1, 9, -1, -1]
+    assert pos[:2].tolist() == [4, 2] and slots.tolist() == [3 * 4 + 0, 5 * 4 + 2, -1, -1]
+
+    def get(name, n=None):
+        start, size = layout.offsets[name]
+        return seq[start : start + (n or size)].tolist()
+
+    assert get("query_start_loc") == [0, 1, 2, 3, 4, 4, 4, 4, 4]  # padding rows: one query row each
+    assert get("seq_lens") == [5, 3, 0, 0, 0, 0, 0, 0]
+    assert get("decodes", 4) == [0, 1, 2, 3]  # padding rows after the real ones
+
+
+def test_decode_order_longest_first_for_big_launches_only():
+    from pagedserve.attention.triton_backend import (
+        LONGEST_FIRST_MIN_PROGRAMS,
+        decode_order,
+        step_layout,
+    )
+
+    rng = np.random.default_rng(0)
+    kv_heads = 8
+    n = -(-LONGEST_FIRST_MIN_PROGRAMS // kv_heads)  # just enough rows
+    lens = rng.integers(1, 2048, n)
+    rows = np.arange(n)
+    got = decode_order(rows, lens, kv_heads)
+    assert sorted(got.tolist()) == rows.tolist()  # a permutation
+    assert (np.diff(lens[got]) <= 0).all()  # longest first
+    small = rows[: n - 1]
+    assert decode_order(small, lens, kv_heads).tolist() == small.tolist()  # too few programs: as given
+    # a mixed step: decodes (one new token) among prefill chunks; only the decodes are ordered
+    q_lens = np.ones(n, dtype=np.int64)
+    q_lens[[3, 10]] = 50
+    qsl = np.concatenate([[0], np.cumsum(q_lens)])
+    dec, tile_seq, _ = step_layout(qsl, lens, kv_heads * 2)
+    assert sorted(dec.tolist()) == [i for i in range(n) if i not in (3, 10)]
+    assert (np.diff(lens[dec]) <= 0).all() and sorted(set(tile_seq.tolist())) == [3, 10]
+    assert step_layout(qsl)[0].tolist() == sorted(dec.tolist())  # no lengths: batch order
+
+
+def test_device_views_are_aligned_and_hold_the_arrays():
+    import numpy as np
+
+    from pagedserve.engine.host_copy import ALIGN, to_device_views
+
+    arrays = [np.arange(n, dtype=np.int64) + 100 * i for i, n in enumerate([3, 0, 17, 1, 16])]
+    views = to_device_views(arrays, "cpu")
+    base = views[0].data_ptr()
+    for a, v in zip(arrays, views):
+        assert v.tolist() == a.tolist()
+        if len(a):  # (an empty view has no address)
+            assert (v.data_ptr() - base) % (ALIGN * 8) == 0  # views start ALIGN elements apart
+
+
+def _model(dtype):
+    cfg = ModelConfig("Qwen3ForCausalLM", vocab_size=97, hidden_size=64, intermediate_size=96,
+                      num_layers=2, num_heads=4, num_kv_heads=2, head_dim=16, rms_norm_eps=1e-6,
+                      rope_theta=10000.0, max_position_embeddings=64, tie_word_embeddings=True,
+                      qk_norm=True)
+    torch.manual_seed(0)
+    return LlamaForCausalLM(cfg).to(dtype)
+
+
+def _caches(model, num_blocks, block_size, dtype):
+    """KV caches holding random earlier context (the same for every caller)."""
+    cfg, gen = model.config, torch.Generator().manual_seed(1)
+    shape = (2, num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim)
+    return [torch.randn(shape, generator=gen).to(dtype) for _ in range(cfg.num_layers)]
+
+
+def _standalone(model, a, caches, prev_tokens):
+    """The step through a standalone metadata (`AttentionBackend.prepare`), not the buffers."""
+    backend = _backend()
+    backend.bind_kv_caches(caches)
+    ids = torch.from_numpy(a.ids.copy())
+    pending = a.src_rows >= 0
+    ids[torch.from_numpy(pending)] = prev_tokens[torch.from_numpy(a.src_rows[pending])]
+    meta = AttentionMetadata(
+        query_start_loc=torch.from_numpy(a.query_start_loc).int(), seq_lens=torch.from_numpy(a.seq_lens).int(),
+        slot_mapping=torch.from_numpy(a.slots), block_tables=torch.from_numpy(a.tables),
+        max_query_len=a.max_query_len, max_seq_len=int(a.seq_lens.max()),
+        query_start_loc_cpu=a.query_start_loc.tolist(), seq_lens_cpu=a.seq_lens.tolist())
+    backend.prepare(meta)
+    hidden = model(ids, torch.from_numpy(a.positions), AttentionContext(backend, meta))
+    return hidden[torch.from_numpy(a.logits_idx)]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("kind", ["mixed", "decode", "eager"])
+def test_buffered_forward_matches_a_standalone_step(dtype, kind):
+    """What a graph replays (the model over the padded step buffers, kernels reading
+    device-side counts over fixed grids, or exactly the decode rows) and the eager step over
+    the same buffers give a standalone step's hidden states and write the same K/V."""
+    from pagedserve.engine.graphs import GraphRunner
+
+    model = _model(dtype)
+    block_size, num_blocks = 4, 12
+    chunks, tables = _chunks()
+    if kind == "decode":
+        chunks, tables = chunks[:2], tables[:2]
+    prev_tokens = torch.tensor([5, 41, 9])  # the previous step's samples (b's is 41)
+    a = pack_step(chunks, tables, {"b": 1}, block_size)
+    with torch.inference_mode():
+        want_caches = _caches(model, num_blocks, block_size, dtype)
+        want = _standalone(model, a, want_caches, prev_tokens)  # [N, hidden]
+
+        backend = _backend()
+        caches = _caches(model, num_blocks, block_size, dtype)
+        backend.bind_kv_caches(caches)
+        buffers = StepBuffers(backend, max_tokens=64, max_seqs=8, max_blocks=4, device=torch.device("cpu"))
+        graphs = GraphRunner(model, buffers, max_decode_batch=8, max_mixed_tokens=64, max_seq_len=16)
+        graphs._clear_buffers()
+        key = graphs.key_for(a, all_decode=kind == "decode")
+        assert key == {"mixed": GraphKey(32, 0), "decode": GraphKey(2, 1), "eager": GraphKey(32, 0)}[kind]
+        if kind == "eager":
+            noted = buffers.load(a, a.num_tokens, None, prev_tokens)
+            rows = buffers.token_rows(a.num_tokens)
+            got = model(rows[0], rows[1], AttentionContext(backend, buffers.metadata(a, noted)))
+            got = got[torch.from_numpy(a.logits_idx)]
+        else:
+            buffers.load(a, key.num_tokens, key, prev_tokens)
+            assert buffers.token_rows(key.num_tokens)[0, 1] == 41  # b's pending token was filled in
+            hidden = graphs.forward(key)  # [bucket, hidden]
+            graphs.outputs[key] = hidden
+            graphs.graphs[key] = type("NoGraph", (), {"replay": lambda self: None})()
+            got = graphs.replay(key, a)
+    tol = 1e-4 if dtype == torch.float32 else 2e-3
+    torch.testing.assert_close(got.float(), want.float(), rtol=tol, atol=tol)
+    for w, g in zip(want_caches, caches):  # same K/V written, padding skipped
+        torch.testing.assert_close(g, w, rtol=0, atol=0)
+
+
+def test_steps_that_do_not_fit_run_eagerly():
+    from pagedserve.engine.graphs import GraphRunner
+
+    model = _model(torch.float32)
+    buffers = StepBuffers(_backend(), max_tokens=64, max_seqs=4, max_blocks=16, device=torch.device("cpu"))
+    graphs = GraphRunner(model, buffers, max_decode_batch=4, max_mixed_tokens=48, max_seq_len=64)
+    chunks, tables = _chunks()
+    assert graphs.key_for(pack_step(chunks, tables, {"b": 1}, 4), False) == GraphKey(32, 0)
+    assert graphs.key_for(pack_step(chunks[:2], tables[:2], {"b": 1}, 4), True) == GraphKey(2, 1)
+    long = Request("long", list(range(56)), SamplingParams(), max_tokens=1)
+    big = pack_step([ScheduledChunk(long, 0, 56, samples=True)], [list(range(14))], {}, 4)
+    assert buffers.fits(big) and graphs.key_for(big, False) is None  # 56 tokens > the largest graph
+    many = pack_step(chunks[:1] * 5, tables[:1] * 5, {}, 4)  # 5 sequences > 4
+    assert graphs.key_for(many, True) is None
+    graphs.use_mixed = False  # (the warm-up's eager round)
+    assert graphs.key_for(pack_step(chunks, tables, {"b": 1}, 4), False) is None
+    assert graphs.key_for(pack_step(chunks[:2], tables[:2], {"b": 1}, 4), True) == GraphKey(2, 1)
