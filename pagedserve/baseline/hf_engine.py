@@ -36,6 +36,7 @@ from dataclasses import dataclass, field
 import torch
 
 from pagedserve.config import EngineConfig, ModelConfig, resolve_dtype
+from pagedserve.engine.limits import PromptError, check_prompt
 from pagedserve.engine.messages import CoreInfo, CoreStats, TokenOutput
 from pagedserve.engine.output_processor import OutputProcessor, SampleState
 from pagedserve.engine.stopping import check_stop
@@ -198,11 +199,10 @@ class HFEngineClient:
         reason = unsupported_reason(params)
         if reason is not None:
             raise RequestRejected(reason)
-        if len(prompt_ids) >= self.max_model_len:
-            raise RequestRejected(f"the prompt has {len(prompt_ids)} tokens; max_model_len is "
-                                  f"{self.max_model_len}")
-        room = self.max_model_len - len(prompt_ids)
-        max_tokens = room if params.max_tokens is None else min(params.max_tokens, room)
+        try:
+            max_tokens = check_prompt(prompt_ids, params.max_tokens, self.max_model_len, self.info.vocab_size)
+        except PromptError as e:
+            raise RequestRejected(str(e)) from None
         gen = None
         if params.seed is not None and not params.greedy:
             gen = torch.Generator().manual_seed(params.seed)

@@ -16,6 +16,7 @@ from pagedserve import faults
 from pagedserve.config import EngineConfig
 from pagedserve.engine.executor import Executor, UniprocExecutor
 from pagedserve.engine.kv_cache_manager import KVCacheManager
+from pagedserve.engine.limits import check_prompt
 from pagedserve.engine.messages import EngineRequest, TokenOutput
 from pagedserve.engine.request import Request
 from pagedserve.engine.scheduler import Scheduler
@@ -109,21 +110,12 @@ class EngineCore:
         """Admit a request to the waiting queue; ValueError if it can never run."""
         if er.request_id in self.requests:
             raise ValueError(f"request id {er.request_id!r} is already in use")
-        max_len = self.scheduler_config.max_model_len
-        room = max_len - len(er.prompt_token_ids)
         p = er.sampling_params
-        if p.max_tokens is not None and p.max_tokens > room:
-            raise ValueError(
-                f"prompt ({len(er.prompt_token_ids)} tokens) + max_tokens ({p.max_tokens}) exceeds "
-                f"max_model_len={max_len}; lower max_tokens or shorten the prompt"
-            )
-        vocab = self.model_config.vocab_size
-        bad = [t for t in er.prompt_token_ids if not 0 <= t < vocab]
-        if bad:
-            raise ValueError(f"prompt token ids out of range [0, {vocab}): {bad[:5]}")
+        max_tokens = check_prompt(er.prompt_token_ids, p.max_tokens, self.scheduler_config.max_model_len,
+                                  self.model_config.vocab_size)
         req = Request(
             er.request_id, list(er.prompt_token_ids), p, priority=er.priority,
-            max_tokens=p.max_tokens if p.max_tokens is not None else max(room, 1),
+            max_tokens=max_tokens,
             eos_token_ids=self.model_config.eos_token_ids,
         )
         if er.arrival_time is not None:

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 
 from fastapi import Request
 
+from pagedserve.engine.limits import PromptError, check_prompt
 from pagedserve.engine.output_processor import SampleState
 from pagedserve.sampling_params import SamplingParams
 from pagedserve.server.engine_client import (
@@ -140,27 +141,13 @@ class Server:
         return detok.text
 
     def resolve_max_tokens(self, prompt_ids: list[int], max_tokens: int | None, param: str) -> int:
-        """Check the prompt against max_model_len; return the output limit to use."""
-        limit = self.max_model_len
-        if not prompt_ids:
-            raise APIError(400, "the prompt is empty", param=param)
-        vocab = self.client.info.vocab_size  # type: ignore[union-attr]
-        if min(prompt_ids) < 0 or max(prompt_ids) >= vocab:  # (C loops; the list only on failure)
-            bad = [t for t in prompt_ids if not 0 <= t < vocab]
-            raise APIError(400, f"prompt token ids out of range [0, {vocab}): {bad[:5]}", param=param)
-        if len(prompt_ids) >= limit:
-            raise APIError(400, f"the prompt has {len(prompt_ids)} tokens but this model's context "
-                                f"is {limit} tokens (max_model_len), leaving no room for output",
-                           param=param, code="context_length_exceeded")
-        if max_tokens is None:
-            return limit - len(prompt_ids)
-        if len(prompt_ids) + max_tokens > limit:
-            raise APIError(400, f"this model's maximum context length is {limit} tokens; the prompt "
-                                f"has {len(prompt_ids)} and max_tokens asks for {max_tokens}; "
-                                "lower max_tokens or shorten the prompt",
-                           param="max_tokens", code="context_length_exceeded")
-        return max_tokens
-
+        """Check the prompt against max_model_len (`engine/limits.py`); return the output
+        limit to use. `param`: the request field holding the prompt."""
+        try:
+            return check_prompt(prompt_ids, max_tokens, self.max_model_len,
+                                self.client.info.vocab_size)  # type: ignore[union-attr]
+        except PromptError as e:
+            raise APIError(400, str(e), param=e.param or param, code=e.code) from None
 
 def make_params(build, max_tokens: int, logprobs: int | None) -> SamplingParams:
     """Call a request's sampling_params builder, turning ValueError into a 400."""

@@ -1,0 +1,27 @@
+"""The shared prompt rule (engine/limits.py) that the server, the core and the baseline use."""
+
+from __future__ import annotations
+
+import pytest
+
+from pagedserve.engine.limits import PromptError, check_prompt
+
+
+def test_output_limit_is_max_tokens_or_the_room_left():
+    assert check_prompt([1, 2, 3], 5, max_model_len=10, vocab_size=50) == 5
+    assert check_prompt([1, 2, 3], None, max_model_len=10, vocab_size=50) == 7
+    assert check_prompt([1, 2, 3], 7, max_model_len=10, vocab_size=50) == 7  # exactly full
+
+
+@pytest.mark.parametrize("ids, max_tokens, match, param, code", [
+    ([], 1, "empty", None, None),
+    ([1, 50], 1, r"out of range \[0, 50\): \[50\]", None, None),
+    ([-1], 1, "out of range", None, None),
+    ([1] * 10, None, "max_model_len", None, "context_length_exceeded"),
+    ([1] * 4, 7, "maximum context length is 10 tokens", "max_tokens", "context_length_exceeded"),
+])
+def test_bad_prompts_name_the_problem(ids, max_tokens, match, param, code):
+    with pytest.raises(PromptError, match=match) as e:
+        check_prompt(ids, max_tokens, max_model_len=10, vocab_size=50)
+    assert (e.value.param, e.value.code) == (param, code)
+    assert isinstance(e.value, ValueError)  # (the offline API raises ValueError)
