@@ -1,0 +1,45 @@
+"""The engine's start-up on the GPU (run on the GPU machine: `python3 -m pytest tests/gpu -q`):
+the small-batch matmul plan reaches the lm_head, and steps of every shape take the one input
+path through the graphs (a tiny random Qwen3 in bf16, so the engine starts in seconds)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from gpu_helpers import rel_err, runner_of
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+
+
+@pytest.fixture(scope="module")
+def llm(tmp_path_factory):
+    from conftest import make_hf_checkpoint
+    from pagedserve import LLM
+
+    folder = tmp_path_factory.mktemp("tiny-qwen3")
+    make_hf_checkpoint("qwen3", folder)
+    return LLM(str(folder), dtype="bfloat16", max_model_len=256, max_num_seqs=8,
+               max_num_batched_tokens=512, kv_cache_memory=64 << 20)
+
+
+def test_the_logits_plan_is_applied_and_agrees_with_cublas(llm):
+    from pagedserve.layers.skinny import ROW_BUCKETS
+
+    model = runner_of(llm.engine).model
+    plan = model.logits_plan
+    assert plan is not None and set(plan) == set(ROW_BUCKETS)  # planned, not dropped
+    hidden = torch.randn(3, model.config.hidden_size, device="cuda", dtype=torch.bfloat16)
+    want = (hidden.float() @ model.logits_weight().float().t())
+    assert rel_err(model.compute_logits(hidden), want) < 1e-2
+
+
+def test_decode_and_mixed_steps_replay_graphs(llm):
+    from pagedserve import SamplingParams
+
+    runner = runner_of(llm.engine)
+    graphs, eager = runner.num_graph_steps, runner.num_eager_steps
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    outs = llm.generate([[5 + i] * (3 + 20 * i) for i in range(6)], params, use_tqdm=False)
+    assert all(len(o.outputs[0].token_ids) == 12 for o in outs)
+    assert runner.num_graph_steps - graphs >= 11 and runner.num_eager_steps == eager
+    llm.check_no_leaks()
