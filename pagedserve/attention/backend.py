@@ -30,7 +30,7 @@ class AttentionMetadata:
     # Host copies, for backends that loop over sequences in Python.
     query_start_loc_cpu: list[int]
     seq_lens_cpu: list[int]
-    backend_data: Any = None  # whatever the backend's prepare() derived from the above
+    backend_data: Any = None  # the backend's own fields (see prepare and step_metadata)
 
     @property
     def num_seqs(self) -> int:

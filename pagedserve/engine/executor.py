@@ -14,6 +14,7 @@ from contextlib import AbstractContextManager
 from typing import Any
 
 from pagedserve.config import EngineConfig, ModelConfig, SchedulerConfig
+from pagedserve.engine.messages import StepResult
 from pagedserve.engine.scheduler import SchedulerOutput
 from pagedserve.models.source import ModelSource
 
@@ -40,8 +41,8 @@ class Executor(ABC):
         block_tables[i] is the block table of out.chunks[i]'s request."""
 
     @abstractmethod
-    def collect(self, handle: Any):
-        """Wait for a launched step; its `StepResult` (tokens per sampling request)."""
+    def collect(self, handle: Any) -> StepResult:
+        """Wait for a launched step; its results (new tokens per sampling request)."""
 
     @abstractmethod
     def release(self, request_ids: list[str]) -> None:

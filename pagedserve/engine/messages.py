@@ -6,11 +6,13 @@ ready, `CoreStats` with every batch of outputs. The socket messages wrap them:
 
     front end -> core: AddRequest, AbortRequests, Shutdown
     core -> front end: Ready, StartFailed, StepOutputs, Rejected
+
+Inside the engine, the executor hands the core each step's `StepResult`.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from pagedserve.sampling_params import SamplingParams
 
@@ -118,3 +120,17 @@ class Rejected:
 
     request_id: str
     message: str
+
+
+# ---- worker -> engine core (engine/executor.py) ----
+
+@dataclass
+class StepResult:
+    """A step's results from the executor: the new tokens (and optional logprobs) of the
+    requests that sampled."""
+
+    token_ids: dict[str, list[int]]  # request id -> its new tokens this step (in order)
+    # request id -> (sampled token's logprob, [(token id, logprob) of the top-k])
+    logprobs: dict[str, tuple[float, list[tuple[int, float]]]]
+    # requests whose logits held a NaN or an Inf (not in token_ids: their token is garbage)
+    non_finite: list[str] = field(default_factory=list)

@@ -12,7 +12,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
@@ -21,6 +21,7 @@ from pagedserve.attention.backend import AttentionBackend, AttentionContext
 from pagedserve.config import SchedulerConfig
 from pagedserve.engine.input_batch import StepArrays, StepBuffers, pack_step
 from pagedserve.engine.kv_cache_spec import KVCacheSpec
+from pagedserve.engine.messages import StepResult
 from pagedserve.engine.request import Request
 from pagedserve.engine.scheduler import ScheduledChunk, SchedulerOutput
 
@@ -53,17 +54,6 @@ def _to_pinned_async(t: torch.Tensor) -> torch.Tensor:
     host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
     host.copy_(t, non_blocking=True)
     return host
-
-
-@dataclass
-class StepResult:
-    """Sampled tokens (and optional logprobs) of the requests that sampled this step."""
-
-    token_ids: dict[str, list[int]]  # request id -> its new tokens this step (in order)
-    # request id -> (sampled token's logprob, [(token id, logprob) of the top-k])
-    logprobs: dict[str, tuple[float, list[tuple[int, float]]]]
-    # requests whose logits held a NaN or an Inf (not in token_ids: their token is garbage)
-    non_finite: list[str] = field(default_factory=list)
 
 
 class ModelRunner:

@@ -20,7 +20,8 @@ from pagedserve.attention.backend import AttentionBackend, AttentionContext, get
 from pagedserve.config import EngineConfig, ModelConfig, resolve_dtype
 from pagedserve.engine.cache_sizing import determine_num_blocks
 from pagedserve.engine.kv_cache_spec import KVCacheSpec
-from pagedserve.engine.model_runner import ModelRunner, StepHandle, StepResult
+from pagedserve.engine.messages import StepResult
+from pagedserve.engine.model_runner import ModelRunner, StepHandle
 from pagedserve.engine.scheduler import SchedulerOutput
 from pagedserve.engine.warm_up import profile_forward
 from pagedserve.layers.sampler import Sampler
