@@ -72,8 +72,8 @@ def run_throughput(args, llm_kwargs: dict, llm=None) -> dict:
     if torch.cuda.is_available():
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
-    runner = llm.engine.runner
-    graph0, eager0 = runner.num_graph_steps, runner.num_eager_steps
+    executor = llm.engine.executor
+    graph0, eager0 = executor.graph_counts()
     llm.engine.timer.enable()
     t1 = time.perf_counter()
     outs = llm.generate(prompts, params, use_tqdm=not args.no_progress)
@@ -81,7 +81,8 @@ def run_throughput(args, llm_kwargs: dict, llm=None) -> dict:
         torch.cuda.synchronize()
     elapsed = time.perf_counter() - t1
     llm.engine.timer.enabled = False
-    steps = {"graph": runner.num_graph_steps - graph0, "eager": runner.num_eager_steps - eager0}
+    graph1, eager1 = executor.graph_counts()
+    steps = {"graph": graph1 - graph0, "eager": eager1 - eager0}
     host_s = {k: round(v, 3) for k, v in llm.engine.timer.totals.items()}
     out_tokens = sum(len(o.outputs[0].token_ids) for o in outs)
     in_tokens = sum(input_lens)
