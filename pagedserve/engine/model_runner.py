@@ -13,20 +13,17 @@ import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import torch
 
 from pagedserve.attention.backend import AttentionBackend, AttentionContext
 from pagedserve.config import SchedulerConfig
+from pagedserve.engine.graphs import GraphRunner
 from pagedserve.engine.input_batch import StepArrays, StepBuffers, pack_step
 from pagedserve.engine.kv_cache_spec import KVCacheSpec
 from pagedserve.engine.messages import StepResult
 from pagedserve.engine.request import Request
 from pagedserve.engine.scheduler import ScheduledChunk, SchedulerOutput
-
-if TYPE_CHECKING:
-    from pagedserve.engine.graphs import GraphRunner
 from pagedserve.layers.sampler import Sampler, SamplingBatch
 from pagedserve.models.llama import LlamaForCausalLM
 from pagedserve.sampling_params import SamplingParams
@@ -111,8 +108,6 @@ class ModelRunner:
         `ahead` (`ahead(fn, what)`: the worker's compile-ahead rehearsal), the captures are
         first rehearsed with their Triton kernels compiled in parallel. `prefetch`: the L2
         weight prefetch beside small decode graphs (KernelConfig.weight_prefetch)."""
-        from pagedserve.engine.graphs import GraphRunner
-
         self.graphs = GraphRunner(self.model, self.buffers, max_batch,
                                   min(max_mixed_tokens, self.buffers.max_tokens), max_model_len, prefetch)
         if ahead:
