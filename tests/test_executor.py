@@ -88,3 +88,17 @@ def test_the_core_runs_on_any_executor():
         assert got[rid] == seq[len(prompt):], rid
     assert sorted(ex.released) == sorted(prompts)  # each finished request's state dropped
     core.kv.check_integrity(expect_all_free=True)
+
+
+def test_the_worker_takes_its_kernel_choices_from_the_config(tmp_path):
+    """(CPU) The sampler's fused kernel follows KernelConfig.fused_sampling."""
+    from conftest import make_hf_checkpoint
+    from pagedserve.config import CacheConfig, KernelConfig
+    from pagedserve.engine.worker import Worker
+    from pagedserve.models.source import resolve_model
+
+    make_hf_checkpoint("llama", tmp_path)
+    for fused in (True, False):
+        config = EngineConfig(model=str(tmp_path), device="cpu", kernels=KernelConfig(fused_sampling=fused),
+                              cache=CacheConfig(kv_cache_memory=8 << 20))
+        assert Worker(config, resolve_model(str(tmp_path))).runner.sampler.fused is fused

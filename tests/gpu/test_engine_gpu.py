@@ -43,3 +43,29 @@ def test_decode_and_mixed_steps_replay_graphs(llm):
     assert all(len(o.outputs[0].token_ids) == 12 for o in outs)
     assert runner.num_graph_steps - graphs >= 11 and runner.num_eager_steps == eager
     llm.check_no_leaks()
+
+
+def test_kernel_switches_take_effect(tmp_path):
+    """Every KernelConfig switch turned off: no matmul plan, no mixed-step graphs, no weight
+    prefetch, the torch sampler, no PDL (a process-wide setting: restored afterwards)."""
+    from conftest import make_hf_checkpoint
+    from pagedserve.config import CacheConfig, EngineConfig, KernelConfig, SchedulerConfig
+    from pagedserve.engine.core import EngineCore
+    from pagedserve.kernels import pdl
+
+    make_hf_checkpoint("qwen3", tmp_path)
+    off = KernelConfig(skinny_matmul=False, pdl=False, fused_sampling=False, weight_prefetch=False,
+                       compile_ahead=False, mixed_graph_tokens=0)
+    config = EngineConfig(model=str(tmp_path), dtype="bfloat16", device="cuda", kernels=off,
+                          scheduler=SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=512, max_model_len=256),
+                          cache=CacheConfig(kv_cache_memory=64 << 20))
+    try:
+        core = EngineCore(config)
+        runner = runner_of(core)
+        assert runner.model.logits_plan is None and core.matmul_plan_seconds == 0
+        assert runner.graphs.mixed_keys == [] and runner.graphs.decode_keys
+        assert not runner.graphs.prefetchers and not runner.sampler.fused
+        assert core.compile_ahead_seconds == 0
+        assert pdl.launch_options(torch.zeros(1, device="cuda")) == {"PDL": False}
+    finally:
+        pdl.set_enabled(True)
