@@ -70,8 +70,15 @@ def runner_of(engine):
 
 
 def decode_graph(runner, batch: int):
-    """(key, captured graph) of the smallest decode graph for `batch` rows."""
+    """(key, captured graph) of the smallest decode graph for `batch` rows, with the step
+    buffers holding an idle step of that key (every sequence empty, no K/V written): the
+    buffers are shared by all keys, so whatever the last real step left there is not a
+    valid input for another key."""
     key = next(k for k in runner.graphs.decode_keys if k.num_tokens >= batch)
+    rows = runner.buffers.token_rows(key.num_tokens)  # [4, n]: ids, positions, slots, sources
+    rows.zero_()
+    rows[2:].fill_(-1)
+    runner.buffers.seq.zero_()
     return key, runner.graphs.graphs[key]
 
 

@@ -14,7 +14,7 @@ ROOT="$PWD"
 export PYTHONUNBUFFERED=1 PS_TOKENIZER="$ROOT/.devtok"
 case "$1" in
 tests)
-    python3 -m pytest tests/gpu -q -p no:cacheprovider 2>&1 | tail -25 | tee "$OUT/gpu_tests.log" ;;
+    python3 -m pytest tests/gpu -rfE -p no:cacheprovider 2>&1 | tail -30 | tee "$OUT/gpu_tests.log" ;;
 base|new)
     dir="$ROOT"; [ "$1" = base ] && dir="$ROOT/.abbase"
     mkdir -p "$OUT/$1"

@@ -4,6 +4,8 @@ path through the graphs (a tiny random Qwen3 in bf16, so the engine starts in se
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 from gpu_helpers import rel_err, runner_of
@@ -18,8 +20,11 @@ def llm(tmp_path_factory):
 
     folder = tmp_path_factory.mktemp("tiny-qwen3")
     make_hf_checkpoint("qwen3", folder)
+    # The tiny checkpoint has no tokenizer: PS_TOKENIZER (the GPU machine has no embedded
+    # model package) or the embedded model's stands in.
     return LLM(str(folder), dtype="bfloat16", max_model_len=256, max_num_seqs=8,
-               max_num_batched_tokens=512, kv_cache_memory=64 << 20)
+               max_num_batched_tokens=512, kv_cache_memory=64 << 20,
+               tokenizer=os.environ.get("PS_TOKENIZER"))
 
 
 def test_the_logits_plan_is_applied_and_agrees_with_cublas(llm):
