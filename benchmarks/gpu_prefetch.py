@@ -112,19 +112,18 @@ class _DecodeGraphs:
 def _engine(model: str, max_batch: int, ctx: int):
     """A dummy-weight engine whose decode-graph rows 0 .. max_batch - 1 each hold a context of
     `ctx` tokens with random K/V (as in `bench latency`'s batch-size sweep)."""
-    from pagedserve import LLM, SamplingParams
+    from pagedserve import LLM
     from pagedserve.attention.backend import GraphKey
     from pagedserve.engine.input_batch import pack_step
-    from pagedserve.engine.request import Request
     from pagedserve.engine.scheduler import ScheduledChunk
 
     llm = LLM(model, load_format="dummy", dtype="bfloat16", max_model_len=4096, max_num_seqs=max_batch,
               kv_cache_memory=8 << 30, tokenizer=os.environ.get("PS_TOKENIZER"))
     runner = runner_of(llm.engine)
     nb = ctx // 16  # blocks per row: row r owns blocks r * nb ... (r + 1) * nb - 1
-    reqs = [Request(f"r{r}", [1234 + r] * ctx, SamplingParams(), max_tokens=1) for r in range(max_batch)]
-    tables = [list(range(r * nb, (r + 1) * nb)) for r in range(max_batch)]
-    a = pack_step([ScheduledChunk(q, ctx - 1, 1, samples=True) for q in reqs], tables, {}, 16)
+    chunks = [ScheduledChunk(f"r{r}", ctx - 1, 1, list(range(r * nb, (r + 1) * nb)), samples=True,
+                             is_decode=True) for r in range(max_batch)]
+    a = pack_step(chunks, [[1234 + r] * ctx for r in range(max_batch)], {}, 16)
     runner.buffers.load(a, max_batch, GraphKey(max_batch, 1), None)
     for cache in runner.kv_caches:  # the contexts' K/V: random, not leftover memory
         cache[:, : max_batch * nb].normal_()

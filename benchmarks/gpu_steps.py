@@ -24,36 +24,44 @@ def _serving_engine():
 
 def _step_chunks(engine, n_dec: int, ctx: int, pre_lens: tuple[int, ...], tag: str,
                  rng=None):
-    """(requests, SchedulerOutput, block tables) of a step with n_dec decodes of `ctx`-token
-    contexts and whole prompts of `pre_lens` tokens; their KV blocks are allocated. Each
-    prompt repeats one token id, or with `rng` (random.Random) is random ids, as in serving."""
-    from pagedserve.engine.request import Request
-    from pagedserve.engine.scheduler import ScheduledChunk, SchedulerOutput
+    """(request ids, SchedulerOutput) of a step with n_dec decodes of `ctx`-token contexts
+    and whole prompts of `pre_lens` tokens, all new to the worker (so the step can run again
+    and again); their KV blocks are allocated. Each prompt repeats one token id, or with
+    `rng` (random.Random) is random ids, as in serving."""
+    from pagedserve.engine.scheduler import NewRequestData, ScheduledChunk, SchedulerOutput
     from pagedserve.sampling_params import SamplingParams
 
     def ids(n: int, token: int) -> list[int]:
         return [rng.randrange(100, 150_000) for _ in range(n)] if rng else [token] * n
 
     params = SamplingParams(max_tokens=1, temperature=0.0)
-    reqs, out = [], []
+    out = SchedulerOutput()
+
+    def add(rid: str, prompt: list[int], start: int) -> None:
+        assert engine.kv.allocate(rid, len(prompt))
+        out.new_requests.append(NewRequestData(rid, prompt, params))
+        out.chunks.append(ScheduledChunk(rid, start, len(prompt) - start, engine.kv.block_ids(rid),
+                                         samples=True, is_decode=start > 0))
+
     for i in range(n_dec):
-        r = Request(f"{tag}d{i}", ids(ctx, 7 + i % 1000), params, max_tokens=1)
-        assert engine.kv.allocate(r.request_id, ctx)
-        reqs.append(r)
-        out.append(ScheduledChunk(r, ctx - 1, 1, samples=True))
+        add(f"{tag}d{i}", ids(ctx, 7 + i % 1000), ctx - 1)
     for i, pre_len in enumerate(pre_lens):
-        r = Request(f"{tag}p{i}", ids(pre_len, 11 + i), params, max_tokens=1)
-        assert engine.kv.allocate(r.request_id, pre_len)
-        reqs.append(r)
-        out.append(ScheduledChunk(r, 0, pre_len, samples=True))
-    return reqs, SchedulerOutput(out), [engine.kv.block_ids(r.request_id) for r in reqs]
+        add(f"{tag}p{i}", ids(pre_len, 11 + i), 0)
+    return [c.request_id for c in out.chunks], out
 
 
-def _step_gpu_ms(runner, out, tables) -> float:
+def _with_tables(out, tables):
+    """`out` with other block tables (same requests)."""
+    from dataclasses import replace
+
+    return replace(out, chunks=[replace(c, block_ids=t) for c, t in zip(out.chunks, tables)])
+
+
+def _step_gpu_ms(runner, out) -> float:
     """GPU ms of one step, between CUDA events recorded before its launch and after it."""
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     start.record()
-    runner.collect(runner.execute(out, tables))
+    runner.collect(runner.execute(out))
     end.record()
     end.synchronize()
     return start.elapsed_time(end)
@@ -72,24 +80,25 @@ def sustained(quick: bool) -> None:
     engine = _serving_engine()
     runner = runner_of(engine)
 
-    def gpu_ms(out, tabs, n: int = 10) -> float:
+    def gpu_ms(out, n: int = 10) -> float:
         for _ in range(3):
-            runner.collect(runner.execute(out, tabs))
-        return sorted(_step_gpu_ms(runner, out, tabs) for _ in range(n))[n // 2]
+            runner.collect(runner.execute(out))
+        return sorted(_step_gpu_ms(runner, out) for _ in range(n))[n // 2]
 
     shape = (224, 1130, (1024,) * 7 + (745,))
-    reqs, out, tables = _step_chunks(engine, *shape, "same")
+    reqs, out = _step_chunks(engine, *shape, "same")
+    tables = [c.block_ids for c in out.chunks]
     used = {b for t in tables for b in t}
     spare = [b for b in range(engine.kv.num_blocks) if b not in used]
     random.Random(0).shuffle(spare)
     scattered = [list(t) for t in tables]
     for t in scattered[:224]:  # the decodes' tables
         t[:] = [spare.pop() for _ in t]
-    near, far = gpu_ms(out, tables), gpu_ms(out, scattered)
+    near, far = gpu_ms(out), gpu_ms(_with_tables(out, scattered))
     for r in reqs:
-        engine.kv.free(r.request_id)
-    reqs, out, tables = _step_chunks(engine, *shape, "rand", rng=random.Random(0))
-    rand = gpu_ms(out, tables)
+        engine.kv.free(r)
+    reqs, out = _step_chunks(engine, *shape, "rand", rng=random.Random(0))
+    rand = gpu_ms(out)
     record("mixed step, one token repeated / random prompts, ms", f"{near:.1f} / {rand:.1f}")
     record("mixed step, decode KV neighbouring / scattered over the cache, ms", f"{near:.1f} / {far:.1f}")
     RESULTS["mixed_step_data"] = {"repeated_ms": near, "random_ms": rand, "scattered_ms": far,
@@ -99,11 +108,11 @@ def sustained(quick: bool) -> None:
                            stdout=subprocess.PIPE, text=True)
     times, t_end = [], time.perf_counter() + (8 if quick else 25)
     while time.perf_counter() < t_end:
-        times.append(_step_gpu_ms(runner, out, tables))
+        times.append(_step_gpu_ms(runner, out))
     smi.terminate()
     samples = [line.split(", ") for line in smi.communicate()[0].splitlines() if line.strip()]
     for r in reqs:
-        engine.kv.free(r.request_id)
+        engine.kv.free(r)
     tenth = max(len(times) // 10, 1)
     first, last = sorted(times[:tenth])[tenth // 2], sorted(times[-tenth:])[tenth // 2]
     clocks = [float(x[0]) for x in samples if x[0].replace(".", "").isdigit()]
@@ -148,14 +157,14 @@ def mixed(quick: bool) -> None:
     for name, (nd, ctx, pre_lens) in shapes.items():
         eager = name.endswith("eager")
         runner.graphs = None if eager else graphs
-        reqs, out, tables = _step_chunks(engine, nd, ctx, pre_lens, name[:3] + name[-3:], rng=random.Random(0))
+        reqs, out = _step_chunks(engine, nd, ctx, pre_lens, name[:3] + name[-3:], rng=random.Random(0))
         for _ in range(3):
-            runner.collect(runner.execute(out, tables))
+            runner.collect(runner.execute(out))
         torch.cuda.synchronize()
         n = 10
         t0 = time.perf_counter()
         for _ in range(n):
-            runner.collect(runner.execute(out, tables))
+            runner.collect(runner.execute(out))
         serial_ms = (time.perf_counter() - t0) / n * 1e3
         launch, gpu = [], []
         for _ in range(n):
@@ -163,7 +172,7 @@ def mixed(quick: bool) -> None:
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             h0 = time.perf_counter()
             start.record()
-            handle = runner.execute(out, tables)
+            handle = runner.execute(out)
             end.record()
             launch.append((time.perf_counter() - h0) * 1e3)
             runner.collect(handle)
@@ -173,7 +182,7 @@ def mixed(quick: bool) -> None:
                "gpu_ms": round(sorted(gpu)[n // 2], 2)}
         with profile(activities=[ProfilerActivity.CUDA]) as prof:
             for _ in range(3):
-                runner.collect(runner.execute(out, tables))
+                runner.collect(runner.execute(out))
             torch.cuda.synchronize()
         table = prof.key_averages().table(sort_by="cuda_time_total", row_limit=18, max_name_column_width=60)
         print(f"==== {name}: {row}\n{table}", flush=True)
@@ -182,7 +191,7 @@ def mixed(quick: bool) -> None:
         record(f"{name}: serial / GPU / host launch ms",
                f"{row['serial_ms']} / {row['gpu_ms']} / {row['host_launch_ms']}")
         for r in reqs:
-            engine.kv.free(r.request_id)
+            engine.kv.free(r)
     runner.graphs = graphs
     RESULTS["mixed_step"] = found
 

@@ -77,11 +77,11 @@ def test_a_failed_step_mid_generation_loses_nothing_of_the_others(core, solo):
     real_execute = core.executor.execute
     calls = {"n": 0}
 
-    def flaky(out, tables):
+    def flaky(out):
         calls["n"] += 1
         if calls["n"] == 4:
             raise RuntimeError("device hiccup")
-        return real_execute(out, tables)
+        return real_execute(out)
 
     core.executor.execute = flaky
     try:
@@ -93,6 +93,19 @@ def test_a_failed_step_mid_generation_loses_nothing_of_the_others(core, solo):
     # what they streamed before the failure is a prefix of their solo output
     assert all(solo[r][: len(out[r][0])] == out[r][0] for r in "ab")
     assert out["c"] == (solo["c"], "length", None)
+
+
+def test_an_id_reused_while_its_old_step_is_in_flight_gets_only_its_own_tokens(core, solo):
+    """Abort a request while its first step is on the device and send another under the same
+    id: the old step's token reaches neither the new request's tokens in the engine nor the
+    worker's copy of them (which the next steps read their inputs from)."""
+    assert core.config.async_scheduling
+    core.add_request(EngineRequest("x", PROMPTS["a"], GREEDY))
+    assert core.step() == [] and core._inflight is not None  # x's prefill is on its way
+    core.abort_requests(["x"])
+    assert "x" not in core.executor.worker.runner.requests  # the worker forgot it at once
+    assert run(core, {"x": PROMPTS["b"]})["x"] == (solo["b"], "length", None)
+    assert not core.executor.worker.runner.requests  # and forgot the new one when it finished
 
 
 def test_non_finite_logits_fail_only_their_request(core, solo, monkeypatch):
@@ -123,7 +136,7 @@ def test_broken_bookkeeping_after_a_failed_step_ends_the_engine(core):
     core.step()
     core.kv.allocate("ghost", 16)  # what a half-applied step might leave behind
 
-    def boom(out, tables):
+    def boom(out):
         raise RuntimeError("boom")
 
     real_execute, core.executor.execute = core.executor.execute, boom

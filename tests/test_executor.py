@@ -32,21 +32,32 @@ class FakeExecutor(Executor):
         self.load_seconds = self.graph_capture_seconds = self.matmul_plan_seconds = 0.0
         self.compile_ahead_seconds, self.is_cuda = 0.0, False
         self.steps, self.released = 0, []
+        self.tokens: dict[str, list[int]] = {}  # what a worker keeps: each request's known tokens
 
-    def execute(self, out, block_tables):
+    def execute(self, out, *unexpected):
+        assert not unexpected  # the step's message is all a worker gets
         self.steps += 1
-        assert len(block_tables) == len(out.chunks)
-        tokens = {}
+        for new in out.new_requests:
+            self.tokens[new.request_id] = list(new.prompt_token_ids)
+        sampled = {}
         for c in out.chunks:
+            assert len(c.block_ids) * self.block_size >= c.start + c.num_tokens
             if c.samples:  # (synchronous engine: every input token is known)
-                tokens[c.request.request_id] = [next_token(c.request.token_ids[: c.start + c.num_tokens])]
-        return tokens
+                known = self.tokens[c.request_id]
+                assert len(known) == c.start + c.num_tokens
+                sampled[c.request_id] = [next_token(known)]
+        return sampled
 
     def collect(self, handle) -> StepResult:
+        for rid, new in handle.items():
+            if rid in self.tokens:
+                self.tokens[rid] += new
         return StepResult(handle, {})
 
     def release(self, request_ids):
         self.released += request_ids
+        for rid in request_ids:
+            self.tokens.pop(rid, None)
 
     def graph_counts(self):
         return 0, self.steps

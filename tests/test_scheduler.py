@@ -33,11 +33,14 @@ class FakeEngine:
         self.steps = []
         self.overlap = overlap
         self.inflight = None
+        self.reqs = {}  # request id -> Request
+        self.announced = set()  # ids sent to the workers as new requests
 
     def add(self, rid, prompt, max_tokens, priority=0):
         req = Request(rid, prompt, SamplingParams(max_tokens=max_tokens), priority=priority,
                       max_tokens=max_tokens)
         self.sched.add_request(req)
+        self.reqs[rid] = req
         return req
 
     def step(self):
@@ -45,11 +48,17 @@ class FakeEngine:
         self.steps.append(out)
         assert out.num_tokens <= self.sched.config.max_num_batched_tokens
         assert len(self.sched.running) <= self.sched.config.max_num_seqs
+        new = [n.request_id for n in out.new_requests]
+        assert not self.announced & set(new) and len(set(new)) == len(new)  # each once
+        self.announced |= set(new)
         for c in out.chunks:
-            req = c.request
+            req = self.reqs[c.request_id]
+            assert c.request_id in self.announced  # a worker knows every request it runs
             # The chunk's KV counts as computed once scheduled; blocks must cover it.
             assert c.start + c.num_tokens == req.num_computed_tokens
-            assert len(self.kv.block_ids(req.request_id)) * self.kv.block_size >= c.start + c.num_tokens
+            assert c.block_ids == self.kv.block_ids(req.request_id)
+            assert len(c.block_ids) * self.kv.block_size >= c.start + c.num_tokens
+            assert c.is_decode == (c.num_tokens == 1 and c.start >= req.num_prompt_tokens)
         prev, self.inflight = self.inflight, (out if out.chunks else None)
         if prev is not None:
             self.resolve(prev)
@@ -61,7 +70,7 @@ class FakeEngine:
 
     def resolve(self, out):
         # The fake model's token depends on every token before it, all known by now.
-        sampled = {c.request.request_id: [fake_next_token(c.request.token_ids)]
+        sampled = {c.request_id: [fake_next_token(self.reqs[c.request_id].token_ids)]
                    for c in out.chunks if c.samples}
         for req in self.sched.apply_results(out, sampled):
             if req.num_output_tokens - req.num_pending >= req.max_tokens:
@@ -91,14 +100,14 @@ def test_decodes_first_then_prefill_chunks_within_budget():
     eng = FakeEngine(max_num_batched_tokens=10, max_num_seqs=8, max_model_len=100)
     a = eng.add("a", list(range(1, 8)), 5)  # 7-token prompt
     out = eng.step()
-    assert [(c.request.request_id, c.start, c.num_tokens) for c in out.chunks] == [("a", 0, 7)]
+    assert [(c.request_id, c.start, c.num_tokens) for c in out.chunks] == [("a", 0, 7)]
     b = eng.add("b", list(range(50, 80)), 3)  # 30-token prompt: chunked by the budget
     out = eng.step()
     # a decodes (1 token) first, then b gets the remaining 9 tokens of budget.
-    assert [(c.request.request_id, c.start, c.num_tokens) for c in out.chunks] == [("a", 7, 1), ("b", 0, 9)]
+    assert [(c.request_id, c.start, c.num_tokens) for c in out.chunks] == [("a", 7, 1), ("b", 0, 9)]
     assert not out.chunks[1].samples
     out = eng.step()
-    assert [(c.request.request_id, c.num_tokens) for c in out.chunks] == [("a", 1), ("b", 9)]
+    assert [(c.request_id, c.num_tokens) for c in out.chunks] == [("a", 1), ("b", 9)]
     eng.run()
     assert a.output_token_ids == reference(a.prompt_token_ids, 5)
     assert b.output_token_ids == reference(b.prompt_token_ids, 3)
@@ -113,7 +122,7 @@ def test_fcfs_and_priority_order():
     order = []
     while eng.sched.num_unfinished:
         out = eng.step()
-        order += [c.request.request_id for c in out.chunks if c.start == 0]
+        order += [c.request_id for c in out.chunks if c.start == 0]
     assert order == ["urgent", "first", "second"]
 
 
@@ -138,7 +147,7 @@ def test_preemption_recomputes_and_outputs_stay_exact(overlap):
     assert any(r.num_preemptions for r in reqs)
     # The newest request is the one preempted first.
     first = next(s for s in eng.steps if s.preempted)
-    assert first.preempted[0].request_id == "r3"
+    assert first.preempted[0] == "r3"
     for r in reqs:
         assert r.output_token_ids == reference(r.prompt_token_ids, 15)
         assert r.status == RequestStatus.FINISHED and r.num_pending == 0
@@ -187,3 +196,18 @@ def test_finish_frees_blocks_of_waiting_and_running():
     eng.sched.finish(b, "abort")
     assert eng.sched.num_unfinished == 0
     eng.kv.check_integrity(expect_all_free=True)
+
+
+def test_an_id_reused_while_its_old_step_is_in_flight_gets_only_its_own_tokens():
+    """A request aborted while its step is in flight and a new one under the same id: the old
+    step's token is dropped, not given to the new request."""
+    eng = FakeEngine(max_num_batched_tokens=64, max_num_seqs=4, max_model_len=64)
+    old = eng.add("x", [1, 2, 3], 4)
+    first = eng.sched.schedule()
+    eng.sched.finish(old, "abort")
+    new = eng.add("x", [7, 8, 9, 10], 4)
+    second = eng.sched.schedule()
+    assert [n.prompt_token_ids for n in second.new_requests] == [[7, 8, 9, 10]]  # the worker learns it anew
+    assert eng.sched.apply_results(first, {"x": [42]}) == []
+    assert new.token_ids == [7, 8, 9, 10] and new.num_pending == 1
+    assert eng.sched.apply_results(second, {"x": [5]}) == [new] and new.token_ids[-1] == 5

@@ -16,10 +16,8 @@ from pagedserve.attention.backend import AttentionContext, AttentionMetadata, Gr
 from pagedserve.config import ModelConfig  # noqa: E402
 from pagedserve.engine.graphs import graph_buckets, token_buckets  # noqa: E402
 from pagedserve.engine.input_batch import SeqLayout, StepBuffers, pack_inputs, pack_step  # noqa: E402
-from pagedserve.engine.request import Request  # noqa: E402
 from pagedserve.engine.scheduler import ScheduledChunk  # noqa: E402
 from pagedserve.models.llama import LlamaForCausalLM  # noqa: E402
-from pagedserve.sampling_params import SamplingParams  # noqa: E402
 
 pytest.importorskip("triton")
 from pagedserve.attention.triton_backend import (  # noqa: E402
@@ -84,17 +82,13 @@ def test_kernel_switches_follow_the_environment(monkeypatch):
 
 def _chunks():
     """Two decodes (one with its input still pending), a chunk after 5 cached tokens that
-    does not sample, and a whole 9-token prompt that does."""
-    sp = SamplingParams()
-    a = Request("a", list(range(1, 8)), sp, max_tokens=5)  # decode at position 6
-    b = Request("b", [3, 4, 5], sp, max_tokens=5)
-    b.num_pending = 1  # b's token at position 3 is on the device (previous step's row 1)
-    c = Request("c", list(range(10, 30)), sp, max_tokens=5)
-    d = Request("d", list(range(40, 49)), sp, max_tokens=5)
-    chunks = [ScheduledChunk(a, 6, 1, samples=True), ScheduledChunk(b, 3, 1, samples=True),
-              ScheduledChunk(c, 5, 7, samples=False), ScheduledChunk(d, 0, 9, samples=True)]
-    tables = [[0, 1], [2], [3, 4, 5], [6, 7, 8]]
-    return chunks, tables
+    does not sample, and a whole 9-token prompt that does; and each request's known tokens
+    (b's token at position 3 is on the device: the previous step's row 1)."""
+    chunks = [ScheduledChunk("a", 6, 1, [0, 1], samples=True, is_decode=True),  # position 6
+              ScheduledChunk("b", 3, 1, [2], samples=True, is_decode=True),
+              ScheduledChunk("c", 5, 7, [3, 4, 5]), ScheduledChunk("d", 0, 9, [6, 7, 8], samples=True)]
+    tokens = [list(range(1, 8)), [3, 4, 5], list(range(10, 30)), list(range(40, 49))]
+    return chunks, tokens
 
 
 def _backend(heads=4, kv_heads=2, head_dim=16):
@@ -102,8 +96,8 @@ def _backend(heads=4, kv_heads=2, head_dim=16):
 
 
 def test_pack_step_flattens_any_step():
-    chunks, tables = _chunks()
-    a = pack_step(chunks, tables, {"b": 1}, block_size=4)
+    chunks, tokens = _chunks()
+    a = pack_step(chunks, tokens, {"b": 1}, block_size=4)
     assert a.num_tokens == 18 and a.num_seqs == 4 and a.has_pending
     assert a.ids[:2].tolist() == [7, 0] and a.src_rows[:3].tolist() == [-1, 1, -1]
     assert a.positions[:3].tolist() == [6, 3, 5] and a.slots[0] == 1 * 4 + 2  # position 6: block 1, row 2
@@ -113,8 +107,8 @@ def test_pack_step_flattens_any_step():
 
 
 def test_mixed_key_pads_tokens_and_sequences():
-    chunks, tables = _chunks()
-    a = pack_step(chunks, tables, {"b": 1}, block_size=4)
+    chunks, tokens = _chunks()
+    a = pack_step(chunks, tokens, {"b": 1}, block_size=4)
     backend = _backend()
     layout = SeqLayout(8, backend.step_fields(64, 8))
     tokens, seq, noted = pack_inputs(a, 32, GraphKey(32, 0), layout, backend)
@@ -137,12 +131,9 @@ def test_mixed_key_pads_tokens_and_sequences():
 
 
 def test_decode_key_pads_one_query_token_per_sequence():
-    sp = SamplingParams()
-    a = Request("a", [10, 11, 12, 13, 14], sp, max_tokens=5)
-    b = Request("b", [20, 21], sp, max_tokens=5)
-    b.num_pending = 1  # b's third token was sampled last step and is still on the device
-    chunks = [ScheduledChunk(a, 4, 1, samples=True), ScheduledChunk(b, 2, 1, samples=True)]
-    arrays = pack_step(chunks, [[7, 3], [5]], {"b": 9}, block_size=4)
+    # b's third token was sampled last step and is still on the device
+    chunks = [ScheduledChunk("a", 4, 1, [7, 3], samples=True), ScheduledChunk("b", 2, 1, [5], samples=True)]
+    arrays = pack_step(chunks, [[10, 11, 12, 13, 14], [20, 21]], {"b": 9}, block_size=4)
     backend = _backend()
     layout = SeqLayout(8, backend.step_fields(16, 8))
     tokens, seq, _ = pack_inputs(arrays, 4, GraphKey(4, 1), layout, backend)
@@ -243,11 +234,11 @@ def test_buffered_forward_matches_a_standalone_step(dtype, kind):
 
     model = _model(dtype)
     block_size, num_blocks = 4, 12
-    chunks, tables = _chunks()
+    chunks, tokens = _chunks()
     if kind == "decode":
-        chunks, tables = chunks[:2], tables[:2]
+        chunks, tokens = chunks[:2], tokens[:2]
     prev_tokens = torch.tensor([5, 41, 9])  # the previous step's samples (b's is 41)
-    a = pack_step(chunks, tables, {"b": 1}, block_size)
+    a = pack_step(chunks, tokens, {"b": 1}, block_size)
     with torch.inference_mode():
         want_caches = _caches(model, num_blocks, block_size, dtype)
         want = _standalone(model, a, want_caches, prev_tokens)  # [N, hidden]
@@ -284,14 +275,13 @@ def test_steps_that_do_not_fit_run_eagerly():
     model = _model(torch.float32)
     buffers = StepBuffers(_backend(), max_tokens=64, max_seqs=4, max_blocks=16, device=torch.device("cpu"))
     graphs = GraphRunner(model, buffers, max_decode_batch=4, max_mixed_tokens=48, max_seq_len=64)
-    chunks, tables = _chunks()
-    assert graphs.key_for(pack_step(chunks, tables, {"b": 1}, 4), False) == GraphKey(32, 0)
-    assert graphs.key_for(pack_step(chunks[:2], tables[:2], {"b": 1}, 4), True) == GraphKey(2, 1)
-    long = Request("long", list(range(56)), SamplingParams(), max_tokens=1)
-    big = pack_step([ScheduledChunk(long, 0, 56, samples=True)], [list(range(14))], {}, 4)
+    chunks, tokens = _chunks()
+    assert graphs.key_for(pack_step(chunks, tokens, {"b": 1}, 4), False) == GraphKey(32, 0)
+    assert graphs.key_for(pack_step(chunks[:2], tokens[:2], {"b": 1}, 4), True) == GraphKey(2, 1)
+    big = pack_step([ScheduledChunk("long", 0, 56, list(range(14)), samples=True)], [list(range(56))], {}, 4)
     assert buffers.fits(big) and graphs.key_for(big, False) is None  # 56 tokens > the largest graph
-    many = pack_step(chunks[:1] * 5, tables[:1] * 5, {}, 4)  # 5 sequences > 4
+    many = pack_step(chunks[:1] * 5, tokens[:1] * 5, {}, 4)  # 5 sequences > 4
     assert graphs.key_for(many, True) is None
     graphs.use_mixed = False  # (the warm-up's eager round)
-    assert graphs.key_for(pack_step(chunks, tables, {"b": 1}, 4), False) is None
-    assert graphs.key_for(pack_step(chunks[:2], tables[:2], {"b": 1}, 4), True) == GraphKey(2, 1)
+    assert graphs.key_for(pack_step(chunks, tokens, {"b": 1}, 4), False) is None
+    assert graphs.key_for(pack_step(chunks[:2], tokens[:2], {"b": 1}, 4), True) == GraphKey(2, 1)

@@ -8,10 +8,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from pagedserve.engine.request import Request
 from pagedserve.engine.scheduler import ScheduledChunk
 from pagedserve.engine.step_trace import step_makeup
-from pagedserve.sampling_params import SamplingParams
 
 _spec = importlib.util.spec_from_file_location(
     "step_trace_summary", Path(__file__).parents[1] / "benchmarks" / "step_trace_summary.py")
@@ -19,19 +17,13 @@ summary = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(summary)
 
 
-def _request(prompt_len: int, num_out: int = 0) -> Request:
-    req = Request("r", list(range(prompt_len)), SamplingParams(), max_tokens=16)
-    req.token_ids.extend([7] * num_out)
-    return req
-
-
 def test_step_makeup_counts_decodes_chunks_and_attention_pairs() -> None:
     chunks = [
-        ScheduledChunk(_request(10, num_out=3), start=12, num_tokens=1, samples=True),  # decode, ctx 13
-        ScheduledChunk(_request(5, num_out=1), start=5, num_tokens=1, samples=True),  # decode, ctx 6
-        ScheduledChunk(_request(8), start=0, num_tokens=4),  # first chunk: 1+2+3+4 pairs
-        ScheduledChunk(_request(8), start=4, num_tokens=4, samples=True),  # 4 x 4 earlier + 10
-        ScheduledChunk(_request(3), start=2, num_tokens=1, samples=True),  # a prompt's last token
+        ScheduledChunk("a", start=12, num_tokens=1, samples=True, is_decode=True),  # decode, ctx 13
+        ScheduledChunk("b", start=5, num_tokens=1, samples=True, is_decode=True),  # decode, ctx 6
+        ScheduledChunk("c", start=0, num_tokens=4),  # first chunk: 1+2+3+4 pairs
+        ScheduledChunk("c", start=4, num_tokens=4, samples=True),  # 4 x 4 earlier + 10
+        ScheduledChunk("d", start=2, num_tokens=1, samples=True),  # a prompt's last token
     ]
     assert step_makeup(chunks) == {"decodes": 2, "decode_ctx": 19, "prefill_chunks": 3,
                                    "prefill_tokens": 9, "prefill_attn": 10 + 26 + 3}

@@ -179,10 +179,9 @@ class EngineCore:
         if self._faults:
             self._inject_step_fault(out)
         if not out.is_empty:
-            tables = [self.kv.block_ids(c.request.request_id) for c in out.chunks]
             if self._trace:
                 trace_start, graphs = self._trace.begin(), self.executor.graph_counts()[0]
-            launched = (out, self.executor.execute(out, tables))
+            launched = (out, self.executor.execute(out))
             if self._trace:
                 self._trace.end(trace_start, out.chunks, self.executor.graph_counts()[0] > graphs,
                                 (time.perf_counter() - t_scheduled) * 1e3)
@@ -214,13 +213,13 @@ class EngineCore:
         logger.exception("engine step failed (%d in a row); failing the requests it held",
                          self.consecutive_failed_steps)
         message = f"the engine step running this request failed ({type(error).__name__}: {error})"
-        reqs: dict[str, Request] = {}
+        reqs: dict[int, Request] = {}
         for out in (self._inflight[0] if self._inflight else None, self._launching):
-            for chunk in out.chunks if out is not None else ():
-                reqs[chunk.request.request_id] = chunk.request
+            for req in self.scheduler.drop(out) if out is not None else ():
+                reqs[id(req)] = req
         self._inflight = self._launching = None
         for req in reqs.values():
-            if req.request_id in self.requests:
+            if self.requests.get(req.request_id) is req:
                 self._step_outputs.append(self._fail_request(req, message[:500]))
         # Anything inconsistent now would corrupt later requests: end the process instead
         # (the server starts a fresh engine core).
@@ -244,8 +243,8 @@ class EngineCore:
 
     def _inject_step_fault(self, out) -> None:
         for chunk in out.chunks:
-            if "step" in self._faults.get(chunk.request.request_id, ()):
-                faults.fail("step", chunk.request.request_id)
+            if "step" in self._faults.get(chunk.request_id, ()):
+                faults.fail("step", chunk.request_id)
 
     def _log_step_times(self) -> None:
         """Every N steps: host milliseconds per step by phase, and how many steps were graphs."""

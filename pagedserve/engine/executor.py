@@ -36,13 +36,13 @@ class Executor(ABC):
     is_cuda: bool
 
     @abstractmethod
-    def execute(self, out: SchedulerOutput, block_tables: list[list[int]]) -> Any:
-        """Launch one step and return at once with a handle for `collect`.
-        block_tables[i] is the block table of out.chunks[i]'s request."""
+    def execute(self, out: SchedulerOutput) -> Any:
+        """Launch one step and return at once with a handle for `collect`."""
 
     @abstractmethod
     def collect(self, handle: Any) -> StepResult:
-        """Wait for a launched step; its results (new tokens per sampling request)."""
+        """Wait for a launched step; its results (new tokens per sampling request). The
+        workers keep the new tokens of the requests they hold."""
 
     @abstractmethod
     def release(self, request_ids: list[str]) -> None:
@@ -94,8 +94,8 @@ class UniprocExecutor(Executor):
     def compile_ahead_seconds(self) -> float:  # (grows while the warm-up is rehearsed)
         return self.worker.compile_ahead_seconds
 
-    def execute(self, out, block_tables):
-        return self.worker.execute(out, block_tables)
+    def execute(self, out):
+        return self.worker.execute(out)
 
     def collect(self, handle):
         return self.worker.collect(handle)

@@ -47,11 +47,12 @@ class StepArrays:
         return bool((self.src_rows >= 0).any())
 
 
-def pack_step(chunks, block_tables: list[list[int]], prev_rows: dict[str, int],
+def pack_step(chunks, token_ids: list[list[int]], prev_rows: dict[str, int],
               block_size: int) -> StepArrays:
-    """Flatten a step's chunks into arrays, vectorised except for one loop over sequences.
-    A chunk whose last input token is still pending (sampled by the previous step, not yet
-    read back) gets id 0 and the row of its request in the previous step's samples."""
+    """Flatten a step's chunks (`ScheduledChunk`s; token_ids[i]: the known tokens of chunk
+    i's request) into arrays, vectorised except for one loop over sequences. A chunk whose
+    last input token is still pending (sampled by the previous step, not yet read back) gets
+    id 0 and the row of its request in the previous step's samples."""
     bs = block_size
     n = len(chunks)
     q_lens = np.fromiter((c.num_tokens for c in chunks), dtype=np.int64, count=n)
@@ -61,14 +62,14 @@ def pack_step(chunks, block_tables: list[list[int]], prev_rows: dict[str, int],
     total = int(cu[-1])
     ids = np.zeros(total, dtype=np.int64)
     src = np.full(total, -1, dtype=np.int64)
-    tables = np.zeros((n, max(len(t) for t in block_tables)), dtype=np.int32)
-    for i, (chunk, table) in enumerate(zip(chunks, block_tables)):
+    tables = np.zeros((n, max(len(c.block_ids) for c in chunks)), dtype=np.int32)
+    for i, (chunk, toks) in enumerate(zip(chunks, token_ids)):
         s = int(cu[i])
-        known = chunk.request.token_ids[chunk.start : chunk.start + chunk.num_tokens]
+        known = toks[chunk.start : chunk.start + chunk.num_tokens]
         ids[s : s + len(known)] = known
         if len(known) < chunk.num_tokens:  # the last input token is still on the device
-            src[s + chunk.num_tokens - 1] = prev_rows[chunk.request.request_id]
-        tables[i, : len(table)] = table
+            src[s + chunk.num_tokens - 1] = prev_rows[chunk.request_id]
+        tables[i, : len(chunk.block_ids)] = chunk.block_ids
     positions = np.repeat(starts - cu[:-1], q_lens) + np.arange(total)
     row_of_token = np.repeat(np.arange(n), q_lens)
     slots = tables[row_of_token, positions // bs].astype(np.int64) * bs + positions % bs

@@ -22,11 +22,27 @@ from pagedserve.engine.graphs import GraphRunner
 from pagedserve.engine.input_batch import StepArrays, StepBuffers, pack_step
 from pagedserve.engine.kv_cache_spec import KVCacheSpec
 from pagedserve.engine.messages import StepResult
-from pagedserve.engine.request import Request
-from pagedserve.engine.scheduler import ScheduledChunk, SchedulerOutput
+from pagedserve.engine.scheduler import NewRequestData, ScheduledChunk, SchedulerOutput
 from pagedserve.layers.sampler import Sampler, SamplingBatch
 from pagedserve.models.llama import LlamaForCausalLM
 from pagedserve.sampling_params import SamplingParams
+
+
+@dataclass
+class CachedRequest:
+    """What the worker keeps about a request between its steps: its prompt and parameters
+    (from `NewRequestData`), its known tokens (prompt, then every sampled token once
+    collected) and its seeded generator."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling_params: SamplingParams
+    token_ids: list[int]
+    generator: torch.Generator | None = None
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[len(self.prompt_token_ids) :]
 
 
 @dataclass
@@ -75,7 +91,7 @@ class ModelRunner:
         self.last_launch_ms = (0.0, 0.0, 0.0)  # see execute()
         self._prev_tokens: torch.Tensor | None = None  # the last launched step's samples [N]
         self._prev_rows: dict[str, int] = {}  # request id -> row in _prev_tokens
-        self._generators: dict[str, torch.Generator] = {}  # request id -> its seeded generator
+        self.requests: dict[str, CachedRequest] = {}  # every request the engine holds, by id
         self.num_graph_steps = 0  # steps replayed from CUDA graphs (decode or mixed)
         self.num_eager_steps = 0
 
@@ -96,9 +112,16 @@ class ModelRunner:
             self.graphs.use_mixed = True
 
     def release(self, request_ids: list[str]) -> None:
-        """Forget per-request state (seeded generators) of requests that ended."""
+        """Forget requests that ended (their tokens, their seeded generators)."""
         for rid in request_ids:
-            self._generators.pop(rid, None)
+            self.requests.pop(rid, None)
+
+    def _add_requests(self, new: list[NewRequestData]) -> None:
+        for n in new:
+            seed = n.sampling_params.seed
+            gen = None if seed is None else torch.Generator(device=self.device).manual_seed(seed)
+            self.requests[n.request_id] = CachedRequest(n.request_id, n.prompt_token_ids, n.sampling_params,
+                                                        list(n.prompt_token_ids), gen)
 
     def enable_cuda_graphs(self, max_batch: int, max_mixed_tokens: int, max_model_len: int,
                            prefetch: bool = True,
@@ -123,14 +146,13 @@ class ModelRunner:
         return hidden.index_select(0, buf.view("logits_idx", len(a.logits_idx)))  # [T, h] -> [N, h]
 
     @torch.inference_mode()
-    def execute(self, out: SchedulerOutput, block_tables: list[list[int]]) -> StepHandle:
-        """Launch one step on the device and return at once; `collect` reads the results.
-
-        block_tables[i] is the block table of out.chunks[i]'s request.
-        """
+    def execute(self, out: SchedulerOutput) -> StepHandle:
+        """Launch one step on the device and return at once; `collect` reads the results."""
         t0 = time.perf_counter()
-        a = pack_step(out.chunks, block_tables, self._prev_rows, self.block_size)
-        reqs = [out.chunks[i].request for i in a.sample_rows]
+        self._add_requests(out.new_requests)
+        states = [self.requests[c.request_id] for c in out.chunks]
+        a = pack_step(out.chunks, [r.token_ids for r in states], self._prev_rows, self.block_size)
+        reqs = [states[i] for i in a.sample_rows]
         graphs = self.graphs
         key = None
         if graphs is not None:
@@ -152,15 +174,18 @@ class ModelRunner:
             # Token lists only for penalties (then the engine runs in sync, so none is
             # pending); otherwise just the counts of outputs before this sample.
             penalties = any(p.uses_penalties for p in params)
+            # outputs before this sample: the sequence through the sampling chunk, less the prompt
+            num_outputs = [c.start + c.num_tokens - len(r.prompt_token_ids)
+                           for c, r in ((out.chunks[i], states[i]) for i in a.sample_rows)]
             batch = SamplingBatch.build(
                 params,
-                [self._generator(r) for r in reqs],
+                [r.generator for r in reqs],
                 [r.prompt_token_ids for r in reqs],
                 [r.output_token_ids for r in reqs] if penalties else None,
                 self.vocab_size,
                 self.device,
                 eos_token_ids=self.model.config.eos_token_ids,
-                num_outputs=[r.num_output_tokens - 1 for r in reqs],
+                num_outputs=num_outputs,
             )
             result = self.sampler(logits, batch)
             handle = StepHandle(reqs, result.token_ids)
@@ -180,9 +205,9 @@ class ModelRunner:
         self.last_launch_ms = ((t_prepared - t0) * 1e3, (t_forward - t_prepared) * 1e3, (t_end - t_forward) * 1e3)
         return handle
 
-    @staticmethod
-    def collect(handle: StepHandle) -> StepResult:
-        """Wait for a step's sampled tokens and bring them to the host."""
+    def collect(self, handle: StepHandle) -> StepResult:
+        """Wait for a step's sampled tokens and bring them to the host; each request that
+        is still held learns its new token."""
         if not handle.reqs:
             return StepResult({}, {})
         reqs = handle.reqs
@@ -196,6 +221,9 @@ class ModelRunner:
             non_finite = [r.request_id for r, t in zip(reqs, tokens) if t < 0]
             for rid in non_finite:
                 del token_ids[rid]
+        for r in reqs:
+            if r.request_id in token_ids and self.requests.get(r.request_id) is r:
+                r.token_ids.extend(token_ids[r.request_id])
         logprobs: dict[str, tuple[float, list[tuple[int, float]]]] = {}
         if logprobs_t is not None:
             lp, lp_ids = logprobs_t.tolist(), logprob_ids_t.tolist()
@@ -206,15 +234,6 @@ class ModelRunner:
                     logprobs[r.request_id] = (lp[row][0], top)
         return StepResult(token_ids, logprobs, non_finite)
 
-    def _generator(self, req) -> torch.Generator | None:
-        seed = req.sampling_params.seed
-        if seed is None:
-            return None
-        gen = self._generators.get(req.request_id)
-        if gen is None:
-            gen = self._generators[req.request_id] = torch.Generator(device=self.device).manual_seed(seed)
-        return gen
-
     def decode_probe(self, num_seqs: int, length: int):
         """(ids [S], positions [S], metadata) of a decode step of `num_seqs` sequences at
         context `length`, on blocks 0.. of the cache (for warming kernel variants while no
@@ -222,11 +241,9 @@ class ModelRunner:
         per_seq = -(-length // self.block_size)
         if per_seq * num_seqs > self.num_blocks:
             raise ValueError("the KV cache is too small for the probe")
-        tables = [list(range(i * per_seq, (i + 1) * per_seq)) for i in range(num_seqs)]
-        reqs = [Request(f"probe-{i}", [1] * length, SamplingParams(temperature=0.0), max_tokens=1)
-                for i in range(num_seqs)]
-        a = pack_step([ScheduledChunk(r, length - 1, 1, samples=True) for r in reqs], tables, {},
-                      self.block_size)
+        chunks = [ScheduledChunk(f"probe-{i}", length - 1, 1, list(range(i * per_seq, (i + 1) * per_seq)),
+                                 samples=True, is_decode=True) for i in range(num_seqs)]
+        a = pack_step(chunks, [[1] * length] * num_seqs, {}, self.block_size)
         noted = self.buffers.load(a, a.num_tokens, None, None)
         rows = self.buffers.token_rows(a.num_tokens)
         return rows[0], rows[1], self.buffers.metadata(a, noted)

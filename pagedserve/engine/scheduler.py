@@ -14,6 +14,7 @@ from __future__ import annotations
 import bisect
 import time
 from dataclasses import dataclass, field
+from typing import Any
 
 from pagedserve.config import SchedulerConfig
 from pagedserve.engine.kv_cache_manager import KVCacheManager
@@ -21,30 +22,43 @@ from pagedserve.engine.request import Request, RequestStatus
 
 
 @dataclass
+class NewRequestData:
+    """What a worker keeps about a request, sent with the request's first scheduled step."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling_params: Any  # SamplingParams
+
+
+@dataclass
 class ScheduledChunk:
     """The tokens [start, start + num_tokens) of one request, computed this step.
 
-    `samples` is True when the chunk reaches the request's last token, so its logits give
-    a new token (decided when scheduled).
+    `block_ids` is the request's block table. `samples` is True when the chunk reaches the
+    request's last token, so its logits give a new token; `is_decode` when it is one new
+    token after the prompt (a prompt's last single-token chunk is not one). Both are decided
+    when scheduled.
     """
 
-    request: Request
+    request_id: str
     start: int
     num_tokens: int
+    block_ids: list[int] = field(default_factory=list)
     samples: bool = False
-
-    @property
-    def is_decode(self) -> bool:
-        """One new token after the prompt (a prompt's last single-token chunk is not one)."""
-        return self.num_tokens == 1 and self.start >= self.request.num_prompt_tokens
+    is_decode: bool = False
 
 
 @dataclass
 class SchedulerOutput:
-    """What the runner must compute this step, in batch order."""
+    """What the workers must compute this step, in batch order: plain data (request ids,
+    block ids), so it can cross to worker processes. A worker learns a request from its
+    `NewRequestData` and its new tokens from its own samples (`Worker.collect`); it forgets
+    it when the executor releases it."""
 
     chunks: list[ScheduledChunk] = field(default_factory=list)
-    preempted: list[Request] = field(default_factory=list)
+    new_requests: list[NewRequestData] = field(default_factory=list)
+    preempted: list[str] = field(default_factory=list)  # request ids
+    step_id: int = 0  # the scheduler's count of steps
 
     @property
     def num_tokens(self) -> int:
@@ -61,6 +75,10 @@ class Scheduler:
         self.kv = kv
         self.waiting: list[Request] = []  # sorted by (priority, arrival)
         self.running: list[Request] = []  # in admission order
+        # The requests of each step scheduled and not yet resolved (`apply_results` or
+        # `drop`): an id may be reused by a new request while the old one's step is in flight.
+        self._in_flight: dict[int, list[Request]] = {}
+        self._num_steps = 0
         self.num_preemptions = 0  # total, for metrics and tests
 
     def reset_stats(self) -> None:
@@ -106,7 +124,9 @@ class Scheduler:
     # ---- one step ---------------------------------------------------------------------
 
     def schedule(self) -> SchedulerOutput:
-        out = SchedulerOutput()
+        self._num_steps += 1
+        out = SchedulerOutput(step_id=self._num_steps)
+        reqs: list[Request] = []  # of out.chunks
         budget = self.config.max_num_batched_tokens
         scheduled: set[int] = set()
 
@@ -124,7 +144,8 @@ class Scheduler:
                 if victim is req:
                     break
             else:
-                out.chunks.append(ScheduledChunk(req, req.num_computed_tokens, n))
+                out.chunks.append(ScheduledChunk(req.request_id, req.num_computed_tokens, n))
+                reqs.append(req)
                 scheduled.add(id(req))
                 budget -= n
                 i += 1
@@ -157,11 +178,16 @@ class Scheduler:
             req.num_computed_tokens = start
             if req.first_scheduled_time is None:
                 req.first_scheduled_time = time.monotonic()
+                out.new_requests.append(NewRequestData(req.request_id, req.prompt_token_ids,
+                                                       req.sampling_params))
             req.status = RequestStatus.RUNNING
             self.running.append(req)
-            out.chunks.append(ScheduledChunk(req, start, n))
+            out.chunks.append(ScheduledChunk(req.request_id, start, n))
+            reqs.append(req)
             budget -= n
-        self._mark_scheduled(out)
+        self._mark_scheduled(out, reqs)
+        if reqs:
+            self._in_flight[out.step_id] = reqs
         return out
 
     def _reached_length(self, req: Request) -> bool:
@@ -169,12 +195,13 @@ class Scheduler:
         return (req.num_output_tokens >= req.max_tokens
                 or req.num_tokens >= self.config.max_model_len)
 
-    @staticmethod
-    def _mark_scheduled(out: SchedulerOutput) -> None:
+    def _mark_scheduled(self, out: SchedulerOutput, reqs: list[Request]) -> None:
         """Advance each request as if the step already ran: its chunk's tokens count as
-        computed, and a sampling chunk leaves one pending token."""
-        for chunk in out.chunks:
-            req = chunk.request
+        computed, and a sampling chunk leaves one pending token. Fill in each chunk's
+        block table and kind."""
+        for chunk, req in zip(out.chunks, reqs):
+            chunk.block_ids = self.kv.block_ids(req.request_id)
+            chunk.is_decode = chunk.num_tokens == 1 and chunk.start >= req.num_prompt_tokens
             chunk.samples = chunk.start + chunk.num_tokens == req.num_tokens
             req.num_computed_tokens = chunk.start + chunk.num_tokens
             if chunk.samples:
@@ -194,7 +221,7 @@ class Scheduler:
         self.num_preemptions += 1
         req.status = RequestStatus.PREEMPTED
         bisect.insort(self.waiting, req, key=Request.sort_key)
-        out.preempted.append(req)
+        out.preempted.append(req.request_id)
 
     # ---- after the step ---------------------------------------------------------------
 
@@ -206,8 +233,7 @@ class Scheduler:
         still get their token (it was computed from the right context).
         """
         got_token = []
-        for chunk in out.chunks:
-            req = chunk.request
+        for chunk, req in zip(out.chunks, self.drop(out)):
             if not chunk.samples or req.status == RequestStatus.FINISHED:
                 continue
             req.token_ids.extend(sampled[req.request_id])
@@ -217,3 +243,7 @@ class Scheduler:
                 self.kv.cache_computed_blocks(req.request_id, req.token_ids, known)
             got_token.append(req)
         return got_token
+
+    def drop(self, out: SchedulerOutput) -> list[Request]:
+        """Forget a scheduled step (applied, or failed); the requests of its chunks."""
+        return self._in_flight.pop(out.step_id, [])

@@ -142,8 +142,8 @@ class Worker:
 
     # ---- steps ------------------------------------------------------------------------
 
-    def execute(self, out: SchedulerOutput, block_tables: list[list[int]]) -> StepHandle:
-        return self.runner.execute(out, block_tables)
+    def execute(self, out: SchedulerOutput) -> StepHandle:
+        return self.runner.execute(out)
 
     def collect(self, handle: StepHandle) -> StepResult:
         return self.runner.collect(handle)

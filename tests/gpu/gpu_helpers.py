@@ -46,11 +46,9 @@ def teacher_forced_logits(cfg, state_dict: dict, dtype: torch.dtype, ids: list[i
     from pagedserve.engine.kv_cache_manager import KVCacheManager
     from pagedserve.engine.kv_cache_spec import KVCacheSpec
     from pagedserve.engine.model_runner import ModelRunner
-    from pagedserve.engine.request import Request
     from pagedserve.engine.scheduler import ScheduledChunk
     from pagedserve.layers.sampler import Sampler
     from pagedserve.models.loader import _materialise
-    from pagedserve.sampling_params import SamplingParams
 
     n = len(ids)
     assert 256 < n <= 1024, n
@@ -62,7 +60,6 @@ def teacher_forced_logits(cfg, state_dict: dict, dtype: torch.dtype, ids: list[i
     runner.enable_cuda_graphs(8, 256, 1024)
     graphs = runner.graphs
     kv = KVCacheManager(64, 16)
-    req = Request("r", ids, SamplingParams(), max_tokens=1)
     kv.allocate("r", n)
     table = kv.block_ids("r")
     logits = []
@@ -70,7 +67,7 @@ def teacher_forced_logits(cfg, state_dict: dict, dtype: torch.dtype, ids: list[i
     with torch.inference_mode():
         for start, count in plan:
             # every position's logits, not just the sampled one's: replay by hand
-            a = pack_step([ScheduledChunk(req, start, count, samples=True)], [table], {}, 16)
+            a = pack_step([ScheduledChunk("r", start, count, table, samples=True)], [ids], {}, 16)
             key = graphs.key_for(a, all_decode=count == 1)
             assert key == (GraphKey(1, 1) if count == 1 else GraphKey(128, 0)), key
             runner.buffers.load(a, key.num_tokens, key, None)
