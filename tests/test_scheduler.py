@@ -81,6 +81,7 @@ class FakeEngine:
     def run(self, max_steps=10_000):
         for _ in range(max_steps):
             if not self.sched.num_unfinished and self.inflight is None:
+                assert not self.sched._in_flight  # every scheduled step was resolved
                 return
             self.step()
         raise AssertionError("did not finish")
