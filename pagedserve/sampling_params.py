@@ -48,6 +48,8 @@ class SamplingParams:
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     logprobs: int | None = None  # top logprobs per generated token; 0 = the sampled one only
+    # token id -> bias in [-100, 100] added to its logit before sampling (OpenAI's logit_bias)
+    logit_bias: dict[int, float] | None = None
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
 
@@ -64,6 +66,8 @@ class SamplingParams:
             self.stop = list(self.stop)
         else:
             raise ValueError(f"stop must be a string or a list of strings, got {self.stop!r}")
+        if isinstance(self.logit_bias, dict):
+            self.logit_bias = dict(self.logit_bias) or None
         if self.stop_token_ids is None:
             self.stop_token_ids = []
         elif isinstance(self.stop_token_ids, (list, tuple)):
@@ -103,6 +107,14 @@ class SamplingParams:
         for t in self.stop_token_ids:
             if not _is_int(t) or t < 0:
                 raise ValueError(f"stop_token_ids must contain ints >= 0, got {t!r}")
+        if self.logit_bias is not None:
+            if not isinstance(self.logit_bias, dict):
+                raise ValueError(f"logit_bias must map token ids to biases, got {self.logit_bias!r}")
+            for t, b in self.logit_bias.items():
+                if not _is_int(t) or t < 0:
+                    raise ValueError(f"logit_bias keys must be token ids (ints >= 0), got {t!r}")
+                if not _is_number(b) or not -100 <= b <= 100:
+                    raise ValueError(f"logit_bias values must be in [-100, 100], got {b!r} for token {t}")
         lo, hi = REPETITION_PENALTY_RANGE
         if not _is_number(self.repetition_penalty) or not lo <= self.repetition_penalty <= hi:
             raise ValueError(f"repetition_penalty must be in [{lo:g}, {hi:g}] (1 = off), "

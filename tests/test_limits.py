@@ -25,3 +25,13 @@ def test_bad_prompts_name_the_problem(ids, max_tokens, match, param, code):
         check_prompt(ids, max_tokens, max_model_len=10, vocab_size=50)
     assert (e.value.param, e.value.code) == (param, code)
     assert isinstance(e.value, ValueError)  # (the offline API raises ValueError)
+
+
+def test_logit_bias_token_ids_must_lie_in_the_vocabulary():
+    from pagedserve.engine.limits import check_logit_bias
+
+    check_logit_bias(None, 10)
+    check_logit_bias({0: 1.0, 9: -100.0}, 10)
+    with pytest.raises(PromptError, match=r"logit_bias token ids out of range \[0, 10\): \[10, 12\]") as e:
+        check_logit_bias({12: 1.0, 3: 1.0, 10: 1.0}, 10)
+    assert e.value.param == "logit_bias"

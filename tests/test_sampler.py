@@ -229,6 +229,34 @@ def test_min_tokens_bans_stop_and_eos(device):
         assert tokens[3] not in (eos, 2)
 
 
+def test_logit_bias_moves_only_its_rows_tokens(device):
+    """-100 bans a row's argmax, +100 forces a token, a small bias adds to the logit before
+    temperature; rows without a bias (and the logprobs, which are raw) are untouched."""
+    torch.manual_seed(0)
+    vocab = 40
+    logits = torch.randn(4, vocab, device=device)
+    top = logits.argmax(-1).tolist()
+    second = logits.topk(2, dim=-1).indices[:, 1].tolist()
+    params = [SamplingParams(temperature=0, logit_bias={top[0]: -100}),
+              SamplingParams(temperature=0, logit_bias={7: 100, 8: -5}),
+              SamplingParams(temperature=0, logprobs=0),
+              SamplingParams(temperature=1.0, seed=3, logit_bias={top[3]: -100, second[3]: -100})]
+    gens = [None, None, None, gen(3, device)]
+    batch = make_batch(params, device, vocab, gens=gens)
+    assert batch.bias is not None
+    for _ in range(20):
+        out = sampler(logits, batch)
+        tokens = out.token_ids.tolist()
+        assert tokens[0] == second[0] and tokens[1] == 7 and tokens[2] == top[2]
+        assert tokens[3] not in (top[3], second[3])
+    torch.testing.assert_close(out.logprobs[2, 0], logits[2].log_softmax(-1)[top[2]])
+    # a bias that only tilts: +2 on the runner-up of a row whose top two are close
+    close = torch.zeros(1, vocab, device=device)
+    close[0, 3], close[0, 4] = 1.0, 0.0
+    assert sample(close, [SamplingParams(temperature=0, logit_bias={4: 2.0})]).token_ids.item() == 4
+    assert sample(close, [SamplingParams(temperature=0, logit_bias={4: 0.5})]).token_ids.item() == 3
+
+
 def test_logprobs_are_raw_log_softmax(device):
     torch.manual_seed(3)
     logits = torch.randn(3, 40, device=device)
@@ -251,7 +279,8 @@ def test_logprobs_are_raw_log_softmax(device):
     ("top_p", 1.5), ("top_k", -2), ("min_p", 1.1), ("seed", 1.5), ("max_tokens", 0),
     ("min_tokens", -1), ("stop", [""]), ("stop", 3), ("stop_token_ids", [-1]),
     ("repetition_penalty", 0.0), ("presence_penalty", 2.5), ("frequency_penalty", -3),
-    ("logprobs", 21), ("logprobs", -1),
+    ("logprobs", 21), ("logprobs", -1), ("logit_bias", {5: 100.5}), ("logit_bias", {-1: 1.0}),
+    ("logit_bias", {"5": 1.0}), ("logit_bias", {5: float("nan")}), ("logit_bias", [5]),
 ])
 def test_params_validation_names_field(field, value):
     with pytest.raises(ValueError, match=field):
@@ -285,7 +314,7 @@ def test_which_batches_take_the_fused_kernel():
     assert temperature_only(batch(t, SamplingParams(temperature=0)))  # greedy rows ride along
     assert not temperature_only(batch(SamplingParams(temperature=0)))  # all greedy: plain argmax
     for other in (dict(top_k=5), dict(top_p=0.9), dict(min_p=0.1), dict(presence_penalty=0.5),
-                  dict(repetition_penalty=1.2), dict(min_tokens=3)):
+                  dict(repetition_penalty=1.2), dict(min_tokens=3), dict(logit_bias={2: 1.0})):
         assert not temperature_only(batch(t, SamplingParams(temperature=0.7, **other))), other
     assert not temperature_only(batch(t, SamplingParams(temperature=0.7, seed=1), gens=[None, gen(1, "cpu")]))
 

@@ -97,6 +97,28 @@ def test_seed_reproducibility(client):
     assert len({a, sample(8), sample(9)}) > 1, "different seeds all gave the same sample"
 
 
+def test_logit_bias_bans_and_forces_tokens_as_offline(client, offline):
+    """-100 on the greedy continuation's first token makes the server pick another, +100 on a
+    token makes it repeat that token; both exactly as the offline engine does."""
+    from pagedserve import SamplingParams
+
+    def offline_ids(bias):
+        params = SamplingParams(temperature=0, max_tokens=6, logit_bias=bias)
+        return offline.generate(PROMPT, params, use_tqdm=False)[0].outputs[0]
+
+    first = offline_ids(None).token_ids[0]
+    banned = offline_ids({first: -100})
+    assert first not in banned.token_ids
+    r = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=6, temperature=0,
+                                  logit_bias={str(first): -100})
+    assert r.choices[0].text == banned.text
+    forced = offline_ids({1920: 100})
+    assert forced.token_ids == [1920] * 6
+    r = client.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=6, temperature=0,
+                                       logit_bias={"1920": 100})
+    assert r.choices[0].message.content == forced.text
+
+
 def test_n_greater_than_one(client):
     r = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=8, temperature=1.0,
                                   n=3, seed=11, extra_body={"ignore_eos": True})

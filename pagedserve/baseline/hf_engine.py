@@ -77,6 +77,8 @@ def unsupported_reason(params: SamplingParams) -> str | None:
         return "min_p is not supported by the hf baseline engine"
     if params.min_tokens > 0:
         return "min_tokens > 0 is not supported by the hf baseline engine"
+    if params.logit_bias:
+        return "logit_bias is not supported by the hf baseline engine"
     return None
 
 

@@ -1,5 +1,6 @@
-"""The one rule for what a prompt and max_tokens may be (torch-free: the HTTP server, the
-engine core and the Transformers baseline all check requests with it)."""
+"""The one rule for what a prompt, max_tokens and the vocabulary-bound sampling fields may be
+(torch-free: the HTTP server, the engine core and the Transformers baseline all check
+requests with it)."""
 
 from __future__ import annotations
 
@@ -37,3 +38,11 @@ def check_prompt(prompt_ids: Sequence[int], max_tokens: int | None, max_model_le
                           f"{max_tokens}; lower max_tokens or shorten the prompt",
                           param="max_tokens", code="context_length_exceeded")
     return max_tokens
+
+
+def check_logit_bias(logit_bias: dict[int, float] | None, vocab_size: int) -> None:
+    """Every token id of a request's logit_bias lies in the vocabulary. Raises PromptError."""
+    if logit_bias and max(logit_bias) >= vocab_size:
+        bad = sorted(t for t in logit_bias if t >= vocab_size)
+        raise PromptError(f"logit_bias token ids out of range [0, {vocab_size}): {bad[:5]}",
+                          param="logit_bias")

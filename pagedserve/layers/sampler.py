@@ -1,6 +1,6 @@
 """Batched token sampling with per-request parameters, on the logits' device.
 
-One step: penalties -> min_tokens bans -> greedy argmax, or temperature -> top-k -> top-p ->
+One step: penalties -> logit_bias -> min_tokens bans -> greedy argmax, or temperature -> top-k -> top-p ->
 min-p -> softmax -> exponential race. Random rows sample `argmax(probs / q)` with `q ~ Exp(1)`
 i.i.d. per token, which draws exactly from `probs`; a seeded row fills its own `q` (always
 `vocab_size` draws per step) from its own generator, so its tokens do not depend on the rest
@@ -53,6 +53,8 @@ class SamplingBatch:
     need_top_p: bool
     need_min_p: bool
     need_penalties: bool
+    # logit_bias as (rows [B] int64, token ids [B] int64, biases [B] float32); None = no row has one
+    bias: tuple[Tensor, Tensor, Tensor] | None = None
     # [N, ceil(V / 32)] int32: bit t of row i set = token t allowed (structured output fills
     # it for constrained rows; unconstrained rows are all ones); None = no row constrained
     allowed_token_mask: Tensor | None = None
@@ -105,6 +107,7 @@ class SamplingBatch:
         if num_outputs is None:
             num_outputs = [len(o) for o in output_ids]  # type: ignore[union-attr]
         ban_rows, ban_toks = _bans(params, num_outputs, eos_token_ids, vocab_size, device)
+        bias = _biases(params, device)
         seeded = [(i, gen) for i, (gen, g) in enumerate(zip(generators, greedy, strict=True))
                   if gen is not None and not g]
         wanted = [p.logprobs for p in params if p.logprobs is not None]
@@ -118,7 +121,7 @@ class SamplingBatch:
             all_greedy=all_greedy, all_random=all_random,
             any_unseeded_random=len(seeded) < n - sum(greedy),
             need_top_k=need_top_k, need_top_p=need_top_p, need_min_p=need_min_p,
-            need_penalties=need_penalties,
+            need_penalties=need_penalties, bias=bias,
         )
 
 
@@ -131,6 +134,23 @@ def _scalars(p: SamplingParams, greedy: bool, vocab_size: int) -> tuple[float, .
     k = vocab_size if p.top_k <= 0 else min(p.top_k, vocab_size)
     return (p.temperature, p.top_p, k, p.min_p, p.repetition_penalty, p.presence_penalty,
             p.frequency_penalty)
+
+
+def _biases(params: Sequence[SamplingParams],
+            device: torch.device | str) -> tuple[Tensor, Tensor, Tensor] | None:
+    """Each row's logit_bias as (rows, token ids, biases), one host-to-device copy."""
+    rows: list[int] = []
+    toks: list[int] = []
+    vals: list[float] = []
+    for i, p in enumerate(params):
+        if p.logit_bias:
+            rows += [i] * len(p.logit_bias)
+            toks += p.logit_bias.keys()
+            vals += p.logit_bias.values()
+    if not rows:
+        return None
+    table = to_device(torch.tensor([rows, toks, vals], dtype=torch.float64), device)  # [3, B]
+    return table[0].long(), table[1].long(), table[2].float()
 
 
 def _bans(params: Sequence[SamplingParams], num_outputs: Sequence[int],
@@ -237,8 +257,10 @@ def _exponential_noise(probs: Tensor, batch: SamplingBatch) -> Tensor:
 
 def temperature_only(batch: SamplingBatch) -> bool:
     """Whether every random row of `batch` samples with a temperature alone, from the default
-    generator: no penalties, bans, top-k, top-p, min-p or seed (the fused kernel's case)."""
-    return not (batch.all_greedy or batch.need_penalties or batch.ban_rows is not None
+    generator: no penalties, biases, bans, top-k, top-p, min-p or seed (the fused kernel's
+    case)."""
+    return not (batch.all_greedy or batch.need_penalties or batch.bias is not None
+                or batch.ban_rows is not None
                 or batch.need_top_k_top_p or batch.need_min_p or batch.seeded
                 or batch.allowed_token_mask is not None)
 
@@ -288,6 +310,9 @@ class Sampler:
         else:
             if batch.need_penalties:
                 logits = apply_penalties(logits, batch)
+            if batch.bias is not None:
+                rows, ids, values = batch.bias
+                logits = logits.index_put((rows, ids), values, accumulate=True)
             if batch.ban_rows is not None:
                 neg_inf = logits.new_full((), float("-inf"))
                 logits = logits.index_put((batch.ban_rows, batch.ban_token_ids), neg_inf)

@@ -196,7 +196,7 @@ def create_app(settings: ServerSettings, core: SpawnedCore | None = None) -> Fas
         max_tokens = server.resolve_max_tokens(ids, body.max_tokens, "prompt")
         params = make_params(
             lambda mt, _lp: SamplingParams(max_tokens=mt, temperature=body.temperature, top_p=body.top_p),
-            max_tokens, None)
+            max_tokens, None, server.vocab_size)
         choices = [Choice(0, ids, params)]
         server.check_capacity(choices)
 

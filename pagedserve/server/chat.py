@@ -41,7 +41,7 @@ async def _prepare(server: Server, body: ChatCompletionRequest) -> tuple[list[Ch
     text = await render_messages(server, body)
     ids = await server.encode_async(text, False, "messages")
     max_tokens = server.resolve_max_tokens(ids, body.output_limit, "messages")
-    params = make_params(body.sampling_params, max_tokens, body.num_logprobs)
+    params = make_params(body.sampling_params, max_tokens, body.num_logprobs, server.vocab_size)
     choices = [Choice(i, ids, params) for i in range(body.n)]
     server.check_capacity(choices)
     return choices, ids, text.rstrip().endswith("<think>")

@@ -30,7 +30,7 @@ async def _prepare(server: Server, body: CompletionRequest) -> tuple[list[Choice
     choices, n = [], body.n
     for p_idx, ids in enumerate(prompts):
         max_tokens = server.resolve_max_tokens(ids, body.max_tokens, "prompt")
-        params = make_params(body.sampling_params, max_tokens, body.logprobs)
+        params = make_params(body.sampling_params, max_tokens, body.logprobs, server.vocab_size)
         choices += [Choice(p_idx * n + i, ids, params) for i in range(n)]
     server.check_capacity(choices)
     return choices, prompts

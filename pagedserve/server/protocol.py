@@ -29,7 +29,6 @@ def _unset(value: Any) -> bool:
 # field -> (what a request may send and still mean "nothing", why it is refused otherwise)
 _NO_STRUCTURED = "structured output is not supported yet"
 UNSUPPORTED: dict[str, tuple[Any, str]] = {
-    "logit_bias": (_unset, "logit_bias is not supported yet"),
     "response_format": (lambda v: _unset(v) or v == {"type": "text"},
                         'only response_format {"type": "text"} is supported yet (no JSON mode or '
                         "JSON schema)"),
@@ -104,6 +103,19 @@ class _Body(BaseModel):
         return data
 
 
+def _token_keys(bias: dict[str, float] | None) -> dict[int, float] | None:
+    """logit_bias with int keys; ValueError (a 400 naming logit_bias) for a key that is not
+    a token id."""
+    if not bias:
+        return None
+    out: dict[int, float] = {}
+    for key, value in bias.items():
+        if not (key.isascii() and key.isdigit()):
+            raise ValueError(f"logit_bias keys must be token ids (digits), got {key!r}")
+        out[int(key)] = value
+    return out
+
+
 class StreamOptions(_Body):
     include_usage: bool = False
 
@@ -128,6 +140,8 @@ class _SamplingFields(_Body):
     repetition_penalty: float = Field(1.0, gt=0.0)
     ignore_eos: bool = False
     min_tokens: int = Field(0, ge=0)
+    # OpenAI's form: token ids (as JSON object keys, so strings) -> bias in [-100, 100]
+    logit_bias: dict[str, float] | None = None
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     priority: int = 0
@@ -159,6 +173,7 @@ class _SamplingFields(_Body):
             presence_penalty=self.presence_penalty,
             frequency_penalty=self.frequency_penalty,
             logprobs=logprobs,
+            logit_bias=_token_keys(self.logit_bias),
             skip_special_tokens=self.skip_special_tokens,
             include_stop_str_in_output=self.include_stop_str_in_output,
         )

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 from fastapi import Request
 
-from pagedserve.engine.limits import PromptError, check_prompt
+from pagedserve.engine.limits import PromptError, check_logit_bias, check_prompt
 from pagedserve.engine.output_processor import SampleState
 from pagedserve.sampling_params import SamplingParams
 from pagedserve.server.engine_client import (
@@ -66,6 +66,11 @@ class Server:
     def max_model_len(self) -> int:
         assert self.client.info is not None
         return self.client.info.max_model_len
+
+    @property
+    def vocab_size(self) -> int:
+        assert self.client.info is not None
+        return self.client.info.vocab_size
 
     def check_model(self, name: str | None) -> str:
         if name is None or name in self.served_names:
@@ -144,18 +149,22 @@ class Server:
         """Check the prompt against max_model_len (`engine/limits.py`); return the output
         limit to use. `param`: the request field holding the prompt."""
         try:
-            return check_prompt(prompt_ids, max_tokens, self.max_model_len,
-                                self.client.info.vocab_size)  # type: ignore[union-attr]
+            return check_prompt(prompt_ids, max_tokens, self.max_model_len, self.vocab_size)
         except PromptError as e:
             raise APIError(400, str(e), param=e.param or param, code=e.code) from None
 
-def make_params(build, max_tokens: int, logprobs: int | None) -> SamplingParams:
-    """Call a request's sampling_params builder, turning ValueError into a 400."""
+def make_params(build, max_tokens: int, logprobs: int | None, vocab_size: int) -> SamplingParams:
+    """Call a request's sampling_params builder and check its token ids against the
+    vocabulary (`engine/limits.py`), turning ValueError into a 400 naming the field."""
     try:
-        return build(max_tokens, logprobs)
+        params = build(max_tokens, logprobs)
+        check_logit_bias(params.logit_bias, vocab_size)
+    except PromptError as e:
+        raise APIError(400, str(e), param=e.param) from None
     except ValueError as e:
         msg = str(e)
         raise APIError(400, msg, param=msg.split(" ", 1)[0]) from None
+    return params
 
 
 def new_id(prefix: str, user: str | None = None) -> str:
