@@ -1,12 +1,12 @@
 """Batched token sampling with per-request parameters, on the logits' device.
 
-One step: penalties -> logit_bias -> min_tokens bans -> greedy argmax, or temperature -> top-k -> top-p ->
-min-p -> softmax -> exponential race. Random rows sample `argmax(probs / q)` with `q ~ Exp(1)`
-i.i.d. per token, which draws exactly from `probs`; a seeded row fills its own `q` (always
-`vocab_size` draws per step) from its own generator, so its tokens do not depend on the rest
-of the batch. On the GPU a batch that only uses temperatures runs the same race in one fused
-kernel instead (`kernels/sampling.py`). Logprobs come from the raw logits, before penalties
-and temperature.
+One step: penalties -> logit_bias -> min_tokens bans -> greedy argmax, or temperature ->
+top-k -> top-p -> min-p -> softmax -> exponential race. Random rows sample
+`argmax(probs / q)` with `q ~ Exp(1)` i.i.d. per token, which draws exactly from `probs`; a
+seeded row fills its own `q` (always `vocab_size` draws per step) from its own generator, so
+its tokens do not depend on the rest of the batch. On the GPU a batch that only uses
+temperatures runs the same race in one fused kernel instead (`kernels/sampling.py`).
+Logprobs come from the raw logits, before penalties, biases and temperature.
 """
 
 from __future__ import annotations
