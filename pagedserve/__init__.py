@@ -1,9 +1,11 @@
 """pagedserve: fast, practical serving of small LLMs."""
 
 from pagedserve.sampling_params import SamplingParams
+from pagedserve.structured.params import StructuredOutputsParams
 
 __version__ = "0.1.0"
-__all__ = ["LLM", "RequestOutput", "CompletionOutput", "SamplingParams", "__version__"]
+__all__ = ["LLM", "RequestOutput", "CompletionOutput", "SamplingParams", "StructuredOutputsParams",
+           "__version__"]
 
 
 def __getattr__(name: str):

@@ -204,6 +204,7 @@ class EngineConfig:
     """Everything needed to build an engine core (built once: `EngineConfig.from_args`)."""
 
     model: str | None = None  # None = embedded default model; else preset, folder or .gguf
+    tokenizer: str | None = None  # None = the model's own (structured output compiles with it)
     dtype: str = "auto"
     device: str = "auto"  # "auto" = cuda if available, else cpu
     load_format: str = "auto"

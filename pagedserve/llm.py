@@ -54,7 +54,7 @@ class LLM:
             enable_prefix_caching=enable_prefix_caching, kv_cache_memory=kv_cache_memory,
             gpu_memory_utilization=gpu_memory_utilization, dtype=dtype, device=device,
             load_format=load_format, seed=seed, attention_backend=attention_backend,
-            enforce_eager=enforce_eager, async_scheduling=async_scheduling,
+            enforce_eager=enforce_eager, async_scheduling=async_scheduling, tokenizer=tokenizer,
         )
         self.engine = EngineCore(config, source)
         self.tokenizer = load_tokenizer(source, model_cfg, tokenizer)

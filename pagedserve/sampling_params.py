@@ -6,6 +6,8 @@ import dataclasses
 import math
 from dataclasses import dataclass
 
+from pagedserve.structured.params import StructuredOutputsParams
+
 # Temperatures below this count as greedy: dividing logits by them would overflow.
 SAMPLING_EPS = 1e-5
 MAX_LOGPROBS = 20
@@ -50,6 +52,8 @@ class SamplingParams:
     logprobs: int | None = None  # top logprobs per generated token; 0 = the sampled one only
     # token id -> bias in [-100, 100] added to its logit before sampling (OpenAI's logit_bias)
     logit_bias: dict[int, float] | None = None
+    # constrain the output to a JSON schema, a regex, a choice or a grammar
+    structured_outputs: StructuredOutputsParams | None = None
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
 
@@ -107,6 +111,10 @@ class SamplingParams:
         for t in self.stop_token_ids:
             if not _is_int(t) or t < 0:
                 raise ValueError(f"stop_token_ids must contain ints >= 0, got {t!r}")
+        if self.structured_outputs is not None and not isinstance(self.structured_outputs,
+                                                                   StructuredOutputsParams):
+            raise ValueError("structured_outputs must be a StructuredOutputsParams, got "
+                             f"{self.structured_outputs!r}")
         if self.logit_bias is not None:
             if not isinstance(self.logit_bias, dict):
                 raise ValueError(f"logit_bias must map token ids to biases, got {self.logit_bias!r}")

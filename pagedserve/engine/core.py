@@ -25,6 +25,7 @@ from pagedserve.engine.step_trace import StepTrace
 from pagedserve.engine.stopping import check_stop
 from pagedserve.engine.warm_up import warm_up
 from pagedserve.models.source import ModelSource, resolve_model
+from pagedserve.structured.compiler import GrammarCompiler
 
 logger = logging.getLogger("pagedserve")
 
@@ -54,6 +55,8 @@ class EngineCore:
         self.num_failed_requests = 0  # cumulative: requests failed by a step or on their own
         self.consecutive_failed_steps = 0
         self._faults: dict[str, frozenset[str]] = {}  # request id -> injected-fault places
+        self._grammars: GrammarCompiler | None = None  # built by the first constrained request
+        self._compiling: dict[str, Request] = {}  # constrained requests whose grammar is not ready
         obs = config.observability
         self._trace: StepTrace | None = None  # set once ready (only real steps are traced)
         self.timer = StepTimer()  # host-side phase timings; off unless enabled
@@ -121,11 +124,37 @@ class EngineCore:
         )
         if er.arrival_time is not None:
             req.arrival_time = er.arrival_time
+        if p.structured_outputs is not None:
+            req.grammar = self._grammar_compiler().submit(p.structured_outputs)
+            self._compiling[req.request_id] = req
         self.scheduler.add_request(req)
         self.requests[req.request_id] = req
         places = self.config.faults.places_for(req.prompt_token_ids)
         if places:
             self._faults[req.request_id] = places
+
+    def _grammar_compiler(self) -> GrammarCompiler:
+        if self._grammars is None:
+            def make_backend():
+                from pagedserve.models.source import load_tokenizer
+                from pagedserve.structured.xgrammar_backend import XGrammarBackend
+
+                tokenizer = load_tokenizer(self.source, self.model_config, self.config.tokenizer)
+                return XGrammarBackend(tokenizer.hf, self.model_config.vocab_size,
+                                       self.model_config.eos_token_ids)
+
+            self._grammars = GrammarCompiler(make_backend)
+        return self._grammars
+
+    def _fail_bad_grammars(self) -> None:
+        """Requests whose grammar failed to compile end with its error; ready ones leave the
+        list (the scheduler admits them)."""
+        for rid, req in list(self._compiling.items()):
+            if req.grammar.done():
+                del self._compiling[rid]
+                error = req.grammar.exception()
+                if error is not None and self.requests.get(rid) is req:
+                    self._step_outputs.append(self._fail_request(req, str(error)[:500]))
 
     def abort_requests(self, request_ids: list[str]) -> None:
         """Drop requests (finished or not); their blocks are freed at once."""
@@ -172,6 +201,8 @@ class EngineCore:
             self._complete(*self._inflight)
             self._inflight = None
         timer.mark()
+        if self._compiling:
+            self._fail_bad_grammars()
         out = self.scheduler.schedule()
         self._launching = out
         timer.mark("schedule")
@@ -197,6 +228,8 @@ class EngineCore:
             self._inflight = None
         if self._trace and self._inflight is None:  # idle now: write the last steps out
             self._trace.flush()
+        if launched is None and self._compiling:  # only grammars to wait for: do not spin
+            time.sleep(0.001)
         ms = (time.perf_counter() - t0) * 1e3
         if self._slow_step_ms and ms > self._slow_step_ms:
             self._log_slow_step(ms, out, (t_scheduled - t0) * 1e3, (t_launched - t_scheduled) * 1e3,
@@ -277,7 +310,10 @@ class EngineCore:
                        schedule_ms, launch_ms, inputs, model, sample, gc_ms, allocs)
 
     def _needs_sync(self) -> bool:
-        return any(r.sampling_params.uses_penalties for r in self.scheduler.running)
+        """Penalties read every output token on the host, and a grammar's next mask needs
+        the token before it: while such a request runs, each step completes before the next."""
+        return any(r.sampling_params.uses_penalties or r.grammar is not None
+                   for r in self.scheduler.running)
 
     def _complete(self, out, handle) -> None:
         """Read a launched step's tokens back; apply them; stop what should stop. The outputs
@@ -291,6 +327,10 @@ class EngineCore:
                 logger.error("request %s: the model produced NaN or Inf logits; failing it", rid)
                 outputs.append(self._fail_request(
                     req, "the model produced non-finite (NaN or Inf) logits for this request"))
+        for rid, why in result.failed.items():
+            req = self.requests.get(rid)
+            if req is not None:
+                outputs.append(self._fail_request(req, why))
         updated = self.scheduler.apply_results(out, result.token_ids)
         self.num_generation_tokens += len(updated)
         now = time.monotonic()
@@ -328,5 +368,6 @@ class EngineCore:
         """A request left the engine: drop what is kept about it."""
         self.requests.pop(request_id, None)
         self._faults.pop(request_id, None)
+        self._compiling.pop(request_id, None)
         self.executor.release([request_id])
 

@@ -134,3 +134,5 @@ class StepResult:
     logprobs: dict[str, tuple[float, list[tuple[int, float]]]]
     # requests whose logits held a NaN or an Inf (not in token_ids: their token is garbage)
     non_finite: list[str] = field(default_factory=list)
+    # request id -> why its part of the step failed (e.g. its grammar refused the token)
+    failed: dict[str, str] = field(default_factory=dict)

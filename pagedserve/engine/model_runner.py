@@ -19,6 +19,7 @@ import torch
 from pagedserve.attention.backend import AttentionBackend, AttentionContext
 from pagedserve.config import SchedulerConfig
 from pagedserve.engine.graphs import GraphRunner
+from pagedserve.engine.host_copy import to_device
 from pagedserve.engine.input_batch import StepArrays, StepBuffers, pack_step
 from pagedserve.engine.kv_cache_spec import KVCacheSpec
 from pagedserve.engine.messages import StepResult
@@ -26,6 +27,7 @@ from pagedserve.engine.scheduler import NewRequestData, ScheduledChunk, Schedule
 from pagedserve.layers.sampler import Sampler, SamplingBatch
 from pagedserve.models.llama import LlamaForCausalLM
 from pagedserve.sampling_params import SamplingParams
+from pagedserve.structured.backend import GrammarMatcher
 
 
 @dataclass
@@ -39,6 +41,7 @@ class CachedRequest:
     sampling_params: SamplingParams
     token_ids: list[int]
     generator: torch.Generator | None = None
+    matcher: GrammarMatcher | None = None  # its place in its structured-output grammar
 
     @property
     def output_token_ids(self) -> list[int]:
@@ -120,8 +123,9 @@ class ModelRunner:
         for n in new:
             seed = n.sampling_params.seed
             gen = None if seed is None else torch.Generator(device=self.device).manual_seed(seed)
+            matcher = None if n.grammar is None else n.grammar.matcher()
             self.requests[n.request_id] = CachedRequest(n.request_id, n.prompt_token_ids, n.sampling_params,
-                                                        list(n.prompt_token_ids), gen)
+                                                        list(n.prompt_token_ids), gen, matcher)
 
     def enable_cuda_graphs(self, max_batch: int, max_mixed_tokens: int, max_model_len: int,
                            prefetch: bool = True,
@@ -187,6 +191,8 @@ class ModelRunner:
                 eos_token_ids=self.model.config.eos_token_ids,
                 num_outputs=num_outputs,
             )
+            if any(r.matcher is not None for r in reqs):
+                batch.allowed_token_mask = self._grammar_mask(reqs)
             result = self.sampler(logits, batch)
             handle = StepHandle(reqs, result.token_ids)
             # Rows with NaN or Inf logits reach the host as token -1; the device copy the next
@@ -221,9 +227,15 @@ class ModelRunner:
             non_finite = [r.request_id for r, t in zip(reqs, tokens) if t < 0]
             for rid in non_finite:
                 del token_ids[rid]
+        failed: dict[str, str] = {}
         for r in reqs:
             if r.request_id in token_ids and self.requests.get(r.request_id) is r:
-                r.token_ids.extend(token_ids[r.request_id])
+                new = token_ids[r.request_id]
+                if r.matcher is not None and not all(r.matcher.accept_token(t) for t in new):
+                    failed[r.request_id] = f"its grammar refused the sampled token(s) {new}"
+                    del token_ids[r.request_id]
+                    continue
+                r.token_ids.extend(new)
         logprobs: dict[str, tuple[float, list[tuple[int, float]]]] = {}
         if logprobs_t is not None:
             lp, lp_ids = logprobs_t.tolist(), logprob_ids_t.tolist()
@@ -232,7 +244,17 @@ class ModelRunner:
                 if k is not None:
                     top = list(zip(lp_ids[row][1 : 1 + k], lp[row][1 : 1 + k]))
                     logprobs[r.request_id] = (lp[row][0], top)
-        return StepResult(token_ids, logprobs, non_finite)
+        return StepResult(token_ids, logprobs, non_finite, failed)
+
+    def _grammar_mask(self, reqs: list[CachedRequest]) -> torch.Tensor:
+        """[N, ceil(V / 32)] int32 allowed-token bitmask on the device: each constrained row
+        as its grammar allows next (its previous token is accepted: such requests run
+        synchronously), every other row all ones."""
+        mask = torch.full((len(reqs), -(-self.vocab_size // 32)), -1, dtype=torch.int32)
+        for row, r in enumerate(reqs):
+            if r.matcher is not None:
+                r.matcher.fill_bitmask(mask, row)
+        return to_device(mask, self.device)
 
     def decode_probe(self, num_seqs: int, length: int):
         """(ids [S], positions [S], metadata) of a decode step of `num_seqs` sequences at

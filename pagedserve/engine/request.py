@@ -43,6 +43,9 @@ class Request:
     stop_reason: int | str | None = None
     first_scheduled_time: float | None = None  # when the scheduler first admitted it
     first_token_time: float | None = None
+    # concurrent.futures.Future of its compiled structured-output grammar (None: unconstrained);
+    # the scheduler admits the request once it is done
+    grammar: Any = None
 
     def __post_init__(self) -> None:
         self.token_ids = list(self.prompt_token_ids)
@@ -65,6 +68,13 @@ class Request:
     def num_output_tokens(self) -> int:
         """Output tokens, pending ones included."""
         return len(self.token_ids) + self.num_pending - len(self.prompt_token_ids)
+
+    @property
+    def grammar_ready(self) -> bool:
+        """Unconstrained, or its grammar compiled (a failed compile is not ready: the engine
+        core fails the request)."""
+        g = self.grammar
+        return g is None or (g.done() and g.exception() is None)
 
     @property
     def is_finished(self) -> bool:

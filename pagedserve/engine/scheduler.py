@@ -28,6 +28,7 @@ class NewRequestData:
     request_id: str
     prompt_token_ids: list[int]
     sampling_params: Any  # SamplingParams
+    grammar: Any = None  # its compiled structured-output Grammar (structured/backend.py), if any
 
 
 @dataclass
@@ -160,7 +161,10 @@ class Scheduler:
             and len(self.running) < self.config.max_num_seqs
             and not out.preempted
         ):
-            req = self.waiting[0]
+            at = next((i for i, r in enumerate(self.waiting) if r.grammar_ready), None)
+            if at is None:  # every waiting request still waits for its grammar to compile
+                break
+            req = self.waiting[at]
             if req.num_pending:  # preempted with a token in flight: wait for it
                 break
             cached: list[int] = []
@@ -170,7 +174,7 @@ class Scheduler:
             n = min(req.num_tokens - start, budget)
             if not self.kv.allocate(req.request_id, start + n, cached):
                 break
-            self.waiting.pop(0)
+            self.waiting.pop(at)
             if req.num_computed_tokens == 0 and req.num_preemptions == 0:
                 req.num_cached_tokens = start
                 if self.kv.enable_prefix_caching:
@@ -178,8 +182,9 @@ class Scheduler:
             req.num_computed_tokens = start
             if req.first_scheduled_time is None:
                 req.first_scheduled_time = time.monotonic()
-                out.new_requests.append(NewRequestData(req.request_id, req.prompt_token_ids,
-                                                       req.sampling_params))
+                out.new_requests.append(NewRequestData(
+                    req.request_id, req.prompt_token_ids, req.sampling_params,
+                    None if req.grammar is None else req.grammar.result()))
             req.status = RequestStatus.RUNNING
             self.running.append(req)
             out.chunks.append(ScheduledChunk(req.request_id, start, n))

@@ -17,7 +17,7 @@ def engine_config(kw: dict) -> tuple[EngineConfig, ModelSource, ModelConfig]:
     """EngineConfig from the CLI's LLM-style keyword arguments; also the model source and config."""
     names = ("max_model_len", "max_num_seqs", "max_num_batched_tokens", "block_size",
              "enable_prefix_caching", "kv_cache_memory", "gpu_memory_utilization", "dtype", "device",
-             "load_format", "enforce_eager", "attention_backend", "seed")
+             "load_format", "enforce_eager", "attention_backend", "seed", "tokenizer")
     return EngineConfig.from_args(kw["model"], faults=FaultPlan.parse(kw.get("inject_faults")),
                                   **{name: kw[name] for name in names})
 

@@ -1,0 +1,51 @@
+"""The structured-output backend interface (torch-free; a backend may use torch inside).
+
+A backend compiles a request's `StructuredOutputsParams` into a `Grammar` once (the engine
+core does it off its loop, `structured/compiler.py`); each request then gets its own
+`GrammarMatcher`, kept by the worker: every step it fills the request's row of the allowed-
+token bitmask, and it accepts each token the request samples. xgrammar is the one backend
+today (`structured/xgrammar_backend.py`); another (llguidance) implements the same three
+classes.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from typing import Any
+
+
+class GrammarError(ValueError):
+    """A schema, regex or grammar that cannot be compiled (the request fails with it)."""
+
+
+class GrammarMatcher(ABC):
+    """One request's position in its grammar."""
+
+    @abstractmethod
+    def fill_bitmask(self, bitmask: Any, row: int) -> None:
+        """Write the tokens allowed next into row `row` of `bitmask` ([N, ceil(V / 32)] int32,
+        bit t of word t // 32 set = token t allowed)."""
+
+    @abstractmethod
+    def accept_token(self, token_id: int) -> bool:
+        """Advance past a sampled token; False if the grammar does not allow it."""
+
+    @abstractmethod
+    def is_terminated(self) -> bool:
+        """The grammar is complete and its stop token was accepted."""
+
+
+class Grammar(ABC):
+    """A compiled grammar, shared by every request that asks for the same constraint."""
+
+    @abstractmethod
+    def matcher(self) -> GrammarMatcher:
+        """A new matcher at the grammar's start."""
+
+
+class StructuredBackend(ABC):
+    """Compiles constraints for one tokenizer and vocabulary."""
+
+    @abstractmethod
+    def compile(self, spec: Any) -> Grammar:
+        """Compile a `StructuredOutputsParams`; raises GrammarError naming the problem."""
