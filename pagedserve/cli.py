@@ -7,6 +7,7 @@ import logging
 import sys
 
 from pagedserve import envs
+from pagedserve.server.tool_parsers import TOOL_PARSERS
 
 
 def _add_engine_args(p: argparse.ArgumentParser) -> None:
@@ -70,6 +71,13 @@ def build_parser() -> argparse.ArgumentParser:
                      help="beyond max-num-seqs running plus this many waiting, answer 503")
     srv.add_argument("--reasoning-parser", default=None,
                      help="split <think>...</think> into reasoning_content (think, deepseek_r1, qwen3, nanbeige)")
+    srv.add_argument("--enable-auto-tool-choice", action="store_true",
+                     help='let the model decide when to call tools (tool_choice "auto", the default '
+                          "when a request sends tools); needs --tool-call-parser")
+    srv.add_argument("--tool-call-parser", default=None, choices=sorted(TOOL_PARSERS),
+                     help="how tool calls are read out of the model's text, with "
+                          "--enable-auto-tool-choice (hermes: <tool_call>{...}</tool_call>, as "
+                          "Qwen3 and Nanbeige4.1 write them)")
     srv.add_argument("--max-request-body-bytes", type=int, default=8 << 20)
     srv.add_argument("--engine", default="pagedserve", choices=["pagedserve", "hf", "hf-batched"],
                      help="pagedserve, or a naive Transformers baseline: hf (one request at a time) "
@@ -149,6 +157,10 @@ def build_parser() -> argparse.ArgumentParser:
     srv_b.add_argument("--warmup", type=int, default=2, help="requests sent first, not measured")
     srv_b.add_argument("--temperature", type=float, default=0.0)
     srv_b.add_argument("--ignore-eos", action=argparse.BooleanOptionalAction, default=True)
+    srv_b.add_argument("--json-schema", default=None, metavar="FILE",
+                       help="every request asks for JSON following this schema (response_format)")
+    srv_b.add_argument("--unique-schemas", action="store_true",
+                       help="with --json-schema: a distinct schema per request (each compiles afresh)")
     srv_b.add_argument("--goodput", nargs="*", default=None, help="SLOs, e.g. ttft:500 tpot:50")
     srv_b.add_argument("--timeout", type=float, default=600.0, help="seconds per request")
     srv_b.add_argument("--seed", type=int, default=0)

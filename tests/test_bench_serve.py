@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import statistics
+from pathlib import Path
 from types import SimpleNamespace
 
 import httpx
@@ -95,7 +96,8 @@ def _args(**kw):
                 num_prompts=6, num_prompts_per_level=None, request_rate=float("inf"),
                 burstiness=1.0, max_concurrency=None, concurrency_sweep="1,3", warmup=1,
                 temperature=0.0, ignore_eos=True, goodput=None, timeout=120.0, seed=0,
-                no_progress=True, save_result=None, launch=None, launch_timeout=60.0, launch_log=None)
+                no_progress=True, save_result=None, launch=None, launch_timeout=60.0, launch_log=None,
+                json_schema=None, unique_schemas=False)
     base.update(kw)
     return SimpleNamespace(**base)
 
@@ -116,6 +118,27 @@ def test_end_to_end_against_a_real_server(server, tmp_path):
     chat = run_serve(_args(base_url=server.url, endpoint="chat", concurrency_sweep=None,
                            max_concurrency=2, num_prompts=3))
     assert chat["runs"][0]["completed"] == 3 and chat["runs"][0]["output_tokens"] == 18
+
+
+def test_json_schema_requests(server, monkeypatch):
+    """--json-schema: every request carries the schema (its minItems keeps outputs at their
+    full length); --unique-schemas gives each a title of its own."""
+    from pagedserve.bench import serve as bench_serve
+    from pagedserve.bench.serve_run import run_serve
+
+    sent = []
+    real = bench_serve._body
+    monkeypatch.setattr(bench_serve, "_body", lambda *a: sent.append(real(*a)) or sent[-1])
+    schema = str(Path(__file__).parents[1] / "benchmarks" / "schemas" / "catalogue.json")
+    result = run_serve(_args(base_url=server.url, endpoint="chat", concurrency_sweep=None,
+                             max_concurrency=2, num_prompts=3, output_len=24,
+                             json_schema=schema, unique_schemas=True))
+    run = result["runs"][0]
+    assert run["completed"] == 3 and run["failed"] == 0 and run["output_tokens"] == 3 * 24
+    formats = [body["response_format"] for _, body in sent]
+    assert len(formats) == 4  # a warm-up and three measured
+    assert {f["json_schema"]["schema"]["required"][1] for f in formats} == {"items"}
+    assert len({f["json_schema"]["schema"]["title"] for f in formats}) == 4
 
 
 def test_failures_are_counted_not_raised(server):

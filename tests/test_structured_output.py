@@ -79,6 +79,31 @@ def test_choice_regex_grammar_and_any_json_object(llm):
         assert texts[3].startswith("{")
 
 
+def test_a_complete_grammar_ends_the_request_even_with_ignore_eos(llm):
+    out = llm.generate("Colour:", constrained(Constraint(choice=["red", "blue"]), ignore_eos=True),
+                       use_tqdm=False)[0].outputs[0]
+    assert out.text in ("red", "blue") and out.finish_reason == "stop"
+    assert len(out.token_ids) < 80
+
+
+def test_the_grammar_starts_after_its_after_tokens(llm):
+    """The end of reasoning (`after_tokens`) opens the grammar: before it the output is free.
+    logit_bias forces a token that no choice holds as the first one; the grammar then takes
+    over (it never allows that token), so the output is that token, then a choice."""
+    tok = llm.get_tokenizer()
+    marker = tok.encode(" Note", add_special_tokens=False)
+    assert len(marker) == 1
+    bias = {marker[0]: 100.0}
+    choice = Constraint(choice=["red", "blue"], after_tokens=tuple(marker))
+    out = llm.generate("Colour:", constrained(choice, logit_bias=bias), use_tqdm=False)[0].outputs[0]
+    assert out.token_ids[0] == marker[0] and out.text in (" Notered", " Noteblue"), out
+    assert out.finish_reason == "stop"
+    # without after_tokens the grammar applies from the first token: the bias cannot win
+    plain = llm.generate("Colour:", constrained(Constraint(choice=["red", "blue"]), logit_bias=bias),
+                         use_tqdm=False)[0].outputs[0]
+    assert plain.text in ("red", "blue")
+
+
 def test_a_constrained_request_leaves_the_others_token_for_token(llm):
     free = SamplingParams(temperature=0, max_tokens=24)
     question = chat("What is the capital of France?")
@@ -91,9 +116,9 @@ def test_a_constrained_request_leaves_the_others_token_for_token(llm):
 
 
 @pytest.mark.parametrize("constraint, message", [
-    (Constraint(regex="(ab"), "regex: Regex parsing error"),
-    (Constraint(grammar="root ::= "), "grammar: EBNF parser error"),
-    (Constraint(json={"type": "nonsense"}), "json: Unsupported type"),
+    (Constraint(regex="(ab"), "the regex cannot be compiled: Regex parsing error"),
+    (Constraint(grammar="root ::= "), "the grammar cannot be compiled: EBNF parser error"),
+    (Constraint(json={"type": "nonsense"}), "the JSON schema cannot be compiled: Unsupported type"),
 ])
 def test_a_bad_constraint_fails_only_its_own_request(llm, constraint, message, caplog):
     free = SamplingParams(temperature=0, max_tokens=8)

@@ -13,7 +13,14 @@ import openai
 import pytest
 from server_helpers import MODEL, free_port
 
-from pagedserve.ui.chat import ChatSession, Delta, GenerationSettings, UIConfig
+from pagedserve.ui.chat import (
+    ChatSession,
+    Delta,
+    GenerationSettings,
+    ToolCallView,
+    UIConfig,
+    parse_tools,
+)
 
 
 def sse(chunks: list[dict]) -> bytes:
@@ -106,6 +113,124 @@ def test_settings_from_the_panel():
                                       "system_prompt": "  Be nice. "}, default)
     assert s == GenerationSettings(0.5, 0.8, 256, "Be nice.")
     assert GenerationSettings.from_dict({"system_prompt": "", "max_tokens": 0}, default).max_tokens == 1
+
+
+WEATHER = {"type": "function", "function": {
+    "name": "get_weather", "description": "The weather in a city.",
+    "parameters": {"type": "object", "properties": {"city": {"type": "string"}},
+                   "required": ["city"]}}}
+TIME = {"type": "function", "function": {"name": "get_time", "parameters": {"type": "object"}}}
+
+
+def call_piece(index: int, arguments: str, id: str | None = None, name: str | None = None) -> dict:
+    """One `delta.tool_calls` item: the first of a call brings id, type and name."""
+    function = {"arguments": arguments} | ({"name": name} if name else {})
+    return {"index": index, "function": function} | ({"id": id, "type": "function"} if id else {})
+
+
+def tool_server(replies: list[list[dict]]):
+    """A fake /v1/chat/completions streaming `replies` in turn; returns (handler, bodies)."""
+    bodies: list[dict] = []
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        bodies.append(json.loads(request.content))
+        return httpx.Response(200, headers={"content-type": "text/event-stream"},
+                              content=sse(replies[len(bodies) - 1]))
+
+    return handler, bodies
+
+
+def test_two_tool_calls_assemble_from_fragments_and_go_back_in_the_history():
+    two_calls = [
+        chunk({"role": "assistant", "content": ""}),
+        chunk({"content": "Let me check."}),
+        chunk({"tool_calls": [call_piece(0, "", id="call_a", name="get_weather")]}),
+        chunk({"tool_calls": [call_piece(0, '{"ci')]}),
+        chunk({"tool_calls": [call_piece(0, 'ty": "Par')]}),
+        chunk({"tool_calls": [call_piece(1, '{"tz":', id="call_b", name="get_time")]}),
+        chunk({"tool_calls": [call_piece(0, 'is"}'), call_piece(1, ' "UTC"}')]}),
+        chunk({}, "tool_calls")]
+    answer = [chunk({"content": "It is sunny."}), chunk({}, "stop")]
+    handler, bodies = tool_server([two_calls, answer])
+    chat = mock_session(handler)
+    chat.model = "m"
+    settings = GenerationSettings.from_dict(
+        {"tools": json.dumps([WEATHER, TIME]), "tool_choice": "required"}, GenerationSettings())
+    result, deltas = run_turn(chat, "Weather and time in Paris?", settings)
+
+    assert result.error is None and result.finish_reason == "tool_calls"
+    assert result.content == "Let me check."
+    assert result.tool_calls == [ToolCallView("call_a", "get_weather", '{"city": "Paris"}'),
+                                 ToolCallView("call_b", "get_time", '{"tz": "UTC"}')]
+    assert [(d.kind, d.text) for d in deltas] == [
+        ("content", "Let me check."), ("tool_call", "get_weather"), ("tool_call", "get_time")]
+    assert bodies[0]["tools"] == [WEATHER, TIME] and bodies[0]["tool_choice"] == "required"
+
+    assistant = {"role": "assistant", "content": "Let me check.", "tool_calls": [
+        {"id": "call_a", "type": "function",
+         "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}},
+        {"id": "call_b", "type": "function",
+         "function": {"name": "get_time", "arguments": '{"tz": "UTC"}'}}]}
+    assert chat.history == [{"role": "user", "content": "Weather and time in Paris?"}, assistant]
+
+    # The user keeps chatting (the UI runs no tools): the next request sends the calls back.
+    result, _ = run_turn(chat, "Thanks. So?", settings)
+    assert result.content == "It is sunny." and result.tool_calls == []
+    assert bodies[1]["messages"] == [{"role": "user", "content": "Weather and time in Paris?"},
+                                     assistant, {"role": "user", "content": "Thanks. So?"}]
+    assert [m["role"] for m in chat.history] == ["user", "assistant", "user", "assistant"]
+
+
+def test_a_reply_of_only_a_tool_call_is_recorded_with_no_content():
+    handler, bodies = tool_server([[
+        chunk({"role": "assistant", "content": None}),
+        chunk({"tool_calls": [call_piece(0, '{"city": "Oslo"}', id="c0", name="get_weather")]}),
+        chunk({}, "tool_calls")]])
+    chat = mock_session(handler)
+    chat.model = "m"
+    result, deltas = run_turn(chat, "Weather in Oslo?", GenerationSettings(tools=[WEATHER]))
+    assert result.content == "" and result.finish_reason == "tool_calls"
+    assert result.tool_calls == [ToolCallView("c0", "get_weather", '{"city": "Oslo"}')]
+    assert [d.kind for d in deltas] == ["tool_call"]
+    assert bodies[0]["tool_choice"] == "auto"  # the default
+    assert chat.history[-1] == {"role": "assistant", "content": None, "tool_calls": [
+        {"id": "c0", "type": "function",
+         "function": {"name": "get_weather", "arguments": '{"city": "Oslo"}'}}]}
+
+
+def test_without_tools_the_request_has_no_tools_or_tool_choice():
+    handler, bodies = tool_server([[chunk({"content": "Hi."}), chunk({}, "stop")]] * 2)
+    chat = mock_session(handler)
+    chat.model = "m"
+    for settings in (GenerationSettings(tool_choice="required"),  # a choice alone sends nothing
+                     GenerationSettings.from_dict({"tools": "  ", "tool_choice": "none"},
+                                                  GenerationSettings())):
+        run_turn(chat, "Hello", settings)
+    for body in bodies:
+        assert set(body) == {"model", "messages", "stream", "temperature", "top_p", "max_tokens"}
+
+
+def test_tools_json_from_the_panel():
+    default = GenerationSettings()
+    s = GenerationSettings.from_dict({"tools": json.dumps([WEATHER]), "tool_choice": "none"}, default)
+    assert s.tools == [WEATHER] and s.tool_choice == "none"
+    assert GenerationSettings.from_dict({"tools": "", "tool_choice": ""}, default) == default
+    assert parse_tools("[]") is None and parse_tools(" \n") is None
+    assert parse_tools('[{"type": "custom", "name": "x"}]') == [{"type": "custom", "name": "x"}]
+
+    bad = {
+        '[{"type": "function", "function": {"name": "f"}': "Tools (JSON) is not valid JSON: ",
+        json.dumps(WEATHER): "Tools (JSON) must be a JSON list of tools, like [{",
+        '["get_weather"]': "Tools (JSON): tool 1 is not a JSON object",
+        json.dumps([WEATHER, {"type": "function", "function": {}}]):
+            "Tools (JSON): tool 2 has no function name",
+    }
+    for text, message in bad.items():
+        with pytest.raises(ValueError) as e:
+            GenerationSettings.from_dict({"tools": text}, default)
+        assert str(e.value).startswith(message) and "\n" not in str(e.value), str(e.value)
+    with pytest.raises(ValueError, match="^Tool choice must be one of auto, required, none"):
+        GenerationSettings.from_dict({"tool_choice": "always"}, default)
 
 
 def running_requests(server) -> tuple[float, float]:

@@ -79,6 +79,8 @@ def unsupported_reason(params: SamplingParams) -> str | None:
         return "min_tokens > 0 is not supported by the hf baseline engine"
     if params.logit_bias:
         return "logit_bias is not supported by the hf baseline engine"
+    if params.structured_outputs is not None:
+        return "structured output is not supported by the hf baseline engine"
     return None
 
 

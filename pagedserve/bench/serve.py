@@ -13,6 +13,7 @@ took about 200 us per chunk on a 2-core machine, enough to saturate a core at 5,
 from __future__ import annotations
 
 import asyncio
+import itertools
 import json
 import random
 import time
@@ -56,10 +57,27 @@ def build_dataset(args, seed: int | None = None) -> list[BenchRequest]:
     return file_dataset(args.dataset, n, args.output_len, seed)
 
 
+_schema_ids = itertools.count()
+
+
+def response_format(args) -> dict | None:
+    """With --json-schema: the response_format every request sends (with --unique-schemas a
+    distinct title per request, so each schema compiles afresh)."""
+    schema = getattr(args, "json_schema_obj", None)
+    if schema is None:
+        return None
+    if args.unique_schemas:
+        schema = {**schema, "title": f"bench-{next(_schema_ids)}"}
+    return {"type": "json_schema", "json_schema": {"name": "bench", "schema": schema, "strict": True}}
+
+
 def _body(req: BenchRequest, args, model: str) -> tuple[str, dict]:
     common = {"model": model, "max_tokens": req.output_len, "stream": True,
               "stream_options": {"include_usage": True}, "temperature": args.temperature,
               "ignore_eos": args.ignore_eos}
+    fmt = response_format(args)
+    if fmt is not None:
+        common["response_format"] = fmt
     if args.endpoint == "chat":
         if not isinstance(req.prompt, str):
             raise ValueError("the chat endpoint needs text prompts (a text dataset)")

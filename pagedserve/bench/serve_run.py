@@ -29,6 +29,8 @@ def run_serve(args) -> dict:
 
 def _measure(args, base_url: str, server_usage=None) -> dict:
     model = args.model or discover_model(base_url, args.api_key)
+    if args.json_schema:
+        args.json_schema_obj = json.loads(Path(args.json_schema).read_text())
     levels: list[int | None]
     if args.concurrency_sweep:
         levels = [int(x) for x in args.concurrency_sweep.split(",")]
@@ -50,6 +52,7 @@ def _measure(args, base_url: str, server_usage=None) -> dict:
         "endpoint": args.endpoint, "date": time.strftime("%Y-%m-%d %H:%M:%S"),
         "dataset": {"name": args.dataset, "input_len": args.input_len, "output_len": args.output_len,
                     "range_ratio": args.range_ratio, "seed": args.seed},
+        "json_schema": args.json_schema, "unique_schemas": args.unique_schemas,
         "runs": runs,
     }
     return result

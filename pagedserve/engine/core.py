@@ -25,6 +25,7 @@ from pagedserve.engine.step_trace import StepTrace
 from pagedserve.engine.stopping import check_stop
 from pagedserve.engine.warm_up import warm_up
 from pagedserve.models.source import ModelSource, resolve_model
+from pagedserve.structured.backend import GrammarError
 from pagedserve.structured.compiler import GrammarCompiler
 
 logger = logging.getLogger("pagedserve")
@@ -154,7 +155,9 @@ class EngineCore:
                 del self._compiling[rid]
                 error = req.grammar.exception()
                 if error is not None and self.requests.get(rid) is req:
-                    self._step_outputs.append(self._fail_request(req, str(error)[:500]))
+                    out = self._fail_request(req, str(error)[:1000])
+                    out.invalid = isinstance(error, GrammarError)
+                    self._step_outputs.append(out)
 
     def abort_requests(self, request_ids: list[str]) -> None:
         """Drop requests (finished or not); their blocks are freed at once."""
@@ -310,10 +313,11 @@ class EngineCore:
                        schedule_ms, launch_ms, inputs, model, sample, gc_ms, allocs)
 
     def _needs_sync(self) -> bool:
-        """Penalties read every output token on the host, and a grammar's next mask needs
-        the token before it: while such a request runs, each step completes before the next."""
-        return any(r.sampling_params.uses_penalties or r.grammar is not None
-                   for r in self.scheduler.running)
+        """Penalties read every output token on the host: while such a request runs, each
+        step completes before the next. (A grammar's mask also needs the token before it; the
+        worker waits for that token behind the next forward pass, so grammars keep async
+        scheduling.)"""
+        return any(r.sampling_params.uses_penalties for r in self.scheduler.running)
 
     def _complete(self, out, handle) -> None:
         """Read a launched step's tokens back; apply them; stop what should stop. The outputs
@@ -358,6 +362,8 @@ class EngineCore:
         stop = check_stop(req.sampling_params, req.token_ids[-1], num_known - req.num_prompt_tokens,
                           num_known, req.max_tokens, self.scheduler_config.max_model_len,
                           req.eos_token_ids)
+        if stop is None and req.request_id in result.grammar_done:
+            stop = ("stop", None)  # its grammar is complete: nothing may follow (even with ignore_eos)
         if stop is not None:
             o.finished, (o.finish_reason, o.stop_reason) = True, stop
             self.scheduler.finish(req, o.finish_reason)

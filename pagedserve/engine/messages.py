@@ -46,6 +46,9 @@ class TokenOutput:
     queue_s: float | None = None
     prefill_s: float | None = None
     error: str | None = None  # with finish_reason "error": why this request failed
+    # with an error: the request itself is at fault (its constraint does not compile), so the
+    # server answers 400 rather than reporting an engine failure
+    invalid: bool = False
 
 
 @dataclass
@@ -136,3 +139,5 @@ class StepResult:
     non_finite: list[str] = field(default_factory=list)
     # request id -> why its part of the step failed (e.g. its grammar refused the token)
     failed: dict[str, str] = field(default_factory=dict)
+    # requests whose grammar is complete with this step's token (they stop: nothing may follow)
+    grammar_done: list[str] = field(default_factory=list)

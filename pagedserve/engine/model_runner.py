@@ -19,7 +19,6 @@ import torch
 from pagedserve.attention.backend import AttentionBackend, AttentionContext
 from pagedserve.config import SchedulerConfig
 from pagedserve.engine.graphs import GraphRunner
-from pagedserve.engine.host_copy import to_device
 from pagedserve.engine.input_batch import StepArrays, StepBuffers, pack_step
 from pagedserve.engine.kv_cache_spec import KVCacheSpec
 from pagedserve.engine.messages import StepResult
@@ -42,10 +41,30 @@ class CachedRequest:
     token_ids: list[int]
     generator: torch.Generator | None = None
     matcher: GrammarMatcher | None = None  # its place in its structured-output grammar
+    # token ids the output must reach before the grammar applies (the end of reasoning)
+    grammar_after: tuple[int, ...] = ()
 
     @property
     def output_token_ids(self) -> list[int]:
         return self.token_ids[len(self.prompt_token_ids) :]
+
+    @property
+    def constrained(self) -> bool:
+        """Its grammar decides its next token (it has one, and any reasoning before it ended)."""
+        return self.matcher is not None and not self.grammar_after
+
+    def accept(self, new: list[int]) -> bool:
+        """Append sampled tokens, advancing the grammar past those it governs; False if the
+        grammar refuses one (the request then fails: the tokens after it are dropped)."""
+        for t in new:
+            if self.constrained and not self.matcher.accept_token(t):
+                return False
+            self.token_ids.append(t)
+            after = self.grammar_after
+            if after and tuple(self.token_ids[-len(after):]) == after \
+                    and len(self.token_ids) - len(self.prompt_token_ids) >= len(after):
+                self.grammar_after = ()  # the reasoning ended: the grammar applies from here
+        return True
 
 
 @dataclass
@@ -63,6 +82,7 @@ class StepHandle:
     #  ids [N, 1+k] | None)
     host: tuple | None = None
     ready: torch.cuda.Event | None = None
+    result: StepResult | None = None  # once read back (by collect, or by the next step's grammar)
 
 
 def _to_pinned_async(t: torch.Tensor) -> torch.Tensor:
@@ -94,7 +114,11 @@ class ModelRunner:
         self.last_launch_ms = (0.0, 0.0, 0.0)  # see execute()
         self._prev_tokens: torch.Tensor | None = None  # the last launched step's samples [N]
         self._prev_rows: dict[str, int] = {}  # request id -> row in _prev_tokens
+        self._prev_handle: StepHandle | None = None  # the last launched step
         self.requests: dict[str, CachedRequest] = {}  # every request the engine holds, by id
+        self._mask_failed: dict[str, str] = {}  # request id -> why its grammar mask failed
+        self._mask_host: torch.Tensor | None = None  # grammar bitmask buffer [rows, words] int32
+        self._mask_copied: torch.cuda.Event | None = None  # its last copy to the device is done
         self.num_graph_steps = 0  # steps replayed from CUDA graphs (decode or mixed)
         self.num_eager_steps = 0
 
@@ -118,14 +142,17 @@ class ModelRunner:
         """Forget requests that ended (their tokens, their seeded generators)."""
         for rid in request_ids:
             self.requests.pop(rid, None)
+            self._mask_failed.pop(rid, None)
 
     def _add_requests(self, new: list[NewRequestData]) -> None:
         for n in new:
             seed = n.sampling_params.seed
             gen = None if seed is None else torch.Generator(device=self.device).manual_seed(seed)
             matcher = None if n.grammar is None else n.grammar.matcher()
-            self.requests[n.request_id] = CachedRequest(n.request_id, n.prompt_token_ids, n.sampling_params,
-                                                        list(n.prompt_token_ids), gen, matcher)
+            so = n.sampling_params.structured_outputs
+            self.requests[n.request_id] = CachedRequest(
+                n.request_id, n.prompt_token_ids, n.sampling_params, list(n.prompt_token_ids), gen,
+                matcher, so.after_tokens if so is not None else ())
 
     def enable_cuda_graphs(self, max_batch: int, max_mixed_tokens: int, max_model_len: int,
                            prefetch: bool = True,
@@ -192,7 +219,13 @@ class ModelRunner:
                 num_outputs=num_outputs,
             )
             if any(r.matcher is not None for r in reqs):
-                batch.allowed_token_mask = self._grammar_mask(reqs)
+                # The grammars must first accept the previous step's tokens. With async
+                # scheduling that step is still running: wait for it here, behind this step's
+                # forward pass (launched above), so the mask is built while the GPU works.
+                if self._prev_handle is not None:
+                    self._read_back(self._prev_handle)
+                if any(r.constrained for r in reqs):
+                    batch.allowed_token_mask = self._grammar_mask(reqs)
             result = self.sampler(logits, batch)
             handle = StepHandle(reqs, result.token_ids)
             # Rows with NaN or Inf logits reach the host as token -1; the device copy the next
@@ -206,6 +239,7 @@ class ModelRunner:
                 handle.host = outs
         self._prev_tokens = handle.token_ids
         self._prev_rows = {r.request_id: i for i, r in enumerate(reqs)}
+        self._prev_handle = handle
         t_end = time.perf_counter()
         # host ms of this launch: inputs, model, logits + sampling
         self.last_launch_ms = ((t_prepared - t0) * 1e3, (t_forward - t_prepared) * 1e3, (t_end - t_forward) * 1e3)
@@ -214,6 +248,16 @@ class ModelRunner:
     def collect(self, handle: StepHandle) -> StepResult:
         """Wait for a step's sampled tokens and bring them to the host; each request that
         is still held learns its new token."""
+        return self._read_back(handle)
+
+    def _read_back(self, handle: StepHandle) -> StepResult:
+        """`collect`'s work, done once per step (the next step's grammar masks may need it
+        first)."""
+        if handle.result is None:
+            handle.result = self._results(handle)
+        return handle.result
+
+    def _results(self, handle: StepHandle) -> StepResult:
         if not handle.reqs:
             return StepResult({}, {})
         reqs = handle.reqs
@@ -228,14 +272,18 @@ class ModelRunner:
             for rid in non_finite:
                 del token_ids[rid]
         failed: dict[str, str] = {}
+        grammar_done: list[str] = []
         for r in reqs:
             if r.request_id in token_ids and self.requests.get(r.request_id) is r:
                 new = token_ids[r.request_id]
-                if r.matcher is not None and not all(r.matcher.accept_token(t) for t in new):
-                    failed[r.request_id] = f"its grammar refused the sampled token(s) {new}"
+                why = self._mask_failed.pop(r.request_id, None)
+                if why is None and not r.accept(new):
+                    why = f"its grammar refused the sampled token(s) {new}"
+                if why is not None:
+                    failed[r.request_id] = why
                     del token_ids[r.request_id]
-                    continue
-                r.token_ids.extend(new)
+                elif r.constrained and r.matcher.is_terminated():
+                    grammar_done.append(r.request_id)
         logprobs: dict[str, tuple[float, list[tuple[int, float]]]] = {}
         if logprobs_t is not None:
             lp, lp_ids = logprobs_t.tolist(), logprob_ids_t.tolist()
@@ -244,17 +292,43 @@ class ModelRunner:
                 if k is not None:
                     top = list(zip(lp_ids[row][1 : 1 + k], lp[row][1 : 1 + k]))
                     logprobs[r.request_id] = (lp[row][0], top)
-        return StepResult(token_ids, logprobs, non_finite, failed)
+        return StepResult(token_ids, logprobs, non_finite, failed, grammar_done)
 
     def _grammar_mask(self, reqs: list[CachedRequest]) -> torch.Tensor:
         """[N, ceil(V / 32)] int32 allowed-token bitmask on the device: each constrained row
-        as its grammar allows next (its previous token is accepted: such requests run
-        synchronously), every other row all ones."""
-        mask = torch.full((len(reqs), -(-self.vocab_size // 32)), -1, dtype=torch.int32)
-        for row, r in enumerate(reqs):
-            if r.matcher is not None:
-                r.matcher.fill_bitmask(mask, row)
-        return to_device(mask, self.device)
+        as its grammar allows next (its previous token already accepted), every other row
+        all ones. Filled in a host buffer kept between steps (pinned on CUDA)."""
+        words = -(-self.vocab_size // 32)
+        buf = self._mask_host
+        if buf is None or buf.shape[0] < len(reqs):
+            buf = torch.empty((max(len(reqs), 64), words), dtype=torch.int32,
+                              pin_memory=self.device.type == "cuda")
+            self._mask_host = buf
+        elif self._mask_copied is not None:
+            self._mask_copied.synchronize()  # the last step's copy out of it has finished
+        mask = buf[: len(reqs)]
+        mask.fill_(-1)
+        # (a grammar complete with the previous token: that token ended its request, so its
+        # row's token here will be dropped)
+        rows = [i for i, r in enumerate(reqs) if r.constrained and not r.matcher.is_terminated()]
+        matchers = [reqs[i].matcher for i in rows]
+        try:
+            if matchers:
+                type(matchers[0]).fill_bitmasks(matchers, mask, rows)
+        except Exception:  # find the rows that fail: each fails its own request alone
+            for row, m in zip(rows, matchers):
+                try:
+                    m.fill_bitmask(mask, row)
+                except Exception as e:
+                    mask[row] = -1
+                    self._mask_failed[reqs[row].request_id] = \
+                        f"its grammar failed: {type(e).__name__}: {e}"[:500]
+        if self.device.type != "cuda":
+            return mask.clone()
+        device_mask = mask.to(self.device, non_blocking=True)
+        self._mask_copied = torch.cuda.Event()
+        self._mask_copied.record()
+        return device_mask
 
     def decode_probe(self, num_seqs: int, length: int):
         """(ids [S], positions [S], metadata) of a decode step of `num_seqs` sequences at

@@ -41,6 +41,7 @@ from pagedserve.server.serving import (
     usage,
 )
 from pagedserve.server.supervisor import RestartPolicy
+from pagedserve.server.tools import ToolSettings
 from pagedserve.tokenizer import Tokenizer
 
 logger = logging.getLogger("pagedserve")
@@ -62,6 +63,7 @@ class ServerSettings:
     log_level: str = "INFO"
     engine_kind: str = "pagedserve"  # pagedserve | hf | hf-batched (baseline engines)
     trust_request_chat_template: bool = False
+    tools: ToolSettings = field(default_factory=ToolSettings)
     shutdown_timeout: float = 30.0  # on SIGTERM: how long running requests may take to finish
     restart_policy: RestartPolicy = field(default_factory=RestartPolicy)
     # Called when the engine cannot be restarted any more (the server should exit non-zero).
@@ -83,7 +85,7 @@ def create_app(settings: ServerSettings, core: SpawnedCore | None = None) -> Fas
         client = HFEngineClient(settings.engine, settings.tokenizer, settings.log_level,
                                 batched=settings.engine_kind == "hf-batched")
     server = Server(client, settings.served_names, settings.max_waiting_requests,
-                    settings.reasoning_parser, settings.trust_request_chat_template)
+                    settings.reasoning_parser, settings.trust_request_chat_template, settings.tools)
     metrics = Metrics(settings.served_names[0])
     client.on_finish = metrics.on_finish
     client.on_failure = metrics.on_failure

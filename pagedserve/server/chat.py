@@ -2,14 +2,18 @@
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections.abc import AsyncIterator
+from dataclasses import dataclass
 
 from fastapi import Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
 from pagedserve.engine.output_processor import SampleState
 from pagedserve.server.chat_template import render_chat, template_kwargs
+from pagedserve.server.constraints import request_constraint
+from pagedserve.server.errors import APIError
 from pagedserve.server.protocol import ChatCompletionRequest, TokenizeRequest
 from pagedserve.server.reasoning import ReasoningParser, get_reasoning_parser
 from pagedserve.server.serving import (
@@ -19,32 +23,66 @@ from pagedserve.server.serving import (
     generate_all,
     make_params,
     new_id,
-    run_choices,
     sse_error,
+    start_choices,
     usage,
+)
+from pagedserve.server.tools import (
+    ToolCallStream,
+    ToolPlan,
+    new_tool_call_id,
+    plan_tools,
+    tool_call_object,
 )
 
 
-async def render_messages(server: Server, body: ChatCompletionRequest | TokenizeRequest) -> str:
-    """The prompt text of a request's messages (checked for size first, rendered off the event
-    loop when large or when the request brings its own template)."""
+async def render_messages(server: Server, body: ChatCompletionRequest | TokenizeRequest,
+                          tools: list[dict] | None = None) -> str:
+    """The prompt text of a request's messages, and its `tools` (checked for size first,
+    rendered off the event loop when large or when the request brings its own template)."""
     kwargs = template_kwargs(body.chat_template_kwargs, body.chat_template,
                              server.trust_request_chat_template)
+    if tools:
+        if "tools" in kwargs:
+            raise APIError(400, "send tools once: as tools, not in chat_template_kwargs",
+                           param="chat_template_kwargs.tools")
+        kwargs["tools"] = tools
     server.check_size(sum(m.num_bytes() for m in body.messages), "messages")
     messages = [m.as_template_dict() for m in body.messages]
     return await render_chat(server.tokenizer, messages, body.add_generation_prompt, kwargs)
 
 
-async def _prepare(server: Server, body: ChatCompletionRequest) -> tuple[list[Choice], list[int], bool]:
-    """Render the chat template; return the choices, prompt ids, and whether it opened <think>."""
+@dataclass
+class _Prepared:
+    choices: list[Choice]
+    prompt_ids: list[int]
+    opened: bool  # the prompt opened <think>: the output starts inside reasoning
+    constraint_field: str | None  # the request field that constrains the output, if any
+    tools: ToolPlan | None
+
+
+async def _prepare(server: Server, body: ChatCompletionRequest) -> _Prepared:
+    """Render the chat template; tokenize; build each choice's sampling parameters."""
     server.check_model(body.model)
-    text = await render_messages(server, body)
+    structured, field = request_constraint(body)
+    tools = plan_tools(body, server.tools)
+    if tools is not None and tools.constraint is not None:
+        if structured is not None:
+            raise APIError(400, f"tool_choice {tools.mode!r} constrains the output to tool calls; "
+                                f"it cannot be combined with {field}", param=field)
+        structured, field = tools.constraint, "tool_choice"
+    text = await render_messages(server, body, tools.tools if tools is not None else None)
     ids = await server.encode_async(text, False, "messages")
     max_tokens = server.resolve_max_tokens(ids, body.output_limit, "messages")
-    params = make_params(body.sampling_params, max_tokens, body.num_logprobs, server.vocab_size)
+    if structured is not None and server.reasoning_parser and not text.rstrip().endswith("</think>"):
+        # a thinking model: the constraint applies to the answer, after its reasoning
+        end = tuple(server.tokenizer.encode(ReasoningParser.end_tag, add_special_tokens=False))
+        structured = dataclasses.replace(structured, after_tokens=end)
+    params = make_params(lambda m, lp: body.sampling_params(m, lp, structured), max_tokens,
+                         body.num_logprobs, server.vocab_size)
     choices = [Choice(i, ids, params) for i in range(body.n)]
     server.check_capacity(choices)
-    return choices, ids, text.rstrip().endswith("<think>")
+    return _Prepared(choices, ids, text.rstrip().endswith("<think>"), field, tools)
 
 
 def _parser(server: Server, opened: bool) -> ReasoningParser | None:
@@ -68,26 +106,46 @@ def _logprobs(server: Server, s: SampleState, start: int, top: int) -> dict:
     return {"content": content}
 
 
+def _message(server: Server, p: _Prepared, s: SampleState) -> tuple[dict, str | None]:
+    """A finished choice's message (reasoning split off, tool calls parsed out) and its
+    finish_reason ("tool_calls" when it ended by calling tools)."""
+    text = s.visible_text()
+    message: dict = {"role": "assistant", "content": text}
+    parser = _parser(server, p.opened)
+    if parser is not None:
+        reasoning, text = parser.extract(text)
+        message = {"role": "assistant", "content": text, "reasoning_content": reasoning}
+    tool_parser = p.tools.parser() if p.tools is not None else None
+    if tool_parser is None:
+        return message, s.finish_reason
+    content, calls = tool_parser.extract(text or "")
+    calls = calls[:p.tools.max_calls]
+    message["content"] = content
+    if calls:
+        message["tool_calls"] = [tool_call_object(c, new_tool_call_id()) for c in calls]
+    return message, "tool_calls" if calls and s.finish_reason == "stop" else s.finish_reason
+
+
 async def create_chat_completion(server: Server, body: ChatCompletionRequest, request: Request):
-    choices, prompt_ids, opened = await _prepare(server, body)
+    p = await _prepare(server, body)
+    choices, prompt_ids, opened = p.choices, p.prompt_ids, p.opened
     rid, created, model = new_id("chatcmpl", body.user), int(time.time()), server.check_model(body.model)
     if body.stream:
-        gen = _stream(server, body, choices, prompt_ids, opened, rid, created, model)
+        events = await start_choices(server.client, request, rid, choices, body.priority,
+                                     p.constraint_field)
+        gen = _stream(server, body, events, choices, prompt_ids, opened, p.tools, rid, created, model)
         return StreamingResponse(gen, media_type="text/event-stream")
 
-    final = await generate_all(server.client, request, rid, choices, body.priority)
+    final = await generate_all(server.client, request, rid, choices, body.priority,
+                               p.constraint_field)
     out = []
     for c in choices:
         s = final[c.index]
-        message: dict = {"role": "assistant", "content": s.visible_text()}
-        parser = _parser(server, opened)
-        if parser is not None:
-            reasoning, content = parser.extract(s.visible_text())
-            message = {"role": "assistant", "content": content, "reasoning_content": reasoning}
+        message, finish_reason = _message(server, p, s)
         out.append({
             "index": c.index, "message": message,
             "logprobs": _logprobs(server, s, 0, body.top_logprobs or 0) if body.logprobs else None,
-            "finish_reason": s.finish_reason, "stop_reason": s.stop_reason,
+            "finish_reason": finish_reason, "stop_reason": s.stop_reason,
         })
     completion = sum(len(final[c.index].token_ids) for c in choices)
     return JSONResponse({
@@ -96,12 +154,15 @@ async def create_chat_completion(server: Server, body: ChatCompletionRequest, re
     })
 
 
-async def _stream(server: Server, body: ChatCompletionRequest, choices: list[Choice],
-                  prompt_ids: list[int], opened: bool, rid: str, created: int,
-                  model: str) -> AsyncIterator[str]:
+async def _stream(server: Server, body: ChatCompletionRequest,
+                  events: AsyncIterator[tuple[int, SampleState]], choices: list[Choice],
+                  prompt_ids: list[int], opened: bool, tools: ToolPlan | None, rid: str,
+                  created: int, model: str) -> AsyncIterator[str]:
     sent_text = {c.index: 0 for c in choices}
     sent_tokens = {c.index: 0 for c in choices}
     parsers = {c.index: _parser(server, opened) for c in choices}
+    tool_parsers = {c.index: tools.parser() if tools is not None else None for c in choices}
+    calls = {c.index: ToolCallStream(tools.max_calls if tools is not None else None) for c in choices}
     completion_tokens = 0
 
     chunk = SSEChunks({"id": rid, "object": "chat.completion.chunk", "created": created, "model": model},
@@ -111,7 +172,7 @@ async def _stream(server: Server, body: ChatCompletionRequest, choices: list[Cho
         for c in choices:
             yield chunk([{"index": c.index, "delta": {"role": "assistant", "content": ""},
                           "logprobs": None, "finish_reason": None}])
-        async for index, s in run_choices(server.client, rid, choices, body.priority):
+        async for index, s in events:
             text = s.visible_text()
             delta_text = text[sent_text[index]:]
             ntok = len(s.token_ids)
@@ -119,25 +180,35 @@ async def _stream(server: Server, body: ChatCompletionRequest, choices: list[Cho
                 continue
             delta: dict = {}
             parser = parsers[index]
-            if parser is None:
-                if delta_text:
-                    delta["content"] = delta_text
-            else:
+            reasoning, content = "", delta_text
+            if parser is not None:
                 reasoning, content = parser.stream(delta_text)
                 if s.finished:
                     r_end, c_end = parser.finish()
                     reasoning, content = reasoning + r_end, content + c_end
-                if reasoning:
-                    delta["reasoning_content"] = reasoning
-                if content:
-                    delta["content"] = content
+            tool_parser = tool_parsers[index]
+            if tool_parser is not None:
+                content, deltas = tool_parser.stream(content)
+                if s.finished:
+                    c_end, d_end = tool_parser.finish()
+                    content, deltas = content + c_end, deltas + d_end
+                entries = calls[index].entries(deltas)
+                if entries:
+                    delta["tool_calls"] = entries
+            if reasoning:
+                delta["reasoning_content"] = reasoning
+            if content:
+                delta["content"] = content
             lp = _logprobs(server, s, sent_tokens[index], body.top_logprobs or 0) if body.logprobs else None
             completion_tokens += ntok - sent_tokens[index]
             sent_text[index], sent_tokens[index] = len(text), ntok
             if not delta and not s.finished and lp is None:
                 continue
+            finish_reason = s.finish_reason
+            if finish_reason == "stop" and calls[index].called:
+                finish_reason = "tool_calls"
             yield chunk([{"index": index, "delta": delta, "logprobs": lp,
-                          "finish_reason": s.finish_reason,
+                          "finish_reason": finish_reason,
                           "stop_reason": s.stop_reason if s.finished else None}])
         if body.include_usage:
             yield chunk([], usage(len(prompt_ids), completion_tokens))

@@ -9,6 +9,7 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
 from pagedserve.engine.output_processor import SampleState
+from pagedserve.server.constraints import request_constraint
 from pagedserve.server.protocol import CompletionRequest
 from pagedserve.server.serving import (
     Choice,
@@ -17,23 +18,27 @@ from pagedserve.server.serving import (
     generate_all,
     make_params,
     new_id,
-    run_choices,
     sse_error,
+    start_choices,
     usage,
 )
 
 
-async def _prepare(server: Server, body: CompletionRequest) -> tuple[list[Choice], list[list[int]]]:
+async def _prepare(server: Server, body: CompletionRequest
+                   ) -> tuple[list[Choice], list[list[int]], str | None]:
+    """The choices, the prompts' ids, and the field that constrains the output (if any)."""
     server.check_model(body.model)
+    structured, field = request_constraint(body)
     prompts = [await server.encode_async(p, True, "prompt") if isinstance(p, str) else p
                for p in body.prompts()]
     choices, n = [], body.n
     for p_idx, ids in enumerate(prompts):
         max_tokens = server.resolve_max_tokens(ids, body.max_tokens, "prompt")
-        params = make_params(body.sampling_params, max_tokens, body.logprobs, server.vocab_size)
+        params = make_params(lambda m, lp: body.sampling_params(m, lp, structured), max_tokens,
+                             body.logprobs, server.vocab_size)
         choices += [Choice(p_idx * n + i, ids, params) for i in range(n)]
     server.check_capacity(choices)
-    return choices, prompts
+    return choices, prompts, field
 
 
 def _logprobs(server: Server, s: SampleState, start: int, text_offset: int) -> dict:
@@ -53,14 +58,15 @@ def _logprobs(server: Server, s: SampleState, start: int, text_offset: int) -> d
 
 
 async def create_completion(server: Server, body: CompletionRequest, request: Request):
-    choices, prompts = await _prepare(server, body)
+    choices, prompts, field = await _prepare(server, body)
     rid, created, model = new_id("cmpl", body.user), int(time.time()), server.check_model(body.model)
     prompt_texts = [await server.decode_async(p) for p in prompts] if body.echo else []
     if body.stream:
-        gen = _stream(server, body, choices, prompts, prompt_texts, rid, created, model)
+        events = await start_choices(server.client, request, rid, choices, body.priority, field)
+        gen = _stream(server, body, events, choices, prompts, prompt_texts, rid, created, model)
         return StreamingResponse(gen, media_type="text/event-stream")
 
-    final = await generate_all(server.client, request, rid, choices, body.priority)
+    final = await generate_all(server.client, request, rid, choices, body.priority, field)
     out_choices = []
     for c in choices:
         s = final[c.index]
@@ -77,7 +83,8 @@ async def create_completion(server: Server, body: CompletionRequest, request: Re
     })
 
 
-async def _stream(server: Server, body: CompletionRequest, choices: list[Choice],
+async def _stream(server: Server, body: CompletionRequest,
+                  events: AsyncIterator[tuple[int, SampleState]], choices: list[Choice],
                   prompts: list[list[int]], prompt_texts: list[str], rid: str, created: int,
                   model: str) -> AsyncIterator[str]:
     sent_text = {c.index: 0 for c in choices}
@@ -94,7 +101,7 @@ async def _stream(server: Server, body: CompletionRequest, choices: list[Choice]
                 text = prompt_texts[c.index // body.n]
                 offsets[c.index] = len(text)
                 yield chunk([{"index": c.index, "text": text, "logprobs": None, "finish_reason": None}])
-        async for index, s in run_choices(server.client, rid, choices, body.priority):
+        async for index, s in events:
             text = s.visible_text()
             delta = text[sent_text[index]:]
             ntok = len(s.token_ids)

@@ -381,6 +381,9 @@ class AsyncEngineClient:
                 if pending is None:
                     continue
                 if state.error is not None:
+                    if state.error_source == "request":  # a 400: the client's own mistake
+                        self._fail([state.request_id], RequestRejected(state.error), "rejected")
+                        continue
                     logger.error("request %s failed: %s", state.request_id, state.error)
                     self._fail([state.request_id], RequestFailed(state.error, state.error_source),
                                state.error_source)

@@ -29,6 +29,9 @@ def serve(args: argparse.Namespace, kw: dict) -> int:
     config, source, model_cfg = engine_config(kw)
     if args.reasoning_parser:
         get_reasoning_parser(args.reasoning_parser)  # fail fast on a bad name
+    if bool(args.enable_auto_tool_choice) != bool(args.tool_call_parser):
+        raise ValueError("--enable-auto-tool-choice and --tool-call-parser go together "
+                         "(e.g. --enable-auto-tool-choice --tool-call-parser hermes)")
     engine_kind = getattr(args, "engine", "pagedserve")
     # The engine core starts first: its imports, model and CUDA graphs take most of the
     # start-up, and they now overlap with the tokenizer and the app built below.
@@ -44,6 +47,7 @@ def serve(args: argparse.Namespace, kw: dict) -> int:
         raise_open_files_limit,
     )
     from pagedserve.server.supervisor import RestartPolicy
+    from pagedserve.server.tools import ToolSettings
 
     names = args.served_model_name or [kw["model"] or source.name]  # type: ignore[attr-defined]
     settings = ServerSettings(
@@ -53,6 +57,7 @@ def serve(args: argparse.Namespace, kw: dict) -> int:
         body_read_timeout=args.timeout_body_read,
         log_stats_interval=args.log_stats_interval, log_level=args.log_level.upper(),
         engine_kind=engine_kind, trust_request_chat_template=args.trust_request_chat_template,
+        tools=ToolSettings(args.enable_auto_tool_choice, args.tool_call_parser),
         shutdown_timeout=args.shutdown_timeout,
         restart_policy=RestartPolicy(max_restarts=args.max_engine_restarts),
         on_fatal=lambda reason: server.stop_fatal(reason),

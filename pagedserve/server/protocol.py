@@ -16,6 +16,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, StrictInt, field_validator, model_validator
 
 from pagedserve.sampling_params import MAX_LOGPROBS, SamplingParams
+from pagedserve.structured.params import StructuredOutputsParams
 
 logger = logging.getLogger("pagedserve")
 
@@ -27,25 +28,14 @@ def _unset(value: Any) -> bool:
 
 
 # field -> (what a request may send and still mean "nothing", why it is refused otherwise)
-_NO_STRUCTURED = "structured output is not supported yet"
 UNSUPPORTED: dict[str, tuple[Any, str]] = {
-    "response_format": (lambda v: _unset(v) or v == {"type": "text"},
-                        'only response_format {"type": "text"} is supported yet (no JSON mode or '
-                        "JSON schema)"),
-    "tools": (_unset, "tool calling is not supported yet"),
-    "tool_choice": (lambda v: _unset(v) or v == "none", "tool calling is not supported yet"),
-    "parallel_tool_calls": (lambda v: v is None, "tool calling is not supported yet"),
-    "functions": (_unset, "function calling is not supported"),
-    "function_call": (lambda v: _unset(v) or v == "none", "function calling is not supported"),
+    "functions": (_unset, "the deprecated functions field is not supported: send tools"),
+    "function_call": (lambda v: _unset(v) or v == "none",
+                      "the deprecated function_call field is not supported: send tool_choice"),
     "best_of": (lambda v: v is None or v == 1, "best_of > 1 is not supported (use n)"),
     "suffix": (_unset, "suffix (insertion) is not supported"),
-    "structured_outputs": (_unset, _NO_STRUCTURED),
-    "guided_json": (_unset, _NO_STRUCTURED),
-    "guided_regex": (_unset, _NO_STRUCTURED),
-    "guided_choice": (_unset, _NO_STRUCTURED),
-    "guided_grammar": (_unset, _NO_STRUCTURED),
-    "guided_decoding_backend": (_unset, _NO_STRUCTURED),
-    "guided_whitespace_pattern": (_unset, _NO_STRUCTURED),
+    "guided_whitespace_pattern": (_unset, "guided_whitespace_pattern is not supported: JSON "
+                                          "output is always compact"),
     "prediction": (_unset, "predicted outputs are not supported"),
     "modalities": (lambda v: _unset(v) or v == ["text"], "only text output is supported"),
     "audio": (_unset, "audio output is not supported"),
@@ -83,13 +73,17 @@ class _Body(BaseModel):
 
     model_config = ConfigDict(extra="ignore")
 
+    @classmethod
+    def _aliases(cls) -> set[str]:
+        return {f.alias for f in cls.model_fields.values() if f.alias}
+
     @model_validator(mode="before")
     @classmethod
     def _check_fields(cls, data: Any) -> Any:
         if not isinstance(data, dict):
             return data
         for name, value in data.items():
-            if name in cls.model_fields:
+            if name in cls.model_fields or name in cls._aliases():
                 continue
             rule = UNSUPPORTED.get(name)
             if rule is not None:
@@ -120,6 +114,38 @@ class StreamOptions(_Body):
     include_usage: bool = False
 
 
+class JsonSchemaFormat(_Body):
+    """response_format.json_schema: the schema the output follows. The output always follows
+    it (a grammar enforces it), with `strict` true or false, as in vLLM."""
+
+    name: str = Field(min_length=1, max_length=64)
+    description: str | None = None
+    schema_: dict[str, Any] | None = Field(None, alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(_Body):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+    @model_validator(mode="after")
+    def _schema_given(self):
+        if self.type == "json_schema" and self.json_schema is None:
+            raise ValueError('response_format of type "json_schema" needs its json_schema object')
+        return self
+
+
+class StructuredOutputsField(_Body):
+    """vLLM's structured_outputs request field (one of these set)."""
+
+    model_config = ConfigDict(extra="forbid")
+    json_: dict[str, Any] | str | None = Field(None, alias="json")
+    json_object: bool | None = None
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+
+
 class _SamplingFields(_Body):
     """Fields shared by /v1/completions and /v1/chat/completions."""
 
@@ -146,6 +172,15 @@ class _SamplingFields(_Body):
     include_stop_str_in_output: bool = False
     priority: int = 0
     user: str | None = None  # the end user, for the server's logs (as OpenAI's abuse monitoring)
+    # structured output (server/constraints.py): OpenAI's response_format, vLLM's
+    # structured_outputs and its older guided_* fields; at most one of them
+    response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputsField | None = None
+    guided_json: dict[str, Any] | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
+    guided_decoding_backend: Literal["xgrammar", "auto"] | None = None
 
     @field_validator("stop")
     @classmethod
@@ -155,8 +190,10 @@ class _SamplingFields(_Body):
             raise ValueError("stop must hold at most 16 non-empty strings")
         return v
 
-    def sampling_params(self, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
-        """SamplingParams for this request (ValueError names a bad field)."""
+    def sampling_params(self, max_tokens: int | None, logprobs: int | None,
+                        structured: StructuredOutputsParams | None = None) -> SamplingParams:
+        """SamplingParams for this request (ValueError names a bad field); `structured`: its
+        output constraint (`server/constraints.py`)."""
         return SamplingParams(
             n=self.n,
             temperature=1.0 if self.temperature is None else self.temperature,
@@ -174,6 +211,7 @@ class _SamplingFields(_Body):
             frequency_penalty=self.frequency_penalty,
             logprobs=logprobs,
             logit_bias=_token_keys(self.logit_bias),
+            structured_outputs=structured,
             skip_special_tokens=self.skip_special_tokens,
             include_stop_str_in_output=self.include_stop_str_in_output,
         )
@@ -255,8 +293,33 @@ class ChatMessage(_Body):
         return len(content.encode("utf-8", "surrogatepass")) if content else 0
 
 
+class FunctionDefinition(_Body):
+    name: str = Field(pattern=r"^[a-zA-Z0-9_-]{1,64}$")
+    description: str | None = None
+    parameters: dict[str, Any] | None = None  # a JSON schema of the arguments object
+    strict: bool | None = None  # arguments always follow `parameters` when a grammar applies
+
+
+class Tool(_Body):
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class FunctionName(_Body):
+    name: str
+
+
+class NamedToolChoice(_Body):
+    type: Literal["function"]
+    function: FunctionName
+
+
 class ChatCompletionRequest(_SamplingFields):
     messages: list[ChatMessage] = Field(min_length=1)
+    # tool calling (server/tools.py)
+    tools: list[Tool] | None = Field(None, max_length=128)
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool | None = None
     max_tokens: int | None = Field(None, ge=1)
     max_completion_tokens: int | None = Field(None, ge=1)
     logprobs: bool = False

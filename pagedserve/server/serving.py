@@ -24,6 +24,7 @@ from pagedserve.server.engine_client import (
     ServerShuttingDown,
 )
 from pagedserve.server.errors import APIError, error_body
+from pagedserve.server.tools import ToolSettings
 from pagedserve.tokenizer import IncrementalDetokenizer
 
 OFFLOAD_CHARS = 16_384  # prompts (characters) or id lists at least this long leave the loop
@@ -48,13 +49,15 @@ class Server:
     """What every endpoint needs: the engine client, names and limits."""
 
     def __init__(self, client: AsyncEngineClient, served_names: list[str], max_waiting: int,
-                 reasoning_parser: str | None = None, trust_request_chat_template: bool = False) -> None:
+                 reasoning_parser: str | None = None, trust_request_chat_template: bool = False,
+                 tools: ToolSettings | None = None) -> None:
         self.client = client
         self.tokenizer = client.tokenizer
         self.served_names = served_names
         self.max_waiting = max_waiting
         self.reasoning_parser = reasoning_parser
         self.trust_request_chat_template = trust_request_chat_template
+        self.tools = tools or ToolSettings()
         self.draining: str | None = None  # set on SIGTERM: why new requests are refused
         self.created = int(time.time())
         # Choices admitted by check_capacity and still alive (a choice lives as long as the
@@ -177,11 +180,13 @@ def new_id(prefix: str, user: str | None = None) -> str:
 
 
 async def run_choices(
-    client: AsyncEngineClient, request_id: str, choices: list[Choice], priority: int = 0
+    client: AsyncEngineClient, request_id: str, choices: list[Choice], priority: int = 0,
+    param: str | None = None,
 ) -> AsyncIterator[tuple[int, SampleState]]:
     """Generate every choice concurrently; yield (choice index, state) as states change.
 
-    Leaving early (an error, or the consumer being cancelled) aborts every choice.
+    Leaving early (an error, or the consumer being cancelled) aborts every choice. `param`:
+    the request field a rejection by the engine names (the constraint that did not compile).
     """
     queue: asyncio.Queue = asyncio.Queue()
     done = object()
@@ -205,7 +210,7 @@ async def run_choices(
             if item is done:
                 remaining -= 1
             elif isinstance(item, Exception):
-                raise _as_api_error(item)
+                raise _as_api_error(item, param)
             else:
                 yield index, item
     finally:
@@ -214,9 +219,9 @@ async def run_choices(
         await asyncio.gather(*tasks, return_exceptions=True)
 
 
-def _as_api_error(e: Exception) -> Exception:
+def _as_api_error(e: Exception, param: str | None = None) -> Exception:
     if isinstance(e, RequestRejected):
-        return APIError(400, str(e))
+        return APIError(400, f"{param}: {e}" if param else str(e), param=param)
     if isinstance(e, EngineDeadError):
         return APIError(503, str(e), code="engine_unavailable", headers={"Retry-After": "5"})
     if isinstance(e, ServerShuttingDown):
@@ -244,18 +249,38 @@ async def unless_disconnected(request: Request, work: Awaitable):
 
 
 async def generate_all(client: AsyncEngineClient, request: Request, request_id: str,
-                       choices: list[Choice], priority: int = 0) -> dict[int, SampleState]:
+                       choices: list[Choice], priority: int = 0,
+                       param: str | None = None) -> dict[int, SampleState]:
     """Run every choice to the end (non-streaming); the final state per choice index.
 
     A client that disconnects first cancels the work, which aborts its engine requests.
     """
     async def collect() -> dict[int, SampleState]:
         final: dict[int, SampleState] = {}
-        async for index, state in run_choices(client, request_id, choices, priority):
+        async for index, state in run_choices(client, request_id, choices, priority, param):
             final[index] = state
         return final
 
     return await unless_disconnected(request, collect())
+
+
+async def start_choices(client: AsyncEngineClient, request: Request, request_id: str,
+                        choices: list[Choice], priority: int = 0, constraint_field: str | None = None
+                        ) -> AsyncIterator[tuple[int, SampleState]]:
+    """`run_choices` for a stream. A constrained request (`constraint_field`: the field
+    holding its constraint) is first run up to its first output, before the response starts:
+    a constraint that does not compile is then a 400, not an error inside a 200 stream."""
+    events = run_choices(client, request_id, choices, priority, constraint_field)
+    if constraint_field is None:
+        return events
+    first = await unless_disconnected(request, anext(events))
+
+    async def chained() -> AsyncIterator[tuple[int, SampleState]]:
+        yield first
+        async for item in events:
+            yield item
+
+    return chained()
 
 
 def usage(prompt_tokens: int, completion_tokens: int) -> dict:

@@ -26,6 +26,12 @@ class GrammarMatcher(ABC):
         """Write the tokens allowed next into row `row` of `bitmask` ([N, ceil(V / 32)] int32,
         bit t of word t // 32 set = token t allowed)."""
 
+    @classmethod
+    def fill_bitmasks(cls, matchers: list[GrammarMatcher], bitmask: Any, rows: list[int]) -> None:
+        """`fill_bitmask` of each matcher into its row (a backend may fill them in parallel)."""
+        for m, row in zip(matchers, rows, strict=True):
+            m.fill_bitmask(bitmask, row)
+
     @abstractmethod
     def accept_token(self, token_id: int) -> bool:
         """Advance past a sampled token; False if the grammar does not allow it."""

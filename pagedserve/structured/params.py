@@ -22,8 +22,12 @@ class StructuredOutputsParams:
     regex: str | None = None
     choice: tuple[str, ...] | list[str] | None = None
     grammar: str | None = None
+    after_tokens: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
+        object.__setattr__(self, "after_tokens", tuple(self.after_tokens))
+        if not all(isinstance(t, int) and t >= 0 for t in self.after_tokens):
+            raise ValueError("structured_outputs after_tokens must be token ids")
         given = [k for k in KINDS if getattr(self, k) not in (None, False)]
         if len(given) != 1:
             raise ValueError(f"structured_outputs must set exactly one of {', '.join(KINDS)}; "

@@ -13,6 +13,9 @@ import xgrammar as xgr
 from pagedserve.structured.backend import Grammar, GrammarError, GrammarMatcher, StructuredBackend
 from pagedserve.structured.params import StructuredOutputsParams
 
+_WHAT = {"json": "JSON schema", "json_object": "JSON grammar", "regex": "regex",
+         "choice": "choice", "grammar": "grammar"}
+
 
 class XGrammarMatcher(GrammarMatcher):
     def __init__(self, compiled: xgr.CompiledGrammar) -> None:
@@ -64,5 +67,5 @@ class XGrammarBackend(StructuredBackend):
         except (RuntimeError, ValueError, TypeError) as e:  # xgrammar's errors for bad input
             # xgrammar's messages start "[hh:mm:ss] /path/file.cc:line: "
             message = re.sub(r"^\[[\d:]+\] \S+: ", "", str(e).strip())
-            raise GrammarError(f"structured_outputs {spec.kind}: {message}") from None
+            raise GrammarError(f"the {_WHAT[spec.kind]} cannot be compiled: {message}") from None
         return XGrammar(compiled)

@@ -8,13 +8,21 @@ Chainlit's files in the cache folder.
 from __future__ import annotations
 
 import contextlib
+import json
 
 import chainlit as cl
 from chainlit.config import config as chainlit_config
-from chainlit.input_widget import Slider, TextInput
+from chainlit.input_widget import Select, Slider, TextInput
 from chainlit.logger import logger
 
-from pagedserve.ui.chat import ChatSession, Delta, GenerationSettings, UIConfig
+from pagedserve.ui.chat import (
+    TOOL_CHOICES,
+    ChatSession,
+    Delta,
+    GenerationSettings,
+    ToolCallView,
+    UIConfig,
+)
 
 STARTERS = [
     ("Capital of France", "What is the capital of France?"),
@@ -39,7 +47,26 @@ def _settings_panel(d: GenerationSettings) -> cl.ChatSettings:
         Slider(id="max_tokens", label="Max tokens", initial=d.max_tokens, min=16, max=4096, step=16),
         TextInput(id="system_prompt", label="System prompt", initial=d.system_prompt,
                   placeholder="(the model's default)", multiline=True),
+        TextInput(id="tools", label="Tools (JSON)",
+                  initial=json.dumps(d.tools, indent=2) if d.tools else "", multiline=True,
+                  placeholder='[{"type": "function", "function": {"name": "get_weather", '
+                              '"parameters": {...}}}]',
+                  description="An OpenAI tools list; the model's tool calls show as steps "
+                              "(the UI does not run them)."),
+        Select(id="tool_choice", label="Tool choice", values=list(TOOL_CHOICES),
+               initial_value=d.tool_choice, description="Sent only with tools."),
     ])
+
+
+async def _tool_call_step(call: ToolCallView) -> None:
+    """A collapsible step showing one tool call: its arguments, as pretty JSON when they parse."""
+    try:
+        text, language = json.dumps(json.loads(call.arguments), indent=2, ensure_ascii=False), "json"
+    except ValueError:
+        text, language = call.arguments, "text"
+    async with cl.Step(name=f"🔧 {call.name or '(unnamed tool)'}", type="tool",
+                       show_input=language, default_open=True) as step:
+        step.input = text
 
 
 @cl.set_chat_profiles
@@ -72,8 +99,12 @@ async def on_chat_start() -> None:
 @cl.on_message
 async def on_message(message: cl.Message) -> None:
     chat: ChatSession = cl.user_session.get("chat")
-    settings = GenerationSettings.from_dict(cl.user_session.get("chat_settings"),
-                                            _defaults(chat.config))
+    try:
+        settings = GenerationSettings.from_dict(cl.user_session.get("chat_settings"),
+                                                _defaults(chat.config))
+    except ValueError as e:  # bad tools JSON: say so, send nothing
+        await cl.ErrorMessage(content=str(e), author="pagedserve").send()
+        return
     answer = cl.Message(content="")
     async with contextlib.AsyncExitStack() as thinking:
         step: list[cl.Step] = []
@@ -87,7 +118,8 @@ async def on_message(message: cl.Message) -> None:
             else:
                 if step:
                     await thinking.aclose()  # the reasoning is over: close its step
-                await answer.stream_token(d.text)
+                if d.kind == "content":
+                    await answer.stream_token(d.text)
 
         result = await chat.turn(message.content, settings, on_delta)
     if result.error:
@@ -96,9 +128,25 @@ async def on_message(message: cl.Message) -> None:
         if answer.content:
             await answer.send()
         return
+    for call in result.tool_calls:
+        await _tool_call_step(call)
     if not answer.content:
-        answer.content = "(the model returned no text)"
+        n = len(result.tool_calls)
+        answer.content = (f"(the model called {n} tool{'s' if n > 1 else ''})" if n
+                          else "(the model returned no text)")
     await answer.send()
+
+
+@cl.on_settings_update
+async def on_settings_update(_changed: dict) -> None:
+    """Check the panel's tools JSON as soon as it is saved (each message checks it again)."""
+    chat: ChatSession | None = cl.user_session.get("chat")
+    if chat is None:
+        return
+    try:
+        GenerationSettings.from_dict(cl.user_session.get("chat_settings"), _defaults(chat.config))
+    except ValueError as e:
+        await cl.ErrorMessage(content=str(e), author="pagedserve").send()
 
 
 @cl.on_stop

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Literal
@@ -16,6 +17,8 @@ from typing import Literal
 import openai
 
 from pagedserve import envs
+
+TOOL_CHOICES = ("auto", "required", "none")
 
 
 @dataclass(frozen=True)
@@ -40,33 +43,89 @@ class GenerationSettings:
     top_p: float = 1.0
     max_tokens: int = 512
     system_prompt: str = ""
+    tools: list[dict] | None = None  # an OpenAI `tools` list; None: the request sends no tools
+    tool_choice: str = "auto"  # sent only with tools
 
     @classmethod
     def from_dict(cls, values: dict | None, default: GenerationSettings) -> GenerationSettings:
-        """Settings from the panel's {id: value} dict; missing or empty entries keep `default`."""
+        """Settings from the panel's {id: value} dict; missing or empty entries keep `default`.
+
+        Raises ValueError, with one line for the user, when the tools JSON or tool choice is invalid.
+        """
         v = values or {}
 
         def pick(key, cast):
             x = v.get(key)
             return getattr(default, key) if x is None or x == "" else cast(x)
 
+        tool_choice = pick("tool_choice", str)
+        if tool_choice not in TOOL_CHOICES:
+            raise ValueError(f"Tool choice must be one of {', '.join(TOOL_CHOICES)}, "
+                             f"not {tool_choice!r}.")
         return cls(temperature=pick("temperature", float), top_p=pick("top_p", float),
                    max_tokens=max(1, pick("max_tokens", int)),
-                   system_prompt=pick("system_prompt", str).strip())
+                   system_prompt=pick("system_prompt", str).strip(),
+                   tools=pick("tools", parse_tools), tool_choice=tool_choice)
+
+
+def parse_tools(text: str) -> list[dict] | None:
+    """The settings panel's "Tools (JSON)": an OpenAI `tools` list, or None when blank or `[]`.
+
+    Raises ValueError with one line for the user when it is not JSON or not a list of tools.
+    """
+    if not text.strip():
+        return None
+    try:
+        tools = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise ValueError(f"Tools (JSON) is not valid JSON: {e.msg} at line {e.lineno}, "
+                         f"column {e.colno}.") from None
+    example = '[{"type": "function", "function": {"name": "get_weather", "parameters": {...}}}]'
+    if not isinstance(tools, list):
+        raise ValueError(f"Tools (JSON) must be a JSON list of tools, like {example}; "
+                         f"got a JSON {type(tools).__name__}.")
+    for i, tool in enumerate(tools, 1):
+        if not isinstance(tool, dict):
+            raise ValueError(f"Tools (JSON): tool {i} is not a JSON object; write a list of "
+                             f"tools like {example}.")
+        function = tool.get("function")
+        if tool.get("type", "function") == "function" and not (
+                isinstance(function, dict) and isinstance(function.get("name"), str)
+                and function["name"]):
+            raise ValueError(f"Tools (JSON): tool {i} has no function name; write a list of "
+                             f"tools like {example}.")
+    return tools or None
 
 
 @dataclass(frozen=True)
 class Delta:
-    """A piece of a streamed reply: the answer, or the model's reasoning (`reasoning_content`)."""
+    """A piece of a streamed reply: the answer, the model's reasoning (`reasoning_content`), or
+    the start of a tool call ("tool_call": `text` is the function's name; its arguments are in
+    `TurnResult.tool_calls` once the stream ends)."""
 
-    kind: Literal["content", "reasoning"]
+    kind: Literal["content", "reasoning", "tool_call"]
     text: str
+
+
+@dataclass
+class ToolCallView:
+    """One tool call the model made, assembled from the stream's `delta.tool_calls` pieces."""
+
+    id: str = ""
+    name: str = ""
+    arguments: str = ""  # the JSON text the model wrote, as sent (it may not parse)
+
+    def message(self) -> dict:
+        """The call as an assistant message's `tool_calls` entry."""
+        return {"id": self.id, "type": "function",
+                "function": {"name": self.name, "arguments": self.arguments}}
 
 
 @dataclass
 class TurnResult:
     content: str = ""
     reasoning: str = ""
+    tool_calls: list[ToolCallView] = field(default_factory=list)  # in the stream's index order
     finish_reason: str | None = None
     error: str | None = None  # a message for the user; None when the reply arrived
 
@@ -161,11 +220,14 @@ class ChatSession:
                 result.error = status.message
                 return result
         self.history.append({"role": "user", "content": text})
+        # Without tools the request carries neither `tools` nor `tool_choice`.
+        tools = {"tools": settings.tools, "tool_choice": settings.tool_choice} if settings.tools else {}
+        calls: dict[int, ToolCallView] = {}
         try:
             self._stream = await self.client.chat.completions.create(
                 model=self.model, messages=self.request_messages(settings), stream=True,
                 temperature=settings.temperature, top_p=settings.top_p,
-                max_tokens=settings.max_tokens, extra_body=extra_body)
+                max_tokens=settings.max_tokens, extra_body=extra_body, **tools)
             async for chunk in self._stream:
                 for choice in chunk.choices:
                     d = choice.delta
@@ -176,6 +238,9 @@ class ChatSession:
                     if d.content:
                         result.content += d.content
                         await on_delta(Delta("content", d.content))
+                    for piece in d.tool_calls or ():
+                        await self._add_tool_call_piece(calls, piece, on_delta)
+                        result.tool_calls = [calls[i] for i in sorted(calls)]
                     result.finish_reason = choice.finish_reason or result.finish_reason
         except asyncio.CancelledError:
             self._record_reply(result.content)
@@ -190,11 +255,32 @@ class ChatSession:
             return result
         finally:
             await self.stop()
-        self._record_reply(result.content)
+        self._record_reply(result.content, result.tool_calls)
         return result
 
-    def _record_reply(self, content: str) -> None:
-        if content:
+    @staticmethod
+    async def _add_tool_call_piece(calls: dict[int, ToolCallView], piece,
+                                   on_delta: Callable[[Delta], Awaitable[None]]) -> None:
+        """Fold one `delta.tool_calls` item into `calls` (by its index): the first piece of a
+        call brings its id and name, later ones fragments of its arguments."""
+        call = calls.setdefault(piece.index, ToolCallView())
+        if piece.id and not call.id:
+            call.id = piece.id
+        fn = piece.function
+        if fn is not None:
+            if fn.name and not call.name:
+                call.name = fn.name
+                await on_delta(Delta("tool_call", fn.name))
+            if fn.arguments:
+                call.arguments += fn.arguments
+
+    def _record_reply(self, content: str, tool_calls: list[ToolCallView] | None = None) -> None:
+        """Record the assistant's turn. Tool calls are recorded only from a finished stream: a
+        stopped one may have cut their arguments, which the next request would send back."""
+        if tool_calls:
+            self.history.append({"role": "assistant", "content": content or None,
+                                 "tool_calls": [c.message() for c in tool_calls]})
+        elif content:
             self.history.append({"role": "assistant", "content": content})
         else:  # nothing to answer with: forget the question too, so roles keep alternating
             self.history.pop()

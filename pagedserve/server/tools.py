@@ -1,0 +1,166 @@
+"""Tool calling: which tool choice applies to a chat request, the grammar that enforces the
+`required` and named choices, and the parser that reads the calls out of the output.
+
+- `none`: the model writes text (the tools still reach the chat template, as in vLLM).
+- `auto` (the default when tools are sent): the model chooses; the server's
+  `--tool-call-parser` (`server/tool_parsers.py`) finds calls in its output. Needs a server
+  started with `--enable-auto-tool-choice`.
+- `required`: the output is constrained to a JSON array of one or more calls, each naming one
+  of the tools with arguments that follow its parameter schema (as vLLM does);
+  `parallel_tool_calls: false` allows one call.
+- a named function: the output is constrained to that function's arguments.
+"""
+
+from __future__ import annotations
+
+import uuid
+from dataclasses import dataclass
+from typing import Any
+
+from pagedserve.server.errors import APIError
+from pagedserve.server.protocol import ChatCompletionRequest
+from pagedserve.server.tool_parsers import (
+    JsonArrayToolParser,
+    ParsedToolCall,
+    ToolCallDelta,
+    ToolParser,
+    get_tool_parser,
+)
+from pagedserve.structured.params import StructuredOutputsParams
+
+ANY_OBJECT: dict[str, Any] = {"type": "object"}
+
+
+@dataclass(frozen=True)
+class ToolSettings:
+    """The server's tool-calling flags."""
+
+    enable_auto_tool_choice: bool = False
+    tool_call_parser: str | None = None  # a name in tool_parsers.TOOL_PARSERS
+
+
+class NamedToolParser(ToolParser):
+    """For a named tool choice: the whole output is that function's arguments."""
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+        self._started = False
+
+    def extract(self, text: str) -> tuple[str | None, list[ParsedToolCall]]:
+        return None, [ParsedToolCall(self.name, text)]
+
+    def stream(self, delta_text: str) -> tuple[str, list[ToolCallDelta]]:
+        if not self._started:
+            self._started = True
+            return "", [ToolCallDelta(0, self.name, delta_text)]
+        return "", [ToolCallDelta(0, None, delta_text)] if delta_text else []
+
+    def finish(self) -> tuple[str, list[ToolCallDelta]]:
+        return self.stream("") if not self._started else ("", [])
+
+
+@dataclass(frozen=True)
+class ToolPlan:
+    """How one request's tools are handled."""
+
+    mode: str  # "none" | "auto" | "required" | "named"
+    tools: list[dict[str, Any]]  # for the chat template, as OpenAI's tools list
+    constraint: StructuredOutputsParams | None  # required and named: the grammar
+    function: str | None = None  # named: the function's name
+    parser_name: str | None = None  # auto: the server's tool-call parser
+    max_calls: int | None = None  # parallel_tool_calls false: 1
+
+    def parser(self) -> ToolParser | None:
+        """A new parser for one output (None for "none": the output is plain text)."""
+        if self.mode == "auto":
+            return get_tool_parser(self.parser_name)()
+        if self.mode == "required":
+            return JsonArrayToolParser()
+        if self.mode == "named":
+            return NamedToolParser(self.function)
+        return None
+
+
+def _required_schema(tools: list[dict[str, Any]], one: bool) -> dict[str, Any]:
+    calls = [{"type": "object",
+              "properties": {"name": {"type": "string", "enum": [t["function"]["name"]]},
+                             "parameters": t["function"].get("parameters") or ANY_OBJECT},
+              "required": ["name", "parameters"], "additionalProperties": False}
+             for t in tools]
+    schema: dict[str, Any] = {"type": "array", "minItems": 1,
+                              "items": calls[0] if len(calls) == 1 else {"anyOf": calls}}
+    if one:
+        schema["maxItems"] = 1
+    return schema
+
+
+def plan_tools(body: ChatCompletionRequest, settings: ToolSettings) -> ToolPlan | None:
+    """The tool plan of a chat request (None: it sent no tools); APIError 400 for a choice
+    that cannot be honoured."""
+    choice = body.tool_choice
+    if not body.tools:
+        if choice not in (None, "none"):
+            raise APIError(400, "tool_choice needs tools: the request sent none", param="tool_choice")
+        return None
+    tools = [t.model_dump(exclude_none=True) for t in body.tools]
+    names = [t["function"]["name"] for t in tools]
+    if len(set(names)) != len(names):
+        raise APIError(400, "tools must have distinct function names", param="tools")
+    one = body.parallel_tool_calls is False
+    if choice is None:
+        choice = "auto"
+    if choice == "none":
+        return ToolPlan("none", tools, None)
+    if choice == "auto":
+        if not (settings.enable_auto_tool_choice and settings.tool_call_parser):
+            raise APIError(400, '"auto" tool choice needs a server started with '
+                                "--enable-auto-tool-choice and --tool-call-parser; send tool_choice "
+                                '"required", "none" or a named function instead', param="tool_choice")
+        return ToolPlan("auto", tools, None, parser_name=settings.tool_call_parser,
+                        max_calls=1 if one else None)
+    if choice == "required":
+        spec = StructuredOutputsParams(json=_required_schema(tools, one))
+        return ToolPlan("required", tools, spec, max_calls=1 if one else None)
+    name = choice.function.name
+    if name not in names:
+        raise APIError(400, f"tool_choice names the function {name!r}, which is not among the "
+                            f"tools ({', '.join(names)})", param="tool_choice")
+    parameters = tools[names.index(name)]["function"].get("parameters") or ANY_OBJECT
+    return ToolPlan("named", tools, StructuredOutputsParams(json=parameters), function=name)
+
+
+def new_tool_call_id() -> str:
+    return f"call_{uuid.uuid4().hex[:24]}"
+
+
+def tool_call_object(call: ParsedToolCall, call_id: str) -> dict[str, Any]:
+    """One entry of a response message's tool_calls."""
+    return {"id": call_id, "type": "function",
+            "function": {"name": call.name, "arguments": call.arguments}}
+
+
+class ToolCallStream:
+    """Turns a parser's deltas into OpenAI `delta.tool_calls` entries: the first entry of a
+    call carries its id, type and name; later ones argument fragments. Calls past
+    `max_calls` are dropped."""
+
+    def __init__(self, max_calls: int | None) -> None:
+        self.max_calls = max_calls
+        self.ids: dict[int, str] = {}
+
+    def entries(self, deltas: list[ToolCallDelta]) -> list[dict[str, Any]]:
+        out = []
+        for d in deltas:
+            if self.max_calls is not None and d.index >= self.max_calls:
+                continue
+            if d.name is not None:
+                self.ids[d.index] = new_tool_call_id()
+                out.append({"index": d.index, "id": self.ids[d.index], "type": "function",
+                            "function": {"name": d.name, "arguments": d.arguments}})
+            elif d.arguments:
+                out.append({"index": d.index, "function": {"arguments": d.arguments}})
+        return out
+
+    @property
+    def called(self) -> bool:
+        return bool(self.ids)
