@@ -180,7 +180,8 @@ def create_app(settings: ServerSettings, core: SpawnedCore | None = None) -> Fas
         if body.messages is not None:
             if not body.messages:
                 raise APIError(400, "messages must not be empty", param="messages")
-            text = await render_messages(server, body)
+            tools = [t.model_dump(exclude_none=True) for t in body.tools] if body.tools else None
+            text = await render_messages(server, body, tools)
             tokens = await server.encode_async(text, False, "messages")  # as apply_chat_template
         else:
             tokens = await server.encode_async(body.prompt, body.add_special_tokens, "prompt")

@@ -351,6 +351,7 @@ class TokenizeRequest(_Body):
     model: str | None = None
     prompt: str | None = None
     messages: list[ChatMessage] | None = None
+    tools: list[Tool] | None = None  # with messages: rendered by the chat template, as in chat
     add_special_tokens: bool = False
     add_generation_prompt: bool = True
     chat_template: str | None = None
