@@ -120,6 +120,17 @@ def test_step_times_are_logged_every_n_steps(monkeypatch, caplog):
     lines = [r.getMessage() for r in caplog.records if "host ms per step" in r.getMessage()]
     assert lines and all(m.startswith("last 3 steps") for m in lines)
     assert all(p in lines[0] for p in ("schedule", "prepare+launch", "wait for GPU", "apply results"))
+    assert not any("structured output" in m for m in lines)
+    # a constrained request: its grammar's share of the host time is named
+    from pagedserve import StructuredOutputsParams
+
+    caplog.clear()
+    with caplog.at_level(logging.INFO, logger="pagedserve"):
+        llm.generate(["A number:"], SamplingParams(max_tokens=7, temperature=0, ignore_eos=True,
+                                                   structured_outputs=StructuredOutputsParams(regex=r"\d+")))
+    lines = [r.getMessage() for r in caplog.records if "host ms per step" in r.getMessage()]
+    assert any("of which structured output: waiting for the previous step" in m and "grammar masks" in m
+               for m in lines), lines
 
 
 def test_slow_steps_are_logged_with_their_split_and_gc_time(monkeypatch, caplog):

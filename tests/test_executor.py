@@ -65,6 +65,9 @@ class FakeExecutor(Executor):
     def last_launch_ms(self):
         return 0.0, 0.0, 0.0
 
+    def grammar_seconds(self):
+        return 0.0, 0.0
+
     def rehearsed(self, fn, what):
         fn()
 

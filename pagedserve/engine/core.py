@@ -65,6 +65,7 @@ class EngineCore:
         self._log_times_every = obs.step_times_every
         self._timed_steps = 0
         self._timed_counts = (0, 0)  # the executor's (graph, eager) step counts at the last log
+        self._timed_grammar = (0.0, 0.0)  # the executor's grammar_seconds at the last log
         self.num_prefill_tokens = 0  # cumulative tokens computed other than decodes
         self.num_generation_tokens = 0  # cumulative sampled tokens
         if ex.is_cuda:
@@ -290,6 +291,12 @@ class EngineCore:
             return
         n, (graphs, eager) = self._timed_steps, self.executor.graph_counts()
         phases = ", ".join(f"{k} {v:.2f}" for k, v in self.timer.summary(n).items())
+        wait, fill = self.executor.grammar_seconds()
+        if fill > self._timed_grammar[1]:  # (inside prepare+launch)
+            phases += (f"; of which structured output: waiting for the previous step "
+                       f"{(wait - self._timed_grammar[0]) * 1e3 / n:.2f}, "
+                       f"grammar masks {(fill - self._timed_grammar[1]) * 1e3 / n:.2f}")
+        self._timed_grammar = (wait, fill)
         logger.info("last %d steps (%d from CUDA graphs, %d eager), host ms per step: %s", n,
                     graphs - self._timed_counts[0], eager - self._timed_counts[1], phases)
         self._timed_counts = (graphs, eager)

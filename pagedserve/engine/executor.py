@@ -57,6 +57,11 @@ class Executor(ABC):
         """Host ms of the last launch: inputs, model, logits and sampling (for slow-step logs)."""
 
     @abstractmethod
+    def grammar_seconds(self) -> tuple[float, float]:
+        """Cumulative host seconds of structured output: waiting for the previous step's
+        tokens before building grammar masks, and building them."""
+
+    @abstractmethod
     def rehearsed(self, fn: Callable[[], object], what: str) -> None:
         """Run a start-up phase (compile-ahead rehearsal first where the workers use it)."""
 
@@ -109,6 +114,10 @@ class UniprocExecutor(Executor):
 
     def last_launch_ms(self) -> tuple[float, float, float]:
         return self.worker.runner.last_launch_ms
+
+    def grammar_seconds(self) -> tuple[float, float]:
+        wait, fill = self.worker.runner.grammar_seconds
+        return wait, fill
 
     def rehearsed(self, fn, what: str) -> None:
         self.worker.rehearsed(fn, what)

@@ -117,6 +117,8 @@ class ModelRunner:
         self._prev_handle: StepHandle | None = None  # the last launched step
         self.requests: dict[str, CachedRequest] = {}  # every request the engine holds, by id
         self._mask_failed: dict[str, str] = {}  # request id -> why its grammar mask failed
+        # cumulative host seconds: waiting for the previous step's tokens, filling masks
+        self.grammar_seconds = [0.0, 0.0]
         self._mask_host: torch.Tensor | None = None  # grammar bitmask buffer [rows, words] int32
         self._mask_copied: torch.cuda.Event | None = None  # its last copy to the device is done
         self.num_graph_steps = 0  # steps replayed from CUDA graphs (decode or mixed)
@@ -222,10 +224,14 @@ class ModelRunner:
                 # The grammars must first accept the previous step's tokens. With async
                 # scheduling that step is still running: wait for it here, behind this step's
                 # forward pass (launched above), so the mask is built while the GPU works.
+                t_wait = time.perf_counter()
                 if self._prev_handle is not None:
                     self._read_back(self._prev_handle)
+                t_fill = time.perf_counter()
                 if any(r.constrained for r in reqs):
                     batch.allowed_token_mask = self._grammar_mask(reqs)
+                self.grammar_seconds[0] += t_fill - t_wait
+                self.grammar_seconds[1] += time.perf_counter() - t_fill
             result = self.sampler(logits, batch)
             handle = StepHandle(reqs, result.token_ids)
             # Rows with NaN or Inf logits reach the host as token -1; the device copy the next

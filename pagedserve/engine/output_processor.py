@@ -39,7 +39,7 @@ class SampleState:
     queue_s: float | None = None  # engine-side: waiting to be scheduled
     prefill_s: float | None = None  # engine-side: first scheduled -> first token
     error: str | None = None  # with finish_reason "error": what failed
-    # "engine" | "output" (handling the output here) | "request" (the request is invalid)
+    # "engine" | "output" (handling the output here) | "rejected" (the request is invalid)
     error_source: str | None = None
     inject_fault: bool = False  # chaos tests: fail while handling this sample's output
 
@@ -115,7 +115,7 @@ class OutputProcessor:
             faults.fail("output", o.request_id)
         if o.finish_reason == "error":
             s.finish_reason, s.error = "error", o.error
-            s.error_source = "request" if o.invalid else "engine"
+            s.error_source = "rejected" if o.invalid else "engine"
             return False
         s.num_cached_tokens = o.num_cached_tokens
         if o.queue_s is not None:

@@ -7,9 +7,8 @@ over ZeroMQ, and runs one asyncio task that receives its outputs, detokenizes th
 Failures stay as small as they can:
 - a request whose output cannot be handled here, or that failed in the engine, fails alone
   (its consumer gets a RequestFailed; the core aborts it);
-- if the output loop itself raises (a bug outside any one request's part), the error is
-  logged, every in-flight request fails (its outputs may be lost), `healthy` is False for the
-  moment it takes, and the loop starts again;
+- if the output loop raises (a bug outside any one request's part), the error is logged, every
+  in-flight request fails (its outputs may be lost) and the loop starts again;
 - if the core process dies, every in-flight request fails at once (EngineDeadError),
   `healthy` is False, and a new core is started after a back-off (`supervisor.RestartPolicy`);
   when the restart budget is spent, `on_fatal` is called (the server then exits non-zero).
@@ -380,13 +379,12 @@ class AsyncEngineClient:
                 pending = self._pending.get(state.request_id)
                 if pending is None:
                     continue
-                if state.error is not None:
-                    if state.error_source == "request":  # a 400: the client's own mistake
-                        self._fail([state.request_id], RequestRejected(state.error), "rejected")
-                        continue
-                    logger.error("request %s failed: %s", state.request_id, state.error)
-                    self._fail([state.request_id], RequestFailed(state.error, state.error_source),
-                               state.error_source)
+                if state.error is not None:  # "rejected": the request's own mistake (a 400)
+                    rejected = state.error_source == "rejected"
+                    error = RequestRejected(state.error) if rejected else RequestFailed(state.error, state.error_source)
+                    logger.log(logging.INFO if rejected else logging.ERROR, "request %s failed: %s",
+                               state.request_id, state.error)
+                    self._fail([state.request_id], error, state.error_source)
                     continue
                 if pending.first_token is None:
                     pending.first_token = now
