@@ -78,7 +78,8 @@ def main() -> None:
     args = ap.parse_args()
     tok = Tokenizer.from_pretrained(args.tokenizer)
     backend = XGrammarBackend(tok.hf, args.vocab_size, [tok.eos_token_id or 0])
-    schema = json.load(open(args.schema))
+    with open(args.schema) as f:
+        schema = json.load(f)
     grammar = backend.compile(StructuredOutputsParams(json=schema))
     words = -(-args.vocab_size // 32)
     mask = torch.empty((64, words), dtype=torch.int32)
