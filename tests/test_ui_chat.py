@@ -288,3 +288,37 @@ def test_stop_closes_the_stream_and_the_server_aborts(server, how):
     assert [m["role"] for m in chat.history] == ["user", "assistant"]
     assert chat.history[1]["content"] == "".join(seen)
     assert chat.model == MODEL
+
+
+def test_tool_calls_from_a_real_server(server):
+    """Against the real server: tool_choice "required" streams a call whose arguments follow
+    the tool's schema; the next turn sends it back and the server answers in text."""
+    weather = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 20}},
+               "required": ["city"], "additionalProperties": False}
+    tools = [{"type": "function", "function": {"name": "get_weather", "parameters": weather}}]
+
+    async def go():
+        chat = ChatSession.create(UIConfig(base_url=server.url + "/v1", api_key="unused"))
+        seen: list[Delta] = []
+
+        async def on_delta(d: Delta) -> None:
+            seen.append(d)
+
+        try:
+            first = await chat.turn("Weather in Paris?", GenerationSettings(
+                temperature=0, max_tokens=60, tools=tools, tool_choice="required"), on_delta)
+            second = await chat.turn("Thanks!", GenerationSettings(
+                temperature=0, max_tokens=8, tools=tools, tool_choice="none"), on_delta)
+        finally:
+            await chat.client.close()
+        return chat, first, second, seen
+
+    chat, first, second, seen = asyncio.run(go())
+    assert first.error is None and first.finish_reason == "tool_calls", first
+    assert [c.name for c in first.tool_calls] == ["get_weather"] * len(first.tool_calls)
+    for call in first.tool_calls:
+        assert call.id.startswith("call_") and isinstance(json.loads(call.arguments)["city"], str)
+    assert any(d.kind == "tool_call" for d in seen)
+    assert second.error is None and second.content and not second.tool_calls
+    assert chat.history[1]["tool_calls"][0]["function"]["name"] == "get_weather"
+    assert [m["role"] for m in chat.history] == ["user", "assistant", "user", "assistant"]
