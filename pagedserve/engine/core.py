@@ -295,7 +295,7 @@ class EngineCore:
         if fill > self._timed_grammar[1]:  # (inside prepare+launch)
             phases += (f"; of which structured output: waiting for the previous step "
                        f"{(wait - self._timed_grammar[0]) * 1e3 / n:.2f}, "
-                       f"waiting for its grammar masks {(fill - self._timed_grammar[1]) * 1e3 / n:.2f}")
+                       f"grammar masks {(fill - self._timed_grammar[1]) * 1e3 / n:.2f}")
         self._timed_grammar = (wait, fill)
         logger.info("last %d steps (%d from CUDA graphs, %d eager), host ms per step: %s", n,
                     graphs - self._timed_counts[0], eager - self._timed_counts[1], phases)

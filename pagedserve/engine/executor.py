@@ -59,8 +59,7 @@ class Executor(ABC):
     @abstractmethod
     def grammar_seconds(self) -> tuple[float, float]:
         """Cumulative host seconds of structured output: waiting for the previous step's
-        tokens before building grammar masks, and waiting for the masks (filled on a thread)
-        when the sampling needs them."""
+        tokens before building grammar masks, and building them."""
 
     @abstractmethod
     def rehearsed(self, fn: Callable[[], object], what: str) -> None:

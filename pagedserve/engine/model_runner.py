@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Iterator
-from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import dataclass
 
@@ -44,7 +43,6 @@ class CachedRequest:
     matcher: GrammarMatcher | None = None  # its place in its structured-output grammar
     # token ids the output must reach before the grammar applies (the end of reasoning)
     grammar_after: tuple[int, ...] = ()
-    mask_error: str | None = None  # why its grammar mask failed in the step being sampled
 
     @property
     def output_token_ids(self) -> list[int]:
@@ -85,8 +83,6 @@ class StepHandle:
     host: tuple | None = None
     ready: torch.cuda.Event | None = None
     result: StepResult | None = None  # once read back (by collect, or by the next step's grammar)
-    # (logits, SamplingBatch, Future of the grammar mask): sampling waits for the mask
-    deferred: tuple | None = None
 
 
 def _to_pinned_async(t: torch.Tensor) -> torch.Tensor:
@@ -120,13 +116,11 @@ class ModelRunner:
         self._prev_rows: dict[str, int] = {}  # request id -> row in _prev_tokens
         self._prev_handle: StepHandle | None = None  # the last launched step
         self.requests: dict[str, CachedRequest] = {}  # every request the engine holds, by id
-        # cumulative host seconds: waiting for the previous step's tokens, and for the masks
-        # once the sampling needs them (they are filled on a thread meanwhile)
+        self._mask_failed: dict[str, str] = {}  # request id -> why its grammar mask failed
+        # cumulative host seconds: waiting for the previous step's tokens, filling masks
         self.grammar_seconds = [0.0, 0.0]
         self._mask_host: torch.Tensor | None = None  # grammar bitmask buffer [rows, words] int32
         self._mask_copied: torch.cuda.Event | None = None  # its last copy to the device is done
-        self._mask_filler = ThreadPoolExecutor(1, thread_name_prefix="grammar-mask")
-        self._deferred: StepHandle | None = None  # a launched step whose sampling waits for masks
         self.num_graph_steps = 0  # steps replayed from CUDA graphs (decode or mixed)
         self.num_eager_steps = 0
 
@@ -150,6 +144,7 @@ class ModelRunner:
         """Forget requests that ended (their tokens, their seeded generators)."""
         for rid in request_ids:
             self.requests.pop(rid, None)
+            self._mask_failed.pop(rid, None)
 
     def _add_requests(self, new: list[NewRequestData]) -> None:
         for n in new:
@@ -191,7 +186,6 @@ class ModelRunner:
         states = [self.requests[c.request_id] for c in out.chunks]
         a = pack_step(out.chunks, [r.token_ids for r in states], self._prev_rows, self.block_size)
         reqs = [states[i] for i in a.sample_rows]
-        self._launch_deferred()  # the previous step's sampling goes first: this step reads it
         graphs = self.graphs
         key = None
         if graphs is not None:
@@ -226,56 +220,36 @@ class ModelRunner:
                 eos_token_ids=self.model.config.eos_token_ids,
                 num_outputs=num_outputs,
             )
-            handle = StepHandle(reqs, None)
             if any(r.matcher is not None for r in reqs):
                 # The grammars must first accept the previous step's tokens. With async
                 # scheduling that step is still running: wait for it here, behind this step's
-                # forward pass (launched above). The masks are then filled on a thread while
-                # the host goes on (the core applies the previous step and schedules the next
-                # one); the sampling is launched when the next step or `collect` needs it.
+                # forward pass (launched above), so the mask is built while the GPU works.
                 t_wait = time.perf_counter()
                 if self._prev_handle is not None:
                     self._read_back(self._prev_handle)
-                self.grammar_seconds[0] += time.perf_counter() - t_wait
+                t_fill = time.perf_counter()
                 if any(r.constrained for r in reqs):
-                    handle.deferred = (logits, batch, self._mask_filler.submit(self._grammar_mask, reqs))
-                    self._deferred = handle
-            if handle.deferred is None:
-                self._sample(handle, logits, batch)
-        if handle.deferred is None:
-            self._prev_tokens = handle.token_ids
+                    batch.allowed_token_mask = self._grammar_mask(reqs)
+                self.grammar_seconds[0] += t_fill - t_wait
+                self.grammar_seconds[1] += time.perf_counter() - t_fill
+            result = self.sampler(logits, batch)
+            handle = StepHandle(reqs, result.token_ids)
+            # Rows with NaN or Inf logits reach the host as token -1; the device copy the next
+            # step reads keeps the sampled ids, which are always in range.
+            outs = (result.checked_token_ids, result.logprobs, result.logprob_token_ids)
+            if self.device.type == "cuda":
+                handle.host = tuple(None if t is None else _to_pinned_async(t) for t in outs)
+                handle.ready = torch.cuda.Event()
+                handle.ready.record()
+            else:
+                handle.host = outs
+        self._prev_tokens = handle.token_ids
         self._prev_rows = {r.request_id: i for i, r in enumerate(reqs)}
         self._prev_handle = handle
         t_end = time.perf_counter()
         # host ms of this launch: inputs, model, logits + sampling
         self.last_launch_ms = ((t_prepared - t0) * 1e3, (t_forward - t_prepared) * 1e3, (t_end - t_forward) * 1e3)
         return handle
-
-    def _sample(self, handle: StepHandle, logits: torch.Tensor, batch: SamplingBatch) -> None:
-        """Launch a step's sampling; its results start on their way to the host."""
-        result = self.sampler(logits, batch)
-        handle.token_ids = result.token_ids
-        # Rows with NaN or Inf logits reach the host as token -1; the device copy the next
-        # step reads keeps the sampled ids, which are always in range.
-        outs = (result.checked_token_ids, result.logprobs, result.logprob_token_ids)
-        if self.device.type == "cuda":
-            handle.host = tuple(None if t is None else _to_pinned_async(t) for t in outs)
-            handle.ready = torch.cuda.Event()
-            handle.ready.record()
-        else:
-            handle.host = outs
-
-    def _launch_deferred(self) -> None:
-        """Launch the sampling a step deferred for its grammar masks (waiting for them)."""
-        handle, self._deferred = self._deferred, None
-        if handle is None:
-            return
-        logits, batch, masks = handle.deferred
-        t0 = time.perf_counter()
-        batch.allowed_token_mask = masks.result()
-        self.grammar_seconds[1] += time.perf_counter() - t0
-        self._sample(handle, logits, batch)
-        self._prev_tokens = handle.token_ids
 
     def collect(self, handle: StepHandle) -> StepResult:
         """Wait for a step's sampled tokens and bring them to the host; each request that
@@ -286,8 +260,6 @@ class ModelRunner:
         """`collect`'s work, done once per step (the next step's grammar masks may need it
         first)."""
         if handle.result is None:
-            if handle is self._deferred:
-                self._launch_deferred()
             handle.result = self._results(handle)
         return handle.result
 
@@ -310,7 +282,7 @@ class ModelRunner:
         for r in reqs:
             if r.request_id in token_ids and self.requests.get(r.request_id) is r:
                 new = token_ids[r.request_id]
-                why, r.mask_error = r.mask_error, None
+                why = self._mask_failed.pop(r.request_id, None)
                 if why is None and not r.accept(new):
                     why = f"its grammar refused the sampled token(s) {new}"
                 if why is not None:
@@ -355,7 +327,8 @@ class ModelRunner:
                     m.fill_bitmask(mask, row)
                 except Exception as e:
                     mask[row] = -1
-                    reqs[row].mask_error = f"its grammar failed: {type(e).__name__}: {e}"[:500]
+                    self._mask_failed[reqs[row].request_id] = \
+                        f"its grammar failed: {type(e).__name__}: {e}"[:500]
         if self.device.type != "cuda":
             return mask.clone()
         device_mask = mask.to(self.device, non_blocking=True)
