@@ -222,15 +222,26 @@ class EngineConfig:
     def from_args(cls, model: str | None = None, *, max_model_len: int | None = None,
                   max_num_seqs: int = 256, max_num_batched_tokens: int = 8192, block_size: int = 16,
                   enable_prefix_caching: bool = True, kv_cache_memory: int | None = None,
-                  gpu_memory_utilization: float = 0.9, **kw: Any) -> tuple[EngineConfig, ModelSource, ModelConfig]:
+                  gpu_memory_utilization: float = 0.9, revision: str | None = None,
+                  download_dir: str | None = None,
+                  **kw: Any) -> tuple[EngineConfig, ModelSource, ModelConfig]:
         """The one place a user's settings (LLM(...) arguments or CLI flags) become a config:
         resolves the model, checks max_model_len against it (default: the model's limit), and
         reads the kernel and logging switches from the environment. Returns (config, the
-        resolved model source, its ModelConfig). `kw`: the other EngineConfig fields."""
+        resolved model source, its ModelConfig). `kw`: the other EngineConfig fields. A Hub id
+        (`revision`, `download_dir`) is fetched here, and the config names its local folder."""
         from pagedserve import envs
         from pagedserve.models.source import resolve_model
 
-        source = resolve_model(model)
+        load_format = kw.get("load_format", "auto")
+        source = resolve_model(model, load_format=load_format, revision=revision,
+                               download_dir=download_dir)
+        if source.is_preset and load_format != "dummy":
+            raise ValueError(f"preset {source.name!r} ships no weights: add --load-format dummy "
+                             "(load_format='dummy') for random weights, or name a model folder "
+                             "or a Hugging Face Hub id (e.g. Qwen/Qwen3-4B-Instruct-2507)")
+        if source.from_hub:
+            model = str(source.folder)  # a Hub id: the engine core loads the cached folder
         model_cfg = ModelConfig.from_hf_config(source.hf_config)
         limit = model_cfg.max_position_embeddings
         max_len = max_model_len or limit

@@ -11,6 +11,7 @@ from pagedserve.config import EngineConfig
 from pagedserve.engine.core import EngineCore
 from pagedserve.engine.messages import EngineRequest
 from pagedserve.engine.output_processor import OutputProcessor, SampleState
+from pagedserve.models.generation_defaults import sampling_defaults
 from pagedserve.models.source import load_tokenizer
 from pagedserve.outputs import RequestOutput
 from pagedserve.sampling_params import SamplingParams
@@ -23,8 +24,9 @@ Prompt = str | list[int]
 class LLM:
     """An in-process engine for offline batch generation.
 
-    `model` is None (the embedded SmolLM2-135M-Instruct), a preset name, a Hugging Face
-    folder or a .gguf file. Memory for the KV cache comes from `kv_cache_memory` (bytes)
+    `model` is None (the embedded SmolLM2-135M-Instruct), a preset name, a Hugging Face Hub id
+    (`revision`, `download_dir`), a Hugging Face folder or a .gguf file. `generation_config`
+    ("auto", "vllm" or a folder) gives `get_default_sampling_params`. Memory for the KV cache comes from `kv_cache_memory` (bytes)
     or, on a GPU, `gpu_memory_utilization` after profiling a forward pass.
     """
 
@@ -47,6 +49,9 @@ class LLM:
         attention_backend: str = "auto",
         tokenizer: str | None = None,
         async_scheduling: bool = True,
+        revision: str | None = None,
+        download_dir: str | None = None,
+        generation_config: str = "auto",
     ) -> None:
         config, source, model_cfg = EngineConfig.from_args(
             model, max_model_len=max_model_len, max_num_seqs=max_num_seqs,
@@ -55,13 +60,20 @@ class LLM:
             gpu_memory_utilization=gpu_memory_utilization, dtype=dtype, device=device,
             load_format=load_format, seed=seed, attention_backend=attention_backend,
             enforce_eager=enforce_eager, async_scheduling=async_scheduling, tokenizer=tokenizer,
+            revision=revision, download_dir=download_dir,
         )
+        self._defaults = sampling_defaults(source, generation_config)
         self.engine = EngineCore(config, source)
         self.tokenizer = load_tokenizer(source, model_cfg, tokenizer)
         self._ids = itertools.count()
 
     def get_tokenizer(self):
         return self.tokenizer
+
+    def get_default_sampling_params(self) -> SamplingParams:
+        """SamplingParams with the model's defaults (its generation_config.json, as chosen by
+        `generation_config`); what `generate` and `chat` use when given none."""
+        return SamplingParams(**self._defaults)
 
     # ---- generation -------------------------------------------------------------------
 
@@ -79,7 +91,8 @@ class LLM:
         ):
             prompts = [prompts]  # type: ignore[list-item]
         prompts = list(prompts)  # type: ignore[arg-type]
-        params = _broadcast(sampling_params or SamplingParams(), len(prompts), "sampling_params")
+        params = _broadcast(sampling_params or self.get_default_sampling_params(), len(prompts),
+                            "sampling_params")
         prios = list(priority) if priority is not None else [0] * len(prompts)
         if len(prios) != len(prompts):
             raise ValueError("priority must have one entry per prompt")

@@ -217,7 +217,7 @@ def test_an_engine_core_started_before_its_client_binds(smollm2_dir):
               max_num_batched_tokens=256, max_model_len=256, block_size=16,
               enable_prefix_caching=True, kv_cache_memory=16 << 20, gpu_memory_utilization=0.9,
               enforce_eager=True, attention_backend="auto", seed=0,
-              tokenizer=None)  # (every engine flag, as cli.engine_kwargs gives them)
+              tokenizer=None, revision=None, download_dir=None)  # (every engine flag, as cli.engine_kwargs gives them)
     config, source, model_cfg = engine_config(kw)
     core = spawn_engine_core(config, "WARNING")
     time.sleep(1.0)  # the core runs ahead, its sockets not yet bound

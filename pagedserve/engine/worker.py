@@ -43,6 +43,9 @@ class Worker:
 
     def __init__(self, config: EngineConfig, source: ModelSource) -> None:
         t0 = time.perf_counter()
+        # vLLM's --seed: the engine's random state (sampling of requests without a seed of
+        # their own) starts from it, so a run is reproducible
+        torch.manual_seed(config.seed)
         kernels = config.kernels
         self.device = device = config.resolved_device()
         self.cuda = device.type == "cuda"

@@ -1,8 +1,9 @@
 """Find a model by name or path (torch-free: the HTTP process uses it too).
 
 A model is named by: nothing (the embedded default model), a preset name
-(`qwen3-4b-instruct-2507`, ...), a Hugging Face folder with `config.json` and
-`.safetensors` files, or a `.gguf` file. `resolve_model` reads only its config;
+(`qwen3-4b-instruct-2507`, ...), a Hugging Face Hub id (`org/name`, from the local Hub cache
+or downloaded: `models/hub.py`), a Hugging Face folder with `config.json` and `.safetensors`
+files, or a `.gguf` file. `resolve_model` reads only its config;
 `models/loader.py` builds it with its weights; `load_tokenizer` finds its tokenizer (or a
 stand-in for presets that ship none).
 """
@@ -29,15 +30,24 @@ class ModelSource:
     folder: Path | None = None  # HF folder (config, safetensors, tokenizer files)
     gguf_file: Path | None = None
     is_preset: bool = False
+    from_hub: bool = False  # named by a Hub id; `folder` is its snapshot in the local cache
 
 
-def resolve_model(model: str | None) -> ModelSource:
-    """Turn a user's model argument into a ModelSource (no weights are read)."""
+def resolve_model(model: str | None, *, load_format: str = "auto", revision: str | None = None,
+                  download_dir: str | None = None) -> ModelSource:
+    """Turn a user's model argument into a ModelSource (no weights are read). A Hub id is
+    fetched into the local cache (the weights too, unless `load_format` is dummy and the id
+    is a preset's); a preset's short name needs no files."""
+    from pagedserve.models import hub
+
     if model is None:
         from pagedserve.models.default_model import default_model_dir
 
         folder = default_model_dir()
         return ModelSource("smollm2-135m-instruct", _read_config(folder), folder=folder)
+    if hub.looks_like_hub_id(model) and not (load_format == "dummy" and presets.is_preset(model)):
+        folder = hub.fetch(model, revision, download_dir)
+        return ModelSource(model, _read_config(folder), folder=folder, from_hub=True)
     if presets.is_preset(model):
         return ModelSource(presets.canonical_name(model), presets.load_preset(model), is_preset=True)
     path = Path(model).expanduser()

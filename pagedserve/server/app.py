@@ -66,6 +66,9 @@ class ServerSettings:
     tools: ToolSettings = field(default_factory=ToolSettings)
     shutdown_timeout: float = 30.0  # on SIGTERM: how long running requests may take to finish
     restart_policy: RestartPolicy = field(default_factory=RestartPolicy)
+    # the model's defaults for omitted sampling fields (`--generation-config`)
+    sampling_defaults: dict[str, float | int] = field(default_factory=dict)
+    max_logprobs: int = 20  # --max-logprobs
     # Called when the engine cannot be restarted any more (the server should exit non-zero).
     on_fatal: Callable[[str], None] | None = None
 
@@ -85,7 +88,8 @@ def create_app(settings: ServerSettings, core: SpawnedCore | None = None) -> Fas
         client = HFEngineClient(settings.engine, settings.tokenizer, settings.log_level,
                                 batched=settings.engine_kind == "hf-batched")
     server = Server(client, settings.served_names, settings.max_waiting_requests,
-                    settings.reasoning_parser, settings.trust_request_chat_template, settings.tools)
+                    settings.reasoning_parser, settings.trust_request_chat_template, settings.tools,
+                    settings.sampling_defaults, settings.max_logprobs)
     metrics = Metrics(settings.served_names[0])
     client.on_finish = metrics.on_finish
     client.on_failure = metrics.on_failure
@@ -127,11 +131,13 @@ def create_app(settings: ServerSettings, core: SpawnedCore | None = None) -> Fas
         logger.debug("longest token: %d bytes", server.tokenizer.max_token_bytes)  # (computed once)
         gc.collect()
         gc.freeze()
-        logger_task = asyncio.create_task(log_periodically(metrics, client, settings.log_stats_interval))
+        logger_task = (asyncio.create_task(log_periodically(metrics, client, settings.log_stats_interval))
+                       if settings.log_stats_interval > 0 else None)  # 0: --disable-log-stats
         try:
             yield
         finally:
-            logger_task.cancel()
+            if logger_task is not None:
+                logger_task.cancel()
             await client.shutdown()
 
     app = FastAPI(title="pagedserve", lifespan=lifespan)
@@ -161,7 +167,8 @@ def create_app(settings: ServerSettings, core: SpawnedCore | None = None) -> Fas
         info = client.info
         return {"object": "list", "data": [
             {"id": name, "object": "model", "created": server.created, "owned_by": "pagedserve",
-             "root": info.model_name if info else name, "max_model_len": server.max_model_len}
+             "root": info.model_name if info else name, "max_model_len": server.max_model_len,
+             "sampling_defaults": server.sampling_defaults}
             for name in settings.served_names]}
 
     @app.post("/v1/completions")

@@ -64,6 +64,8 @@ class _Prepared:
 async def _prepare(server: Server, body: ChatCompletionRequest) -> _Prepared:
     """Render the chat template; tokenize; build each choice's sampling parameters."""
     server.check_model(body.model)
+    server.check_logprobs(body.num_logprobs, "top_logprobs")
+    body = body.with_defaults(server.sampling_defaults)
     structured, field = request_constraint(body)
     tools = plan_tools(body, server.tools)
     if tools is not None and tools.constraint is not None:
@@ -73,7 +75,8 @@ async def _prepare(server: Server, body: ChatCompletionRequest) -> _Prepared:
         structured, field = tools.constraint, "tool_choice"
     text = await render_messages(server, body, tools.tools if tools is not None else None)
     ids = await server.encode_async(text, False, "messages")
-    max_tokens = server.resolve_max_tokens(ids, body.output_limit, "messages")
+    max_tokens = server.resolve_max_tokens(ids, body.output_limit, "messages",
+                                           given=body.output_limit is not None)
     if structured is not None and server.reasoning_parser and not text.rstrip().endswith("</think>"):
         # a thinking model: the constraint applies to the answer, after its reasoning
         end = tuple(server.tokenizer.encode(ReasoningParser.end_tag, add_special_tokens=False))

@@ -118,3 +118,18 @@ def run_bounded(fn: Callable[[], Any], seconds: float, max_events: int,
         return fn()
     finally:
         sys.settrace(previous)
+
+
+def read_chat_template(value: str) -> str:
+    """`--chat-template`: a file's text, or the value itself when it is a Jinja template (as
+    vLLM's flag). ValueError when it is neither."""
+    import os
+
+    if os.path.isfile(value):
+        with open(value, encoding="utf-8") as f:
+            return f.read()
+    if "{{" in value or "{%" in value:
+        return value
+    raise ValueError(f"--chat-template {value}: no such file, and not a Jinja template either "
+                     "(give a template file or the template text)")
+

@@ -28,12 +28,15 @@ async def _prepare(server: Server, body: CompletionRequest
                    ) -> tuple[list[Choice], list[list[int]], str | None]:
     """The choices, the prompts' ids, and the field that constrains the output (if any)."""
     server.check_model(body.model)
+    server.check_logprobs(body.logprobs, "logprobs")
+    body = body.with_defaults(server.sampling_defaults)
     structured, field = request_constraint(body)
     prompts = [await server.encode_async(p, True, "prompt") if isinstance(p, str) else p
                for p in body.prompts()]
     choices, n = [], body.n
     for p_idx, ids in enumerate(prompts):
-        max_tokens = server.resolve_max_tokens(ids, body.max_tokens, "prompt")
+        max_tokens = server.resolve_max_tokens(ids, body.max_tokens, "prompt",
+                                               given="max_tokens" in body.model_fields_set)
         params = make_params(lambda m, lp: body.sampling_params(m, lp, structured), max_tokens,
                              body.logprobs, server.vocab_size)
         choices += [Choice(p_idx * n + i, ids, params) for i in range(n)]

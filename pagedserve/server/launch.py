@@ -17,21 +17,23 @@ def engine_config(kw: dict) -> tuple[EngineConfig, ModelSource, ModelConfig]:
     """EngineConfig from the CLI's LLM-style keyword arguments; also the model source and config."""
     names = ("max_model_len", "max_num_seqs", "max_num_batched_tokens", "block_size",
              "enable_prefix_caching", "kv_cache_memory", "gpu_memory_utilization", "dtype", "device",
-             "load_format", "enforce_eager", "attention_backend", "seed", "tokenizer")
+             "load_format", "enforce_eager", "attention_backend", "seed", "tokenizer", "revision",
+             "download_dir")
     return EngineConfig.from_args(kw["model"], faults=FaultPlan.parse(kw.get("inject_faults")),
                                   **{name: kw[name] for name in names})
 
 
 def serve(args: argparse.Namespace, kw: dict) -> int:
+    from pagedserve.models.generation_defaults import sampling_defaults
+    from pagedserve.server.chat_template import read_chat_template
     from pagedserve.server.engine_client import spawn_engine_core
     from pagedserve.server.reasoning import get_reasoning_parser
 
+    chat_template = read_chat_template(args.chat_template) if args.chat_template else None
     config, source, model_cfg = engine_config(kw)
     if args.reasoning_parser:
         get_reasoning_parser(args.reasoning_parser)  # fail fast on a bad name
-    if bool(args.enable_auto_tool_choice) != bool(args.tool_call_parser):
-        raise ValueError("--enable-auto-tool-choice and --tool-call-parser go together "
-                         "(e.g. --enable-auto-tool-choice --tool-call-parser hermes)")
+    defaults = sampling_defaults(source, kw["generation_config"])
     engine_kind = getattr(args, "engine", "pagedserve")
     # The engine core starts first: its imports, model and CUDA graphs take most of the
     # start-up, and they now overlap with the tokenizer and the app built below.
@@ -50,12 +52,21 @@ def serve(args: argparse.Namespace, kw: dict) -> int:
     from pagedserve.server.tools import ToolSettings
 
     names = args.served_model_name or [kw["model"] or source.name]  # type: ignore[attr-defined]
+    tokenizer = load_tokenizer(source, model_cfg, kw["tokenizer"])
+    if chat_template is not None:
+        tokenizer.hf.chat_template = chat_template  # --chat-template replaces the model's
+    if defaults:
+        logger.info("defaults for omitted sampling fields (--generation-config %s): %s",
+                    kw["generation_config"], defaults)
+    if args.disable_log_requests:
+        logging.getLogger("pagedserve.requests").setLevel(logging.WARNING)
     settings = ServerSettings(
-        engine=config, tokenizer=load_tokenizer(source, model_cfg, kw["tokenizer"]), served_names=names,
+        engine=config, tokenizer=tokenizer, served_names=names,
         api_key=args.api_key or envs.api_key(), max_waiting_requests=args.max_waiting_requests,
         reasoning_parser=args.reasoning_parser, max_body_bytes=args.max_request_body_bytes,
         body_read_timeout=args.timeout_body_read,
-        log_stats_interval=args.log_stats_interval, log_level=args.log_level.upper(),
+        log_stats_interval=0.0 if args.disable_log_stats else args.log_stats_interval,
+        log_level=args.log_level.upper(), sampling_defaults=defaults, max_logprobs=args.max_logprobs,
         engine_kind=engine_kind, trust_request_chat_template=args.trust_request_chat_template,
         tools=ToolSettings(args.enable_auto_tool_choice, args.tool_call_parser),
         shutdown_timeout=args.shutdown_timeout,
@@ -67,8 +78,9 @@ def serve(args: argparse.Namespace, kw: dict) -> int:
     logger.info("serving %s on http://%s:%d (OpenAI API under /v1)", names[0], args.host, args.port)
     # (uvicorn's access log lines are INFO messages; above INFO it would still format each path)
     uv_config = uvicorn.Config(
-        app, host=args.host, port=args.port, log_level=args.log_level.lower(),
-        access_log=logging.getLevelName(args.log_level.upper()) <= logging.INFO,
+        app, host=args.host, port=args.port, log_level=(args.uvicorn_log_level or args.log_level).lower(),
+        access_log=(not args.disable_log_requests
+                    and logging.getLevelName((args.uvicorn_log_level or args.log_level).upper()) <= logging.INFO),
         http=header_timeout_protocol(args.timeout_header_read),
         timeout_keep_alive=args.timeout_keep_alive, limit_concurrency=args.max_connections,
         # (the drain already waited for the requests; this only lets the last bytes go out)

@@ -190,6 +190,14 @@ class _SamplingFields(_Body):
             raise ValueError("stop must hold at most 16 non-empty strings")
         return v
 
+    def with_defaults(self, defaults: dict[str, float | int]) -> _SamplingFields:
+        """This request with the model's `defaults` (`--generation-config`) for the sampling
+        fields it left out (max_tokens is the caller's: it depends on the prompt)."""
+        fields = type(self).model_fields
+        update = {k: v for k, v in defaults.items()
+                  if k in fields and k != "max_tokens" and k not in self.model_fields_set}
+        return self.model_copy(update=update) if update else self
+
     def sampling_params(self, max_tokens: int | None, logprobs: int | None,
                         structured: StructuredOutputsParams | None = None) -> SamplingParams:
         """SamplingParams for this request (ValueError names a bad field); `structured`: its

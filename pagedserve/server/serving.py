@@ -15,7 +15,7 @@ from fastapi import Request
 
 from pagedserve.engine.limits import PromptError, check_logit_bias, check_prompt
 from pagedserve.engine.output_processor import SampleState
-from pagedserve.sampling_params import SamplingParams
+from pagedserve.sampling_params import MAX_LOGPROBS, SamplingParams
 from pagedserve.server.engine_client import (
     AsyncEngineClient,
     EngineDeadError,
@@ -34,6 +34,7 @@ DECODE_PIECE = 8192  # ids decoded between two turns of the event loop
 SIZE_MARGIN = 2
 
 logger = logging.getLogger("pagedserve")
+request_logger = logging.getLogger("pagedserve.requests")  # a line per request (--disable-log-requests)
 
 
 @dataclass(eq=False)  # hashed by identity: Server counts the live ones in a WeakSet
@@ -50,8 +51,13 @@ class Server:
 
     def __init__(self, client: AsyncEngineClient, served_names: list[str], max_waiting: int,
                  reasoning_parser: str | None = None, trust_request_chat_template: bool = False,
-                 tools: ToolSettings | None = None) -> None:
+                 tools: ToolSettings | None = None,
+                 sampling_defaults: dict[str, float | int] | None = None,
+                 max_logprobs: int = MAX_LOGPROBS) -> None:
         self.client = client
+        # the model's defaults for omitted sampling fields (`models/generation_defaults.py`)
+        self.sampling_defaults = dict(sampling_defaults or {})
+        self.max_logprobs = max_logprobs
         self.tokenizer = client.tokenizer
         self.served_names = served_names
         self.max_waiting = max_waiting
@@ -148,13 +154,27 @@ class Server:
         detok.flush()
         return detok.text
 
-    def resolve_max_tokens(self, prompt_ids: list[int], max_tokens: int | None, param: str) -> int:
+    def resolve_max_tokens(self, prompt_ids: list[int], max_tokens: int | None, param: str,
+                           given: bool = True) -> int:
         """Check the prompt against max_model_len (`engine/limits.py`); return the output
-        limit to use. `param`: the request field holding the prompt."""
+        limit to use. `param`: the request field holding the prompt. `given`: the request set
+        max_tokens; when it did not, the model's default (if any) applies, cut to the room
+        the prompt leaves."""
         try:
-            return check_prompt(prompt_ids, max_tokens, self.max_model_len, self.vocab_size)
+            limit = check_prompt(prompt_ids, None if not given else max_tokens,
+                                 self.max_model_len, self.vocab_size)
         except PromptError as e:
             raise APIError(400, str(e), param=e.param or param, code=e.code) from None
+        if given:
+            return limit
+        default = self.sampling_defaults.get("max_tokens", max_tokens)
+        return limit if default is None else min(int(default), limit)
+
+    def check_logprobs(self, logprobs: int | None, param: str) -> None:
+        """`--max-logprobs` (400 naming the field when a request asks for more)."""
+        if logprobs is not None and logprobs > self.max_logprobs:
+            raise APIError(400, f"{param} must be at most {self.max_logprobs} on this server "
+                                f"(--max-logprobs), got {logprobs}", param=param)
 
 def make_params(build, max_tokens: int, logprobs: int | None, vocab_size: int) -> SamplingParams:
     """Call a request's sampling_params builder and check its token ids against the
@@ -175,7 +195,7 @@ def new_id(prefix: str, user: str | None = None) -> str:
     field's purpose: tracing abuse to a user)."""
     rid = f"{prefix}-{uuid.uuid4().hex}"
     if user:
-        logger.info("request %s is from user %r", rid, user[:200])
+        request_logger.info("request %s is from user %r", rid, user[:200])
     return rid
 
 

@@ -1,0 +1,7 @@
+"""`python -m pagedserve.cli ...`: the same as the `pagedserve` command."""
+
+import sys
+
+from pagedserve.cli import main
+
+sys.exit(main())

@@ -1,0 +1,78 @@
+"""Engine flags, shared by `serve`, `generate`, `up` and the offline benchmarks; vLLM's names
+and meanings where vLLM has the flag."""
+
+from __future__ import annotations
+
+import argparse
+
+from pagedserve import envs
+from pagedserve.cli import types
+from pagedserve.config import DTYPE_NAMES
+
+
+def add_engine_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("model", nargs="?", default=None,
+                   help="a preset name, a Hugging Face Hub id (org/name: from the local Hub cache, "
+                        "downloaded when the network allows), a model folder or a .gguf file "
+                        "(default: the embedded SmolLM2-135M-Instruct)")
+    p.add_argument("--model", dest="model_opt", default=None, help=argparse.SUPPRESS)
+    p.add_argument("--dtype", default="auto", choices=["auto", *DTYPE_NAMES],
+                   help="weight and activation dtype; auto: bfloat16 on CUDA, float32 on the CPU")
+    p.add_argument("--device", default="auto", type=types.device,
+                   help="auto (CUDA when available), cpu, cuda or cuda:N")
+    p.add_argument("--load-format", default="auto", choices=["auto", "safetensors", "gguf", "dummy"],
+                   help="how weights are read; dummy: random weights of the right shapes")
+    p.add_argument("--max-model-len", type=types.positive_int, default=None,
+                   help="longest prompt + output in tokens (default: the model's limit)")
+    p.add_argument("--max-num-seqs", type=types.positive_int, default=256,
+                   help="most requests in one batch")
+    p.add_argument("--max-num-batched-tokens", type=types.positive_int, default=8192,
+                   help="most tokens in one engine step (prefill chunks are cut to fit)")
+    p.add_argument("--block-size", type=types.power_of_two, default=16,
+                   help="tokens per KV-cache block")
+    p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True,
+                   help="reuse the KV cache of prompts' shared prefixes")
+    p.add_argument("--enable-chunked-prefill", action=argparse.BooleanOptionalAction, default=True,
+                   help="accepted for vLLM compatibility; pagedserve always chunks long prefills, "
+                        "so --no-enable-chunked-prefill is refused")
+    p.add_argument("--kv-cache-memory", type=types.positive_int, default=None,
+                   help="bytes for the KV cache (default: sized from --gpu-memory-utilization)")
+    p.add_argument("--gpu-memory-utilization", type=types.fraction, default=0.9,
+                   help="fraction of GPU memory the engine may use, KV cache included")
+    p.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
+    p.add_argument("--attention-backend", default="auto", choices=["auto", "triton", "torch"],
+                   help="auto: triton on CUDA, torch on the CPU")
+    p.add_argument("--tokenizer", default=None, help="tokenizer folder (default: the model's own)")
+    p.add_argument("--revision", default=None, help="Hub id models: the branch, tag or commit")
+    p.add_argument("--download-dir", default=None,
+                   help="Hub id models: where to find and download them (default: the Hugging "
+                        "Face cache, $HF_HOME/hub)")
+    p.add_argument("--trust-remote-code", action="store_true",
+                   help="accepted for vLLM compatibility; pagedserve runs its own model code and "
+                        "never a repository's, so it changes nothing")
+    p.add_argument("--generation-config", default="auto",
+                   help="defaults for sampling fields a request leaves out: auto (the model's "
+                        "generation_config.json), vllm (none: temperature 1.0, top_p 1.0, ...) "
+                        "or a folder holding a generation_config.json")
+    p.add_argument("--seed", type=int, default=0,
+                   help="seeds the engine's random state (sampling of requests without a seed, "
+                        "dummy weights, benchmark datasets), as vLLM's --seed")
+    p.add_argument("--log-level", default=envs.log_level(), type=types.log_level,
+                   help="DEBUG, INFO, WARNING, ERROR or CRITICAL")
+
+
+def engine_kwargs(args: argparse.Namespace) -> dict:
+    """LLM(...) keyword arguments from parsed engine flags."""
+    if not args.enable_chunked_prefill:
+        raise ValueError("--no-enable-chunked-prefill is not supported: pagedserve always "
+                         "chunks long prefills (drop the flag)")
+    return dict(
+        model=args.model_opt or args.model, dtype=args.dtype, device=args.device,
+        load_format=args.load_format, max_model_len=args.max_model_len,
+        max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
+        block_size=args.block_size, enable_prefix_caching=args.enable_prefix_caching,
+        kv_cache_memory=args.kv_cache_memory, gpu_memory_utilization=args.gpu_memory_utilization,
+        enforce_eager=args.enforce_eager, attention_backend=args.attention_backend,
+        tokenizer=args.tokenizer, seed=args.seed, revision=args.revision,
+        download_dir=args.download_dir, generation_config=args.generation_config,
+    )

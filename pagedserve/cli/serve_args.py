@@ -1,0 +1,94 @@
+"""`pagedserve serve` flags (the server's own; the engine's are in engine_args.py)."""
+
+from __future__ import annotations
+
+import argparse
+
+from pagedserve.cli import types
+from pagedserve.sampling_params import MAX_LOGPROBS
+from pagedserve.server.reasoning import REASONING_PARSERS
+from pagedserve.server.tool_parsers import TOOL_PARSERS
+
+
+def add_serve_args(srv: argparse.ArgumentParser) -> None:
+    a = srv.add_argument
+    a("--host", default="127.0.0.1", help="address to listen on (0.0.0.0: every interface)")
+    a("--port", type=types.port, default=8000, help="TCP port to listen on")
+    a("--served-model-name", nargs="+", default=None,
+      help="name(s) clients use for the model (default: the model argument)")
+    a("--api-key", default=None,
+      help="require 'Authorization: Bearer KEY' (default: $PAGEDSERVE_API_KEY)")
+    a("--chat-template", default=None,
+      help="a Jinja chat template, as a file path or the template itself, used instead of the "
+           "tokenizer's")
+    a("--max-logprobs", type=types.int_between(0, MAX_LOGPROBS), default=MAX_LOGPROBS,
+      help=f"most logprobs / top_logprobs a request may ask for (at most {MAX_LOGPROBS})")
+    a("--max-waiting-requests", type=types.positive_int, default=1024,
+      help="beyond max-num-seqs running plus this many waiting, answer 503")
+    a("--reasoning-parser", default=None, choices=sorted(REASONING_PARSERS),
+      help="split <think>...</think> into reasoning_content")
+    a("--enable-auto-tool-choice", action="store_true",
+      help='let the model decide when to call tools (tool_choice "auto", the default when a '
+           "request sends tools); needs --tool-call-parser")
+    a("--tool-call-parser", default=None, choices=sorted(TOOL_PARSERS),
+      help="how tool calls are read out of the model's text, with --enable-auto-tool-choice "
+           "(hermes: <tool_call>{...}</tool_call>, as Qwen3 and Nanbeige4.1 write them)")
+    a("--max-request-body-bytes", type=types.positive_int, default=8 << 20,
+      help="larger request bodies get 413")
+    a("--engine", default="pagedserve", choices=["pagedserve", "hf", "hf-batched"],
+      help="pagedserve, or a naive Transformers baseline: hf (one request at a time) or "
+           "hf-batched (static batches of up to --max-num-seqs)")
+    a("--log-stats-interval", type=types.positive_float, default=10.0,
+      help="seconds between status lines")
+    a("--disable-log-stats", action="store_true", help="no periodic status lines")
+    a("--disable-log-requests", action="store_true",
+      help="no line per request (uvicorn's access log and the user= line)")
+    a("--uvicorn-log-level", default=None, type=types.log_level,
+      help="uvicorn's own log level (default: --log-level)")
+    a("--trust-request-chat-template", action="store_true",
+      help="render chat templates sent in requests (chat_template); they still render under a "
+           "2 s deadline, off the event loop")
+    a("--allowed-origins", type=types.json_string_list, default=["*"],
+      help="CORS: origins browsers may call from, as a JSON list")
+    a("--allowed-methods", type=types.json_string_list, default=["*"],
+      help="CORS: methods, as a JSON list")
+    a("--allowed-headers", type=types.json_string_list, default=["*"],
+      help="CORS: request headers, as a JSON list")
+    a("--allow-credentials", action="store_true", help="CORS: allow credentials")
+    a("--root-path", default=None,
+      help="the path prefix a proxy serves this server under (FastAPI's root_path)")
+    a("--ssl-keyfile", default=None, help="TLS: the private key file (serve https)")
+    a("--ssl-certfile", default=None, help="TLS: the certificate file (serve https)")
+    a("--ssl-ca-certs", default=None, help="TLS: CA certificates to verify clients with")
+    a("--shutdown-timeout", type=float, default=30.0,
+      help="on SIGTERM: seconds running requests may take to finish before they end with an "
+           "error (new requests get 503 meanwhile)")
+    a("--max-engine-restarts", type=types.non_negative_int, default=5,
+      help="restarts of a dead engine core allowed within 10 minutes; one more and the server "
+           "exits with code 1")
+    a("--max-connections", type=types.positive_int, default=4096,
+      help="open connections (or running requests) beyond which requests get 503")
+    a("--timeout-keep-alive", type=types.positive_float, default=5.0,
+      help="seconds an idle kept-alive connection stays open")
+    a("--timeout-header-read", type=types.positive_float, default=30.0,
+      help="seconds a client has to send a request's headers once it connects")
+    a("--timeout-body-read", type=types.positive_float, default=30.0,
+      help="seconds a client may pause while sending a request body (then 408)")
+    a("--inject-faults", default=None, help=argparse.SUPPRESS)  # chaos tests: faults.py
+
+
+def check_serve_args(args: argparse.Namespace) -> None:
+    """Checks across flags, before anything is loaded (ValueError: one line for the user)."""
+    import os
+
+    if bool(args.enable_auto_tool_choice) != bool(args.tool_call_parser):
+        raise ValueError("--enable-auto-tool-choice and --tool-call-parser go together "
+                         "(e.g. --enable-auto-tool-choice --tool-call-parser hermes)")
+    if bool(args.ssl_keyfile) != bool(args.ssl_certfile):
+        raise ValueError("--ssl-keyfile and --ssl-certfile go together")
+    for flag in ("ssl_keyfile", "ssl_certfile", "ssl_ca_certs"):
+        path = getattr(args, flag)
+        if path and not os.path.isfile(path):
+            raise ValueError(f"--{flag.replace('_', '-')} {path}: no such file")
+    if args.shutdown_timeout < 0:
+        raise ValueError("--shutdown-timeout must be 0 or more seconds")
