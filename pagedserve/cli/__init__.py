@@ -8,6 +8,7 @@ import sys
 
 from pagedserve import envs
 from pagedserve.bench.cli import add_bench_parsers
+from pagedserve.cli import types
 from pagedserve.cli.engine_args import add_engine_args, engine_kwargs
 from pagedserve.cli.parser import Parser
 from pagedserve.cli.serve_args import add_serve_args, check_serve_args
@@ -24,10 +25,15 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--prompt", "-p", action="append", required=True,
                      help="a prompt (repeat for several)")
     gen.add_argument("--chat", action="store_true", help="wrap each prompt in the chat template")
-    gen.add_argument("--max-tokens", type=int, default=128)
-    gen.add_argument("--temperature", type=float, default=0.0)
-    gen.add_argument("--top-p", type=float, default=1.0)
-    gen.add_argument("--sampling-seed", type=int, default=None)
+    gen.add_argument("--max-tokens", type=types.positive_int, default=128,
+                     help="most tokens to generate per prompt")
+    gen.add_argument("--temperature", type=float, default=None,
+                     help="sampling temperature (default: the model's generation_config.json, "
+                          "else 1.0; 0 = greedy)")
+    gen.add_argument("--top-p", type=float, default=None,
+                     help="nucleus sampling (default: the model's generation_config.json, else 1.0)")
+    gen.add_argument("--sampling-seed", type=int, default=None,
+                     help="seed for this generation's sampling")
     gen.set_defaults(func=_cmd_generate)
 
     srv = sub.add_parser("serve", help="run the OpenAI-compatible HTTP server")
@@ -57,11 +63,16 @@ def _cmd_serve(args: argparse.Namespace) -> int:
 
 
 def _cmd_generate(args: argparse.Namespace) -> int:
-    from pagedserve import LLM, SamplingParams
+    import dataclasses
+
+    from pagedserve import LLM
 
     llm = LLM(**engine_kwargs(args))
-    params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature,
-                            top_p=args.top_p, seed=args.sampling_seed)
+    given = {k: v for k, v in (("temperature", args.temperature), ("top_p", args.top_p))
+             if v is not None}
+    defaults = llm.get_default_sampling_params()
+    params = dataclasses.replace(defaults, max_tokens=args.max_tokens, seed=args.sampling_seed,
+                                 **given)
     if args.chat:
         convs = [[{"role": "user", "content": p}] for p in args.prompt]
         outs = llm.chat(convs, params)

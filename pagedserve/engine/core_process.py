@@ -56,8 +56,9 @@ def run_engine_core(config: EngineConfig, in_addr: str, out_addr: str, log_level
         from pagedserve.engine.core import EngineCore, FatalEngineError
 
         core = EngineCore(config)
-    except Exception:
-        out.send_pyobj(StartFailed(traceback.format_exc()))
+    except Exception as e:
+        reason = str(e) if isinstance(e, ValueError) else None  # the settings are at fault
+        out.send_pyobj(StartFailed(traceback.format_exc(), reason))
         out.close(linger=2000)
         return
     # Start-up leaves a great many long-lived objects (the model, compiled kernels, graphs).

@@ -107,6 +107,7 @@ class Ready:
 @dataclass
 class StartFailed:
     traceback: str
+    reason: str | None = None  # one line for the user when the settings are at fault (ValueError)
 
 
 @dataclass

@@ -22,7 +22,12 @@ from pagedserve.monitor.collectors import register_system_collectors
 from pagedserve.sampling_params import SamplingParams
 from pagedserve.server.chat import create_chat_completion, render_messages
 from pagedserve.server.completions import create_completion
-from pagedserve.server.engine_client import AsyncEngineClient, ServerShuttingDown, SpawnedCore
+from pagedserve.server.engine_client import (
+    AsyncEngineClient,
+    EngineStartError,
+    ServerShuttingDown,
+    SpawnedCore,
+)
 from pagedserve.server.errors import APIError, error_response, install_error_handlers
 from pagedserve.server.metrics import Metrics, log_periodically
 from pagedserve.server.protocol import (
@@ -120,7 +125,11 @@ def create_app(settings: ServerSettings, core: SpawnedCore | None = None) -> Fas
 
     @contextlib.asynccontextmanager
     async def lifespan(_: FastAPI):
-        info = await client.start()
+        try:
+            info = await client.start()
+        except EngineStartError as e:
+            logger.error("the engine cannot start: %s", e)
+            raise
         logger.info("engine core ready in %.1f s: %s, max_model_len %d, KV capacity %d tokens",
                     info.startup_seconds, info.model_name, info.max_model_len,
                     info.num_blocks * info.block_size)

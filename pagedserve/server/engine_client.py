@@ -46,32 +46,19 @@ from pagedserve.engine.messages import (
 )
 from pagedserve.engine.output_processor import OutputProcessor, SampleState
 from pagedserve.sampling_params import SamplingParams
+from pagedserve.server.engine_errors import (  # noqa: F401 (re-exported)
+    EngineDeadError,
+    EngineStartError,
+    RequestFailed,
+    RequestRejected,
+    ServerShuttingDown,
+)
 from pagedserve.server.supervisor import RestartBudget, RestartPolicy
 from pagedserve.tokenizer import Tokenizer
 
 logger = logging.getLogger("pagedserve")
 
 WATCH_INTERVAL_S = 0.25  # how often the supervisor checks that the core process lives
-
-
-class EngineDeadError(RuntimeError):
-    """The engine-core process is gone (being restarted, or for good)."""
-
-
-class RequestRejected(ValueError):
-    """The engine core refused a request (the message says why)."""
-
-
-class RequestFailed(RuntimeError):
-    """This request failed (in the engine or while its output was handled); others go on."""
-
-    def __init__(self, message: str, source: str = "engine") -> None:
-        super().__init__(message)
-        self.source = source  # "engine" | "output" | "loop"
-
-
-class ServerShuttingDown(RuntimeError):
-    """The server is shutting down and this request did not finish within the grace period."""
 
 
 @dataclass
@@ -179,6 +166,8 @@ class AsyncEngineClient:
                 if isinstance(msg, Ready):
                     self.info = msg.info
                     return
+                if msg.reason:
+                    raise EngineStartError(msg.reason)
                 raise RuntimeError(f"the engine core failed to start:\n{msg.traceback}")
             if not self._proc.is_alive():
                 raise RuntimeError(f"the engine core exited during start-up (code {self._proc.exitcode})")

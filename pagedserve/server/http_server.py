@@ -119,3 +119,12 @@ def raise_open_files_limit(want: int = 65536) -> None:
         target = want if hard == resource.RLIM_INFINITY else min(want, hard)
         if soft != resource.RLIM_INFINITY and soft < target:
             resource.setrlimit(resource.RLIMIT_NOFILE, (target, hard))
+
+
+class HideStartErrorTraceback(logging.Filter):
+    """For uvicorn's error logger: drop the traceback of an engine that cannot start with
+    these settings (the app has logged its one-line reason; uvicorn still says it exits)."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return "EngineStartError" not in record.getMessage()
+

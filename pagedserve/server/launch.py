@@ -44,6 +44,7 @@ def serve(args: argparse.Namespace, kw: dict) -> int:
     from pagedserve.models.source import load_tokenizer
     from pagedserve.server.app import ServerSettings, create_app
     from pagedserve.server.http_server import (
+        HideStartErrorTraceback,
         Server,
         header_timeout_protocol,
         raise_open_files_limit,
@@ -86,6 +87,7 @@ def serve(args: argparse.Namespace, kw: dict) -> int:
         # (the drain already waited for the requests; this only lets the last bytes go out)
         timeout_graceful_shutdown=5,
     )
+    logging.getLogger("uvicorn.error").addFilter(HideStartErrorTraceback())
     server = Server(uv_config, app.state.drain)
     server.run()
     if not server.started:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 
 from pagedserve import envs
+from pagedserve.cli import types
 
 _UP_ONLY = ("ui_host", "ui_port", "ui_temperature", "startup_timeout")
 
@@ -18,9 +19,10 @@ def add_ui_parsers(sub: argparse._SubParsersAction) -> None:
     ui.add_argument("--model", default=None, help="model to chat with (default: the server's first)")
     ui.add_argument("--temperature", type=float, default=None,
                     help="initial temperature in the settings panel (default 0.7)")
-    ui.add_argument("--host", default="127.0.0.1")
-    ui.add_argument("--port", type=int, default=8080)
-    ui.add_argument("--log-level", default=envs.log_level())
+    ui.add_argument("--host", default="127.0.0.1", help="address the UI listens on")
+    ui.add_argument("--port", type=types.port, default=8080, help="TCP port the UI listens on")
+    ui.add_argument("--log-level", default=envs.log_level(), type=types.log_level,
+                    help="DEBUG, INFO, WARNING, ERROR or CRITICAL")
     ui.set_defaults(func=_cmd_ui)
 
     serve = sub.choices["serve"]
@@ -28,8 +30,8 @@ def add_ui_parsers(sub: argparse._SubParsersAction) -> None:
                         help="run the server and the chat UI together",
                         description="Start `pagedserve serve` (same flags) and the chat UI; "
                                     "Ctrl-C stops both.")
-    up.add_argument("--ui-host", default="127.0.0.1")
-    up.add_argument("--ui-port", type=int, default=8080)
+    up.add_argument("--ui-host", default="127.0.0.1", help="address the chat UI listens on")
+    up.add_argument("--ui-port", type=types.port, default=8080, help="TCP port of the chat UI")
     up.add_argument("--ui-temperature", type=float, default=None,
                     help="the chat UI's initial temperature (default 0.7)")
     up.add_argument("--startup-timeout", type=float, default=600.0,

@@ -1,0 +1,109 @@
+"""The command line as a vLLM user meets it: a bad flag value is one line naming the flag, exit
+code 2, in well under 2 s (nothing is loaded first); --help shows defaults; vLLM's flag names
+parse; a settings problem found by the engine core at start-up is one line too."""
+
+from __future__ import annotations
+
+import argparse
+import subprocess
+import sys
+import time
+
+import pytest
+
+from pagedserve.cli import build_parser, engine_kwargs
+
+# (arguments, a word the message must hold)
+BAD_VALUES = [
+    (["serve", "--dtype", "foo"], "--dtype"),
+    (["serve", "--port", "99999"], "--port"),
+    (["serve", "--port", "0"], "--port"),
+    (["serve", "--device", "gpu"], "--device"),
+    (["serve", "--attention-backend", "flash"], "--attention-backend"),
+    (["serve", "--log-level", "loud"], "--log-level"),
+    (["serve", "--max-num-seqs", "0"], "--max-num-seqs"),
+    (["serve", "--max-model-len", "-5"], "--max-model-len"),
+    (["serve", "--gpu-memory-utilization", "1.5"], "--gpu-memory-utilization"),
+    (["serve", "--block-size", "24"], "--block-size"),
+    (["serve", "--allowed-origins", "*"], "--allowed-origins"),
+    (["serve", "--max-logprobs", "50"], "--max-logprobs"),
+    (["serve", "--reasoning-parser", "nope"], "--reasoning-parser"),
+    (["serve", "--uvicorn-log-level", "chatty"], "--uvicorn-log-level"),
+    (["generate", "-p", "hi", "--dtype", "foo"], "--dtype"),
+    (["ui", "--port", "70000"], "--port"),
+    (["serve", "--enable-auto-tool-choice"], "--tool-call-parser"),
+    (["serve", "--ssl-keyfile", "/nonexistent.key"], "--ssl-certfile"),
+    (["serve", "--no-enable-chunked-prefill"], "chunked"),
+    (["serve", "--chat-template", "/nonexistent.jinja"], "--chat-template"),
+    (["serve", "--generation-config", "/nonexistent"], "--generation-config"),
+    (["serve", "qwen3-4b-instruct-2507"], "--load-format dummy"),
+]
+
+
+def _run(args: list[str], env: dict | None = None) -> tuple[subprocess.CompletedProcess, float]:
+    t0 = time.monotonic()
+    proc = subprocess.run([sys.executable, "-m", "pagedserve.cli", *args], capture_output=True,
+                          text=True, timeout=60, env=env)
+    return proc, time.monotonic() - t0
+
+
+@pytest.mark.parametrize(("args", "names"), BAD_VALUES, ids=[" ".join(a) for a, _ in BAD_VALUES])
+def test_a_bad_value_is_one_line_and_exit_2(args, names):
+    proc, seconds = _run(args)
+    assert proc.returncode == 2, (proc.returncode, proc.stderr)
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1, proc.stderr
+    assert "error" in lines[0] and names in lines[0], lines[0]
+    assert "Traceback" not in proc.stdout + proc.stderr
+    assert seconds < 2.0, f"{seconds:.2f} s to reject {args}"
+
+
+def _options(parser: argparse.ArgumentParser, command: str) -> list[argparse.Action]:
+    sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+    return [a for a in sub.choices[command]._actions
+            if a.option_strings and not isinstance(a, argparse._HelpAction)]
+
+
+@pytest.mark.parametrize("command", ["serve", "generate", "up", "ui", "top"])
+def test_every_flag_has_help_and_help_shows_defaults(command):
+    parser = build_parser()
+    for action in _options(parser, command):
+        assert action.help, f"{command} {action.option_strings[0]} has no help"
+    sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+    text = " ".join(sub.choices[command].format_help().split())
+    if command in ("serve", "up"):
+        assert "TCP port to listen on (default: 8000)" in text
+        assert "(default: 0.9)" in text and "(default: 256)" in text
+        assert "(default: auto)" in text
+
+
+def test_vllm_flag_names_parse_with_their_meaning():
+    args = build_parser().parse_args([
+        "serve", "--chat-template", "t.jinja", "--generation-config", "vllm", "--max-logprobs", "5",
+        "--enable-chunked-prefill", "--disable-log-requests", "--disable-log-stats",
+        "--uvicorn-log-level", "warning", "--allowed-origins", '["http://a.example"]',
+        "--allowed-methods", '["GET", "POST"]', "--allowed-headers", '["x-a"]', "--root-path", "/api",
+        "--trust-remote-code", "--revision", "v1", "--download-dir", "/tmp/hub", "--seed", "7",
+        "--log-level", "debug", "--dtype", "half"])
+    assert args.chat_template == "t.jinja" and args.max_logprobs == 5
+    assert args.allowed_origins == ["http://a.example"] and args.allowed_methods == ["GET", "POST"]
+    assert args.uvicorn_log_level == "WARNING" and args.log_level == "DEBUG"
+    assert args.root_path == "/api" and args.disable_log_stats and args.disable_log_requests
+    kw = engine_kwargs(args)
+    assert kw["revision"] == "v1" and kw["download_dir"] == "/tmp/hub" and kw["seed"] == 7
+    assert kw["generation_config"] == "vllm" and kw["dtype"] == "half"
+
+
+def test_an_engine_settings_error_at_start_up_is_one_line(tmp_path):
+    """The engine core finds the KV cache has no room: the server says so in one line (no
+    traceback) and exits non-zero."""
+    from server_helpers import free_port
+
+    proc = subprocess.run(
+        [sys.executable, "-m", "pagedserve.cli", "serve", "--device", "cpu", "--port",
+         str(free_port()), "--kv-cache-memory", "1000"], capture_output=True, text=True, timeout=120)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode != 0
+    assert "Traceback" not in out, out
+    assert "the engine cannot start: no memory left for the KV cache" in out
+    assert "kv_cache_memory" in out
