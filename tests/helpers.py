@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import inspect
+
 import torch
 
 from pagedserve.attention import AttentionContext, AttentionMetadata, TorchReferenceBackend
@@ -31,10 +33,13 @@ def greedy_nocache(model, prompt: list[int], n: int) -> list[int]:
 @torch.no_grad()
 def hf_greedy(hf, prompt: list[int], n: int) -> list[int]:
     """Greedy continuation with a Transformers model, n tokens, EOS neither stopping nor banned."""
+    # Transformers 5.x calls the KV cache `cache` (`past_key_values` is deprecated); 4.x
+    # calls it `past_key_values`.
+    name = "cache" if "cache" in inspect.signature(hf.forward).parameters else "past_key_values"
     out = hf(torch.tensor([prompt]), use_cache=True)
     tokens = []
     for _ in range(n):
         tok = int(out.logits[0, -1].argmax())
         tokens.append(tok)
-        out = hf(torch.tensor([[tok]]), past_key_values=out.past_key_values, use_cache=True)
+        out = hf(torch.tensor([[tok]]), use_cache=True, **{name: getattr(out, name)})
     return tokens
