@@ -64,10 +64,11 @@ def alive(pid: int) -> bool:
 
 
 def metrics(url: str) -> dict[str, float]:
-    """The unlabelled-by-reason gauges and counters of a server's /metrics, by metric name."""
+    """The labelled engine gauges and counters of a server's /metrics (`vllm:*`, `pagedserve_*`),
+    by metric name; of a series with several label sets, the first."""
     text = httpx.get(url + "/metrics", timeout=10).text
     out = {}
-    for m in re.finditer(r"^(pagedserve_\w+)\{[^}]*\} (\S+)$", text, re.M):
+    for m in re.finditer(r"^((?:vllm:|pagedserve_)\w+)\{[^}]*\} (\S+)$", text, re.M):
         out.setdefault(m.group(1), float(m.group(2)))
     return out
 
@@ -78,8 +79,8 @@ def wait_idle(url: str, timeout: float = 15.0) -> dict[str, float]:
     deadline = time.monotonic() + timeout
     while True:
         m = metrics(url)
-        idle = (m["pagedserve_num_requests_running"] == 0 and m["pagedserve_num_requests_waiting"] == 0
-                and m["pagedserve_kv_cache_usage_perc"] == 0)
+        idle = (m["vllm:num_requests_running"] == 0 and m["vllm:num_requests_waiting"] == 0
+                and m["vllm:kv_cache_usage_perc"] == 0)
         if idle or time.monotonic() > deadline:
             return m
         time.sleep(0.2)

@@ -107,7 +107,7 @@ def test_hf_concurrent_requests_all_complete(servers, offline):
     got = asyncio.run(main())
     assert got == [offline_chat(offline, m, MAX_TOKENS).outputs[0].text for m in CHATS[:3]]
     m = httpx.get(servers["hf"].url + "/metrics", timeout=10).text
-    assert "pagedserve_num_requests_running" in m
+    assert "vllm:num_requests_running" in m
 
 
 def test_hf_rejects_unsupported_fields(servers):

@@ -90,8 +90,8 @@ def metric(url: str, name: str) -> float:
 def assert_idle(url: str) -> None:
     """The engine comes to hold no request and no KV block."""
     m = wait_idle(url, timeout=10)
-    assert m["pagedserve_num_requests_running"] == 0, m
-    assert m["pagedserve_kv_cache_usage_perc"] == 0, m
+    assert m["vllm:num_requests_running"] == 0, m
+    assert m["vllm:kv_cache_usage_perc"] == 0, m
 
 
 def test_an_output_handling_failure_fails_only_its_request(chaos):
@@ -211,7 +211,7 @@ def test_a_killed_engine_core_is_replaced(chaos):
             tasks = [asyncio.create_task(stream(c, url, {"prompt": prompt(i), "max_tokens": 1500,
                                                          "ignore_eos": True}))
                      for i in range(16)]
-            while metric(url, "pagedserve_num_requests_running") < 16:
+            while metric(url, "vllm:num_requests_running") < 16:
                 await asyncio.sleep(0.2)
             await asyncio.sleep(0.5)
             os.kill(pid, signal.SIGKILL)
@@ -265,7 +265,7 @@ def test_sigterm_drains_then_ends_every_stream_and_exits_zero():
                 tasks = [asyncio.create_task(stream(c, url, {
                     "prompt": prompt(i), "ignore_eos": True, "temperature": 0,
                     "max_tokens": 1500 if i % 2 else 8})) for i in range(20)]
-                while metric(url, "pagedserve_num_requests_running") < 20:
+                while metric(url, "vllm:num_requests_running") < 20:
                     await asyncio.sleep(0.1)
                 proc.proc.send_signal(signal.SIGTERM)
                 checks["at"] = time.monotonic()

@@ -101,7 +101,7 @@ def test_nvml_errors_mid_read_never_break_metrics(monkeypatch):
     assert [lab["gpu"] for lab, _ in s.series("pagedserve_gpu_power_watts")] == ["0"]
     assert [lab["gpu"] for lab, _ in s.series("pagedserve_gpu_utilization_percent")] == ["1"]
     assert s.value("pagedserve_gpu_temperature_celsius", gpu="1") == 30
-    assert s.value("pagedserve_num_requests_running", model_name="m") == 0
+    assert s.value("vllm:num_requests_running", model_name="m") == 0
     assert s.value("pagedserve_process_resident_memory_bytes", process="server") > 0
 
     # A GPU that cannot even be named is skipped; the other stays.
@@ -180,16 +180,16 @@ def test_summarize_turns_two_scrapes_into_rates():
     def text(prompt, gen, stop_reqs, length_reqs, cpu):
         m = 'model_name="m"'
         lines = [
-            f"pagedserve_num_requests_running{{{m}}} 3",
-            f"pagedserve_prompt_tokens_total{{{m}}} {prompt}",
-            f"pagedserve_generation_tokens_total{{{m}}} {gen}",
-            f'pagedserve_request_success_total{{finished_reason="stop",{m}}} {stop_reqs}',
+            f"vllm:num_requests_running{{{m}}} 3",
+            f"vllm:prompt_tokens_total{{{m}}} {prompt}",
+            f"vllm:generation_tokens_total{{{m}}} {gen}",
+            f'vllm:request_success_total{{finished_reason="stop",{m}}} {stop_reqs}',
             f'pagedserve_process_cpu_seconds_total{{process="engine"}} {cpu}',
             'pagedserve_process_resident_memory_bytes{process="engine"} 1e9',
         ]
         if length_reqs is not None:
-            lines.append(f'pagedserve_request_success_total{{finished_reason="length",{m}}} {length_reqs}')
-        return "# TYPE pagedserve_prompt_tokens counter\n" + "\n".join(lines) + "\n"
+            lines.append(f'vllm:request_success_total{{finished_reason="length",{m}}} {length_reqs}')
+        return "# TYPE vllm:prompt_tokens counter\n" + "\n".join(lines) + "\n"
 
     a = Scrape.parse(text(100, 1000, 4, None, 1.0), 10.0)
     b = Scrape.parse(text(300, 1500, 6, 2, 2.5), 12.0)
@@ -230,7 +230,7 @@ def test_top_once_shows_a_busy_server(server, capsys, monkeypatch):
                 "model": MODEL, "prompt": "Count:", "max_tokens": 8, "ignore_eos": True})
 
     def finished() -> float:
-        return fetch(server.url).value("pagedserve_request_success_total") or 0.0
+        return fetch(server.url).value("vllm:request_success_total") or 0.0
 
     start = finished()
     threads = [threading.Thread(target=load) for _ in range(2)]

@@ -273,10 +273,10 @@ def test_concurrent_streams_with_early_disconnects(server):
     for _, text, finish in done:
         assert finish in ("stop", "length") and text
     m = wait_idle(server.url)
-    assert m["pagedserve_num_requests_running"] == 0, m
-    assert m["pagedserve_num_requests_waiting"] == 0, m
-    assert m["pagedserve_kv_cache_usage_perc"] == 0, m
-    assert m["pagedserve_generation_tokens_total"] > 48 * 5
+    assert m["vllm:num_requests_running"] == 0, m
+    assert m["vllm:num_requests_waiting"] == 0, m
+    assert m["vllm:kv_cache_usage_perc"] == 0, m
+    assert m["vllm:generation_tokens_total"] > 48 * 5
 
 
 def test_non_streaming_disconnect_aborts(server):
@@ -285,8 +285,8 @@ def test_non_streaming_disconnect_aborts(server):
         httpx.post(server.url + "/v1/completions", timeout=2,
                    json={"prompt": "Once upon a time", "max_tokens": 1500, "ignore_eos": True})
     m = wait_idle(server.url, timeout=10)
-    assert m["pagedserve_num_requests_running"] == 0, m
-    assert m["pagedserve_kv_cache_usage_perc"] == 0, m
+    assert m["vllm:num_requests_running"] == 0, m
+    assert m["vllm:kv_cache_usage_perc"] == 0, m
 
 
 # ---- the other endpoints -----------------------------------------------------------------
@@ -299,8 +299,8 @@ def test_models_and_health(server, client):
     assert raw["object"] == "list" and raw["data"][0]["max_model_len"] == 2048
     assert httpx.get(server.url + "/health").status_code == 200
     text = httpx.get(server.url + "/metrics").text
-    for name in ("pagedserve_num_requests_running", "pagedserve_kv_cache_usage_perc",
-                 "pagedserve_time_to_first_token_seconds_bucket", "pagedserve_request_success_total"):
+    for name in ("vllm:num_requests_running", "vllm:kv_cache_usage_perc",
+                 "vllm:time_to_first_token_seconds_bucket", "vllm:request_success_total"):
         assert name in text
 
 

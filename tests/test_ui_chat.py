@@ -236,7 +236,7 @@ def test_tools_json_from_the_panel():
 def running_requests(server) -> tuple[float, float]:
     text = httpx.get(server.url + "/metrics", timeout=10).text
     get = lambda name: float(re.search(rf"^{name}\{{[^}}]*\}} (\S+)$", text, re.M).group(1))  # noqa: E731
-    return get("pagedserve_num_requests_running"), get("pagedserve_kv_cache_usage_perc")
+    return get("vllm:num_requests_running"), get("vllm:kv_cache_usage_perc")
 
 
 async def wait_idle(server, timeout: float = 10.0) -> tuple[float, float]:

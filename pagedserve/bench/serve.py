@@ -186,11 +186,12 @@ async def run_level(base_url: str, reqs: list[BenchRequest], args, model: str,
             "num_prompts": len(measured), **metrics, "cpu": cpu, "server_side_ms": server_side}
 
 
-# Server-side latency histograms (seconds) that split TTFT, by the name each server uses.
+# Server-side latency histograms (seconds) that split TTFT, by the names a server may use
+# (pagedserve and vLLM both use vLLM's).
 _SERVER_HISTOGRAMS = {
-    "ttft": ("pagedserve_time_to_first_token_seconds", "vllm:time_to_first_token_seconds"),
-    "queue": ("pagedserve_request_queue_time_seconds", "vllm:request_queue_time_seconds"),
-    "prefill": ("pagedserve_request_prefill_time_seconds", "vllm:request_prefill_time_seconds"),
+    "ttft": ("vllm:time_to_first_token_seconds",),
+    "queue": ("vllm:request_queue_time_seconds",),
+    "prefill": ("vllm:request_prefill_time_seconds",),
 }
 
 

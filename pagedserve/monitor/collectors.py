@@ -2,7 +2,9 @@
 
 Both are registered on the server's own registry (server/metrics.py). Nothing here runs on a
 timer: each scrape of /metrics reads the hardware once. A failed reading drops that series from
-the scrape and never fails /metrics.
+the scrape and never fails /metrics. The names keep the `pagedserve_` prefix (vLLM has no such
+series); prometheus_client's standard `process_*` series, also on the registry, cover only the
+HTTP server process, these the engine-core process too.
 """
 
 from __future__ import annotations

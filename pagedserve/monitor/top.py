@@ -19,9 +19,9 @@ import httpx
 from pagedserve import envs
 from pagedserve.monitor.promtext import Scrape, histogram_quantile, rate
 
-P = "pagedserve_"
-LATENCIES = (("TTFT", P + "time_to_first_token_seconds"), ("TPOT", P + "time_per_output_token_seconds"),
-             ("E2E", P + "e2e_request_latency_seconds"))
+V, P = "vllm:", "pagedserve_"  # the vLLM-named engine series; pagedserve's own (server/metrics.py)
+LATENCIES = (("TTFT", V + "time_to_first_token_seconds"), ("TPOT", V + "request_time_per_output_token_seconds"),
+             ("E2E", V + "e2e_request_latency_seconds"))
 QUANTILES = (0.5, 0.9, 0.99)
 
 
@@ -97,15 +97,15 @@ def summarize(prev: Scrape | None, cur: Scrape, url: str) -> Frame:
         return rate(0.0 if before is None and now is not None else before, now, dt)
 
     f = Frame(url, dt)
-    models = {lab.get("model_name") for lab, _ in cur.series(P + "num_requests_running")}
+    models = {lab.get("model_name") for lab, _ in cur.series(V + "num_requests_running")}
     f.model = ", ".join(sorted(m for m in models if m)) or None
-    f.running, f.waiting = cur.value(P + "num_requests_running"), cur.value(P + "num_requests_waiting")
-    f.finished, f.request_rate = cur.value(P + "request_success_total"), per_s(P + "request_success_total")
+    f.running, f.waiting = cur.value(V + "num_requests_running"), cur.value(V + "num_requests_waiting")
+    f.finished, f.request_rate = cur.value(V + "request_success_total"), per_s(V + "request_success_total")
     if f.finished is None and f.running is not None:  # no request has finished yet
         f.finished = 0.0
-    f.prompt_tps, f.generation_tps = per_s(P + "prompt_tokens_total"), per_s(P + "generation_tokens_total")
-    f.kv_usage, f.prefix_hit_rate = cur.value(P + "kv_cache_usage_perc"), cur.value(P + "prefix_cache_hit_rate")
-    f.preemptions, f.preemption_rate = cur.value(P + "num_preemptions_total"), per_s(P + "num_preemptions_total")
+    f.prompt_tps, f.generation_tps = per_s(V + "prompt_tokens_total"), per_s(V + "generation_tokens_total")
+    f.kv_usage, f.prefix_hit_rate = cur.value(V + "kv_cache_usage_perc"), cur.value(P + "prefix_cache_hit_rate")
+    f.preemptions, f.preemption_rate = cur.value(V + "num_preemptions_total"), per_s(V + "num_preemptions_total")
     for label, name in LATENCIES:
         buckets = cur.buckets(name)
         if buckets:

@@ -1,4 +1,27 @@
-"""Prometheus metrics and the periodic log line."""
+"""Prometheus metrics for /metrics, and the periodic log line.
+
+Names, labels and buckets follow vLLM V1 (`vllm/v1/metrics/loggers.py`), so a Grafana dashboard
+built for vLLM reads a pagedserve server unchanged: each engine series is `vllm:...`, labelled
+`model_name` (the first served name) and `engine` ("0": one engine core per server), and
+counters carry the `_total` suffix prometheus_client adds, as vLLM's do. A series is exposed
+only where we fill it with measured data; vLLM series we have no data for are left out
+(`inter_token_latency_seconds` and `time_per_output_token_seconds`, which need each output's
+arrival time; `request_prompt_tokens`; `iteration_tokens_total`; `cache_config_info`).
+
+Where a figure differs from vLLM's in meaning:
+- `vllm:prompt_tokens`: prompt tokens the engine computed (prefix-cache hits are not computed,
+  a preempted request's prompt is computed again); vLLM counts each request's whole prompt once.
+- `vllm:request_queue_time_seconds`, `vllm:request_prefill_time_seconds`: measured by the engine
+  core (queue: from this process taking the request to its first scheduling); TTFT, e2e, decode
+  time and the per-request time per output token are measured in this (HTTP) process.
+
+pagedserve's own figures, which vLLM lacks, keep the `pagedserve_` prefix and the one label
+`model_name`: `pagedserve_prefix_cache_hit_rate`, `pagedserve_request_failures_total{source}`,
+`pagedserve_engine_step_failures_total`, `pagedserve_engine_restarts_total`, and the GPU and
+per-process (server and engine core) series of monitor/collectors.py. prometheus_client's
+standard `process_*`, `python_gc_*` and `python_info` describe this (HTTP server) process.
+No `*_created` series are exposed.
+"""
 
 from __future__ import annotations
 
@@ -6,6 +29,7 @@ import asyncio
 import logging
 import time
 
+import prometheus_client
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
 from pagedserve.engine.messages import CoreStats
@@ -13,50 +37,98 @@ from pagedserve.engine.output_processor import SampleState
 
 logger = logging.getLogger("pagedserve")
 
-_LATENCY_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0,
-                    7.5, 10.0, 20.0, 40.0, 80.0)
 _ZERO = CoreStats(0, 0, 0.0, 0, 0, 0, 0, 0)
-_TPOT_BUCKETS = (0.001, 0.002, 0.003, 0.004, 0.005, 0.0075, 0.01, 0.015, 0.02, 0.03, 0.05,
-                 0.075, 0.1, 0.2, 0.5, 1.0, 2.5)
+ENGINE = "0"  # vLLM's `engine` label: the index of the engine core (pagedserve runs one)
+# vLLM V1's buckets.
+TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0,
+                7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)
+TPOT_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0,
+                7.5, 10.0, 20.0, 40.0, 80.0)
+REQUEST_LATENCY_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0,
+                           50.0, 60.0, 120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0)
+
+
+def build_1_2_5_buckets(max_value: int) -> list[int]:
+    """1, 2, 5, 10, 20, 50, ... up to max_value (vLLM's buckets for token counts)."""
+    out, scale = [], 1
+    while True:
+        for m in (1, 2, 5):
+            if m * scale > max_value:
+                return out
+            out.append(m * scale)
+        scale *= 10
+
+
+# vLLM stops at max_model_len, which this module is not told; up to a million tokens covers any
+# model (the buckets past a model's length stay empty).
+TOKEN_COUNT_BUCKETS = build_1_2_5_buckets(1_000_000)
 
 
 class Metrics:
-    """Engine state gauges (from CoreStats), token counters and latency histograms."""
+    """Engine state gauges (from CoreStats), token counters and latency histograms, on a registry
+    of their own with prometheus_client's process, platform and GC collectors."""
 
     def __init__(self, model_name: str) -> None:
+        prometheus_client.disable_created_metrics()  # no `*_created` series (a process-wide switch)
         self.registry = r = CollectorRegistry()
-        labels = ["model_name"]
+        for standard in (prometheus_client.ProcessCollector, prometheus_client.PlatformCollector,
+                         prometheus_client.GCCollector):  # process_*, python_info, python_gc_*
+            standard(registry=r)
         self.model_name = model_name
-        self.running = Gauge("pagedserve_num_requests_running", "Requests in the running batch", labels, registry=r)
-        self.waiting = Gauge("pagedserve_num_requests_waiting", "Requests waiting to run", labels, registry=r)
-        self.kv_usage = Gauge("pagedserve_kv_cache_usage_perc", "Fraction of KV-cache blocks in use", labels, registry=r)
-        self.prefix_hit_rate = Gauge("pagedserve_prefix_cache_hit_rate", "Prefix-cache hits / queries (tokens)", labels, registry=r)
-        self.prefix_queries = Counter("pagedserve_prefix_cache_queries", "Prompt tokens looked up in the prefix cache", labels, registry=r)
-        self.prefix_hits = Counter("pagedserve_prefix_cache_hits", "Prompt tokens found in the prefix cache", labels, registry=r)
-        self.preemptions = Counter("pagedserve_num_preemptions", "Requests preempted", labels, registry=r)
-        self.prompt_tokens = Counter("pagedserve_prompt_tokens", "Prefill tokens computed", labels, registry=r)
-        self.generation_tokens = Counter("pagedserve_generation_tokens", "Tokens generated", labels, registry=r)
-        self.requests = Counter("pagedserve_request_success", "Finished requests", labels + ["finished_reason"], registry=r)
-        self.ttft = Histogram("pagedserve_time_to_first_token_seconds", "Time to first token", labels,
-                              buckets=_LATENCY_BUCKETS, registry=r)
-        self.tpot = Histogram("pagedserve_time_per_output_token_seconds", "Mean time per output token after the first",
-                              labels, buckets=_TPOT_BUCKETS, registry=r)
-        self.queue_time = Histogram("pagedserve_request_queue_time_seconds",
-                                    "Time a request waited in the engine before it was first scheduled",
-                                    labels, buckets=_LATENCY_BUCKETS, registry=r)
-        self.prefill_time = Histogram("pagedserve_request_prefill_time_seconds",
-                                      "Engine time from first scheduled to the first token",
-                                      labels, buckets=_LATENCY_BUCKETS, registry=r)
-        self.e2e = Histogram("pagedserve_e2e_request_latency_seconds", "End-to-end request latency", labels,
-                             buckets=_LATENCY_BUCKETS, registry=r)
+        labels, own = ["model_name", "engine"], ["model_name"]  # vllm:*, pagedserve_*
+        v = (model_name, ENGINE)
+
+        def gauge(name, doc):
+            return Gauge(name, doc, labels, registry=r).labels(*v)
+
+        def counter(name, doc):
+            return Counter(name, doc, labels, registry=r).labels(*v)
+
+        def histogram(name, doc, buckets):
+            return Histogram(name, doc, labels, buckets=buckets, registry=r).labels(*v)
+
+        self.running = gauge("vllm:num_requests_running", "Number of requests in model execution batches.")
+        self.waiting = gauge("vllm:num_requests_waiting", "Number of requests waiting to be processed.")
+        self.kv_usage = gauge("vllm:kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage.")
+        self.prefix_queries = counter("vllm:prefix_cache_queries",
+                                      "Prefix cache queries, in terms of number of queried tokens.")
+        self.prefix_hits = counter("vllm:prefix_cache_hits", "Prefix cache hits, in terms of number of cached tokens.")
+        self.preemptions = counter("vllm:num_preemptions", "Cumulative number of preemption from the engine.")
+        self.prompt_tokens = counter("vllm:prompt_tokens", "Number of prefill tokens processed "
+                                     "(computed by the engine: prefix-cache hits are not).")
+        self.generation_tokens = counter("vllm:generation_tokens", "Number of generation tokens processed.")
+        self.requests = Counter("vllm:request_success", "Count of successfully processed requests.",
+                                labels + ["finished_reason"], registry=r)
+        for reason in ("stop", "length"):  # present (at 0) from the start, as in vLLM
+            self.requests.labels(*v, reason)
+        self.generation_tokens_request = histogram(
+            "vllm:request_generation_tokens", "Number of generation tokens processed.", TOKEN_COUNT_BUCKETS)
+        self.ttft = histogram("vllm:time_to_first_token_seconds", "Histogram of time to first token in seconds.",
+                              TTFT_BUCKETS)
+        self.tpot = histogram("vllm:request_time_per_output_token_seconds",
+                              "Histogram of time_per_output_token_seconds per request.", TPOT_BUCKETS)
+        self.e2e = histogram("vllm:e2e_request_latency_seconds", "Histogram of e2e request latency in seconds.",
+                             REQUEST_LATENCY_BUCKETS)
+        self.queue_time = histogram("vllm:request_queue_time_seconds",
+                                    "Histogram of time spent in WAITING phase for request.", REQUEST_LATENCY_BUCKETS)
+        self.inference_time = histogram("vllm:request_inference_time_seconds",
+                                        "Histogram of time spent in RUNNING phase for request.",
+                                        REQUEST_LATENCY_BUCKETS)
+        self.prefill_time = histogram("vllm:request_prefill_time_seconds",
+                                      "Histogram of time spent in PREFILL phase for request.", REQUEST_LATENCY_BUCKETS)
+        self.decode_time = histogram("vllm:request_decode_time_seconds",
+                                     "Histogram of time spent in DECODE phase for request.", REQUEST_LATENCY_BUCKETS)
+        # pagedserve's own
+        self.prefix_hit_rate = Gauge("pagedserve_prefix_cache_hit_rate", "Prefix-cache hits / queries (tokens) "
+                                     "since the engine core started", own, registry=r).labels(model_name)
         self.failures = Counter("pagedserve_request_failures", "Requests that failed, by where: engine "
                                 "(a failed step or this request's part of one), output (handling its "
                                 "output), loop (the output loop), engine_died, shutdown, rejected",
-                                labels + ["source"], registry=r)
+                                own + ["source"], registry=r)
         self.step_failures = Counter("pagedserve_engine_step_failures", "Engine steps that raised",
-                                     labels, registry=r)
+                                     own, registry=r).labels(model_name)
         self.restarts = Counter("pagedserve_engine_restarts", "Engine-core processes started after "
-                                "one died", labels, registry=r)
+                                "one died", own, registry=r).labels(model_name)
         self._last = _ZERO
         self._logged = (time.monotonic(), 0, 0)
 
@@ -65,22 +137,22 @@ class Metrics:
         none yet: the gauges read as an empty engine, the counters stay)."""
         if stats is None:
             stats = CoreStats(0, 0, 0.0, *self._cumulative(self._last))
-        m, last = self.model_name, self._last
-        self.running.labels(m).set(stats.num_running)
-        self.waiting.labels(m).set(stats.num_waiting)
-        self.kv_usage.labels(m).set(stats.kv_usage)
-        self.prefix_hit_rate.labels(m).set(stats.prefix_hits / stats.prefix_queries if stats.prefix_queries else 0.0)
-        self.prefix_queries.labels(m).inc(stats.prefix_queries - last.prefix_queries)
-        self.prefix_hits.labels(m).inc(stats.prefix_hits - last.prefix_hits)
-        self.preemptions.labels(m).inc(stats.num_preemptions - last.num_preemptions)
-        self.prompt_tokens.labels(m).inc(stats.prompt_tokens_computed - last.prompt_tokens_computed)
-        self.generation_tokens.labels(m).inc(stats.generation_tokens - last.generation_tokens)
-        self.step_failures.labels(m).inc(stats.failed_steps - last.failed_steps)
+        last = self._last
+        self.running.set(stats.num_running)
+        self.waiting.set(stats.num_waiting)
+        self.kv_usage.set(stats.kv_usage)
+        self.prefix_hit_rate.set(stats.prefix_hits / stats.prefix_queries if stats.prefix_queries else 0.0)
+        self.prefix_queries.inc(stats.prefix_queries - last.prefix_queries)
+        self.prefix_hits.inc(stats.prefix_hits - last.prefix_hits)
+        self.preemptions.inc(stats.num_preemptions - last.num_preemptions)
+        self.prompt_tokens.inc(stats.prompt_tokens_computed - last.prompt_tokens_computed)
+        self.generation_tokens.inc(stats.generation_tokens - last.generation_tokens)
+        self.step_failures.inc(stats.failed_steps - last.failed_steps)
         self._last = stats
 
     def on_engine_restart(self) -> None:
         """A new engine core serves: its cumulative counts start from zero again."""
-        self.restarts.labels(self.model_name).inc()
+        self.restarts.inc()
         self._last = _ZERO
         self._logged = (time.monotonic(), 0, 0)
         self.update(_ZERO)  # gauges back to an empty engine
@@ -94,18 +166,25 @@ class Metrics:
                 s.generation_tokens, s.failed_steps, s.failed_requests)
 
     def on_finish(self, pending, state: SampleState, now: float) -> None:
-        """Record one finished sample's latencies (called by the engine client)."""
-        m = self.model_name
-        self.requests.labels(m, state.finish_reason or "unknown").inc()
-        self.e2e.labels(m).observe(now - pending.arrival)
-        if state.queue_s is not None:
-            self.queue_time.labels(m).observe(max(state.queue_s, 0.0))
-            self.prefill_time.labels(m).observe(max(state.prefill_s, 0.0))
+        """Record one finished sample (called by the engine client); `now` is when its last
+        output arrived here."""
+        self.requests.labels(self.model_name, ENGINE, state.finish_reason or "unknown").inc()
+        self.e2e.observe(now - pending.arrival)
+        n = len(state.token_ids)
+        self.generation_tokens_request.observe(n)
+        decode = None
         if pending.first_token is not None:
-            self.ttft.labels(m).observe(pending.first_token - pending.arrival)
-            n = len(state.token_ids)
+            self.ttft.observe(pending.first_token - pending.arrival)
+            decode = now - pending.first_token
+            self.decode_time.observe(decode)
             if n > 1:
-                self.tpot.labels(m).observe((now - pending.first_token) / (n - 1))
+                self.tpot.observe(decode / (n - 1))
+        if state.queue_s is not None:
+            prefill = max(state.prefill_s, 0.0)
+            self.queue_time.observe(max(state.queue_s, 0.0))
+            self.prefill_time.observe(prefill)
+            if decode is not None:
+                self.inference_time.observe(prefill + decode)
 
     def render(self, stats: CoreStats | None) -> bytes:
         self.update(stats)
