@@ -36,16 +36,16 @@ if [ "$PART" = "sweep" ]; then  # NAME=... SERVE_ARGS=... to compare server sett
 elif [ "$PART" = "ours" ]; then
     run pagedserve --launch "$SERVE --log-level INFO" --launch-log "$OUT/server_sweep.log" --label pagedserve --input-len 1024 --output-len 128 \
         --concurrency-sweep 1,16,64,256 --num-prompts-per-level 32,64,256,1024 --warmup 4
-    run pagedserve_short --launch "$SERVE" --label pagedserve --dataset short --endpoint chat \
+    run pagedserve_short --launch "$SERVE" --label pagedserve --dataset short --endpoint chat --ignore-eos \
         --output-len 100 --concurrency-sweep 1,3,5,10 --num-prompts 15 --warmup 2
-    run pagedserve_prefix_on --launch "$SERVE" --label "prefix caching on" --dataset prefix \
+    run pagedserve_prefix_on --launch "$SERVE" --label "prefix caching on" --dataset prefix --ignore-eos \
         --prefix-len 1536 --input-len 2048 --output-len 64 --num-prefixes 4 --num-prompts 256 \
         --max-concurrency 32 --warmup 0
     run pagedserve_prefix_off --launch "$SERVE --no-enable-prefix-caching" --label "prefix caching off" \
-        --dataset prefix --prefix-len 1536 --input-len 2048 --output-len 64 --num-prefixes 4 \
+        --dataset prefix --ignore-eos --prefix-len 1536 --input-len 2048 --output-len 64 --num-prefixes 4 \
         --num-prompts 256 --max-concurrency 32 --warmup 0
 elif [ "$PART" = "short" ]; then  # the wrapper benchmark alone
-    run pagedserve_short --launch "$SERVE" --label pagedserve --dataset short --endpoint chat \
+    run pagedserve_short --launch "$SERVE" --label pagedserve --dataset short --endpoint chat --ignore-eos \
         --output-len 100 --concurrency-sweep 1,3,5,10 --num-prompts 15 --warmup 2
 elif [ "$PART" = "diag" ]; then  # slow steps and a py-spy profile of the server's processes
     python3 -m pip install -q --no-index --find-links .whl --target /tmp/pyspy py-spy
@@ -68,10 +68,10 @@ elif [ "$PART" = "hf" ]; then
         --num-prompts-per-level 4,32,64,256 --warmup 1
     run hf --launch "$SERVE --engine hf" --label "hf (naive)" --input-len 1024 --output-len 128 \
         --concurrency-sweep 1,16 --num-prompts-per-level 4,16 --warmup 1
-    run hf_short --launch "$SERVE --engine hf" --label "hf (naive)" --dataset short --endpoint chat \
+    run hf_short --launch "$SERVE --engine hf" --label "hf (naive)" --dataset short --endpoint chat --ignore-eos \
         --output-len 100 --concurrency-sweep 1,3,5,10 --num-prompts 15 --warmup 1
 elif [ "$PART" = "hf_short" ]; then  # the wrapper benchmark alone, at the levels in $LEVELS
-    run hf_short --launch "$SERVE --engine hf" --label "hf (naive)" --dataset short --endpoint chat \
+    run hf_short --launch "$SERVE --engine hf" --label "hf (naive)" --dataset short --endpoint chat --ignore-eos \
         --output-len 100 --concurrency-sweep "${LEVELS:-1,3,5,10}" --num-prompts 15 --warmup 1
 fi
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader > "$OUT/gpu.txt" 2>&1

@@ -145,3 +145,32 @@ def test_malformed_files(tmp_path: Path) -> None:
         load_result(tmp_path / "missing.json")
     with pytest.raises(ValueError, match=r"garbage\.json"):
         run_compare(argparse.Namespace(results=[str(garbage)], out_dir=None, labels=None))
+
+
+def test_without_matplotlib_the_table_comes_and_one_line_names_the_fix(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> None:
+    """An install without matplotlib (it is a default dependency now, but older installs lack
+    it) still gets the table and comparison.md; the plots are skipped with one line saying how
+    to get them, not a ModuleNotFoundError."""
+    import sys
+
+    for name in ("matplotlib", "matplotlib.figure", "matplotlib.backends.backend_agg"):
+        monkeypatch.setitem(sys.modules, name, None)  # `import` now fails as if not installed
+    files = _write(tmp_path)
+    summary = run_compare(argparse.Namespace(results=files, out_dir=None, labels=None))
+    captured = capsys.readouterr()
+    assert all(row in captured.out for row in ROWS)
+    assert summary["plots"] == [] and "pip install matplotlib" in summary["plots_skipped"]
+    (line,) = captured.err.strip().splitlines()
+    assert line.startswith("bench compare: plots skipped: matplotlib is not installed")
+    assert "pip install matplotlib" in line
+    text = (tmp_path / "comparison.md").read_text()
+    assert all(row in text for row in ROWS) and ".png" not in text
+
+
+def test_matplotlib_is_a_default_dependency() -> None:
+    """`make run` installs the default set (scripts/install.sh: `pip install -e .`), so
+    `bench compare` has its plots there."""
+    tomllib = pytest.importorskip("tomllib")  # Python 3.11+
+    deps = tomllib.loads((Path(__file__).parents[1] / "pyproject.toml").read_text())["project"]["dependencies"]
+    assert "matplotlib" in deps

@@ -91,15 +91,18 @@ def test_datasets_are_reproducible_by_seed(tmp_path):
 
 
 def _args(**kw):
-    base = dict(model=None, api_key=None, label="ours", endpoint="completions", dataset="random",
-                input_len=24, output_len=6, range_ratio=0.0, prefix_len=16, num_prefixes=1,
-                num_prompts=6, num_prompts_per_level=None, request_rate=float("inf"),
-                burstiness=1.0, max_concurrency=None, concurrency_sweep="1,3", warmup=1,
-                temperature=0.0, ignore_eos=True, goodput=None, timeout=120.0, seed=0,
-                no_progress=True, save_result=None, launch=None, launch_timeout=60.0, launch_log=None,
-                json_schema=None, unique_schemas=False)
-    base.update(kw)
-    return SimpleNamespace(**base)
+    """`bench serve`'s settings as the parser and `resolve_serve_args` give them: small defaults
+    for the tests, then `kw` (flag destinations; `ignore_eos` on unless given)."""
+    from pagedserve.bench.serve_args import resolve_serve_args
+    from pagedserve.cli import build_parser
+
+    args = build_parser().parse_args(["bench", "serve"])
+    small = dict(label="ours", input_len=24, output_len=6, num_prompts=6, concurrency_sweep="1,3",
+                 warmup=1, ignore_eos=True, timeout=120.0, no_progress=True, launch_timeout=60.0)
+    for key, value in {**small, **kw}.items():
+        assert hasattr(args, key), f"bench serve has no setting {key!r}"
+        setattr(args, key, value)
+    return resolve_serve_args(args)
 
 
 def test_end_to_end_against_a_real_server(server, tmp_path):

@@ -1,6 +1,6 @@
 """`pagedserve bench compare`: side-by-side table and plots from saved `bench serve` results.
 
-Each input is a JSON file written by `pagedserve bench serve --save-result FILE`. The first file
+Each input is a JSON file written by `pagedserve bench serve --save-result [FILE]`. The first file
 is the baseline: every engine gets a "speed-up vs <first label>" column (ratio of output tok/s).
 Runs are matched by `max_concurrency`; a null concurrency (unlimited) is its own row, "inf", last.
 """
@@ -10,10 +10,13 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import sys
 from pathlib import Path
 from typing import Any
 
 TOP_KEYS = ("label", "runs")
+NO_MATPLOTLIB = ("plots skipped: matplotlib is not installed; `pip install matplotlib` "
+                 "(or `pip install 'pagedserve[bench]'`) adds them")
 RUN_KEYS = ("max_concurrency", "output_throughput", "ttft_ms", "tpot_ms")
 PCT_KEYS = ("median", "p99")
 
@@ -222,15 +225,26 @@ def run_compare(args: argparse.Namespace) -> dict:
     out_dir = Path(getattr(args, "out_dir", None) or files[0].parent)
     table = compare_table(results, labels)
     print(table, end="")
-    plots = plot(results, labels, out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    try:
+        plots = plot(results, labels, out_dir)
+        skipped = None
+    except ModuleNotFoundError as e:
+        if e.name != "matplotlib" and not (e.name or "").startswith("matplotlib."):
+            raise
+        plots, skipped = [], NO_MATPLOTLIB
+        print(f"bench compare: {NO_MATPLOTLIB}", file=sys.stderr)
     md = ["# pagedserve bench compare", ""]
     md += [f"- **{lab}**: `{f}` (model {r.get('model', '?')}, endpoint {r.get('endpoint', '?')})"
            for lab, f, r in zip(labels, files, results)]
     md += ["", table, *(f"![{p.stem}]({p.name})" for p in plots), ""]
     md_path = out_dir / "comparison.md"
     md_path.write_text("\n".join(md))
-    return {"comparison_md": str(md_path), "plots": [str(p) for p in plots], "labels": labels,
-            "baseline": labels[0], "speedup": speedups(results, labels)}
+    summary = {"comparison_md": str(md_path), "plots": [str(p) for p in plots], "labels": labels,
+               "baseline": labels[0], "speedup": speedups(results, labels)}
+    if skipped:
+        summary["plots_skipped"] = skipped
+    return summary
 
 
 def _cmd_compare(args: argparse.Namespace) -> int:

@@ -46,18 +46,19 @@ def _lengths(n: int, mean: int, ratio: float, rng: random.Random) -> list[int]:
 
 
 def random_dataset(n: int, input_len: int, output_len: int, range_ratio: float, seed: int,
-                   text: bool = False, vocab_cap: int = 32000) -> list[BenchRequest]:
+                   text: bool = False, vocab_cap: int = 32000, prefix_len: int = 0) -> list[BenchRequest]:
     """Random prompts, lengths uniform in len*(1-r)..len*(1+r); token ids below vocab_cap
-    (exact lengths) or text of about input_len words."""
+    (exact lengths) or text of about input_len words. With `prefix_len` (vLLM's
+    --random-prefix-len) every prompt starts with the same prefix_len tokens (words)."""
     rng = random.Random(seed)
     ins, outs = _lengths(n, input_len, range_ratio, rng), _lengths(n, output_len, range_ratio, rng)
-    reqs = []
-    for i, o in zip(ins, outs):
-        if text:
-            reqs.append(BenchRequest(" ".join(rng.choice(_WORDS) for _ in range(i)), o))
-        else:
-            reqs.append(BenchRequest([rng.randrange(10, vocab_cap) for _ in range(i)], o, i))
-    return reqs
+    if text:
+        prefix = [rng.choice(_WORDS) for _ in range(prefix_len)]
+        return [BenchRequest(" ".join(prefix + [rng.choice(_WORDS) for _ in range(i)]), o)
+                for i, o in zip(ins, outs)]
+    ids = [rng.randrange(10, vocab_cap) for _ in range(prefix_len)]
+    return [BenchRequest(ids + [rng.randrange(10, vocab_cap) for _ in range(i)], o, prefix_len + i)
+            for i, o in zip(ins, outs)]
 
 
 def prefix_dataset(n: int, prefix_len: int, input_len: int, output_len: int, num_prefixes: int,
@@ -79,11 +80,12 @@ def short_dataset(n: int, output_len: int) -> list[BenchRequest]:
     return [BenchRequest(SHORT_PROMPTS[i % len(SHORT_PROMPTS)], output_len) for i in range(n)]
 
 
-def file_dataset(path: str, n: int, output_len: int, seed: int) -> list[BenchRequest]:
+def file_dataset(path: str, n: int, output_len: int, seed: int,
+                 fixed_output_len: int | None = None) -> list[BenchRequest]:
     """Prompts from a JSON list or JSONL file of ShareGPT conversations
     ({"conversations": [{"from": "human", "value": ...}, ...]}) or of {"prompt": ...} / strings.
-    The first human turn is the prompt; the first reply's length in words, if any, sets the
-    output length, else output_len."""
+    The first human turn is the prompt; the output length is `fixed_output_len` when given, else
+    the first reply's length in words, if any, else output_len."""
     p = Path(path)
     if not p.is_file():
         raise ValueError(f"dataset file {path} does not exist")
@@ -98,7 +100,9 @@ def file_dataset(path: str, n: int, output_len: int, seed: int) -> list[BenchReq
         prompt, out = _parse_item(item), output_len
         if prompt is None:
             continue
-        if isinstance(item, dict) and len(item.get("conversations", [])) > 1:
+        if fixed_output_len is not None:
+            out = fixed_output_len
+        elif isinstance(item, dict) and len(item.get("conversations", [])) > 1:
             out = max(1, len(str(item["conversations"][1].get("value", "")).split()))
         reqs.append(BenchRequest(prompt, out))
     if not reqs:

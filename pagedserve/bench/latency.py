@@ -6,7 +6,7 @@ import random
 import time
 
 from pagedserve.bench.roofline import Roofline
-from pagedserve.bench.throughput import git_commit, gpu_name
+from pagedserve.bench.run_info import device_name, git_commit, no_roofline_reason
 
 
 def run_latency(args, llm_kwargs: dict, llm=None) -> dict:
@@ -27,6 +27,8 @@ def run_latency(args, llm_kwargs: dict, llm=None) -> dict:
         startup = time.perf_counter() - t0
     engine, cfg = llm.engine, llm.engine.model_config
     roof = Roofline.for_model(cfg)
+    device = engine.config.resolved_device()
+    no_roof = no_roofline_reason(device)  # a CPU: bandwidth measured, no H200 ideal to judge by
     rng = random.Random(args.seed)
     rows = []
     for bs in sizes:
@@ -53,18 +55,22 @@ def run_latency(args, llm_kwargs: dict, llm=None) -> dict:
         ctx = args.input_len + 4 + args.steps // 2  # mean context during the timed steps
         ideal_ms = roof.decode_step_seconds(ctx, bs) * 1e3
         moved = roof.weight_bytes + bs * ctx * roof.kv_bytes_per_token
-        rows.append({"batch": bs, "ms_per_step": round(ms, 3), "tokens_per_s": round(bs / ms * 1e3, 1),
-                     "ideal_ms": round(ideal_ms, 3), "roofline_efficiency": round(ideal_ms / ms, 4),
-                     "bandwidth_tb_s": round(moved / (ms / 1e3) / 1e12, 3),
-                     "bandwidth_utilisation": round(moved / (ms / 1e3) / roof.bandwidth, 4),
-                     "host_ms_per_step": phases})
+        row = {"batch": bs, "ms_per_step": round(ms, 3), "tokens_per_s": round(bs / ms * 1e3, 1),
+               "ideal_ms": round(ideal_ms, 3), "roofline_efficiency": round(ideal_ms / ms, 4),
+               "bandwidth_tb_s": round(moved / (ms / 1e3) / 1e12, 3),
+               "bandwidth_utilisation": round(moved / (ms / 1e3) / roof.bandwidth, 4),
+               "host_ms_per_step": phases}
+        judged = f"ideal {ideal_ms:.3f} ms  efficiency {ideal_ms / ms:.1%}"
+        if no_roof:
+            row.update(ideal_ms=None, roofline_efficiency=None, bandwidth_utilisation=None)
+            judged = f"roofline {no_roof}"
+        rows.append(row)
         engine.abort_requests(ids)
-        print(f"batch {bs:>4}: {ms:8.3f} ms/step  {bs / ms * 1e3:10.1f} tok/s  "
-              f"ideal {ideal_ms:.3f} ms  efficiency {ideal_ms / ms:.1%}  "
+        print(f"batch {bs:>4}: {ms:8.3f} ms/step  {bs / ms * 1e3:10.1f} tok/s  {judged}  "
               f"bandwidth {moved / (ms / 1e3) / 1e12:.2f} TB/s  host {phases}", flush=True)
     engine.kv.check_integrity(expect_all_free=True)
-    return {"benchmark": "latency", "model": engine.source.name, "gpu": gpu_name(),
-            "commit": git_commit(), "input_len": args.input_len, "steps": args.steps,
+    return {"benchmark": "latency", "model": engine.source.name, "gpu": device_name(device),
+            "commit": git_commit(), "roofline_note": no_roof, "input_len": args.input_len, "steps": args.steps,
             "startup_s": round(startup, 2) if startup is not None else None,
             "graph_capture_s": round(engine.graph_capture_seconds, 2),
             "matmul_plan_s": round(engine.matmul_plan_seconds, 2),

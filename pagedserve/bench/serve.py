@@ -43,18 +43,19 @@ def arrival_gaps(n: int, rate: float, burstiness: float, seed: int) -> list[floa
 
 
 def build_dataset(args, seed: int | None = None) -> list[BenchRequest]:
-    """Warm-up plus measured prompts for one level (`seed` defaults to --seed)."""
+    """Warm-up plus measured prompts for one level (`seed` defaults to --seed); `args` as
+    `serve_args.resolve_serve_args` leaves them."""
     n = args.num_prompts + args.warmup
     seed = args.seed if seed is None else seed
     if args.dataset == "random":
         return random_dataset(n, args.input_len, args.output_len, args.range_ratio, seed,
-                              text=args.endpoint == "chat")
+                              text=args.endpoint == "chat", prefix_len=args.random_prefix_len)
     if args.dataset == "prefix":
         return prefix_dataset(n, args.prefix_len, args.input_len, args.output_len,
                               args.num_prefixes, seed)
     if args.dataset == "short":
         return short_dataset(n, args.output_len)
-    return file_dataset(args.dataset, n, args.output_len, seed)
+    return file_dataset(args.dataset, n, args.output_len, seed, fixed_output_len=args.file_output_len)
 
 
 _schema_ids = itertools.count()
@@ -181,7 +182,8 @@ async def run_level(base_url: str, reqs: list[BenchRequest], args, model: str,
             cpu.update(cpu_used(cpu_before, server_usage()))
         server_side = latency_means(metrics_before, await scrape_latencies(session, base_url))
         bar.close()
-    metrics = compute_metrics(list(records), duration, parse_goodput(args.goodput))
+    metrics = compute_metrics(list(records), duration, parse_goodput(args.goodput),
+                              args.metric_percentiles)
     return {"max_concurrency": concurrency, "request_rate": str(args.request_rate),
             "num_prompts": len(measured), **metrics, "cpu": cpu, "server_side_ms": server_side}
 

@@ -46,22 +46,30 @@ class RequestRecord:
         return [b - a for a, b in zip(self.chunk_times, self.chunk_times[1:])]
 
 
-def summarize(values_s: list[float]) -> dict[str, float | None]:
-    """Mean, median and percentiles of seconds, in milliseconds (None when empty)."""
+def percentile_key(p: float) -> str:
+    """The result key of a percentile: 99 -> "p99", 99.9 -> "p99.9" (vLLM's naming)."""
+    return f"p{int(p)}" if float(p).is_integer() else f"p{p}"
+
+
+def summarize(values_s: list[float], extra: list[float] | tuple = ()) -> dict[str, float | None]:
+    """Mean, median and percentiles (PERCENTILES plus `extra`, e.g. --metric-percentiles) of
+    seconds, in milliseconds (None when empty)."""
+    wanted = sorted({*(p for p in PERCENTILES if p != 50), *(p for p in extra if p != 50)})
     if not values_s:
-        return {"mean": None, "median": None, **{f"p{p}": None for p in PERCENTILES if p != 50}}
+        return {"mean": None, "median": None, **{percentile_key(p): None for p in wanted}}
     ms = np.asarray(values_s, dtype=np.float64) * 1e3
     out: dict[str, float | None] = {"mean": float(ms.mean()), "median": float(np.percentile(ms, 50))}
-    for p in PERCENTILES:
-        if p != 50:
-            out[f"p{p}"] = float(np.percentile(ms, p))
+    for p in wanted:
+        out[percentile_key(p)] = float(np.percentile(ms, p))
     return out
 
 
 def compute_metrics(records: list[RequestRecord], duration_s: float,
-                    goodput: dict[str, float] | None = None) -> dict:
+                    goodput: dict[str, float] | None = None,
+                    percentiles: list[float] | tuple = ()) -> dict:
     """Aggregate figures of one run. `goodput` maps "ttft"/"tpot"/"e2el" to SLOs in ms: a
-    completed request counts towards goodput when it meets every given SLO."""
+    completed request counts towards goodput when it meets every given SLO. `percentiles`:
+    reported besides the usual p50/p90/p95/p99."""
     done = [r for r in records if r.ok]
     out_tokens = sum(r.output_tokens for r in done)
     in_tokens = sum(r.prompt_tokens for r in done)
@@ -75,10 +83,10 @@ def compute_metrics(records: list[RequestRecord], duration_s: float,
         "request_throughput": len(done) / duration_s if duration_s > 0 else 0.0,
         "output_throughput": out_tokens / duration_s if duration_s > 0 else 0.0,
         "total_token_throughput": (in_tokens + out_tokens) / duration_s if duration_s > 0 else 0.0,
-        "ttft_ms": summarize([r.ttft for r in done]),
-        "tpot_ms": summarize(tpots),
-        "itl_ms": summarize([g for r in done for g in r.itls]),
-        "e2el_ms": summarize([r.e2el for r in done]),
+        "ttft_ms": summarize([r.ttft for r in done], percentiles),
+        "tpot_ms": summarize(tpots, percentiles),
+        "itl_ms": summarize([g for r in done for g in r.itls], percentiles),
+        "e2el_ms": summarize([r.e2el for r in done], percentiles),
         "goodput_rps": None,
         "errors": sorted({r.error for r in records if r.error})[:5],
     }

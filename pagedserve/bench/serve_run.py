@@ -8,10 +8,13 @@ from pathlib import Path
 
 from pagedserve.bench.launcher import LaunchedServer
 from pagedserve.bench.serve import build_dataset, discover_model, run_async, run_level
+from pagedserve.bench.serve_args import result_path
+from pagedserve.bench.serve_metrics import percentile_key
 
 
 def run_serve(args) -> dict:
-    """Measure the server at --base-url (first starting it with --launch); print, save, return."""
+    """Measure the server at --base-url (first starting it with --launch); print, save, return.
+    `args` as `serve_args.resolve_serve_args` leaves them."""
     base_url = args.base_url.rstrip("/")
     if args.launch:
         with LaunchedServer(args.launch, base_url, args.launch_timeout, log_path=args.launch_log) as server:
@@ -21,9 +24,11 @@ def run_serve(args) -> dict:
         print_launch(result["launch"])
     else:
         result = _measure(args, base_url)
-    if args.save_result:
-        Path(args.save_result).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.save_result).write_text(json.dumps(result, indent=1) + "\n")
+    path = result_path(args, result["model"])
+    if path is not None:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(result, indent=1) + "\n")
+        print(f"result saved to {path}")
     return result
 
 
@@ -46,12 +51,20 @@ def _measure(args, base_url: str, server_usage=None) -> dict:
         # Fresh prompts per level (seed + level index): no prefix-cache hits carried over.
         reqs = build_dataset(args, seed=args.seed + i)
         runs.append(run_async(run_level(base_url, reqs, args, model, level, server_usage)))
-        print_run(runs[-1])
+        print_run(runs[-1], args.percentile_metrics, args.metric_percentiles)
+    dataset = {"name": args.dataset, "input_len": args.input_len, "output_len": args.output_len,
+               "range_ratio": args.range_ratio, "seed": args.seed}
+    if args.dataset_name != args.dataset:
+        dataset["vllm_name"] = args.dataset_name  # e.g. sharegpt (name: its file)
+    if args.dataset == "prefix":
+        dataset.update(prefix_len=args.prefix_len, num_prefixes=args.num_prefixes)
+    if args.random_prefix_len:
+        dataset["random_prefix_len"] = args.random_prefix_len
     result = {
+        **args.metadata,
         "benchmark": "serve", "label": args.label or model, "base_url": base_url, "model": model,
-        "endpoint": args.endpoint, "date": time.strftime("%Y-%m-%d %H:%M:%S"),
-        "dataset": {"name": args.dataset, "input_len": args.input_len, "output_len": args.output_len,
-                    "range_ratio": args.range_ratio, "seed": args.seed},
+        "endpoint": args.endpoint, "backend": args.backend, "date": time.strftime("%Y-%m-%d %H:%M:%S"),
+        "dataset": dataset, "ignore_eos": args.ignore_eos, "temperature": args.temperature,
         "json_schema": args.json_schema, "unique_schemas": args.unique_schemas,
         "runs": runs,
     }
@@ -64,8 +77,9 @@ def print_launch(launch: dict) -> None:
           f"{'peak GPU memory (GiB)':<32} {'n/a (no NVML GPU)' if gib is None else f'{gib:.2f}'}")
 
 
-def print_run(run: dict) -> None:
-    """One readable block per level."""
+def print_run(run: dict, metrics=("ttft", "tpot", "itl", "e2el"), percentiles=(99,)) -> None:
+    """One readable block per level: mean, p50 and `percentiles` of each metric in `metrics`
+    (--percentile-metrics, --metric-percentiles)."""
     level = run["max_concurrency"] or "inf"
     print(f"\n==== concurrency {level}, request rate {run['request_rate']} ====")
     rows = [("completed / failed", f"{run['completed']} / {run['failed']}"),
@@ -73,10 +87,12 @@ def print_run(run: dict) -> None:
             ("request throughput (req/s)", f"{run['request_throughput']:.2f}"),
             ("output throughput (tok/s)", f"{run['output_throughput']:.1f}"),
             ("total throughput (tok/s)", f"{run['total_token_throughput']:.1f}")]
-    for key, name in (("ttft_ms", "TTFT"), ("tpot_ms", "TPOT"), ("itl_ms", "ITL"), ("e2el_ms", "E2E latency")):
-        s = run[key]
-        if s["mean"] is not None:
-            rows.append((f"{name} mean / p50 / p99 (ms)", f"{s['mean']:.1f} / {s['median']:.1f} / {s['p99']:.1f}"))
+    keys = ["mean", "median", *(percentile_key(p) for p in percentiles if p != 50)]
+    heads = " / ".join(k.replace("median", "p50") for k in keys)
+    for metric, name in (("ttft", "TTFT"), ("tpot", "TPOT"), ("itl", "ITL"), ("e2el", "E2E latency")):
+        s = run[f"{metric}_ms"]
+        if metric in metrics and s["mean"] is not None:
+            rows.append((f"{name} {heads} (ms)", " / ".join(f"{s[k]:.1f}" for k in keys)))
     cpu, dur = run.get("cpu") or {}, max(run["duration_s"], 1e-9)
     if cpu:
         busy = f"client {100 * cpu['client_s'] / dur:.0f}%"

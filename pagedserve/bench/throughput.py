@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import json
 import random
-import subprocess
 import time
 from pathlib import Path
 
 from pagedserve.bench.roofline import Roofline
+from pagedserve.bench.run_info import device_name, git_commit, no_roofline_reason
 
 
 def make_lengths(num: int, mean: int, range_ratio: float, rng: random.Random) -> list[int]:
@@ -21,20 +21,6 @@ def random_prompts(input_lens: list[int], vocab: int, rng: random.Random) -> lis
     """Random token-id prompts (ids below 32,000 decode as text with any stand-in tokenizer)."""
     top = min(vocab, 32000)
     return [[rng.randrange(10, top) for _ in range(n)] for n in input_lens]
-
-
-def git_commit() -> str:
-    try:
-        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
-                              text=True, check=True).stdout.strip()
-    except (OSError, subprocess.CalledProcessError):
-        return "unknown"
-
-
-def gpu_name() -> str:
-    import torch
-
-    return torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
 
 
 def run_throughput(args, llm_kwargs: dict, llm=None) -> dict:
@@ -87,14 +73,13 @@ def run_throughput(args, llm_kwargs: dict, llm=None) -> dict:
     out_tokens = sum(len(o.outputs[0].token_ids) for o in outs)
     in_tokens = sum(input_lens)
     assert out_tokens == sum(output_lens), "ignore_eos runs must produce exactly max_tokens each"
-    roof = Roofline.for_model(cfg)
-    ideal = roof.workload_seconds(input_lens, output_lens, llm.engine.scheduler_config.max_num_seqs)
+    device = llm.engine.config.resolved_device()
     queries, hits = kv.stats.queries - queries0, kv.stats.hits - hits0
     result = {
         "benchmark": "throughput",
         "model": llm.engine.source.name,
         "load_format": llm_kwargs.get("load_format"),
-        "gpu": gpu_name(),
+        "gpu": device_name(device),
         "commit": git_commit(),
         "num_prompts": args.num_prompts,
         "input_tokens": in_tokens,
@@ -112,9 +97,8 @@ def run_throughput(args, llm_kwargs: dict, llm=None) -> dict:
         "kv_capacity_tokens": kv.num_blocks * kv.block_size,
         "num_preemptions": llm.engine.scheduler.num_preemptions,
         "prefix_cache_hit_rate": round(hits / queries, 4) if queries else 0.0,  # of the timed run's prompt tokens
-        "ideal_s": round(ideal, 3),
-        "roofline_output_tokens_per_s": round(out_tokens / ideal, 1),
-        "roofline_efficiency": round(ideal / elapsed, 4),
+        **roofline_fields(cfg, device, input_lens, output_lens,
+                          llm.engine.scheduler_config.max_num_seqs, out_tokens, elapsed),
         "steps": steps,
         "host_seconds_by_phase": host_s,
         "settings": {k: v for k, v in vars(args).items() if k not in ("func",)},
@@ -122,12 +106,26 @@ def run_throughput(args, llm_kwargs: dict, llm=None) -> dict:
     return result
 
 
+def roofline_fields(cfg, device, input_lens: list[int], output_lens: list[int], max_num_seqs: int,
+                    out_tokens: int, elapsed: float) -> dict:
+    """The ideal time and efficiency against the H200 roofline; on a CPU, none, and why."""
+    reason = no_roofline_reason(device)
+    if reason is not None:
+        return {"ideal_s": None, "roofline_output_tokens_per_s": None, "roofline_efficiency": None,
+                "roofline_note": reason}
+    ideal = Roofline.for_model(cfg).workload_seconds(input_lens, output_lens, max_num_seqs)
+    return {"ideal_s": round(ideal, 3), "roofline_output_tokens_per_s": round(out_tokens / ideal, 1),
+            "roofline_efficiency": round(ideal / elapsed, 4)}
+
+
 def print_and_save(result: dict, path: str | None) -> None:
     """Print a readable summary, then the JSON object as the last line; save it if asked."""
     for key in ("model", "gpu", "elapsed_s", "requests_per_s", "output_tokens_per_s",
                 "total_tokens_per_s", "startup_s", "peak_gpu_memory_gib", "kv_capacity_tokens",
-                "roofline_efficiency"):
-        if key in result:
+                "roofline_efficiency", "commit"):
+        if key == "roofline_efficiency" and result.get("roofline_note"):
+            print(f"{key:>24}: {result['roofline_note']}")
+        elif key in result:
             print(f"{key:>24}: {result[key]}")
     line = json.dumps(result)
     if path:

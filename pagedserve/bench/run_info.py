@@ -1,0 +1,63 @@
+"""What a benchmark result records about where it ran: the commit measured, the device, and
+whether the roofline (an H200's, DESIGN.md section 4) applies to it."""
+
+from __future__ import annotations
+
+import subprocess
+from pathlib import Path
+
+SOURCE_ROOT = Path(__file__).resolve().parents[2]  # the checkout holding pagedserve/, if any
+
+
+def git_commit(root: Path = SOURCE_ROOT) -> str:
+    """The short commit of the checkout pagedserve runs from, wherever the command was started;
+    "unknown" outside a checkout (an installed wheel). Read from .git directly when git itself
+    is missing or refuses the folder (another user's checkout: "dubious ownership")."""
+    if not (root / ".git").exists():
+        return "unknown"
+    try:
+        return subprocess.run(["git", "-C", str(root), "rev-parse", "--short", "HEAD"],
+                              capture_output=True, text=True, check=True, timeout=10).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        return _read_head(root / ".git") or "unknown"
+
+
+def _read_head(git: Path) -> str | None:
+    """HEAD's commit from the files of a .git folder (a worktree's .git file points to one)."""
+    try:
+        if git.is_file():  # "gitdir: /path/to/repo/.git/worktrees/x"
+            git = Path(git.read_text().split(":", 1)[1].strip())
+        head = (git / "HEAD").read_text().strip()
+        if not head.startswith("ref: "):
+            return head[:7] or None
+        ref = head[5:]
+        common = git / "commondir"
+        base = (git / common.read_text().strip()).resolve() if common.is_file() else git
+        for folder in (git, base):
+            if (folder / ref).is_file():
+                return (folder / ref).read_text().strip()[:7]
+        for line in (base / "packed-refs").read_text().splitlines():
+            if line.endswith(" " + ref):
+                return line.split()[0][:7]
+    except (OSError, IndexError):
+        pass
+    return None
+
+
+def device_name(device) -> str:
+    """The GPU's name for a CUDA device, else the device type ("cpu")."""
+    import torch
+
+    device = torch.device(device)
+    if device.type == "cuda" and torch.cuda.is_available():
+        return torch.cuda.get_device_name(device)
+    return device.type
+
+
+def no_roofline_reason(device) -> str | None:
+    """Why a run on `device` gets no roofline figure (None when it does): the roofline's
+    bandwidth and FLOP/s are an H200's, so a CPU run would only ever read "0.0"."""
+    import torch
+
+    kind = torch.device(device).type
+    return None if kind == "cuda" else f"n/a (no GPU roofline for {kind})"
