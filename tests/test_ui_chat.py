@@ -1,5 +1,6 @@
-"""The chat UI's logic (pagedserve/ui/chat.py) without a browser: streaming, history, reasoning,
-errors, and the stop button closing the stream so the server aborts the request."""
+"""The chat UI's logic (pagedserve/ui/chat.py, settings.py) without a browser: streaming,
+history, reasoning, regenerate, the settings panel's values and checks, the model's sampling
+defaults, errors, and the stop button closing the stream so the server aborts the request."""
 
 from __future__ import annotations
 
@@ -13,12 +14,12 @@ import openai
 import pytest
 from server_helpers import MODEL, free_port
 
-from pagedserve.ui.chat import (
-    ChatSession,
-    Delta,
+from pagedserve.ui.chat import ChatSession, Delta, ToolCallView, UIConfig
+from pagedserve.ui.settings import (
     GenerationSettings,
-    ToolCallView,
-    UIConfig,
+    describe_defaults,
+    parse_max_tokens,
+    parse_sampling_defaults,
     parse_tools,
 )
 
@@ -112,7 +113,107 @@ def test_settings_from_the_panel():
     s = GenerationSettings.from_dict({"temperature": 0.5, "top_p": 0.8, "max_tokens": 256.0,
                                       "system_prompt": "  Be nice. "}, default)
     assert s == GenerationSettings(0.5, 0.8, 256, "Be nice.")
-    assert GenerationSettings.from_dict({"system_prompt": "", "max_tokens": 0}, default).max_tokens == 1
+    assert GenerationSettings.from_dict({"system_prompt": "", "max_tokens": ""}, default) == default
+    # The max tokens field is a number input: the browser sends its text.
+    assert GenerationSettings.from_dict({"max_tokens": " 3 "}, default).max_tokens == 3
+    assert GenerationSettings.from_dict({"max_tokens": "2048"}, default, 2048).max_tokens == 2048
+
+
+def test_max_tokens_must_be_a_whole_number_in_range():
+    assert parse_max_tokens(7) == 7 and parse_max_tokens("16.0") == 16
+    for bad, limit, message in [
+            ("0", None, "Max tokens must be a whole number from 1 to 1000000, not '0'."),
+            ("-5", 2048, "Max tokens must be a whole number from 1 to 2048 (the model's context "
+                         "length), not '-5'."),
+            ("2049", 2048, "from 1 to 2048"), ("2.5", None, "not '2.5'"), ("ten", None, "not 'ten'"),
+            ("nan", None, "not 'nan'"), ("1e999", None, "not '1e999'"), (True, None, "not 'True'")]:
+        with pytest.raises(ValueError) as e:
+            GenerationSettings.from_dict({"max_tokens": bad}, GenerationSettings(), limit)
+        assert message in str(e.value) and "\n" not in str(e.value), str(e.value)
+
+
+def test_initial_settings_follow_the_flag_then_the_models_defaults():
+    model = {"temperature": 0.6, "top_p": 0.95, "top_k": 20}
+    assert GenerationSettings.initial(None, model) == GenerationSettings(temperature=0.6, top_p=0.95)
+    assert GenerationSettings.initial(0.0, model) == GenerationSettings(temperature=0.0, top_p=0.95)
+    assert GenerationSettings.initial(None, {}) == GenerationSettings()  # 0.7 and 1.0
+    # Values the panel's sliders cannot show are not taken.
+    assert GenerationSettings.initial(None, {"temperature": 5, "top_p": 0}) == GenerationSettings()
+    assert describe_defaults(model) == "model defaults: temperature 0.6, top_p 0.95, top_k 20"
+    assert describe_defaults({}) == ""
+    assert parse_sampling_defaults(None) == {} and parse_sampling_defaults([1]) == {}
+    assert parse_sampling_defaults({"temperature": 0.7, "top_k": 20, "do_sample": True,
+                                    "stop": ["x"], "min_p": float("nan")}) == {
+        "temperature": 0.7, "top_k": 20}
+
+
+def models_handler(entry: dict, bodies: list | None = None):
+    """A fake server listing one model entry (extra fields and all) and answering "Hi."."""
+    def handler(request: httpx.Request) -> httpx.Response:
+        if request.url.path.endswith("/models"):
+            return httpx.Response(200, json={"object": "list", "data": [
+                {"object": "model", "created": 0, "owned_by": "x"} | entry]})
+        if bodies is not None:
+            bodies.append(json.loads(request.content))
+        return httpx.Response(200, headers={"content-type": "text/event-stream"},
+                              content=sse([chunk({"content": "Hi."}), chunk({}, "stop")]))
+
+    return handler
+
+
+def test_probe_reads_the_models_context_and_sampling_defaults():
+    chat = mock_session(models_handler({"id": "qwen", "max_model_len": 4096, "sampling_defaults": {
+        "temperature": 0.7, "top_p": 0.8, "top_k": 20}}))
+    status = asyncio.run(chat.probe())
+    assert status.ok and status.headline == "connected · qwen" and status.max_model_len == 4096
+    assert status.sampling_defaults == {"temperature": 0.7, "top_p": 0.8, "top_k": 20}
+    assert status.details() == ("Connected to http://mock/v1: model **qwen**, context 4096 tokens. "
+                                "Model defaults: temperature 0.7, top_p 0.8, top_k 20.")
+    assert chat.status is status
+    # An older server (or another OpenAI-compatible one): neither field.
+    old = asyncio.run(mock_session(models_handler({"id": "old"})).probe())
+    assert old.ok and old.sampling_defaults == {} and old.max_model_len is None
+    assert old.details() == "Connected to http://mock/v1: model **old**."
+    odd = asyncio.run(mock_session(models_handler(
+        {"id": "odd", "sampling_defaults": "hot", "max_model_len": "big"})).probe())
+    assert odd.ok and odd.sampling_defaults == {} and odd.max_model_len is None
+
+
+def test_regenerate_replaces_the_last_answer_and_a_failure_keeps_it():
+    replies = iter(["Paris.", "It is Paris.", None])
+    bodies: list[dict] = []
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        bodies.append(json.loads(request.content))
+        text = next(replies)
+        if text is None:
+            return httpx.Response(500, json={"error": {"message": "engine died"}})
+        return httpx.Response(200, headers={"content-type": "text/event-stream"},
+                              content=sse([chunk({"content": text}), chunk({}, "stop")]))
+
+    chat = mock_session(handler)
+    chat.model = "m"
+    result = asyncio.run(chat.regenerate(GenerationSettings(), _ignore))
+    assert result.error == "There is no answer to regenerate yet." and not bodies
+    run_turn(chat, "Capital of France?")
+    first = list(chat.history)
+
+    async def again():
+        return await chat.regenerate(GenerationSettings(max_tokens=9), _ignore)
+
+    result = asyncio.run(again())
+    assert result.error is None and result.content == "It is Paris."
+    assert bodies[1]["messages"] == [{"role": "user", "content": "Capital of France?"}]
+    assert bodies[1]["max_tokens"] == 9
+    assert chat.history == [first[0], {"role": "assistant", "content": "It is Paris."}]
+    kept = list(chat.history)
+    result = asyncio.run(again())
+    assert result.error.startswith("The model server answered with an error (HTTP 500)")
+    assert chat.history == kept
+
+
+async def _ignore(_d: Delta) -> None:
+    pass
 
 
 WEATHER = {"type": "function", "function": {

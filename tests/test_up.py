@@ -81,7 +81,11 @@ def test_up_serves_both_and_sigint_stops_both(up_process):
     assert f"Chat UI:     http://127.0.0.1:{up.ui_port}" in out
     assert f"OpenAI API:  http://127.0.0.1:{up.port}/v1" in out
     assert httpx.get(f"http://127.0.0.1:{up.port}/health", timeout=5).status_code == 200
-    assert httpx.get(f"http://127.0.0.1:{up.ui_port}", timeout=5).status_code == 200
+    page = httpx.get(f"http://127.0.0.1:{up.ui_port}", timeout=5)
+    assert page.status_code == 200 and "<title>pagedserve</title>" in page.text
+    # The UI serves pagedserve's own favicon (also the assistant's avatar), not Chainlit's.
+    favicon = httpx.get(f"http://127.0.0.1:{up.ui_port}/favicon", timeout=5)
+    assert "<title>pagedserve</title>" in favicon.text, favicon.text[:200]
     cmds = [cmdline(p) for p in kids]
     assert any("pagedserve.cli serve" in c for c in cmds), cmds
     assert any("chainlit run" in c for c in cmds), cmds

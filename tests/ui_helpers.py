@@ -9,6 +9,7 @@ import signal
 import subprocess
 import sys
 import time
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from server_helpers import SubprocessUnderTest, free_port
@@ -20,15 +21,17 @@ ARTIFACTS = Path(__file__).parent / "artifacts"
 
 
 class UIProcess(SubprocessUnderTest):
-    """One `pagedserve ui` (Chainlit) on a free port of 127.0.0.1, temperature 0 by default."""
+    """One `pagedserve ui` (Chainlit) on a free port of 127.0.0.1, `--temperature 0` unless
+    `temperature` is None (then the panel starts at the model's defaults)."""
 
     WHAT, READY_PATH = "UI", ""
 
-    def __init__(self, base_url: str, *args: str) -> None:
+    def __init__(self, base_url: str, *args: str, temperature: str | None = "0") -> None:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
+        flags = ["--temperature", temperature] if temperature is not None else []
         self._spawn([sys.executable, "-m", "pagedserve.cli", "ui", "--base-url", base_url,
-                     "--host", "127.0.0.1", "--port", str(self.port), "--temperature", "0", *args])
+                     "--host", "127.0.0.1", "--port", str(self.port), *flags, *args])
 
     def wait_ready(self, timeout: float = 90.0) -> UIProcess:
         return super().wait_ready(timeout)
@@ -83,6 +86,54 @@ def send_message(page, text: str, timeout: float = 30.0) -> None:
     sent.nth(before).wait_for(timeout=timeout * 1000)
 
 
+ANSWERS = '[data-step-type="assistant_message"] .message-content'
+
+# Records, in the page, each new length of the text of answer number `index` (0-based), with
+# the time it was seen: a MutationObserver sees every change React makes to the page.
+_LENGTH_RECORDER = """([index, selector]) => {
+  window.__answerLengths = [];
+  const record = () => {
+    const answers = document.querySelectorAll(selector);
+    if (answers.length <= index) return;
+    const n = answers[index].innerText.length, seen = window.__answerLengths;
+    if (!seen.length || seen[seen.length - 1][0] !== n) seen.push([n, performance.now()]);
+  };
+  new MutationObserver(record).observe(
+      document.body, {childList: true, subtree: true, characterData: true});
+}"""
+
+
+def record_answer_lengths(page) -> int:
+    """Start recording the text length of the next answer; returns that answer's index."""
+    index = page.locator(ANSWERS).count()
+    page.evaluate(_LENGTH_RECORDER, [index, ANSWERS])
+    return index
+
+
+def answer_lengths(page) -> list[tuple[int, float]]:
+    """What record_answer_lengths saw: (length, milliseconds) for each change."""
+    return [tuple(x) for x in page.evaluate("window.__answerLengths")]
+
+
+def wait_answer(page, index: int, timeout: float = 60.0):
+    """Wait until answer `index` has finished (its Regenerate button shows); return it."""
+    answer = page.locator(ANSWERS).nth(index)
+    regenerate = answer.locator("xpath=..").get_by_role("button", name="Regenerate")
+    regenerate.wait_for(timeout=timeout * 1000)
+    return answer
+
+
+def set_setting(page, field: str, value: str) -> None:
+    """Open the settings panel (the gear by the message box), type `value` into `field`, and
+    confirm."""
+    page.click("#chat-settings-open-modal")
+    panel = page.locator("#chat-settings")
+    panel.wait_for(timeout=10_000)
+    page.fill(f"#chat-settings #{field}", value)
+    page.click("#chat-settings #confirm")
+    panel.wait_for(state="hidden", timeout=10_000)
+
+
 def diagnostics(page, ui: UIProcess) -> str:
     """What the page shows and what the UI logged: for the message of a failed wait."""
     return (f"--- page text ---\n{page.inner_text('body')[-3000:]}\n"
@@ -100,12 +151,21 @@ def screenshot(page, name: str) -> Path:
 
 REASONING = "The user asks about France, whose capital is Paris."
 ANSWER = "The capital of France is Paris."
+SECOND_ANSWER = "Paris is the capital of France."  # every later reply (a regenerated one)
+FAKE_DEFAULTS = {"temperature": 0.6, "top_p": 0.9, "top_k": 20}  # its model's sampling_defaults
+
+
+@dataclass
+class FakeServer:
+    url: str
+    bodies: list[dict] = field(default_factory=list)  # the chat requests it got, in order
 
 
 @contextlib.contextmanager
 def fake_reasoning_server():
     """An OpenAI-style server in a thread of this process whose chat replies stream
-    `reasoning_content` (REASONING) and then `content` (ANSWER), word by word. Yields its URL."""
+    `reasoning_content` (REASONING) and then `content` (ANSWER, then SECOND_ANSWER), word by
+    word; its model lists FAKE_DEFAULTS as `sampling_defaults`. Yields a FakeServer."""
     import asyncio
     import json
     import threading
@@ -115,14 +175,19 @@ def fake_reasoning_server():
     from fastapi.responses import StreamingResponse
 
     app = FastAPI()
+    fake = FakeServer("")
 
     @app.get("/v1/models")
     async def models():
         return {"object": "list", "data": [{"id": "fake-thinker", "object": "model", "created": 0,
-                                            "owned_by": "test"}]}
+                                            "owned_by": "test", "max_model_len": 4096,
+                                            "sampling_defaults": FAKE_DEFAULTS}]}
 
     @app.post("/v1/chat/completions")
-    async def chat():
+    async def chat(body: dict):  # the JSON body (annotations are strings here: no Request)
+        fake.bodies.append(body)
+        answer = ANSWER if len(fake.bodies) == 1 else SECOND_ANSWER
+
         def sse(delta: dict, finish: str | None = None) -> str:
             return "data: " + json.dumps({
                 "id": "c", "object": "chat.completion.chunk", "created": 0, "model": "fake-thinker",
@@ -130,7 +195,7 @@ def fake_reasoning_server():
 
         async def stream():
             yield sse({"role": "assistant", "content": ""})
-            for key, text in (("reasoning_content", REASONING), ("content", ANSWER)):
+            for key, text in (("reasoning_content", REASONING), ("content", answer)):
                 for i, word in enumerate(text.split(" ")):
                     yield sse({key: (" " if i else "") + word})
                     await asyncio.sleep(0.02)
@@ -147,8 +212,9 @@ def fake_reasoning_server():
     while not server.started:
         assert thread.is_alive() and time.monotonic() < deadline, "the fake server did not start"
         time.sleep(0.05)
+    fake.url = f"http://127.0.0.1:{port}"
     try:
-        yield f"http://127.0.0.1:{port}"
+        yield fake
     finally:
         server.should_exit = True
         thread.join(10)

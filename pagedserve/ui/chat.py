@@ -1,4 +1,5 @@
-"""The chat UI's logic without Chainlit: settings, history, streaming, server status, errors.
+"""The chat UI's logic without Chainlit: history, streaming, regenerate, server status, errors
+(what the settings panel controls is in `ui/settings.py`).
 
 `ChatSession` is one browser chat: its conversation and the reply being streamed. The
 Chainlit glue (`ui/app.py`) only maps its callbacks onto messages and steps, so everything
@@ -9,7 +10,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Literal
@@ -17,8 +17,7 @@ from typing import Literal
 import openai
 
 from pagedserve import envs
-
-TOOL_CHOICES = ("auto", "required", "none")
+from pagedserve.ui.settings import GenerationSettings, describe_defaults, parse_sampling_defaults
 
 
 @dataclass(frozen=True)
@@ -28,73 +27,13 @@ class UIConfig:
     base_url: str
     api_key: str
     model: str | None = None  # None: the first model the server lists
-    temperature: float = 0.7  # the settings panel's initial value
+    temperature: float | None = None  # the panel's initial value; None: the model's default
 
     @classmethod
     def from_env(cls) -> UIConfig:
-        return cls(envs.ui_base_url(), envs.ui_api_key(), envs.ui_model(), envs.ui_temperature())
-
-
-@dataclass(frozen=True)
-class GenerationSettings:
-    """What the settings panel controls."""
-
-    temperature: float = 0.7
-    top_p: float = 1.0
-    max_tokens: int = 512
-    system_prompt: str = ""
-    tools: list[dict] | None = None  # an OpenAI `tools` list; None: the request sends no tools
-    tool_choice: str = "auto"  # sent only with tools
-
-    @classmethod
-    def from_dict(cls, values: dict | None, default: GenerationSettings) -> GenerationSettings:
-        """Settings from the panel's {id: value} dict; missing or empty entries keep `default`.
-
-        Raises ValueError, with one line for the user, when the tools JSON or tool choice is invalid.
-        """
-        v = values or {}
-
-        def pick(key, cast):
-            x = v.get(key)
-            return getattr(default, key) if x is None or x == "" else cast(x)
-
-        tool_choice = pick("tool_choice", str)
-        if tool_choice not in TOOL_CHOICES:
-            raise ValueError(f"Tool choice must be one of {', '.join(TOOL_CHOICES)}, "
-                             f"not {tool_choice!r}.")
-        return cls(temperature=pick("temperature", float), top_p=pick("top_p", float),
-                   max_tokens=max(1, pick("max_tokens", int)),
-                   system_prompt=pick("system_prompt", str).strip(),
-                   tools=pick("tools", parse_tools), tool_choice=tool_choice)
-
-
-def parse_tools(text: str) -> list[dict] | None:
-    """The settings panel's "Tools (JSON)": an OpenAI `tools` list, or None when blank or `[]`.
-
-    Raises ValueError with one line for the user when it is not JSON or not a list of tools.
-    """
-    if not text.strip():
-        return None
-    try:
-        tools = json.loads(text)
-    except json.JSONDecodeError as e:
-        raise ValueError(f"Tools (JSON) is not valid JSON: {e.msg} at line {e.lineno}, "
-                         f"column {e.colno}.") from None
-    example = '[{"type": "function", "function": {"name": "get_weather", "parameters": {...}}}]'
-    if not isinstance(tools, list):
-        raise ValueError(f"Tools (JSON) must be a JSON list of tools, like {example}; "
-                         f"got a JSON {type(tools).__name__}.")
-    for i, tool in enumerate(tools, 1):
-        if not isinstance(tool, dict):
-            raise ValueError(f"Tools (JSON): tool {i} is not a JSON object; write a list of "
-                             f"tools like {example}.")
-        function = tool.get("function")
-        if tool.get("type", "function") == "function" and not (
-                isinstance(function, dict) and isinstance(function.get("name"), str)
-                and function["name"]):
-            raise ValueError(f"Tools (JSON): tool {i} has no function name; write a list of "
-                             f"tools like {example}.")
-    return tools or None
+        given = envs.UI_TEMPERATURE in envs.environment()  # `pagedserve ui --temperature`
+        return cls(envs.ui_base_url(), envs.ui_api_key(), envs.ui_model(),
+                   envs.ui_temperature() if given else None)
 
 
 @dataclass(frozen=True)
@@ -132,9 +71,29 @@ class TurnResult:
 
 @dataclass(frozen=True)
 class ServerStatus:
+    """What /v1/models said: for the welcome screen (`message`, `details()`) and the page's
+    header (`headline`), and the model's context and sampling defaults for the settings panel."""
+
     ok: bool
     model: str | None
     message: str  # one line for the user
+    headline: str = ""  # a few words: "connected · <model>", "server unreachable", ...
+    max_model_len: int | None = None
+    sampling_defaults: dict[str, float] = field(default_factory=dict)
+
+    def details(self) -> str:
+        """`message`, then the model's sampling defaults when it has some."""
+        defaults = describe_defaults(self.sampling_defaults)
+        return f"{self.message} {defaults[0].upper()}{defaults[1:]}." if defaults else self.message
+
+
+def headline_for(exc: BaseException) -> str:
+    """The header's few words for a failed request."""
+    if isinstance(exc, (openai.APIConnectionError, openai.APITimeoutError)):
+        return "server unreachable"
+    if isinstance(exc, openai.AuthenticationError):
+        return "API key refused"
+    return "server error"
 
 
 def describe_error(exc: BaseException, base_url: str) -> str:
@@ -170,6 +129,7 @@ class ChatSession:
     client: openai.AsyncOpenAI
     model: str | None = None
     history: list[dict] = field(default_factory=list)  # user/assistant turns, no system prompt
+    status: ServerStatus | None = None  # the last probe's
     _stream: openai.AsyncStream | None = None
     _stopped: bool = False
 
@@ -181,22 +141,33 @@ class ChatSession:
 
     async def probe(self) -> ServerStatus:
         """Ask /v1/models; pick the model (the configured one, else the first listed)."""
+        self.status = await self._probe()
+        return self.status
+
+    async def _probe(self) -> ServerStatus:
+        url = self.config.base_url
         try:
             models = (await self.client.models.list()).data
         except Exception as e:
-            return ServerStatus(False, self.model, describe_error(e, self.config.base_url))
+            return ServerStatus(False, self.model, describe_error(e, url), headline_for(e))
         names = [m.id for m in models]
         if not names:
-            return ServerStatus(False, None, f"The server at {self.config.base_url} lists no models.")
+            return ServerStatus(False, None, f"The server at {url} lists no models.",
+                                "no model served")
         if self.config.model and self.config.model not in names:
             return ServerStatus(False, self.config.model,
-                                f"The server at {self.config.base_url} does not serve "
-                                f"'{self.config.model}'; it serves: {', '.join(names)}.")
+                                f"The server at {url} does not serve '{self.config.model}'; "
+                                f"it serves: {', '.join(names)}.",
+                                f"{self.config.model} not served")
         self.model = self.config.model or names[0]
-        ctx = getattr(models[names.index(self.model)], "max_model_len", None)
+        entry = models[names.index(self.model)]
+        ctx = getattr(entry, "max_model_len", None)
+        ctx = ctx if isinstance(ctx, int) and ctx > 0 else None
         extra = f", context {ctx} tokens" if ctx else ""
-        return ServerStatus(True, self.model, f"Connected to {self.config.base_url}: "
-                                              f"model **{self.model}**{extra}.")
+        # Older servers (and other OpenAI-compatible ones) list no sampling_defaults.
+        defaults = parse_sampling_defaults(getattr(entry, "sampling_defaults", None))
+        return ServerStatus(True, self.model, f"Connected to {url}: model **{self.model}**{extra}.",
+                            f"connected · {self.model}", ctx, defaults)
 
     def request_messages(self, settings: GenerationSettings) -> list[dict]:
         system = [{"role": "system", "content": settings.system_prompt}] if settings.system_prompt else []
@@ -256,6 +227,22 @@ class ChatSession:
         finally:
             await self.stop()
         self._record_reply(result.content, result.tool_calls)
+        return result
+
+    async def regenerate(self, settings: GenerationSettings,
+                         on_delta: Callable[[Delta], Awaitable[None]],
+                         extra_body: dict | None = None) -> TurnResult:
+        """Send the last user message again in place of its answer: the history forgets the
+        last exchange and records the new one. A failed request puts the old one back."""
+        last_user = next((i for i in range(len(self.history) - 1, -1, -1)
+                          if self.history[i]["role"] == "user"), None)
+        if last_user is None:
+            return TurnResult(error="There is no answer to regenerate yet.")
+        old = self.history[last_user:]
+        del self.history[last_user:]
+        result = await self.turn(old[0]["content"], settings, on_delta, extra_body)
+        if result.error:
+            self.history[last_user:] = old
         return result
 
     @staticmethod

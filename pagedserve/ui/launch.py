@@ -2,12 +2,15 @@
 
 Chainlit writes its config (`.chainlit/`), uploaded files (`.files/`) and `chainlit.md` into
 its app root and reads `.env` from the working directory, so both point at a folder of the
-pagedserve cache, never at the user's working directory or the repository.
+pagedserve cache, never at the user's working directory or the repository. pagedserve's look
+(logo, favicon, avatar, theme, the header's status script) is copied from `ui/public/` into
+the app root's `public/` at each start, where Chainlit serves it.
 """
 
 from __future__ import annotations
 
 import os
+import shutil
 import socket
 import sys
 from pathlib import Path
@@ -15,26 +18,44 @@ from pathlib import Path
 from pagedserve import envs
 
 APP_FILE = Path(__file__).with_name("app.py")
+PUBLIC_DIR = Path(__file__).with_name("public")
 # Chainlit's click options read these unprefixed variables (CI=true would turn on its CI mode).
 _CHAINLIT_OPTION_VARS = ("CI", "DEBUG", "WATCH", "HEADLESS", "NO_CACHE", "RUN_TARGET")
 _NO_TELEMETRY = {"DO_NOT_TRACK": "1", "TRACELOOP_TELEMETRY": "false",
                  "ANONYMIZED_TELEMETRY": "false", "HF_HUB_DISABLE_TELEMETRY": "1"}
 WELCOME = """# pagedserve chat
 
-Chat with the model served by pagedserve. The settings (temperature, top p, max tokens,
-system prompt) are behind the gear icon next to the message box; the stop button aborts a
-reply on the server.
+Chat with the model served by pagedserve; the header names the model and says whether the
+server answers. The settings (temperature, top p, max tokens, system prompt, tools) are behind
+the gear icon next to the message box; their initial temperature and top p are the model's own
+defaults where it has some. **Regenerate** under the last answer asks again in its place; the
+stop button aborts a reply on the server.
 """
 
 
 def app_root() -> Path:
-    """Chainlit's working folder: <cache>/ui."""
+    """Chainlit's working folder, <cache>/ui, with pagedserve's readme and public files."""
     root = envs.cache_dir() / "ui"
     root.mkdir(parents=True, exist_ok=True)
     readme = root / "chainlit.md"
-    if not readme.exists():
+    # An earlier pagedserve's text is replaced; a readme the user wrote is kept.
+    if not readme.exists() or readme.read_text().startswith(WELCOME.split("\n", 1)[0] + "\n"):
         readme.write_text(WELCOME)
+    _sync_public(root / "public")
     return root
+
+
+def _sync_public(dest: Path) -> None:
+    """Copy `ui/public/` into `dest`: only files that differ, each replaced atomically (UIs
+    starting together share the folder, and a running one may be serving it)."""
+    for src in sorted(PUBLIC_DIR.rglob("*")) if PUBLIC_DIR.is_dir() else ():
+        target = dest / src.relative_to(PUBLIC_DIR)
+        if src.is_dir() or (target.is_file() and target.read_bytes() == src.read_bytes()):
+            continue
+        target.parent.mkdir(parents=True, exist_ok=True)
+        tmp = target.with_name(f".{target.name}.{os.getpid()}.tmp")
+        shutil.copyfile(src, tmp)
+        os.replace(tmp, target)
 
 
 def normalize_base_url(url: str) -> str:
