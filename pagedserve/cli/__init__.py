@@ -7,7 +7,6 @@ import logging
 import sys
 
 from pagedserve import envs
-from pagedserve.bench.cli import add_bench_parsers
 from pagedserve.cli import types
 from pagedserve.cli.engine_args import add_engine_args, engine_kwargs
 from pagedserve.cli.parser import Parser
@@ -42,6 +41,8 @@ def build_parser() -> argparse.ArgumentParser:
     srv.set_defaults(func=_cmd_serve)
 
     bench = sub.add_parser("bench", help="benchmarks").add_subparsers(dest="bench", required=True)
+    from pagedserve.bench.cli import add_bench_parsers  # (bench/cli.py uses this package's types)
+
     add_bench_parsers(bench)
     from pagedserve.bench.compare import add_compare_parser
 
