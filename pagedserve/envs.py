@@ -98,6 +98,8 @@ def ui_model() -> str | None:
     return os.environ.get(UI_MODEL) or None
 
 
-def ui_temperature() -> float:
-    """$PAGEDSERVE_UI_TEMPERATURE: the chat UI's initial temperature (default 0.7)."""
-    return float(os.environ.get(UI_TEMPERATURE) or 0.7)
+def ui_temperature() -> float | None:
+    """$PAGEDSERVE_UI_TEMPERATURE: the chat UI's initial temperature (None: not given, so the
+    model's default, else 0.7)."""
+    value = os.environ.get(UI_TEMPERATURE)
+    return float(value) if value else None

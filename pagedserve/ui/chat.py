@@ -31,9 +31,8 @@ class UIConfig:
 
     @classmethod
     def from_env(cls) -> UIConfig:
-        given = envs.UI_TEMPERATURE in envs.environment()  # `pagedserve ui --temperature`
         return cls(envs.ui_base_url(), envs.ui_api_key(), envs.ui_model(),
-                   envs.ui_temperature() if given else None)
+                   envs.ui_temperature())  # (None unless `pagedserve ui --temperature`)
 
 
 @dataclass(frozen=True)
