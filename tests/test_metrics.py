@@ -69,6 +69,10 @@ def test_vllm_series_count_one_request(one_request):
     decode = delta("vllm:request_decode_time_seconds_sum")
     assert 0 < ttft < e2e and 0 < decode < e2e
     assert delta("vllm:request_time_per_output_token_seconds_sum") == pytest.approx(decode / (MAX_TOKENS - 1))
+    # the gaps between the request's outputs (one per step, unless outputs came together) add
+    # up to its decode time
+    assert 1 <= delta("vllm:inter_token_latency_seconds_count") <= MAX_TOKENS - 1
+    assert delta("vllm:inter_token_latency_seconds_sum") == pytest.approx(decode)
     for name in ("vllm:num_requests_running", "vllm:num_requests_waiting", "vllm:kv_cache_usage_perc"):
         assert after.value(name, **LABELS) == 0, name
 
@@ -120,3 +124,22 @@ def test_vllm_buckets_and_reasons_without_a_server():
     assert [le for le, _ in s.buckets("vllm:e2e_request_latency_seconds")][-2:] == [7680.0, float("inf")]
     assert {lab["finished_reason"] for lab, _ in s.series("vllm:request_success_total")} == {"stop", "length"}
     assert "_created" not in text and "pagedserve_num_requests_running" not in text
+
+
+def test_binned_histogram_matches_prometheus_buckets():
+    """Values binned in bulk land where Histogram.observe puts them (le: less or equal)."""
+    from prometheus_client import CollectorRegistry, generate_latest
+
+    from pagedserve.server.metrics import BinnedHistogram
+
+    r = CollectorRegistry()
+    h = BinnedHistogram("x_seconds", "doc", (0.01, 0.1, 1.0), ["model_name"], ("m",))
+    r.register(h)
+    h.pending += [0.005, 0.01, 0.05, 0.1, 0.5, 3.0]
+    text = generate_latest(r).decode()
+    assert h.pending == []
+    for le, count in (("0.01", 2), ("0.1", 4), ("1.0", 5), ("+Inf", 6)):
+        assert f'x_seconds_bucket{{le="{le}",model_name="m"}} {count}.0' in text, text
+    assert 'x_seconds_count{model_name="m"} 6.0' in text
+    assert 'x_seconds_sum{model_name="m"} 3.665' in text
+

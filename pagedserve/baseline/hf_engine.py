@@ -139,6 +139,7 @@ class HFEngineClient:
         self.stats: CoreStats | None = None
         self.dead_reason: str | None = None
         self.on_finish = None  # optional callback(pending, state, now) for metrics
+        self.token_gaps: list[float] = []  # seconds between a sample's outputs (for /metrics)
         self.on_failure = self.on_restart = self.on_fatal = None  # (the paged client's hooks)
         self.restarts = 0  # (this engine is never restarted)
         self._pending: dict[str, _Pending] = {}
@@ -259,6 +260,9 @@ class HFEngineClient:
                 continue
             if pending.first_token is None:
                 pending.first_token = now
+            else:
+                self.token_gaps.append(now - pending.last_output)
+            pending.last_output = now
             if state.finished and self.on_finish is not None:
                 self.on_finish(pending, state, now)
             pending.wake.set()

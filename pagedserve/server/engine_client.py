@@ -70,6 +70,7 @@ class _Pending:
     error: Exception | None = None
     arrival: float = field(default_factory=time.monotonic)
     first_token: float | None = None
+    last_output: float | None = None  # when its latest output arrived (inter-token latency)
 
     async def states(self) -> AsyncIterator[SampleState]:
         """Each state the sample is woken with, up to the finished one; a delivered error raises."""
@@ -136,6 +137,7 @@ class AsyncEngineClient:
         self._closing = False
         # Callbacks the server sets (each optional):
         self.on_finish: Callable | None = None  # (pending, state, now): a sample finished
+        self.token_gaps: list[float] = []  # seconds between a sample's outputs (for /metrics)
         self.on_failure: Callable[[str], None] | None = None  # (source): a request failed
         self.on_restart: Callable[[], None] | None = None  # a new core is serving
         self.on_fatal: Callable[[str], None] | None = None  # (reason): restarts exhausted
@@ -377,6 +379,9 @@ class AsyncEngineClient:
                     continue
                 if pending.first_token is None:
                     pending.first_token = now
+                else:  # (a list append: /metrics bins them when scraped)
+                    self.token_gaps.append(now - pending.last_output)
+                pending.last_output = now
                 if state.finished and self.on_finish is not None:
                     try:
                         self.on_finish(pending, state, now)

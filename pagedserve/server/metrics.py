@@ -5,15 +5,16 @@ built for vLLM reads a pagedserve server unchanged: each engine series is `vllm:
 `model_name` (the first served name) and `engine` ("0": one engine core per server), and
 counters carry the `_total` suffix prometheus_client adds, as vLLM's do. A series is exposed
 only where we fill it with measured data; vLLM series we have no data for are left out
-(`inter_token_latency_seconds` and `time_per_output_token_seconds`, which need each output's
-arrival time; `request_prompt_tokens`; `iteration_tokens_total`; `cache_config_info`).
+(`time_per_output_token_seconds`, deprecated in vLLM for `inter_token_latency_seconds`;
+`request_prompt_tokens`; `iteration_tokens_total`; `cache_config_info`).
 
 Where a figure differs from vLLM's in meaning:
 - `vllm:prompt_tokens`: prompt tokens the engine computed (prefix-cache hits are not computed,
   a preempted request's prompt is computed again); vLLM counts each request's whole prompt once.
 - `vllm:request_queue_time_seconds`, `vllm:request_prefill_time_seconds`: measured by the engine
   core (queue: from this process taking the request to its first scheduling); TTFT, e2e, decode
-  time and the per-request time per output token are measured in this (HTTP) process.
+  time, the per-request time per output token and the inter-token latency (the gaps between a
+  sample's outputs as they arrive) are measured in this (HTTP) process.
 
 pagedserve's own figures, which vLLM lacks, keep the `pagedserve_` prefix and the one label
 `model_name`: `pagedserve_prefix_cache_hit_rate`, `pagedserve_request_failures_total{source}`,
@@ -29,8 +30,11 @@ import asyncio
 import logging
 import time
 
+import numpy as np
 import prometheus_client
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.core import HistogramMetricFamily
+from prometheus_client.utils import floatToGoString
 
 from pagedserve.engine.messages import CoreStats
 from pagedserve.engine.output_processor import SampleState
@@ -62,6 +66,37 @@ def build_1_2_5_buckets(max_value: int) -> list[int]:
 # vLLM stops at max_model_len, which this module is not told; up to a million tokens covers any
 # model (the buckets past a model's length stay empty).
 TOKEN_COUNT_BUCKETS = build_1_2_5_buckets(1_000_000)
+
+
+class BinnedHistogram:
+    """A Prometheus histogram filled in bulk: the engine client appends values to `pending`
+    (a list append per output, cheap on the streaming path) and each scrape bins them with
+    numpy, instead of one `Histogram.observe` per token."""
+
+    def __init__(self, name: str, doc: str, buckets: tuple[float, ...], labels: list[str],
+                 values: tuple[str, ...]) -> None:
+        self.name, self.doc, self.labels, self.values = name, doc, labels, values
+        self.edges = np.asarray(buckets, dtype=np.float64)
+        self.counts = np.zeros(len(buckets) + 1, dtype=np.int64)  # [buckets + 1]: the last is +Inf
+        self.sum = 0.0
+        self.pending: list[float] = []
+
+    def drain(self) -> None:
+        if self.pending:
+            vals = np.asarray(self.pending, dtype=np.float64)
+            del self.pending[:]  # (the same list object: the engine client holds it)
+            # (a value equal to an edge belongs to that bucket: le = "less or equal")
+            idx = np.searchsorted(self.edges, vals, side="left")
+            self.counts += np.bincount(idx, minlength=len(self.counts))
+            self.sum += float(vals.sum())
+
+    def collect(self):
+        self.drain()
+        family = HistogramMetricFamily(self.name, self.doc, labels=self.labels)
+        cumulative = np.cumsum(self.counts)
+        buckets = [(floatToGoString(e), int(c)) for e, c in zip(self.edges, cumulative[:-1])]
+        family.add_metric(list(self.values), buckets + [("+Inf", int(cumulative[-1]))], self.sum)
+        yield family
 
 
 class Metrics:
@@ -118,6 +153,11 @@ class Metrics:
                                       "Histogram of time spent in PREFILL phase for request.", REQUEST_LATENCY_BUCKETS)
         self.decode_time = histogram("vllm:request_decode_time_seconds",
                                      "Histogram of time spent in DECODE phase for request.", REQUEST_LATENCY_BUCKETS)
+        self.itl = BinnedHistogram("vllm:inter_token_latency_seconds",
+                                   "Histogram of inter-token latency in seconds.", TPOT_BUCKETS,
+                                   labels, v)
+        r.register(self.itl)
+        self.token_gaps = self.itl.pending  # the engine client appends to this list
         # pagedserve's own
         self.prefix_hit_rate = Gauge("pagedserve_prefix_cache_hit_rate", "Prefix-cache hits / queries (tokens) "
                                      "since the engine core started", own, registry=r).labels(model_name)
