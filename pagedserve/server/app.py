@@ -15,8 +15,10 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from starlette.datastructures import Headers
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.middleware.cors import CORSMiddleware
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from pagedserve import __version__
 from pagedserve.config import EngineConfig
 from pagedserve.monitor.collectors import register_system_collectors
 from pagedserve.sampling_params import SamplingParams
@@ -37,6 +39,8 @@ from pagedserve.server.protocol import (
     GenerateRequest,
     TokenizeRequest,
 )
+from pagedserve.server.protocol_responses import ResponsesRequest
+from pagedserve.server.responses import create_response
 from pagedserve.server.serving import (
     Choice,
     Server,
@@ -51,7 +55,7 @@ from pagedserve.tokenizer import Tokenizer
 
 logger = logging.getLogger("pagedserve")
 
-OPEN_PATHS = {"/health", "/metrics", "/ping", "/docs", "/openapi.json", "/redoc"}
+OPEN_PATHS = {"/health", "/metrics", "/ping", "/version", "/docs", "/openapi.json", "/redoc"}
 
 
 @dataclass
@@ -74,6 +78,12 @@ class ServerSettings:
     # the model's defaults for omitted sampling fields (`--generation-config`)
     sampling_defaults: dict[str, float | int] = field(default_factory=dict)
     max_logprobs: int = 20  # --max-logprobs
+    # CORS (--allowed-origins, --allowed-methods, --allowed-headers, --allow-credentials)
+    allowed_origins: list[str] = field(default_factory=lambda: ["*"])
+    allowed_methods: list[str] = field(default_factory=lambda: ["*"])
+    allowed_headers: list[str] = field(default_factory=lambda: ["*"])
+    allow_credentials: bool = False
+    root_path: str = ""  # --root-path: the prefix a proxy serves this server under
     # Called when the engine cannot be restarted any more (the server should exit non-zero).
     on_fatal: Callable[[str], None] | None = None
 
@@ -149,13 +159,21 @@ def create_app(settings: ServerSettings, core: SpawnedCore | None = None) -> Fas
                 logger_task.cancel()
             await client.shutdown()
 
-    app = FastAPI(title="pagedserve", lifespan=lifespan)
+    app = FastAPI(title="pagedserve", version=__version__, lifespan=lifespan)
+    # As vLLM: paths are served with and without the prefix (a proxy may strip it or not).
+    app.root_path = settings.root_path.rstrip("/")
     app.state.server, app.state.metrics, app.state.drain = server, metrics, drain
     install_error_handlers(app)
     app.add_middleware(_Guard, api_key=settings.api_key, max_body_bytes=settings.max_body_bytes,
                        body_read_timeout=settings.body_read_timeout)
+    # Added last, so outermost: a browser's preflight (which carries no API key) is answered
+    # here, and the guard's 401 and 413 answers carry the CORS headers too.
+    app.add_middleware(CORSMiddleware, allow_origins=settings.allowed_origins,
+                       allow_methods=settings.allowed_methods, allow_headers=settings.allowed_headers,
+                       allow_credentials=settings.allow_credentials)
 
     @app.get("/health")
+    @app.head("/health")
     async def health():
         if server.draining:
             return error_response(503, f"draining: {server.draining}", code="server_shutting_down")
@@ -164,21 +182,35 @@ def create_app(settings: ServerSettings, core: SpawnedCore | None = None) -> Fas
         return Response(status_code=200)
 
     @app.get("/ping")
+    @app.head("/ping")
     async def ping():
         return await health()
+
+    @app.get("/version")
+    async def version():
+        return {"version": __version__}
 
     @app.get("/metrics")
     async def get_metrics():
         return Response(metrics.render(client.stats), media_type="text/plain; version=0.0.4")
 
+    def model_card(name: str) -> dict:
+        info = client.info
+        return {"id": name, "object": "model", "created": server.created, "owned_by": "pagedserve",
+                "root": info.model_name if info else name, "max_model_len": server.max_model_len,
+                "sampling_defaults": server.sampling_defaults}
+
     @app.get("/v1/models")
     async def list_models():
-        info = client.info
-        return {"object": "list", "data": [
-            {"id": name, "object": "model", "created": server.created, "owned_by": "pagedserve",
-             "root": info.model_name if info else name, "max_model_len": server.max_model_len,
-             "sampling_defaults": server.sampling_defaults}
-            for name in settings.served_names]}
+        return {"object": "list", "data": [model_card(name) for name in settings.served_names]}
+
+    @app.get("/v1/models/{model_id:path}")  # (Hub ids hold a slash: Qwen/Qwen3-4B)
+    async def retrieve_model(model_id: str):
+        if model_id not in settings.served_names:
+            served = ", ".join(f"`{n}`" for n in settings.served_names)
+            raise APIError(404, f"The model `{model_id}` does not exist. This server serves "
+                                f"{served}.", param="model", code="model_not_found")
+        return model_card(model_id)
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request):
@@ -187,6 +219,10 @@ def create_app(settings: ServerSettings, core: SpawnedCore | None = None) -> Fas
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, request: Request):
         return await create_chat_completion(server, body, request)
+
+    @app.post("/v1/responses")
+    async def responses(body: ResponsesRequest, request: Request):
+        return await create_response(server, body, request)
 
     @app.post("/tokenize")
     async def tokenize(body: TokenizeRequest):
@@ -244,7 +280,7 @@ class _Guard:
             await self.app(scope, receive, send)
             return
         headers = Headers(scope=scope)
-        if self.api_key and scope["path"] not in OPEN_PATHS:
+        if self.api_key and _route_path(scope) not in OPEN_PATHS:
             auth = headers.get("authorization", "")
             token = auth[7:] if auth.lower().startswith("bearer ") else ""
             if not hmac.compare_digest(token.encode(), self.api_key.encode()):
@@ -280,3 +316,9 @@ class _Guard:
             return message
 
         await self.app(scope, limited_receive, send)
+
+
+def _route_path(scope: Scope) -> str:
+    """The request path without the --root-path prefix, if it came with it."""
+    path, root = scope["path"], scope.get("root_path", "")
+    return path[len(root):] if root and path.startswith(root + "/") else path

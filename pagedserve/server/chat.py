@@ -53,7 +53,7 @@ async def render_messages(server: Server, body: ChatCompletionRequest | Tokenize
 
 
 @dataclass
-class _Prepared:
+class PreparedChat:
     choices: list[Choice]
     prompt_ids: list[int]
     opened: bool  # the prompt opened <think>: the output starts inside reasoning
@@ -61,7 +61,7 @@ class _Prepared:
     tools: ToolPlan | None
 
 
-async def _prepare(server: Server, body: ChatCompletionRequest) -> _Prepared:
+async def prepare_chat(server: Server, body: ChatCompletionRequest) -> PreparedChat:
     """Render the chat template; tokenize; build each choice's sampling parameters."""
     server.check_model(body.model)
     server.check_logprobs(body.num_logprobs, "top_logprobs")
@@ -85,10 +85,10 @@ async def _prepare(server: Server, body: ChatCompletionRequest) -> _Prepared:
                          body.num_logprobs, server.vocab_size)
     choices = [Choice(i, ids, params) for i in range(body.n)]
     server.check_capacity(choices)
-    return _Prepared(choices, ids, text.rstrip().endswith("<think>"), field, tools)
+    return PreparedChat(choices, ids, text.rstrip().endswith("<think>"), field, tools)
 
 
-def _parser(server: Server, opened: bool) -> ReasoningParser | None:
+def reasoning_parser_for(server: Server, opened: bool) -> ReasoningParser | None:
     if not server.reasoning_parser:
         return None
     return get_reasoning_parser(server.reasoning_parser)(starts_in_reasoning=opened)
@@ -109,12 +109,12 @@ def _logprobs(server: Server, s: SampleState, start: int, top: int) -> dict:
     return {"content": content}
 
 
-def _message(server: Server, p: _Prepared, s: SampleState) -> tuple[dict, str | None]:
+def chat_message(server: Server, p: PreparedChat, s: SampleState) -> tuple[dict, str | None]:
     """A finished choice's message (reasoning split off, tool calls parsed out) and its
     finish_reason ("tool_calls" when it ended by calling tools)."""
     text = s.visible_text()
     message: dict = {"role": "assistant", "content": text}
-    parser = _parser(server, p.opened)
+    parser = reasoning_parser_for(server, p.opened)
     if parser is not None:
         reasoning, text = parser.extract(text)
         message = {"role": "assistant", "content": text, "reasoning_content": reasoning}
@@ -130,7 +130,7 @@ def _message(server: Server, p: _Prepared, s: SampleState) -> tuple[dict, str | 
 
 
 async def create_chat_completion(server: Server, body: ChatCompletionRequest, request: Request):
-    p = await _prepare(server, body)
+    p = await prepare_chat(server, body)
     choices, prompt_ids, opened = p.choices, p.prompt_ids, p.opened
     rid, created, model = new_id("chatcmpl", body.user), int(time.time()), server.check_model(body.model)
     if body.stream:
@@ -144,7 +144,7 @@ async def create_chat_completion(server: Server, body: ChatCompletionRequest, re
     out = []
     for c in choices:
         s = final[c.index]
-        message, finish_reason = _message(server, p, s)
+        message, finish_reason = chat_message(server, p, s)
         out.append({
             "index": c.index, "message": message,
             "logprobs": _logprobs(server, s, 0, body.top_logprobs or 0) if body.logprobs else None,
@@ -163,7 +163,7 @@ async def _stream(server: Server, body: ChatCompletionRequest,
                   created: int, model: str) -> AsyncIterator[str]:
     sent_text = {c.index: 0 for c in choices}
     sent_tokens = {c.index: 0 for c in choices}
-    parsers = {c.index: _parser(server, opened) for c in choices}
+    parsers = {c.index: reasoning_parser_for(server, opened) for c in choices}
     tool_parsers = {c.index: tools.parser() if tools is not None else None for c in choices}
     calls = {c.index: ToolCallStream(tools.max_calls if tools is not None else None) for c in choices}
     completion_tokens = 0

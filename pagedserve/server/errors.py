@@ -60,7 +60,7 @@ def install_error_handlers(app: FastAPI) -> None:
         unsupported = (first.get("ctx") or {}).get("error")
         if isinstance(unsupported, UnsupportedField):
             return error_response(400, str(unsupported), ".".join([*loc, unsupported.param]),
-                                  "unsupported_field")
+                                  getattr(unsupported, "code", "unsupported_field"))
         if first.get("type") == "json_invalid":  # its loc is ("body", character offset)
             msg, param = "the request body is not valid JSON", None
         else:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import ssl
 
 from pagedserve import envs
 from pagedserve.config import EngineConfig, ModelConfig
@@ -72,11 +73,16 @@ def serve(args: argparse.Namespace, kw: dict) -> int:
         tools=ToolSettings(args.enable_auto_tool_choice, args.tool_call_parser),
         shutdown_timeout=args.shutdown_timeout,
         restart_policy=RestartPolicy(max_restarts=args.max_engine_restarts),
+        allowed_origins=args.allowed_origins, allowed_methods=args.allowed_methods,
+        allowed_headers=args.allowed_headers, allow_credentials=args.allow_credentials,
+        root_path=args.root_path or "",
         on_fatal=lambda reason: server.stop_fatal(reason),
     )
     app = create_app(settings, core)
     raise_open_files_limit()
-    logger.info("serving %s on http://%s:%d (OpenAI API under /v1)", names[0], args.host, args.port)
+    scheme = "https" if args.ssl_certfile else "http"
+    logger.info("serving %s on %s://%s:%d%s (OpenAI API under /v1)", names[0], scheme, args.host,
+                args.port, (args.root_path or "").rstrip("/"))
     # (uvicorn's access log lines are INFO messages; above INFO it would still format each path)
     uv_config = uvicorn.Config(
         app, host=args.host, port=args.port, log_level=(args.uvicorn_log_level or args.log_level).lower(),
@@ -86,6 +92,9 @@ def serve(args: argparse.Namespace, kw: dict) -> int:
         timeout_keep_alive=args.timeout_keep_alive, limit_concurrency=args.max_connections,
         # (the drain already waited for the requests; this only lets the last bytes go out)
         timeout_graceful_shutdown=5,
+        ssl_keyfile=args.ssl_keyfile, ssl_certfile=args.ssl_certfile, ssl_ca_certs=args.ssl_ca_certs,
+        # --ssl-ca-certs: clients must present a certificate these CAs signed
+        ssl_cert_reqs=ssl.CERT_REQUIRED if args.ssl_ca_certs else ssl.CERT_NONE,
     )
     logging.getLogger("uvicorn.error").addFilter(HideStartErrorTraceback())
     server = Server(uv_config, app.state.drain)
