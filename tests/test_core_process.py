@@ -201,6 +201,41 @@ def test_first_token_carries_queue_and_prefill_time():
     assert all(o.queue_s is None and o.prefill_s is None for o in rest)
 
 
+def _engine_flags(**changes) -> dict:
+    """Every engine flag, as cli.engine_kwargs gives them."""
+    flags = dict(model=None, dtype="float32", device="cpu", load_format="auto", max_num_seqs=8,
+                 max_num_batched_tokens=256, max_model_len=256, block_size=16,
+                 enable_prefix_caching=True, kv_cache_memory=16 << 20, gpu_memory_utilization=0.9,
+                 enforce_eager=True, attention_backend="auto", seed=0, tokenizer=None,
+                 revision=None, download_dir=None)
+    return {**flags, **changes}
+
+
+def test_a_core_that_fails_before_its_client_binds_still_says_why(smollm2_dir):
+    """The core fails at start-up (no room for the KV cache) long before the server binds its
+    socket (a slow tokenizer load): the server still learns the reason, as one line."""
+    import asyncio
+    import time
+
+    from pagedserve.models.source import load_tokenizer
+    from pagedserve.server.engine_client import (
+        AsyncEngineClient,
+        EngineStartError,
+        spawn_engine_core,
+    )
+    from pagedserve.server.launch import engine_config
+
+    config, source, model_cfg = engine_config(_engine_flags(kv_cache_memory=1000))
+    core = spawn_engine_core(config, "WARNING")
+    # It fails within a few seconds; then it used to wait 2 s and exit with nothing said.
+    time.sleep(10.0)
+    client = AsyncEngineClient(config, load_tokenizer(source, model_cfg, None), "WARNING", core)
+    with pytest.raises(EngineStartError, match="no memory left for the KV cache"):
+        asyncio.run(client.start(timeout=60))
+    core.proc.join(10)
+    assert not core.proc.is_alive()
+
+
 def test_an_engine_core_started_before_its_client_binds(smollm2_dir):
     """`pagedserve serve` spawns the engine core before it loads the tokenizer and builds the
     app: the core's sockets connect once the client binds, and it serves as usual."""
@@ -213,12 +248,7 @@ def test_an_engine_core_started_before_its_client_binds(smollm2_dir):
     from pagedserve.server.engine_client import AsyncEngineClient, spawn_engine_core
     from pagedserve.server.launch import engine_config
 
-    kw = dict(model=None, dtype="float32", device="cpu", load_format="auto", max_num_seqs=8,
-              max_num_batched_tokens=256, max_model_len=256, block_size=16,
-              enable_prefix_caching=True, kv_cache_memory=16 << 20, gpu_memory_utilization=0.9,
-              enforce_eager=True, attention_backend="auto", seed=0,
-              tokenizer=None, revision=None, download_dir=None)  # (every engine flag, as cli.engine_kwargs gives them)
-    config, source, model_cfg = engine_config(kw)
+    config, source, model_cfg = engine_config(_engine_flags())
     core = spawn_engine_core(config, "WARNING")
     time.sleep(1.0)  # the core runs ahead, its sockets not yet bound
     client = AsyncEngineClient(config, load_tokenizer(source, model_cfg, None), "WARNING", core)

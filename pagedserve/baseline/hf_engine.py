@@ -92,7 +92,7 @@ def load_hf_model(config: EngineConfig):
 
     device = config.resolved_device()
     dtype = resolve_dtype(config.dtype, device)
-    source = resolve_model(config.model)
+    source = resolve_model(config.model, load_format=config.load_format)
     if source.gguf_file is not None:
         raise ValueError("the hf baseline engine cannot load .gguf files; give a Hugging Face folder")
     if source.folder is not None and config.load_format != "dummy":

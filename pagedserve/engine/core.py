@@ -42,7 +42,7 @@ class EngineCore:
                  executor: Executor | None = None) -> None:
         t0 = time.perf_counter()
         self.config = config
-        self.source = source or resolve_model(config.model)
+        self.source = source or resolve_model(config.model, load_format=config.load_format)
         self.executor = ex = executor or UniprocExecutor(config, self.source)
         self.model_config = ex.model_config
         self.scheduler_config = sched = ex.scheduler_config

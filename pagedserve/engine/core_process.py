@@ -37,6 +37,7 @@ from pagedserve.lifeline import die_with_parent
 
 logger = logging.getLogger("pagedserve")
 MAX_CONSECUTIVE_FAILURES = 3
+START_FAILED_LINGER_MS = 60_000  # how long a core that failed to start waits to say why
 
 
 def run_engine_core(config: EngineConfig, in_addr: str, out_addr: str, log_level: str = "INFO",
@@ -59,7 +60,9 @@ def run_engine_core(config: EngineConfig, in_addr: str, out_addr: str, log_level
     except Exception as e:
         reason = str(e) if isinstance(e, ValueError) else None  # the settings are at fault
         out.send_pyobj(StartFailed(traceback.format_exc(), reason))
-        out.close(linger=2000)
+        # The server may bind its socket only after loading its tokenizer (the core starts
+        # first): wait long enough for the message to reach it, or it never learns why.
+        out.close(linger=START_FAILED_LINGER_MS)
         return
     # Start-up leaves a great many long-lived objects (the model, compiled kernels, graphs).
     # Frozen, they are out of the garbage collector's view, so a full collection while serving

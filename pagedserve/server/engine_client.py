@@ -171,7 +171,7 @@ class AsyncEngineClient:
                 if msg.reason:
                     raise EngineStartError(msg.reason)
                 raise RuntimeError(f"the engine core failed to start:\n{msg.traceback}")
-            if not self._proc.is_alive():
+            if not self._proc.is_alive() and not await self._out.poll(500):  # (its last word?)
                 raise RuntimeError(f"the engine core exited during start-up (code {self._proc.exitcode})")
             if time.monotonic() > deadline:
                 raise RuntimeError("the engine core did not become ready in time")
