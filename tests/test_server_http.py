@@ -193,7 +193,8 @@ def tls(tmp_path_factory):
     d = tmp_path_factory.mktemp("tls")
     make_certificates(d)
     proc = ServerProcess("--ssl-keyfile", str(d / "server.key"), "--ssl-certfile", str(d / "server.pem"),
-                         "--ssl-ca-certs", str(d / "ca.pem"), "--log-level", "INFO")
+                         "--ssl-ca-certs", str(d / "ca.pem"), "--ssl-cert-reqs", "2",
+                         "--log-level", "INFO")
     proc.url = proc.url.replace("http://", "https://")
     ctx = ssl.create_default_context(cafile=str(d / "ca.pem"))
     ctx.load_cert_chain(str(d / "client.pem"), str(d / "client.key"))

@@ -14,7 +14,8 @@ class DefaultsFormatter(argparse.HelpFormatter):
     def _get_help_string(self, action: argparse.Action) -> str:
         text = action.help or ""
         default = action.default
-        if (default in (None, argparse.SUPPRESS, False) or not action.option_strings
+        if (default is None or default is False or default == argparse.SUPPRESS
+                or not action.option_strings
                 or "default" in text or isinstance(action, argparse._HelpAction)):
             return text
         shown = " ".join(map(str, default)) if isinstance(default, list) else default

@@ -60,6 +60,9 @@ def add_serve_args(srv: argparse.ArgumentParser) -> None:
     a("--ssl-keyfile", default=None, help="TLS: the private key file (serve https)")
     a("--ssl-certfile", default=None, help="TLS: the certificate file (serve https)")
     a("--ssl-ca-certs", default=None, help="TLS: CA certificates to verify clients with")
+    a("--ssl-cert-reqs", type=int, default=0, choices=[0, 1, 2],
+      help="TLS: client certificates 0 not asked for, 1 optional, 2 required (Python's "
+           "ssl.CERT_NONE, CERT_OPTIONAL, CERT_REQUIRED, as vLLM's flag)")
     a("--shutdown-timeout", type=float, default=30.0,
       help="on SIGTERM: seconds running requests may take to finish before they end with an "
            "error (new requests get 503 meanwhile)")

@@ -93,8 +93,7 @@ def serve(args: argparse.Namespace, kw: dict) -> int:
         # (the drain already waited for the requests; this only lets the last bytes go out)
         timeout_graceful_shutdown=5,
         ssl_keyfile=args.ssl_keyfile, ssl_certfile=args.ssl_certfile, ssl_ca_certs=args.ssl_ca_certs,
-        # --ssl-ca-certs: clients must present a certificate these CAs signed
-        ssl_cert_reqs=ssl.CERT_REQUIRED if args.ssl_ca_certs else ssl.CERT_NONE,
+        ssl_cert_reqs=ssl.VerifyMode(args.ssl_cert_reqs),  # (with --ssl-ca-certs: clients' certificates)
     )
     logging.getLogger("uvicorn.error").addFilter(HideStartErrorTraceback())
     server = Server(uv_config, app.state.drain)
