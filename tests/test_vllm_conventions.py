@@ -42,6 +42,8 @@ def test_defaults_fill_only_omitted_fields():
                                  repetition_penalty=1.0)
     p = body.with_defaults(defaults).sampling_params(10, None)
     assert (p.temperature, p.top_p, p.top_k, p.repetition_penalty) == (0.7, 0.5, 20, 1.0)
+    nulls = ChatCompletionRequest(messages=[{"role": "user", "content": "hi"}], temperature=None)
+    assert nulls.with_defaults(defaults).sampling_params(10, None).temperature == 0.7
     bare = ChatCompletionRequest(messages=[{"role": "user", "content": "hi"}]).sampling_params(10, None)
     assert (bare.temperature, bare.top_p, bare.top_k) == (1.0, 1.0, 0)
 

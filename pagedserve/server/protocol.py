@@ -192,10 +192,12 @@ class _SamplingFields(_Body):
 
     def with_defaults(self, defaults: dict[str, float | int]) -> _SamplingFields:
         """This request with the model's `defaults` (`--generation-config`) for the sampling
-        fields it left out (max_tokens is the caller's: it depends on the prompt)."""
+        fields it left out or sent as null (max_tokens is the caller's: it depends on the
+        prompt)."""
         fields = type(self).model_fields
         update = {k: v for k, v in defaults.items()
-                  if k in fields and k != "max_tokens" and k not in self.model_fields_set}
+                  if k in fields and k != "max_tokens"
+                  and (k not in self.model_fields_set or getattr(self, k) is None)}
         return self.model_copy(update=update) if update else self
 
     def sampling_params(self, max_tokens: int | None, logprobs: int | None,
