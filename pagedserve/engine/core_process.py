@@ -62,7 +62,9 @@ def run_engine_core(config: EngineConfig, in_addr: str, out_addr: str, log_level
         out.send_pyobj(StartFailed(traceback.format_exc(), reason))
         # The server may bind its socket only after loading its tokenizer (the core starts
         # first): wait long enough for the message to reach it, or it never learns why.
+        inp.close(linger=0)
         out.close(linger=START_FAILED_LINGER_MS)
+        ctx.term()  # returns once the message is delivered (or the wait is over)
         return
     # Start-up leaves a great many long-lived objects (the model, compiled kernels, graphs).
     # Frozen, they are out of the garbage collector's view, so a full collection while serving

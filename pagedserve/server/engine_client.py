@@ -149,7 +149,11 @@ class AsyncEngineClient:
         the model, then supervise it. A core that fails here is not restarted."""
         self._ctx = zmq.asyncio.Context()
         self._timeout = timeout
-        await self._connect(self._core or spawn_engine_core(self.config, self.log_level))
+        try:
+            await self._connect(self._core or spawn_engine_core(self.config, self.log_level))
+        except BaseException:
+            await self.shutdown()  # (a context left with open sockets blocks when collected)
+            raise
         self._supervisor = asyncio.create_task(self._supervise())
         return self.info
 
@@ -190,8 +194,8 @@ class AsyncEngineClient:
             self._supervisor.cancel()
             await asyncio.gather(self._supervisor, return_exceptions=True)
         if self._proc is not None and self._proc.is_alive():
-            with contextlib.suppress(zmq.ZMQError):
-                await self._in.send_pyobj(Shutdown())
+            with contextlib.suppress(zmq.ZMQError):  # (never wait: a failed core may not read)
+                await self._in.send_pyobj(Shutdown(), flags=zmq.NOBLOCK)
             await asyncio.to_thread(self._proc.join, 5)
             if self._proc.is_alive():
                 self._proc.kill()
