@@ -26,7 +26,8 @@ class LLM:
 
     `model` is None (the embedded SmolLM2-135M-Instruct), a preset name, a Hugging Face Hub id
     (`revision`, `download_dir`), a Hugging Face folder or a .gguf file. `generation_config`
-    ("auto", "vllm" or a folder) gives `get_default_sampling_params`. Memory for the KV cache comes from `kv_cache_memory` (bytes)
+    ("auto", "vllm" or a folder) gives `get_default_sampling_params`. `quantization="fp8"`
+    quantizes the decoder's weights to FP8 at load (`layers/fp8.py`). Memory for the KV cache comes from `kv_cache_memory` (bytes)
     or, on a GPU, `gpu_memory_utilization` after profiling a forward pass.
     """
 
@@ -52,6 +53,7 @@ class LLM:
         revision: str | None = None,
         download_dir: str | None = None,
         generation_config: str = "auto",
+        quantization: str | None = None,
     ) -> None:
         config, source, model_cfg = EngineConfig.from_args(
             model, max_model_len=max_model_len, max_num_seqs=max_num_seqs,
@@ -60,7 +62,7 @@ class LLM:
             gpu_memory_utilization=gpu_memory_utilization, dtype=dtype, device=device,
             load_format=load_format, seed=seed, attention_backend=attention_backend,
             enforce_eager=enforce_eager, async_scheduling=async_scheduling, tokenizer=tokenizer,
-            revision=revision, download_dir=download_dir,
+            revision=revision, download_dir=download_dir, quantization=quantization,
         )
         self._defaults = sampling_defaults(source, generation_config)
         self.engine = EngineCore(config, source)

@@ -207,7 +207,7 @@ def _engine_flags(**changes) -> dict:
                  max_num_batched_tokens=256, max_model_len=256, block_size=16,
                  enable_prefix_caching=True, kv_cache_memory=16 << 20, gpu_memory_utilization=0.9,
                  enforce_eager=True, attention_backend="auto", seed=0, tokenizer=None,
-                 revision=None, download_dir=None)
+                 revision=None, download_dir=None, quantization=None)
     return {**flags, **changes}
 
 

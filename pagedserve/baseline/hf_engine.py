@@ -95,6 +95,8 @@ def load_hf_model(config: EngineConfig):
     source = resolve_model(config.model, load_format=config.load_format)
     if source.gguf_file is not None:
         raise ValueError("the hf baseline engine cannot load .gguf files; give a Hugging Face folder")
+    if config.quantization is not None:
+        raise ValueError("the hf baseline engine serves unquantized weights only (drop --quantization)")
     if source.folder is not None and config.load_format != "dummy":
         model = AutoModelForCausalLM.from_pretrained(source.folder, dtype=dtype)
     else:  # a preset (config only) or --load-format dummy: random weights from the config

@@ -39,6 +39,10 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="bytes for the KV cache (default: sized from --gpu-memory-utilization)")
     p.add_argument("--gpu-memory-utilization", type=types.fraction, default=0.9,
                    help="fraction of GPU memory the engine may use, KV cache included")
+    p.add_argument("--quantization", "-q", default=None, choices=["fp8"],
+                   help="fp8: the decoder's weights quantized to FP8 e4m3 at load (per output "
+                        "channel) and activations per token, multiplied on FP8 tensor cores "
+                        "(Hopper); elsewhere a dequantizing reference path")
     p.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
     p.add_argument("--attention-backend", default="auto", choices=["auto", "triton", "torch"],
                    help="auto: triton on CUDA, torch on the CPU")
@@ -75,4 +79,5 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
         enforce_eager=args.enforce_eager, attention_backend=args.attention_backend,
         tokenizer=args.tokenizer, seed=args.seed, revision=args.revision,
         download_dir=args.download_dir, generation_config=args.generation_config,
+        quantization=args.quantization,
     )

@@ -56,7 +56,8 @@ class Worker:
             pdl.set_enabled(kernels.pdl)
             report_late_compiles(False)  # (this start-up's compiles are expected)
         model = build_model(source, dtype=config.dtype, device=device,
-                            load_format=config.load_format, seed=config.seed)
+                            load_format=config.load_format, seed=config.seed,
+                            quantization=config.quantization)
         self.model_config = cfg = model.config
         self.dtype = dtype = resolve_dtype(config.dtype, device)
         self.scheduler_config = sched = config.scheduler_for(cfg)

@@ -13,6 +13,8 @@ from pathlib import Path
 import torch
 
 from pagedserve.config import ModelConfig, resolve_dtype
+from pagedserve.layers.fp8 import linear_method_for
+from pagedserve.layers.linear_method import LinearMethod
 from pagedserve.models.llama import LlamaForCausalLM
 from pagedserve.models.source import ModelSource
 
@@ -26,14 +28,16 @@ def build_model(
     device: str | torch.device = "cpu",
     load_format: str = "auto",
     seed: int = 0,
+    quantization: str | None = None,
 ) -> LlamaForCausalLM:
-    """Create the decoder on `device` in `dtype` and fill its weights."""
+    """Create the decoder on `device` in `dtype` and fill its weights; `quantization` ("fp8"
+    or None) sets the decoder projections' weight format (`layers/fp8.py`)."""
     if load_format not in LOAD_FORMATS:
         raise ValueError(f"load_format {load_format!r} is not one of {', '.join(LOAD_FORMATS)}")
     device = torch.device(device)
     torch_dtype = resolve_dtype(dtype, device)
     cfg = ModelConfig.from_hf_config(source.hf_config)
-    model = _materialise(cfg, torch_dtype, device)
+    model = _materialise(cfg, torch_dtype, device, linear_method_for(quantization))
     if load_format == "dummy":
         _fill_dummy(model, seed)
         model.process_weights_after_loading()
@@ -53,13 +57,14 @@ def build_model(
     return model
 
 
-def _materialise(cfg: ModelConfig, dtype: torch.dtype, device: torch.device) -> LlamaForCausalLM:
+def _materialise(cfg: ModelConfig, dtype: torch.dtype, device: torch.device,
+                 linear_method: LinearMethod | None = None) -> LlamaForCausalLM:
     """Build the module on the meta device, then allocate (uninitialised) on `device`."""
     old = torch.get_default_dtype()
     torch.set_default_dtype(dtype)
     try:
         with torch.device("meta"):
-            model = LlamaForCausalLM(cfg)
+            model = LlamaForCausalLM(cfg, linear_method)
     finally:
         torch.set_default_dtype(old)
     model = model.to_empty(device=device)

@@ -1,0 +1,79 @@
+"""FP8 (e4m3) weights and activations: `--quantization fp8`.
+
+The checkpoint's weights load in the model's dtype, as unquantized ones do; once they are in,
+each weight is quantized per output channel (a float32 scale per row). Each product quantizes
+its input per token (a scale per row, computed on the fly), then multiplies the two FP8
+operands on Hopper's tensor cores (`torch._scaled_mm` with row-wise scales, bf16 out). Elsewhere
+(the CPU, fp16 models, GPUs before compute capability 8.9) the same quantized numbers are
+dequantized and multiplied in the input's dtype: the reference path, with the same rounding of
+weights and activations.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from pagedserve.layers.linear_method import LinearMethod, UnquantizedLinearMethod
+
+FP8 = torch.float8_e4m3fn
+FP8_MAX = float(torch.finfo(FP8).max)  # 448
+_MIN_SCALE = 1e-12  # (a row of zeros keeps a finite scale)
+
+
+def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [R, C] -> (e4m3 [R, C], float32 scales [R, 1]) with x ~= q * scale, per row."""
+    amax = x.abs().amax(dim=-1, keepdim=True).float().clamp_min(_MIN_SCALE)  # [R, 1]
+    scale = amax / FP8_MAX
+    q = (x.float() / scale).clamp(-FP8_MAX, FP8_MAX).to(FP8)  # [R, C]
+    return q, scale
+
+
+def dequantize_rows(q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Inverse of `quantize_rows`: [R, C] in `dtype`."""
+    return (q.float() * scale).to(dtype)
+
+
+def scaled_mm_supported(x: torch.Tensor) -> bool:
+    """Whether `x`'s device multiplies FP8 with row-wise scales (bf16 out, compute 8.9+)."""
+    return (x.is_cuda and x.dtype == torch.bfloat16
+            and torch.cuda.get_device_capability(x.device) >= (8, 9))
+
+
+class Fp8LinearMethod(LinearMethod):
+    """Weights quantized to e4m3 per output channel after loading; activations per token."""
+
+    def create_weights(self, layer: nn.Module, input_size: int, output_sizes: list[int],
+                       bias: bool, dtype: torch.dtype | None) -> None:
+        # the checkpoint loads as it would unquantized (same parameters and loaders)
+        UnquantizedLinearMethod.create_weights(self, layer, input_size, output_sizes, bias, dtype)  # type: ignore[arg-type]
+
+    def process_weights_after_loading(self, layer: nn.Module) -> None:
+        with torch.no_grad():
+            q, scale = quantize_rows(layer.weight.data)  # [out, in] e4m3, [out, 1]
+        layer.weight = nn.Parameter(q, requires_grad=False)
+        layer.weight_scale = nn.Parameter(scale.reshape(1, -1), requires_grad=False)  # [1, out]
+
+    def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        xq, xs = quantize_rows(x)  # [T, in] e4m3, [T, 1]
+        if scaled_mm_supported(x):
+            y = torch._scaled_mm(xq, layer.weight.t(), scale_a=xs, scale_b=layer.weight_scale,
+                                 out_dtype=x.dtype)  # [T, out]
+            return y if bias is None else y + bias
+        w = dequantize_rows(layer.weight, layer.weight_scale.reshape(-1, 1), x.dtype)  # [out, in]
+        return F.linear(dequantize_rows(xq, xs, x.dtype), w, bias)
+
+
+QUANTIZATION_METHODS: dict[str, type[LinearMethod]] = {"fp8": Fp8LinearMethod}
+
+
+def linear_method_for(quantization: str | None) -> LinearMethod | None:
+    """The LinearMethod for `--quantization` (None: unquantized). ValueError for a bad name."""
+    if quantization is None:
+        return None
+    try:
+        return QUANTIZATION_METHODS[quantization]()
+    except KeyError:
+        raise ValueError(f"quantization {quantization!r} is not supported; choose one of "
+                         f"{', '.join(QUANTIZATION_METHODS)}") from None

@@ -1,0 +1,109 @@
+"""FP8 weights and activations (`--quantization fp8`, layers/fp8.py) on the CPU reference path:
+round trips against a plain-torch reference, a quantized layer against the reference product,
+the embedded SmolLM2's next-token agreement with its unquantized self, and clear errors."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from helpers import run_prefill
+from pagedserve.layers.fp8 import Fp8LinearMethod, dequantize_rows, quantize_rows
+from pagedserve.layers.linear import Linear, MergedLinear
+
+E4M3 = torch.float8_e4m3fn
+
+
+def _reference_quantize(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-row e4m3 quantization written out element by element's rule: scale = amax / 448."""
+    scales = torch.stack([r.abs().max().clamp_min(1e-12) / 448.0 for r in x.float()])[:, None]
+    return (x.float() / scales).clamp(-448, 448).to(E4M3), scales
+
+
+def test_round_trip_matches_the_reference_and_e4m3_precision():
+    torch.manual_seed(0)
+    x = torch.randn(16, 256) * torch.logspace(-3, 2, 16)[:, None]  # rows of very different size
+    x[3] = 0.0
+    q, s = quantize_rows(x)
+    rq, rs = _reference_quantize(x)
+    assert q.dtype == E4M3 and s.shape == (16, 1)
+    assert torch.equal(q.float(), rq.float()) and torch.allclose(s, rs)
+    back = dequantize_rows(q, s, torch.float32)
+    assert torch.equal(back[3], torch.zeros(256))
+    # e4m3 keeps 3 mantissa bits: within half a unit of the last place (2^-4) of each value,
+    # or of the smallest normal step for tiny ones
+    err = (back - x).abs()
+    bound = torch.maximum(x.abs() * 2**-4, s * 2**-9)
+    assert bool((err <= bound * 1.001).all())
+
+
+@pytest.mark.parametrize("merged", [False, True])
+def test_a_quantized_layer_computes_the_reference_product(merged):
+    torch.manual_seed(1)
+    method = Fp8LinearMethod()
+    layer = (MergedLinear(64, [32, 16, 16], ("q", "k", "v"), linear_method=method) if merged
+             else Linear(64, 48, bias=True, linear_method=method))
+    w = layer.weight.data.clone()  # [out, in] as loaded (fp32 here)
+    method.process_weights_after_loading(layer)
+    assert layer.weight.dtype == E4M3 and layer.weight.element_size() == 1
+    x = torch.randn(5, 64)
+    wq, ws = _reference_quantize(w)
+    xq, xs = _reference_quantize(x)
+    ref = (xq.float() * xs) @ (wq.float() * ws).t()
+    if layer.bias is not None:
+        ref = ref + layer.bias
+    y = layer(x)
+    assert torch.allclose(y, ref, atol=1e-5, rtol=1e-5)
+    exact = x @ w.t() + (layer.bias if layer.bias is not None else 0)
+    assert (y - exact).norm() / exact.norm() < 0.06  # FP8's own error, a few percent
+
+
+def test_smollm2_fp8_agrees_with_its_unquantized_self(smollm2_dir):
+    """Teacher-forced next tokens over a fixed text: FP8 weights and activations pick the
+    unquantized model's token almost everywhere."""
+    from pagedserve.models.loader import build_model
+    from pagedserve.models.source import resolve_model
+    from pagedserve.tokenizer import Tokenizer
+
+    text = ("The history of the printing press begins in the fifteenth century, when Johannes "
+            "Gutenberg combined movable metal type, oil-based ink and a wooden press adapted "
+            "from those used to make wine. Within fifty years, presses had spread to more than "
+            "two hundred cities across Europe, and millions of books had been printed.")
+    ids = Tokenizer.from_pretrained(smollm2_dir).encode(text, add_special_tokens=False)
+    source = resolve_model(None)
+    full = build_model(source, dtype="float32")
+    fp8 = build_model(source, dtype="float32", quantization="fp8")
+    assert fp8.layers[0].mlp.down_proj.weight.dtype == E4M3
+    with torch.no_grad():
+        a = run_prefill(full, [ids])[0].argmax(-1)
+        b = run_prefill(fp8, [ids])[0].argmax(-1)
+    agreement = (a == b).float().mean().item()
+    assert agreement >= 0.85, agreement
+
+
+def test_pre_quantized_checkpoints_and_unknown_methods_are_refused(tmp_path, smollm2_dir):
+    from pagedserve.config import EngineConfig
+
+    cfg = json.loads((smollm2_dir / "config.json").read_text())
+    cfg["quantization_config"] = {"quant_method": "awq", "bits": 4}
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ValueError, match=r"pre-quantized checkpoint \(awq\)"):
+        EngineConfig.from_args(str(tmp_path))
+    with pytest.raises(ValueError, match="quantization 'int4' is not supported"):
+        EngineConfig.from_args(None, quantization="int4")
+    proc = subprocess.run([sys.executable, "-m", "pagedserve.cli", "serve", "--quantization", "int4"],
+                          capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 2 and "--quantization" in proc.stderr
+
+
+def test_generate_with_fp8_on_the_cpu():
+    from pagedserve import LLM, SamplingParams
+
+    llm = LLM(device="cpu", kv_cache_memory=32 << 20, quantization="fp8", enforce_eager=True)
+    out = llm.generate(["The capital of France is"], SamplingParams(temperature=0, max_tokens=6),
+                       use_tqdm=False)[0].outputs[0]
+    assert len(out.token_ids) == 6 and out.text.strip()
