@@ -242,7 +242,7 @@ class EngineConfig:
                              "(load_format='dummy') for random weights, or name a model folder "
                              "or a Hugging Face Hub id (e.g. Qwen/Qwen3-4B-Instruct-2507)")
         if source.from_hub:
-            model = str(source.folder)
+            model = str(source.folder)  # a Hub id: the engine core loads the cached folder
         prequantized = source.hf_config.get("quantization_config")
         if prequantized:
             method = prequantized.get("quant_method", "?") if isinstance(prequantized, dict) else "?"
@@ -250,7 +250,7 @@ class EngineConfig:
                              "pagedserve cannot load yet; serve its bf16 release, with "
                              "--quantization fp8 for FP8 weights")
         if kw.get("quantization") not in (None, "fp8"):
-            raise ValueError(f"quantization {kw['quantization']!r} is not supported; use fp8")  # a Hub id: the engine core loads the cached folder
+            raise ValueError(f"quantization {kw['quantization']!r} is not supported; use fp8")
         model_cfg = ModelConfig.from_hf_config(source.hf_config)
         limit = model_cfg.max_position_embeddings
         max_len = max_model_len or limit
