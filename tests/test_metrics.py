@@ -143,3 +143,13 @@ def test_binned_histogram_matches_prometheus_buckets():
     assert 'x_seconds_count{model_name="m"} 6.0' in text
     assert 'x_seconds_sum{model_name="m"} 3.665' in text
 
+
+
+def test_binned_histogram_bins_a_full_batch_without_a_scrape():
+    """A server nobody scrapes keeps at most BATCH values waiting."""
+    from pagedserve.server.metrics import BinnedHistogram
+
+    h = BinnedHistogram("x_seconds", "doc", (0.01, 0.1), ["model_name"], ("m",))
+    for _ in range(h.BATCH):
+        h.append(0.05)
+    assert h.pending == [] and int(h.counts.sum()) == h.BATCH and h.counts[1] == h.BATCH

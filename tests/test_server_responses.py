@@ -14,15 +14,10 @@ import jsonschema
 import openai
 import pytest
 from server_helpers import MODEL, wait_idle
+from test_server_tools import TIME, WEATHER  # the chat tests' tool parameter schemas
 
 ASK = "What is the capital of France? Answer in one sentence."
 INSTRUCTIONS = "You are a terse geography teacher."
-WEATHER = {"type": "object",
-           "properties": {"city": {"type": "string", "maxLength": 20},
-                          "unit": {"type": "string", "enum": ["celsius", "fahrenheit"]}},
-           "required": ["city", "unit"], "additionalProperties": False}
-TIME = {"type": "object", "properties": {"timezone": {"type": "string", "enum": ["UTC", "CET"]}},
-        "required": ["timezone"], "additionalProperties": False}
 TOOLS = [{"type": "function", "name": "get_weather", "description": "The weather in a city",
           "parameters": WEATHER},
          {"type": "function", "name": "get_time", "description": "The time in a zone",

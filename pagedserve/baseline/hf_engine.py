@@ -141,7 +141,7 @@ class HFEngineClient:
         self.stats: CoreStats | None = None
         self.dead_reason: str | None = None
         self.on_finish = None  # optional callback(pending, state, now) for metrics
-        self.token_gaps: list[float] = []  # seconds between a sample's outputs (for /metrics)
+        self.token_gaps = []  # seconds between outputs; app.py puts metrics' BinnedHistogram here
         self.on_failure = self.on_restart = self.on_fatal = None  # (the paged client's hooks)
         self.restarts = 0  # (this engine is never restarted)
         self._pending: dict[str, _Pending] = {}

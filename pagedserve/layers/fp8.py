@@ -50,6 +50,8 @@ class Fp8LinearMethod(LinearMethod):
         UnquantizedLinearMethod.create_weights(self, layer, input_size, output_sizes, bias, dtype)  # type: ignore[arg-type]
 
     def process_weights_after_loading(self, layer: nn.Module) -> None:
+        # decided once here, not per product: the inputs come in the weights' (model) dtype
+        layer.fp8_tensor_cores = scaled_mm_supported(layer.weight)
         with torch.no_grad():
             q, scale = quantize_rows(layer.weight.data)  # [out, in] e4m3, [out, 1]
         layer.weight = nn.Parameter(q, requires_grad=False)
@@ -57,7 +59,7 @@ class Fp8LinearMethod(LinearMethod):
 
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         xq, xs = quantize_rows(x)  # [T, in] e4m3, [T, 1]
-        if scaled_mm_supported(x):
+        if layer.fp8_tensor_cores:
             y = torch._scaled_mm(xq, layer.weight.t(), scale_a=xs, scale_b=layer.weight_scale,
                                  out_dtype=x.dtype)  # [T, out]
             return y if bias is None else y + bias

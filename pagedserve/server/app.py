@@ -108,7 +108,7 @@ def create_app(settings: ServerSettings, core: SpawnedCore | None = None) -> Fas
     metrics = Metrics(settings.served_names[0])
     client.on_finish = metrics.on_finish
     client.on_failure = metrics.on_failure
-    client.token_gaps = metrics.token_gaps  # inter-token latency, binned at each scrape
+    client.token_gaps = metrics.itl  # inter-token latency: the client appends, metrics bin
     client.on_restart = metrics.on_engine_restart
     client.on_fatal = settings.on_fatal
     # GPU (NVML) and process CPU/memory, read on each scrape; the baselines have no engine pid.

@@ -27,6 +27,7 @@ from pagedserve.server.serving import (
     start_choices,
     usage,
 )
+from pagedserve.server.tool_parsers import ToolCallDelta, ToolParser
 from pagedserve.server.tools import (
     ToolCallStream,
     ToolPlan,
@@ -92,6 +93,24 @@ def reasoning_parser_for(server: Server, opened: bool) -> ReasoningParser | None
     if not server.reasoning_parser:
         return None
     return get_reasoning_parser(server.reasoning_parser)(starts_in_reasoning=opened)
+
+
+def split_delta(reasoner: ReasoningParser | None, tool_parser: ToolParser | None, text: str,
+                finished: bool) -> tuple[str, str, list[ToolCallDelta]]:
+    """A sample's new text -> (reasoning, content, tool-call deltas), through its reasoning
+    parser then its tool parser (either may be None); `finished` flushes both."""
+    reasoning, content, calls = "", text, []
+    if reasoner is not None:
+        reasoning, content = reasoner.stream(text)
+        if finished:
+            r_end, c_end = reasoner.finish()
+            reasoning, content = reasoning + r_end, content + c_end
+    if tool_parser is not None:
+        content, calls = tool_parser.stream(content)
+        if finished:
+            c_end, d_end = tool_parser.finish()
+            content, calls = content + c_end, calls + d_end
+    return reasoning, content, calls
 
 
 def _token_entry(server: Server, tid: int, lp: float | None) -> dict:
@@ -182,19 +201,9 @@ async def _stream(server: Server, body: ChatCompletionRequest,
             if not delta_text and not s.finished and ntok == sent_tokens[index]:
                 continue
             delta: dict = {}
-            parser = parsers[index]
-            reasoning, content = "", delta_text
-            if parser is not None:
-                reasoning, content = parser.stream(delta_text)
-                if s.finished:
-                    r_end, c_end = parser.finish()
-                    reasoning, content = reasoning + r_end, content + c_end
-            tool_parser = tool_parsers[index]
-            if tool_parser is not None:
-                content, deltas = tool_parser.stream(content)
-                if s.finished:
-                    c_end, d_end = tool_parser.finish()
-                    content, deltas = content + c_end, deltas + d_end
+            reasoning, content, deltas = split_delta(parsers[index], tool_parsers[index],
+                                                     delta_text, s.finished)
+            if tool_parsers[index] is not None:
                 entries = calls[index].entries(deltas)
                 if entries:
                     delta["tool_calls"] = entries

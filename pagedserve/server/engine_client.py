@@ -137,7 +137,7 @@ class AsyncEngineClient:
         self._closing = False
         # Callbacks the server sets (each optional):
         self.on_finish: Callable | None = None  # (pending, state, now): a sample finished
-        self.token_gaps: list[float] = []  # seconds between a sample's outputs (for /metrics)
+        self.token_gaps = []  # seconds between outputs; app.py puts metrics' BinnedHistogram here
         self.on_failure: Callable[[str], None] | None = None  # (source): a request failed
         self.on_restart: Callable[[], None] | None = None  # a new core is serving
         self.on_fatal: Callable[[str], None] | None = None  # (reason): restarts exhausted

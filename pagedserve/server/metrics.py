@@ -69,9 +69,12 @@ TOKEN_COUNT_BUCKETS = build_1_2_5_buckets(1_000_000)
 
 
 class BinnedHistogram:
-    """A Prometheus histogram filled in bulk: the engine client appends values to `pending`
-    (a list append per output, cheap on the streaming path) and each scrape bins them with
-    numpy, instead of one `Histogram.observe` per token."""
+    """A Prometheus histogram filled in bulk: the engine client `append`s a value per output
+    (a list append, cheap on the streaming path); each scrape, or every BATCH values between
+    scrapes (so the list stays small on a server nobody scrapes), bins them with numpy,
+    instead of one `Histogram.observe` per token."""
+
+    BATCH = 4096
 
     def __init__(self, name: str, doc: str, buckets: tuple[float, ...], labels: list[str],
                  values: tuple[str, ...]) -> None:
@@ -81,10 +84,15 @@ class BinnedHistogram:
         self.sum = 0.0
         self.pending: list[float] = []
 
+    def append(self, value: float) -> None:
+        self.pending.append(value)
+        if len(self.pending) >= self.BATCH:
+            self.drain()
+
     def drain(self) -> None:
         if self.pending:
             vals = np.asarray(self.pending, dtype=np.float64)
-            del self.pending[:]  # (the same list object: the engine client holds it)
+            self.pending.clear()
             # (a value equal to an edge belongs to that bucket: le = "less or equal")
             idx = np.searchsorted(self.edges, vals, side="left")
             self.counts += np.bincount(idx, minlength=len(self.counts))
@@ -157,7 +165,6 @@ class Metrics:
                                    "Histogram of inter-token latency in seconds.", TPOT_BUCKETS,
                                    labels, v)
         r.register(self.itl)
-        self.token_gaps = self.itl.pending  # the engine client appends to this list
         # pagedserve's own
         self.prefix_hit_rate = Gauge("pagedserve_prefix_cache_hit_rate", "Prefix-cache hits / queries (tokens) "
                                      "since the engine core started", own, registry=r).labels(model_name)

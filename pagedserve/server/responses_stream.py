@@ -21,7 +21,7 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 from pagedserve.engine.output_processor import SampleState
-from pagedserve.server.chat import PreparedChat, reasoning_parser_for
+from pagedserve.server.chat import PreparedChat, reasoning_parser_for, split_delta
 from pagedserve.server.errors import APIError
 from pagedserve.server.reasoning import ReasoningParser
 from pagedserve.server.serving import Server
@@ -245,18 +245,7 @@ async def stream_response(server: Server, p: PreparedChat, head: ResponseHead,
         async for _, s in events:
             text = s.visible_text()
             delta, sent = text[sent:], len(text)
-            reasoning, content = "", delta
-            if reasoner is not None:
-                reasoning, content = reasoner.stream(delta)
-                if s.finished:
-                    r_end, c_end = reasoner.finish()
-                    reasoning, content = reasoning + r_end, content + c_end
-            calls: list[ToolCallDelta] = []
-            if tool_parser is not None:
-                content, calls = tool_parser.stream(content)
-                if s.finished:
-                    c_end, d_end = tool_parser.finish()
-                    content, calls = content + c_end, calls + d_end
+            reasoning, content, calls = split_delta(reasoner, tool_parser, delta, s.finished)
             reasoned = reasoned or bool(reasoning)
             for chunk in [*items.reasoning(reasoning), *items.content(content),
                           *items.tool_calls(calls)]:
