@@ -209,7 +209,7 @@ class EngineConfig:
     device: str = "auto"  # "auto" = cuda if available, else cpu
     load_format: str = "auto"
     seed: int = 0  # for dummy weights
-    quantization: str | None = None  # "fp8": FP8 weights and activations (layers/fp8.py)
+    quantization: str | None = None  # the method the decoder runs (pagedserve/quantization/)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     cache: CacheConfig = field(default_factory=CacheConfig)
     attention_backend: str = "auto"  # "auto" = triton on CUDA, torch elsewhere
@@ -233,6 +233,7 @@ class EngineConfig:
         (`revision`, `download_dir`) is fetched here, and the config names its local folder."""
         from pagedserve import envs
         from pagedserve.models.source import resolve_model
+        from pagedserve.quantization import resolve_quantization
 
         load_format = kw.get("load_format", "auto")
         source = resolve_model(model, load_format=load_format, revision=revision,
@@ -243,14 +244,7 @@ class EngineConfig:
                              "or a Hugging Face Hub id (e.g. Qwen/Qwen3-4B-Instruct-2507)")
         if source.from_hub:
             model = str(source.folder)  # a Hub id: the engine core loads the cached folder
-        prequantized = source.hf_config.get("quantization_config")
-        if prequantized:
-            method = prequantized.get("quant_method", "?") if isinstance(prequantized, dict) else "?"
-            raise ValueError(f"{source.name} is a pre-quantized checkpoint ({method}), which "
-                             "pagedserve cannot load yet; serve its bf16 release, with "
-                             "--quantization fp8 for FP8 weights")
-        if kw.get("quantization") not in (None, "fp8"):
-            raise ValueError(f"quantization {kw['quantization']!r} is not supported; use fp8")
+        kw["quantization"] = resolve_quantization(kw.get("quantization"), source.hf_config)
         model_cfg = ModelConfig.from_hf_config(source.hf_config)
         limit = model_cfg.max_position_embeddings
         max_len = max_model_len or limit

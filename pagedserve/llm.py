@@ -27,7 +27,8 @@ class LLM:
     `model` is None (the embedded SmolLM2-135M-Instruct), a preset name, a Hugging Face Hub id
     (`revision`, `download_dir`), a Hugging Face folder or a .gguf file. `generation_config`
     ("auto", "vllm" or a folder) gives `get_default_sampling_params`. `quantization="fp8"`
-    quantizes the decoder's weights to FP8 at load (`layers/fp8.py`). Memory for the KV cache comes from `kv_cache_memory` (bytes)
+    quantizes the decoder's weights to FP8 at load; a pre-quantized checkpoint runs its own
+    method (`pagedserve/quantization/`). Memory for the KV cache comes from `kv_cache_memory` (bytes)
     or, on a GPU, `gpu_memory_utilization` after profiling a forward pass.
     """
 

@@ -1,4 +1,4 @@
-"""FP8 weights and activations (`--quantization fp8`, layers/fp8.py) on the CPU reference path:
+"""FP8 weights and activations (`--quantization fp8`, quantization/fp8.py) on the CPU reference path:
 round trips against a plain-torch reference, a quantized layer against the reference product,
 the embedded SmolLM2's next-token agreement with its unquantized self, and clear errors."""
 
@@ -12,8 +12,8 @@ import pytest
 import torch
 
 from helpers import run_prefill
-from pagedserve.layers.fp8 import Fp8LinearMethod, dequantize_rows, quantize_rows
 from pagedserve.layers.linear import Linear, MergedLinear
+from pagedserve.quantization.fp8 import Fp8LinearMethod, dequantize_rows, quantize_rows
 
 E4M3 = torch.float8_e4m3fn
 
@@ -89,9 +89,9 @@ def test_pre_quantized_checkpoints_and_unknown_methods_are_refused(tmp_path, smo
     from pagedserve.config import EngineConfig
 
     cfg = json.loads((smollm2_dir / "config.json").read_text())
-    cfg["quantization_config"] = {"quant_method": "awq", "bits": 4}
+    cfg["quantization_config"] = {"quant_method": "bitsandbytes", "load_in_4bit": True}
     (tmp_path / "config.json").write_text(json.dumps(cfg))
-    with pytest.raises(ValueError, match=r"pre-quantized checkpoint \(awq\)"):
+    with pytest.raises(ValueError, match=r"quantized with 'bitsandbytes', which pagedserve cannot read"):
         EngineConfig.from_args(str(tmp_path))
     with pytest.raises(ValueError, match="quantization 'int4' is not supported"):
         EngineConfig.from_args(None, quantization="int4")
@@ -107,3 +107,15 @@ def test_generate_with_fp8_on_the_cpu():
     out = llm.generate(["The capital of France is"], SamplingParams(temperature=0, max_tokens=6),
                        use_tqdm=False)[0].outputs[0]
     assert len(out.token_ids) == 6 and out.text.strip()
+
+
+def test_which_method_runs_follows_the_flag_and_the_checkpoint():
+    from pagedserve.quantization import resolve_quantization
+
+    plain = {"model_type": "llama"}
+    assert resolve_quantization(None, plain) is None
+    assert resolve_quantization("fp8", plain) == "fp8"
+    with pytest.raises(ValueError, match="not supported"):
+        resolve_quantization("int3", plain)
+    with pytest.raises(ValueError, match="no quant_method"):
+        resolve_quantization(None, {"quantization_config": {"bits": 4}})

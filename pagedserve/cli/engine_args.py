@@ -8,6 +8,7 @@ import argparse
 from pagedserve import envs
 from pagedserve.cli import types
 from pagedserve.config import DTYPE_NAMES
+from pagedserve.quantization import QUANTIZATION_CHOICES
 
 
 def add_engine_args(p: argparse.ArgumentParser) -> None:
@@ -39,10 +40,11 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="bytes for the KV cache (default: sized from --gpu-memory-utilization)")
     p.add_argument("--gpu-memory-utilization", type=types.fraction, default=0.9,
                    help="fraction of GPU memory the engine may use, KV cache included")
-    p.add_argument("--quantization", "-q", default=None, choices=["fp8"],
-                   help="fp8: the decoder's weights quantized to FP8 e4m3 at load (per output "
-                        "channel) and activations per token, multiplied on FP8 tensor cores "
-                        "(Hopper); elsewhere a dequantizing reference path")
+    p.add_argument("--quantization", "-q", default=None, choices=QUANTIZATION_CHOICES,
+                   help="fp8 on an unquantized checkpoint: the decoder's weights quantized to "
+                        "FP8 e4m3 at load (per output channel), activations per token, FP8 "
+                        "tensor cores on Hopper. A pre-quantized checkpoint runs its own method "
+                        "(the flag may name it); the CPU runs a dequantizing reference path")
     p.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
     p.add_argument("--attention-backend", default="auto", choices=["auto", "triton", "torch"],
                    help="auto: triton on CUDA, torch on the CPU")

@@ -2,9 +2,10 @@
 
 A `LinearMethod` is handed to each linear layer (`layers/linear.py`). It registers the
 layer's parameters (their shapes, dtypes and weight loaders), may convert them once the
-checkpoint is in (repacking, scales), and computes the layer's product. The only method today
-is `UnquantizedLinearMethod`: a plain weight, multiplied on the skinny Triton kernel where the
-layer's `skinny_plan` says so, else by cuBLAS.
+checkpoint is in (repacking, scales), and computes the layer's product.
+`UnquantizedLinearMethod` keeps a plain weight, multiplied on the skinny Triton kernel where the
+layer's `skinny_plan` says so, else by cuBLAS. Quantized methods live in
+`pagedserve/quantization/`.
 """
 
 from __future__ import annotations
@@ -21,6 +22,14 @@ from pagedserve.layers.weight_utils import linear_weight_loader, set_weight_attr
 
 class LinearMethod:
     """Interface of a linear layer's weight format. Stateless: per-layer state lives on the layer."""
+
+    @classmethod
+    def from_config(cls, quant_config: dict | None) -> LinearMethod:
+        """The method for a checkpoint's `quantization_config` (None: weights quantized at
+        load from an unquantized checkpoint, where the method supports it)."""
+        if quant_config is not None:
+            raise ValueError(f"{cls.__name__} reads no quantized checkpoint")
+        return cls()
 
     def create_weights(self, layer: nn.Module, input_size: int, output_sizes: list[int],
                        bias: bool, dtype: torch.dtype | None) -> None:

@@ -13,10 +13,11 @@ from pathlib import Path
 import torch
 
 from pagedserve.config import ModelConfig, resolve_dtype
-from pagedserve.layers.fp8 import linear_method_for
 from pagedserve.layers.linear_method import LinearMethod
 from pagedserve.models.llama import LlamaForCausalLM
 from pagedserve.models.source import ModelSource
+from pagedserve.quantization import checkpoint_quant_config
+from pagedserve.quantization.methods import linear_method_for
 
 LOAD_FORMATS = ("auto", "safetensors", "gguf", "dummy")
 
@@ -30,14 +31,16 @@ def build_model(
     seed: int = 0,
     quantization: str | None = None,
 ) -> LlamaForCausalLM:
-    """Create the decoder on `device` in `dtype` and fill its weights; `quantization` ("fp8"
-    or None) sets the decoder projections' weight format (`layers/fp8.py`)."""
+    """Create the decoder on `device` in `dtype` and fill its weights; `quantization` (a method
+    `resolve_quantization` returned, or None) sets the decoder projections' weight format
+    (`pagedserve/quantization/`), read from the checkpoint's quantization_config if it has one."""
     if load_format not in LOAD_FORMATS:
         raise ValueError(f"load_format {load_format!r} is not one of {', '.join(LOAD_FORMATS)}")
     device = torch.device(device)
     torch_dtype = resolve_dtype(dtype, device)
     cfg = ModelConfig.from_hf_config(source.hf_config)
-    model = _materialise(cfg, torch_dtype, device, linear_method_for(quantization))
+    method = linear_method_for(quantization, checkpoint_quant_config(source.hf_config))
+    model = _materialise(cfg, torch_dtype, device, method)
     if load_format == "dummy":
         _fill_dummy(model, seed)
         model.process_weights_after_loading()

@@ -15,13 +15,13 @@ pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a C
 
 @pytest.mark.parametrize("rows", [1, 7, 64, 300])
 def test_scaled_mm_matches_the_dequantized_reference(rows):
-    from pagedserve.layers.fp8 import (
+    from pagedserve.layers.linear import MergedLinear
+    from pagedserve.quantization.fp8 import (
         Fp8LinearMethod,
         dequantize_rows,
         quantize_rows,
         scaled_mm_supported,
     )
-    from pagedserve.layers.linear import MergedLinear
 
     torch.manual_seed(0)
     method = Fp8LinearMethod()

@@ -44,6 +44,13 @@ def scaled_mm_supported(x: torch.Tensor) -> bool:
 class Fp8LinearMethod(LinearMethod):
     """Weights quantized to e4m3 per output channel after loading; activations per token."""
 
+    @classmethod
+    def from_config(cls, quant_config: dict | None) -> LinearMethod:
+        if quant_config is not None:
+            raise ValueError("FP8 checkpoints (quantization_config quant_method 'fp8') cannot be "
+                             "read yet; serve the unquantized release with --quantization fp8")
+        return cls()
+
     def create_weights(self, layer: nn.Module, input_size: int, output_sizes: list[int],
                        bias: bool, dtype: torch.dtype | None) -> None:
         # the checkpoint loads as it would unquantized (same parameters and loaders)
@@ -65,17 +72,3 @@ class Fp8LinearMethod(LinearMethod):
             return y if bias is None else y + bias
         w = dequantize_rows(layer.weight, layer.weight_scale.reshape(-1, 1), x.dtype)  # [out, in]
         return F.linear(dequantize_rows(xq, xs, x.dtype), w, bias)
-
-
-QUANTIZATION_METHODS: dict[str, type[LinearMethod]] = {"fp8": Fp8LinearMethod}
-
-
-def linear_method_for(quantization: str | None) -> LinearMethod | None:
-    """The LinearMethod for `--quantization` (None: unquantized). ValueError for a bad name."""
-    if quantization is None:
-        return None
-    try:
-        return QUANTIZATION_METHODS[quantization]()
-    except KeyError:
-        raise ValueError(f"quantization {quantization!r} is not supported; choose one of "
-                         f"{', '.join(QUANTIZATION_METHODS)}") from None

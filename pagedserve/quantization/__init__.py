@@ -1,0 +1,61 @@
+"""Quantization: the weight formats a model's linear layers can take, and which one a model runs.
+
+A method is chosen either by `--quantization NAME` on an unquantized checkpoint (only "fp8":
+weights quantized at load) or by a pre-quantized checkpoint's `config.json`
+`quantization_config.quant_method` (its weights are read as stored). This module is torch-free
+(the HTTP process checks the choice up front); `quantization/methods.py` builds the
+`LinearMethod` (`layers/linear_method.py`) that each decoder projection then uses. Add a method:
+its module here with a `LinearMethod` subclass, an entry in `methods.METHODS`, and its name in
+the tables below.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+# what --quantization quantizes at load, from an unquantized (bf16/fp16/fp32) checkpoint
+DYNAMIC_METHODS = ("fp8",)
+# quant_method values of pre-quantized checkpoints that load as stored
+CHECKPOINT_METHODS: tuple[str, ...] = ()
+# what --quantization accepts (a checkpoint method must match its checkpoint's)
+QUANTIZATION_CHOICES = tuple(dict.fromkeys(DYNAMIC_METHODS + CHECKPOINT_METHODS))
+
+
+def checkpoint_quant_config(hf_config: Mapping[str, Any]) -> dict[str, Any] | None:
+    """A checkpoint's `quantization_config` (None for an unquantized one); ValueError when it
+    is present but not a mapping with a `quant_method`."""
+    qc = hf_config.get("quantization_config")
+    if qc is None:
+        return None
+    if not isinstance(qc, Mapping) or not isinstance(qc.get("quant_method"), str):
+        raise ValueError("config.json's quantization_config has no quant_method; the checkpoint "
+                         "cannot be read as a quantized one")
+    return dict(qc)
+
+
+def resolve_quantization(requested: str | None, hf_config: Mapping[str, Any]) -> str | None:
+    """The method the engine runs for `--quantization requested` on a checkpoint whose config is
+    `hf_config`: the checkpoint's own method if it is pre-quantized (`requested` must then be
+    None or the same), else `requested` (a dynamic method) or None. ValueError naming the
+    problem and the fix otherwise."""
+    qc = checkpoint_quant_config(hf_config)
+    if qc is not None:
+        method = qc["quant_method"]
+        if method not in CHECKPOINT_METHODS:
+            raise ValueError(f"the checkpoint is quantized with {method!r}, which pagedserve cannot "
+                             f"read (it reads {', '.join(CHECKPOINT_METHODS)}); serve an "
+                             "unquantized release, with --quantization fp8 for FP8 weights")
+        if requested not in (None, method):
+            raise ValueError(f"--quantization {requested} does not match the checkpoint, which is "
+                             f"quantized with {method!r}: drop the flag or pass {method}")
+        return method
+    if requested is None or requested in DYNAMIC_METHODS:
+        return requested
+    if requested in CHECKPOINT_METHODS:
+        raise ValueError(f"--quantization {requested} needs a checkpoint quantized with "
+                         f"{requested} (its config.json's quantization_config); this one is not. "
+                         f"An unquantized checkpoint takes --quantization "
+                         f"{' or '.join(DYNAMIC_METHODS)}")
+    raise ValueError(f"quantization {requested!r} is not supported; choose one of "
+                     f"{', '.join(QUANTIZATION_CHOICES)}")

@@ -1,0 +1,29 @@
+"""Build the `LinearMethod` of a quantization method (names: `pagedserve.quantization`)."""
+
+from __future__ import annotations
+
+import importlib
+from collections.abc import Mapping
+from typing import Any
+
+from pagedserve.layers.linear_method import LinearMethod
+
+# name -> (module, class); each class builds itself with `from_config(quant_config or None)`
+METHODS: dict[str, tuple[str, str]] = {
+    "fp8": ("pagedserve.quantization.fp8", "Fp8LinearMethod"),
+}
+
+
+def linear_method_for(quantization: str | None,
+                      quant_config: Mapping[str, Any] | None = None) -> LinearMethod | None:
+    """The LinearMethod for a resolved method name (`resolve_quantization`; None: unquantized),
+    built from the checkpoint's `quantization_config` (None: quantize at load). ValueError for
+    an unknown name or a config the method cannot read."""
+    if quantization is None:
+        return None
+    if quantization not in METHODS:
+        raise ValueError(f"quantization {quantization!r} is not supported; choose one of "
+                         f"{', '.join(METHODS)}")
+    module, cls = METHODS[quantization]
+    method_cls = getattr(importlib.import_module(module), cls)
+    return method_cls.from_config(dict(quant_config) if quant_config is not None else None)
