@@ -35,10 +35,22 @@ def dequantize_rows(q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) ->
     return (q.float() * scale).to(dtype)
 
 
-def scaled_mm_supported(x: torch.Tensor) -> bool:
-    """Whether `x`'s device multiplies FP8 with row-wise scales (bf16 out, compute 8.9+)."""
-    return (x.is_cuda and x.dtype == torch.bfloat16
-            and torch.cuda.get_device_capability(x.device) >= (8, 9))
+def scaled_mm_supported(device: torch.device, dtype: torch.dtype) -> bool:
+    """Whether `device` multiplies FP8 with row-wise scales for inputs of `dtype` (bf16 out,
+    compute capability 8.9+)."""
+    return (device.type == "cuda" and dtype == torch.bfloat16
+            and torch.cuda.get_device_capability(device) >= (8, 9))
+
+
+def set_fp8_weight(layer: nn.Module, q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> None:
+    """Give `layer` the weights `Fp8LinearMethod.apply` multiplies by: `q` e4m3 [out, in] and
+    its float32 scale per output row [out] (w ~= q * scale), for inputs of `dtype` (the
+    model's). Every FP8 format with one scale per output channel (or per tensor, repeated)
+    ends its loading here."""
+    layer.weight = nn.Parameter(q, requires_grad=False)  # [out, in] e4m3
+    layer.weight_scale = nn.Parameter(scale.float().reshape(1, -1), requires_grad=False)  # [1, out]
+    # decided once here, not per product: the inputs come in the model's dtype
+    layer.fp8_tensor_cores = scaled_mm_supported(q.device, dtype)
 
 
 class Fp8LinearMethod(LinearMethod):
@@ -57,12 +69,9 @@ class Fp8LinearMethod(LinearMethod):
         UnquantizedLinearMethod.create_weights(self, layer, input_size, output_sizes, bias, dtype)  # type: ignore[arg-type]
 
     def process_weights_after_loading(self, layer: nn.Module) -> None:
-        # decided once here, not per product: the inputs come in the weights' (model) dtype
-        layer.fp8_tensor_cores = scaled_mm_supported(layer.weight)
         with torch.no_grad():
             q, scale = quantize_rows(layer.weight.data)  # [out, in] e4m3, [out, 1]
-        layer.weight = nn.Parameter(q, requires_grad=False)
-        layer.weight_scale = nn.Parameter(scale.reshape(1, -1), requires_grad=False)  # [1, out]
+        set_fp8_weight(layer, q, scale.reshape(-1), layer.weight.dtype)
 
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         xq, xs = quantize_rows(x)  # [T, in] e4m3, [T, 1]

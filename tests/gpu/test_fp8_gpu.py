@@ -29,7 +29,7 @@ def test_scaled_mm_matches_the_dequantized_reference(rows):
                          dtype=torch.bfloat16).to(DEV)
     method.process_weights_after_loading(layer)
     x = torch.randn(rows, 2560, device=DEV, dtype=torch.bfloat16)
-    assert scaled_mm_supported(x)  # (the H200 takes the tensor-core path)
+    assert scaled_mm_supported(x.device, x.dtype)  # (the H200 takes the tensor-core path)
     y = layer(x)
     xq, xs = quantize_rows(x)
     ref = dequantize_rows(xq, xs, torch.float32) @ dequantize_rows(
