@@ -342,9 +342,9 @@ def test_linear_follows_its_plan(monkeypatch):
     calls = []
     real = skinny_gemm.skinny_matmul
 
-    def spy(x, w, cfg, out=None):
+    def spy(x, w, cfg, out=None, scale=None):
         calls.append((x.shape[0], cfg))
-        return real(x, w, cfg, out)
+        return real(x, w, cfg, out, scale)
 
     lin.skinny_plan = {1: SkinnyConfig(8, 32, 4, 1, False), 2: None, 4: SkinnyConfig(16, 32, 4, 1, True, 2),
                        8: None, 16: None, 32: SkinnyConfig(16, 32, 4, 1, True), 64: None}
@@ -366,8 +366,8 @@ def test_plan_picks_the_fastest_that_agrees(monkeypatch):
     broken = cands[1][0]  # its products come out wrong: must be skipped, not timed
     real = skinny_gemm.skinny_matmul
 
-    def maybe_wrong(x, w, cfg, out=None):
-        y = real(x, w, cfg, out)
+    def maybe_wrong(x, w, cfg, out=None, scale=None):
+        y = real(x, w, cfg, out, scale)
         return y * 1.5 if cfg == broken else y
 
     monkeypatch.setattr(skinny_gemm, "skinny_matmul", maybe_wrong)
@@ -522,3 +522,22 @@ def test_fused_sampling_flags_rows_with_nan_or_inf():
     checked = torch.empty(6, dtype=torch.int64)
     tokens = sample_with_temperature(clean, torch.zeros(6), 1, programs_per_row=3, checked=checked)
     assert torch.equal(checked, tokens) and torch.equal(tokens, clean.argmax(-1))
+
+
+@pytest.mark.parametrize("M", [1, 5])
+def test_skinny_matmul_with_an_fp8_weight(M):
+    """An e4m3 weight with its scale per row (`--quantization fp8`'s small batches): every
+    setting widens it in registers and scales each output column, against a float64 product
+    of the dequantized weight."""
+    from pagedserve.kernels.skinny_gemm import skinny_matmul
+
+    N, K = 40, 72
+    x = torch.randn(M, K).to(torch.float16)
+    w = (torch.randn(N, K) * 4).to(torch.float8_e4m3fn)  # [N, K] e4m3
+    scale = torch.rand(N) + 0.5  # float32 [N]
+    expected = x.double() @ (w.double() * scale.double()[:, None]).t()
+    for cfg in _skinny_configs(M):
+        got = skinny_matmul(x, w, cfg, scale=scale)
+        torch.testing.assert_close(got.double(), expected, rtol=1e-2, atol=3e-2, msg=str(cfg))
+    with pytest.raises(ValueError, match="float32 scale"):
+        skinny_matmul(x, w, _skinny_configs(M)[0])

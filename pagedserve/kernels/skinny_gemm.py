@@ -33,12 +33,13 @@ from pagedserve.kernels._utils import check_dtype, next_pow2
 # setting serves every row count, so a step with a new number of rows never waits for a compile
 @triton.jit(do_not_specialize=["M", "SIGNAL_AT"])
 def _skinny_kernel(
-    X, W, Y,  # x [M, K], W [N, K], y [M, N]; last dims contiguous
+    X, W, Y,  # x [M, K], W [N, K] (x's dtype, or e4m3 with W_SCALE), y [M, N]; last dims contiguous
+    W_SCALE,  # HAS_SCALE only: float32 [N], y[:, n] *= W_SCALE[n] (an FP8 weight's scale per row)
     PARTIAL, LOCKS,  # split-K only: float32 [SPLIT_K, M, N] partial sums; int32 [cdiv(N, BLOCK_N)] zeros
     PROGRESS, SIGNAL_AT,  # program SIGNAL_AT (-1: none) bumps int32 PROGRESS as it ends
     M, N, K, K_PER_SPLIT, stride_xm, stride_wn, stride_ym,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
-    USE_DOT: tl.constexpr, EVEN_K: tl.constexpr, PRECISION: tl.constexpr,
+    USE_DOT: tl.constexpr, EVEN_K: tl.constexpr, PRECISION: tl.constexpr, HAS_SCALE: tl.constexpr,
     PDL: tl.constexpr,  # programmatic dependent launch (kernels/pdl.py)
 ):
     pdl.wait_and_release(PDL)
@@ -64,7 +65,7 @@ def _skinny_kernel(
                 k_ok = (rk + (k0 - k_start)) < k_end
                 w = tl.load(w_ptrs, mask=k_ok[None, :], other=0.0)
                 x = tl.load(x_ptrs, mask=m_ok[:, None] & k_ok[None, :], other=0.0)
-            acc = tl.dot(w, tl.trans(x), acc, input_precision=PRECISION)  # [BLOCK_N, BLOCK_M]
+            acc = tl.dot(w.to(x.dtype), tl.trans(x), acc, input_precision=PRECISION)  # [BLOCK_N, BLOCK_M]
             w_ptrs += BLOCK_K
             x_ptrs += BLOCK_K
     else:  # one row of x: FMAs into a [BLOCK_N, BLOCK_K] tile, reduced once after the loop
@@ -82,6 +83,8 @@ def _skinny_kernel(
             w_ptrs += BLOCK_K
             x_ptrs += BLOCK_K
         acc = tl.sum(acc2, axis=1)[:, None]  # [BLOCK_N, 1]; row 0 of the output
+    if HAS_SCALE:
+        acc = acc * tl.load(W_SCALE + rn_load)[:, None]
     _store(acc, Y, PARTIAL, LOCKS, rn, rm, M, N, stride_ym, pid_n, split, SPLIT_K)
     _signal(PROGRESS, SIGNAL_AT, pid_n, split)
 
@@ -120,10 +123,10 @@ def _store(acc, Y, PARTIAL, LOCKS, rn, rm, M, N, stride_ym, pid_n, split, SPLIT_
 @triton.jit(do_not_specialize=["M", "SIGNAL_AT"])
 def _skinny_tma_kernel(
     x_desc, w_desc,  # TMA descriptors: x [M, K] in [BLOCK_M, BLOCK_K] boxes, W [N, K] in [BLOCK_N, BLOCK_K]
-    Y, PARTIAL, LOCKS, PROGRESS, SIGNAL_AT,  # as _skinny_kernel
+    Y, W_SCALE, PARTIAL, LOCKS, PROGRESS, SIGNAL_AT,  # as _skinny_kernel
     M, N, K, K_PER_SPLIT, stride_ym,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
-    PRECISION: tl.constexpr, PDL: tl.constexpr,
+    PRECISION: tl.constexpr, HAS_SCALE: tl.constexpr, PDL: tl.constexpr,
 ):
     """The tensor-core path with its tiles brought in by the copy engine (TMA): out-of-range
     rows of x and columns past K arrive as zeros, so no masks and no padding copies."""
@@ -137,9 +140,11 @@ def _skinny_tma_kernel(
     for k0 in range(k_start, k_end, BLOCK_K):
         w = w_desc.load([n0, k0])  # [BLOCK_N, BLOCK_K]
         x = x_desc.load([0, k0])  # [BLOCK_M, BLOCK_K]
-        acc = tl.dot(w, tl.trans(x), acc, input_precision=PRECISION)  # [BLOCK_N, BLOCK_M]
+        acc = tl.dot(w.to(x.dtype), tl.trans(x), acc, input_precision=PRECISION)  # [BLOCK_N, BLOCK_M]
     rn = n0 + tl.arange(0, BLOCK_N)
     rm = tl.arange(0, BLOCK_M)
+    if HAS_SCALE:
+        acc = acc * tl.load(W_SCALE + rn, mask=rn < N, other=0.0)[:, None]
     _store(acc, Y, PARTIAL, LOCKS, rn, rm, M, N, stride_ym, pid_n, split, SPLIT_K)
     _signal(PROGRESS, SIGNAL_AT, pid_n, split)
 
@@ -179,8 +184,10 @@ def _tma_ok(t: torch.Tensor) -> bool:
 
 
 def skinny_matmul(x: torch.Tensor, weight: torch.Tensor, cfg: SkinnyConfig,
-                  out: torch.Tensor | None = None) -> torch.Tensor:
-    """x [M, K] @ weight [N, K]^T -> [M, N] in x's dtype, float32 accumulation.
+                  out: torch.Tensor | None = None, scale: torch.Tensor | None = None) -> torch.Tensor:
+    """x [M, K] @ weight [N, K]^T -> [M, N] in x's dtype, float32 accumulation. An e4m3
+    `weight` comes with `scale`, float32 with N elements (its scale per row): it is widened
+    to x's dtype in registers, and column n of the product multiplied by scale[n].
 
     An FMA setting takes M == 1 only; a dot setting takes M <= MAX_ROWS. With split_k > 1
     the K dimension is cut into that many slices summed in a fixed order (deterministic).
@@ -188,7 +195,16 @@ def skinny_matmul(x: torch.Tensor, weight: torch.Tensor, cfg: SkinnyConfig,
     block_n, block_k, num_warps, num_stages, use_dot, split_k, tma = cfg
     rows, k = x.shape
     n = weight.shape[0]
-    check_dtype(x, weight)
+    if weight.dtype == torch.float8_e4m3fn:
+        check_dtype(x)
+        if scale is None or scale.numel() != n or scale.dtype != torch.float32 or not scale.is_contiguous():
+            raise ValueError(f"an e4m3 weight [{n}, {k}] needs a contiguous float32 scale of {n} elements")
+        if x.dtype == torch.float32:
+            raise ValueError("an e4m3 weight multiplies bf16 or fp16 inputs")
+    else:
+        check_dtype(x, weight)
+        if scale is not None:
+            raise ValueError("a scale goes with an e4m3 weight only")
     if weight.shape[1] != k:
         raise ValueError(f"x has {k} columns but weight has {weight.shape[1]}")
     if weight.numel() >= 2**31:
@@ -217,15 +233,16 @@ def skinny_matmul(x: torch.Tensor, weight: torch.Tensor, cfg: SkinnyConfig,
         _skinny_tma_kernel[(n_blocks, split_k)](
             TensorDescriptor.from_tensor(x, [block_m, block_k]),
             TensorDescriptor.from_tensor(weight, [block_n, block_k]),
-            y, partial, locks, progress, signal_at, rows, n, k, k_per_split, y.stride(0),
-            BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, SPLIT_K=split_k, PRECISION=precision,
-            num_warps=num_warps, num_stages=num_stages, **pdl.launch_options(x),
+            y, y if scale is None else scale, partial, locks, progress, signal_at, rows, n, k,
+            k_per_split, y.stride(0), BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
+            SPLIT_K=split_k, PRECISION=precision, HAS_SCALE=scale is not None, num_warps=num_warps, num_stages=num_stages, **pdl.launch_options(x),
         )
         return y
     _skinny_kernel[(n_blocks, split_k)](
-        x, weight, y, partial, locks, progress, signal_at, rows, n, k, k_per_split, x.stride(0), weight.stride(0), y.stride(0),
+        x, weight, y, y if scale is None else scale, partial, locks, progress, signal_at, rows, n, k,
+        k_per_split, x.stride(0), weight.stride(0), y.stride(0),
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, SPLIT_K=split_k, USE_DOT=use_dot,
-        EVEN_K=k % block_k == 0, PRECISION=precision,
+        EVEN_K=k % block_k == 0, PRECISION=precision, HAS_SCALE=scale is not None,
         num_warps=num_warps, num_stages=num_stages, **pdl.launch_options(x),
     )
     return y

@@ -83,13 +83,14 @@ class MergedLinear(Linear):
 # ---- small-batch plans for a whole model ------------------------------------------------
 
 def _model_groups(model: nn.Module) -> dict[str, list[Linear]]:
-    """Every bias-free, unquantized `Linear` of `model`, grouped by role (the attribute name,
-    e.g. every layer's `o_proj`) and shape."""
+    """Every `Linear` of `model` whose method follows a plan (`LinearMethod.plannable`: a
+    bias-free one, unquantized or FP8), grouped by role (the attribute name, e.g. every
+    layer's `o_proj`), shape and weight dtype."""
     groups: dict[str, list[Linear]] = {}
     for name, mod in model.named_modules():
-        if (isinstance(mod, Linear) and mod.bias is None
-                and isinstance(mod.linear_method, UnquantizedLinearMethod)):
-            key = f"{name.rsplit('.', 1)[-1]} {tuple(mod.weight.shape)}"
+        if isinstance(mod, Linear) and mod.linear_method.plannable(mod):
+            fp8 = " fp8" if mod.weight.dtype == torch.float8_e4m3fn else ""
+            key = f"{name.rsplit('.', 1)[-1]} {tuple(mod.weight.shape)}{fp8}"
             groups.setdefault(key, []).append(mod)
     return groups
 
@@ -98,10 +99,13 @@ def plan_model_matmuls(model: nn.Module, timer: Timer = _gpu_ms) -> dict[str, Sk
     """Time and apply small-batch plans for every bias-free Linear of `model`, grouped by role
     and shape ("o_proj (2560, 4096)", ...), and for its logits matmul ("logits", on
     `model.logits_weight()`); see `apply_matmul_plans`. Returns the plans."""
-    weights = {key: [m.weight for m in mods] for key, mods in _model_groups(model).items()}
+    groups = _model_groups(model)
+    weights = {key: [m.weight for m in mods] for key, mods in groups.items()}
+    scales = {key: [m.weight_scale for m in mods] for key, mods in groups.items()
+              if mods[0].weight.dtype == torch.float8_e4m3fn}
     if hasattr(model, "logits_weight"):
         weights["logits"] = [model.logits_weight()]
-    plans = plan_skinny_matmuls(weights, timer)
+    plans = plan_skinny_matmuls(weights, timer, scales)
     apply_matmul_plans(model, plans)
     return plans
 
@@ -120,8 +124,9 @@ def apply_matmul_plans(model: nn.Module, plans: dict[str, SkinnyPlan]) -> None:
 def compile_plan_candidates(model: nn.Module) -> None:
     """Launch every setting `plan_model_matmuls(model)` will time, once per weight shape and
     row bucket, on uninitialised inputs: the plan's rehearsal for `kernels/compile_ahead.py`."""
-    shapes = {tuple(mods[0].weight.shape): mods[0].weight for mods in _model_groups(model).values()}
+    shapes = {(tuple(mods[0].weight.shape), mods[0].weight.dtype): mods[0].weight
+              for mods in _model_groups(model).values()}
     if hasattr(model, "logits_weight"):
         head = model.logits_weight()
-        shapes[tuple(head.shape)] = head
+        shapes[(tuple(head.shape), head.dtype)] = head
     compile_skinny_candidates(list(shapes.values()))

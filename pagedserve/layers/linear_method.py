@@ -48,6 +48,12 @@ class LinearMethod:
         CUDA graphs: keep it to the product itself."""
         raise NotImplementedError
 
+    def plannable(self, layer: nn.Module) -> bool:
+        """Whether `layer`'s product follows a small-batch plan (`layers/skinny.py`): its
+        `weight` [out, in], with `weight_scale` [1, out] if it is e4m3, goes to
+        `layers.skinny.matmul`. False: the method multiplies its own way."""
+        return False
+
 
 class UnquantizedLinearMethod(LinearMethod):
     """A plain weight [out, in] in the model's dtype (nn.Linear's parameters and initialisation)."""
@@ -69,6 +75,9 @@ class UnquantizedLinearMethod(LinearMethod):
         if bias:
             bound = 1 / math.sqrt(input_size) if input_size > 0 else 0
             nn.init.uniform_(layer.bias, -bound, bound)
+
+    def plannable(self, layer: nn.Module) -> bool:
+        return layer.bias is None
 
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         if bias is None:  # the skinny kernel takes no bias

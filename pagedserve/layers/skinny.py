@@ -6,6 +6,11 @@ o_proj at one row). `plan_skinny_matmuls` times, on the real weights, cuBLAS aga
 settings of `kernels.skinny_gemm` for each weight shape and row bucket, and records the
 fastest; `matmul` then follows such a plan. Without a plan (CPU, float32, or turned off)
 everything is plain `F.linear`. `layers/linear.py` plans a whole model with these.
+
+FP8 weights (`quantization/fp8.py`) are planned the same way: the skinny kernel reads the e4m3
+weight (half the bytes) and widens it in registers, leaving x in bf16 (weight-only FP8, as
+exact as the weight's rounding allows); the fallback it is timed against quantizes x per token
+and multiplies on the FP8 tensor cores (`torch._scaled_mm`), which wins for larger batches.
 """
 
 from __future__ import annotations
@@ -24,7 +29,7 @@ logger = logging.getLogger(__name__)
 
 ROW_BUCKETS = (1, 2, 4, 8, 16, 32, 64)  # a plan's row counts; 3 rows follow the plan for 4, ...
 
-# Plan for one weight: row bucket -> SkinnyConfig, or None where cuBLAS was faster.
+# Plan for one weight: row bucket -> SkinnyConfig, or None where the fallback (cuBLAS) was faster.
 SkinnyPlan = dict[int, "SkinnyConfig | None"]
 
 Timer = Callable[[Callable[[], None]], float]  # timer(fn) -> ms
@@ -35,16 +40,29 @@ def row_bucket(rows: int) -> int:
     return next(b for b in ROW_BUCKETS if b >= rows)
 
 
-def matmul(x: torch.Tensor, weight: torch.Tensor, plan: SkinnyPlan | None) -> torch.Tensor:
-    """x [T, K] @ weight [N, K]^T -> [T, N], on the skinny kernel where `plan` says so."""
+def matmul(x: torch.Tensor, weight: torch.Tensor, plan: SkinnyPlan | None,
+           scale: torch.Tensor | None = None) -> torch.Tensor:
+    """x [T, K] @ weight [N, K]^T -> [T, N], on the skinny kernel where `plan` says so, else
+    `fallback_matmul`. An e4m3 weight comes with `scale` (float32 [1, N], see `fallback_matmul`)."""
     rows = x.shape[0]
     if plan and x.dim() == 2 and 0 < rows <= ROW_BUCKETS[-1]:
         cfg = plan.get(row_bucket(rows))
         if cfg is not None and x.stride(-1) == 1:
             from pagedserve.kernels.skinny_gemm import skinny_matmul
 
-            return skinny_matmul(x, weight, cfg)
-    return F.linear(x, weight)
+            return skinny_matmul(x, weight, cfg, scale=None if scale is None else scale.view(-1))
+    return fallback_matmul(x, weight, scale)
+
+
+def fallback_matmul(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None) -> torch.Tensor:
+    """What runs where no skinny setting does: cuBLAS (`F.linear`) for a plain weight; for an
+    e4m3 weight with its float32 scale per row `scale` [1, N], x quantized per token and the
+    two FP8 operands multiplied on the tensor cores (`quantization/fp8.py`)."""
+    if scale is None:
+        return F.linear(x, weight)
+    from pagedserve.quantization.fp8 import fp8_scaled_mm
+
+    return fp8_scaled_mm(x, weight, scale)
 
 
 def _candidates(rows: int) -> list:
@@ -79,41 +97,47 @@ def _gpu_ms(fn: Callable[[], None], reps: int = 2) -> float:
 
 @torch.inference_mode()
 def plan_skinny_matmuls(groups: dict[str, list[torch.Tensor]],
-                        timer: Timer = _gpu_ms) -> dict[str, SkinnyPlan]:
+                        timer: Timer = _gpu_ms,
+                        scales: dict[str, list[torch.Tensor]] | None = None) -> dict[str, SkinnyPlan]:
     """For each group of same-shaped weights (e.g. every layer's o_proj), the fastest way to
     multiply 1..64 rows by them, timed (`timer(fn)` -> ms) over the whole group as a decode
-    step reads it: cuBLAS first, then each candidate setting that agrees with cuBLAS.
+    step reads it: `fallback_matmul` first (cuBLAS), then each candidate setting that agrees
+    with it. An e4m3 group has its weights' scales in `scales[name]` (float32 [1, N] each).
 
-    Returns group name -> plan (row bucket -> SkinnyConfig, or None for cuBLAS).
+    Returns group name -> plan (row bucket -> SkinnyConfig, or None for the fallback).
     """
     from pagedserve.kernels.skinny_gemm import skinny_matmul
 
     plans: dict[str, SkinnyPlan] = {}
     for name, weights in groups.items():
+        group_scales = (scales or {}).get(name) or [None] * len(weights)
         n, k = weights[0].shape
+        dtype = torch.bfloat16 if weights[0].dtype == torch.float8_e4m3fn else weights[0].dtype
         plan: SkinnyPlan = {}
         if weights[0].numel() >= 2**31:  # past the kernel's 32-bit offsets: cuBLAS
             plans[name] = plan
             continue
         summary = []
         for rows in ROW_BUCKETS:
-            x = torch.randn(rows, k, device=weights[0].device, dtype=weights[0].dtype)  # [rows, K]
+            x = torch.randn(rows, k, device=weights[0].device, dtype=dtype)  # [rows, K]
             out = torch.empty(rows, n, device=x.device, dtype=x.dtype)  # [rows, N]
 
-            def blas(x=x, weights=weights):
-                for w in weights:
-                    F.linear(x, w)
+            def blas(x=x, weights=weights, group_scales=group_scales):
+                for w, sc in zip(weights, group_scales):
+                    fallback_matmul(x, w, sc)
             best_ms, best = timer(blas), None
-            ref = F.linear(x, weights[0]).float()
+            w0, s0 = weights[0], group_scales[0]  # (an e4m3 weight: its dequantized value)
+            ref = F.linear(x, w0).float() if s0 is None else x.float() @ (w0.float() * s0.view(-1, 1)).t()
             for cfg in _candidates(rows):
-                got = skinny_matmul(x, weights[0], cfg, out).float()  # compiles; checked once
+                flat = [None if sc is None else sc.view(-1) for sc in group_scales]
+                got = skinny_matmul(x, weights[0], cfg, out, flat[0]).float()  # compiles; checked once
                 if (got - ref).norm() > 1e-2 * ref.norm():
                     logger.warning("skinny matmul %s disagrees with cuBLAS on %s; not used", cfg, name)
                     continue
 
-                def skinny(x=x, cfg=cfg, out=out, weights=weights):
-                    for w in weights:
-                        skinny_matmul(x, w, cfg, out)
+                def skinny(x=x, cfg=cfg, out=out, weights=weights, flat=flat):
+                    for w, sc in zip(weights, flat):
+                        skinny_matmul(x, w, cfg, out, sc)
                 ms = timer(skinny)
                 if ms < best_ms:
                     best_ms, best = ms, cfg
@@ -127,15 +151,19 @@ def plan_skinny_matmuls(groups: dict[str, list[torch.Tensor]],
 @torch.inference_mode()
 def compile_skinny_candidates(weights: list[torch.Tensor]) -> None:
     """Launch every setting `plan_skinny_matmuls` would time, once per weight and row bucket,
-    on uninitialised inputs (one weight per shape is enough: kernels compile per shape)."""
+    on uninitialised inputs (one weight per shape and dtype is enough: kernels compile per
+    shape)."""
     from pagedserve.kernels.skinny_gemm import skinny_matmul
 
     for weight in weights:
         n, k = weight.shape
         if weight.numel() >= 2**31:
             continue
+        fp8 = weight.dtype == torch.float8_e4m3fn
+        dtype = torch.bfloat16 if fp8 else weight.dtype
+        scale = torch.ones(n, device=weight.device) if fp8 else None  # float32 [N]
         for rows in ROW_BUCKETS:
-            x = torch.empty(rows, k, device=weight.device, dtype=weight.dtype)  # [rows, K]
+            x = torch.empty(rows, k, device=weight.device, dtype=dtype)  # [rows, K]
             out = torch.empty(rows, n, device=x.device, dtype=x.dtype)  # [rows, N]
             for cfg in _candidates(rows):
-                skinny_matmul(x, weight, cfg, out)
+                skinny_matmul(x, weight, cfg, out, scale)

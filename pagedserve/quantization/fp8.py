@@ -3,7 +3,8 @@
 The checkpoint's weights load in the model's dtype, as unquantized ones do; once they are in,
 each weight is quantized per output channel (a float32 scale per row). Each product quantizes
 its input per token (a scale per row, computed on the fly), then multiplies the two FP8
-operands on Hopper's tensor cores (`torch._scaled_mm` with row-wise scales, bf16 out). Elsewhere
+operands on Hopper's tensor cores (`torch._scaled_mm` with row-wise scales, bf16 out), except where the layer's small-batch plan
+(`layers/skinny.py`) found the skinny kernel on the e4m3 weight and bf16 input faster. Elsewhere
 (the CPU, fp16 models, GPUs before compute capability 8.9) the same quantized numbers are
 dequantized and multiplied in the input's dtype: the reference path, with the same rounding of
 weights and activations.
@@ -16,6 +17,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from pagedserve.layers.linear_method import LinearMethod, UnquantizedLinearMethod
+from pagedserve.layers.skinny import matmul
 
 FP8 = torch.float8_e4m3fn
 FP8_MAX = float(torch.finfo(FP8).max)  # 448
@@ -28,6 +30,16 @@ def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     scale = amax / FP8_MAX
     q = (x.float() / scale).clamp(-FP8_MAX, FP8_MAX).to(FP8)  # [R, C]
     return q, scale
+
+
+def fp8_scaled_mm(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """x [T, K] (bf16, CUDA) @ (weight e4m3 [N, K] * scale float32 [1, N])^T -> [T, N] in x's
+    dtype: x quantized per token (`kernels/fp8_quant.py`), both FP8 operands multiplied on the
+    tensor cores with row-wise scales."""
+    from pagedserve.kernels.fp8_quant import quantize_rows_fp8
+
+    xq, xs = quantize_rows_fp8(x)  # [T, K] e4m3, [T, 1]
+    return torch._scaled_mm(xq, weight.t(), scale_a=xs, scale_b=scale, out_dtype=x.dtype)
 
 
 def dequantize_rows(q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -74,10 +86,12 @@ class Fp8LinearMethod(LinearMethod):
         set_fp8_weight(layer, q, scale.reshape(-1), layer.weight.dtype)
 
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        xq, xs = quantize_rows(x)  # [T, in] e4m3, [T, 1]
-        if layer.fp8_tensor_cores:
-            y = torch._scaled_mm(xq, layer.weight.t(), scale_a=xs, scale_b=layer.weight_scale,
-                                 out_dtype=x.dtype)  # [T, out]
+        if layer.fp8_tensor_cores:  # the skinny kernel where the plan says so, else _scaled_mm
+            y = matmul(x, layer.weight, layer.skinny_plan, layer.weight_scale)  # [T, out]
             return y if bias is None else y + bias
+        xq, xs = quantize_rows(x)  # [T, in] e4m3, [T, 1]
         w = dequantize_rows(layer.weight, layer.weight_scale.reshape(-1, 1), x.dtype)  # [out, in]
         return F.linear(dequantize_rows(xq, xs, x.dtype), w, bias)
+
+    def plannable(self, layer: nn.Module) -> bool:
+        return layer.bias is None and layer.fp8_tensor_cores

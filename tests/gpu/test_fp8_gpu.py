@@ -37,6 +37,41 @@ def test_scaled_mm_matches_the_dequantized_reference(rows):
     assert y.dtype == torch.bfloat16 and rel_err(y, ref) < 1e-2
 
 
+@pytest.mark.parametrize("k", [2560, 4096, 9728])
+def test_the_quant_kernel_gives_the_reference_numbers(k):
+    """kernels/fp8_quant.py against quantize_rows, bit for bit (one pass and two passes)."""
+    from pagedserve.kernels.fp8_quant import quantize_rows_fp8
+    from pagedserve.quantization.fp8 import quantize_rows
+
+    torch.manual_seed(0)
+    x = torch.randn(37, k, device=DEV, dtype=torch.bfloat16) * 5
+    x[3] = 0
+    q, s = quantize_rows_fp8(x)
+    rq, rs = quantize_rows(x)
+    assert torch.equal(s, rs)
+    assert torch.equal(q.view(torch.uint8), rq.view(torch.uint8))
+
+
+@pytest.mark.parametrize("rows", [1, 2, 7, 16, 64])
+@pytest.mark.parametrize("shape", [(6144, 2560), (2560, 4096), (19456, 2560), (2560, 9728)])
+def test_skinny_fp8_settings_match_the_weight_only_reference(rows, shape):
+    """Every setting the start-up plan may pick for an e4m3 weight (Qwen3-4B's projections)
+    against x times the dequantized weight."""
+    from gpu_helpers import skinny_candidates
+
+    from pagedserve.kernels.skinny_gemm import skinny_matmul
+    from pagedserve.quantization.fp8 import quantize_rows
+
+    torch.manual_seed(0)
+    n, k = shape
+    w, scale = quantize_rows(torch.randn(n, k, device=DEV, dtype=torch.bfloat16) * 0.05)
+    x = torch.randn(rows, k, device=DEV, dtype=torch.bfloat16)
+    ref = x.float() @ (w.float() * scale).t()
+    for cfg in skinny_candidates(rows):
+        got = skinny_matmul(x, w, cfg, scale=scale.view(-1))
+        assert got.dtype == torch.bfloat16 and rel_err(got, ref) < 1e-2, cfg
+
+
 def test_fp8_engine_graphs_match_eager():
     """Qwen3-4B (preset, dummy weights) with FP8 weights through the engine: greedy tokens
     from CUDA graphs equal the eager path's, and the same prompt gives the same text."""
