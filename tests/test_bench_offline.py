@@ -59,3 +59,23 @@ def test_bench_latency(tmp_path):
     assert all(row["ideal_ms"] is None and row["roofline_efficiency"] is None for row in r["rows"])
     assert r["roofline_note"] == "n/a (no GPU roofline for cpu)" and r["commit"] == _head()
     assert r["matmul_plan_s"] == 0.0
+
+
+def test_the_roofline_counts_the_bytes_a_quantized_model_reads():
+    """Qwen3-4B: bf16 weights read 8.04 GB a decode step; FP8 projections (1 byte) bring that
+    to 4.41 GB (the issue's ~1.05 ms floor at batch 1), 4-bit ones with a 16-bit scale and zero
+    per 128 to 2.71 GB; an FP8 KV cache halves the bytes per token; W8A8 doubles peak FLOP/s."""
+    from pagedserve.bench.roofline import Roofline
+    from pagedserve.config import ModelConfig
+    from pagedserve.models.presets import load_preset
+
+    cfg = ModelConfig.from_hf_config(load_preset("qwen3-4b-instruct-2507"))
+    bf16, fp8 = Roofline.for_model(cfg), Roofline.for_model(cfg, quantization="fp8")
+    awq = Roofline.for_model(cfg, quantization="awq")
+    h, i, q, kv = cfg.hidden_size, cfg.intermediate_size, cfg.q_size, cfg.kv_size
+    projections = cfg.num_layers * (2 * h * q + 2 * h * kv + 3 * h * i)
+    assert bf16.weight_bytes - fp8.weight_bytes == projections
+    assert round(fp8.weight_bytes / 1e9, 2) == 4.41 and round(awq.weight_bytes / 1e9, 2) == 2.71
+    assert 1.0e-3 < fp8.decode_step_seconds(1024, 1) < 1.1e-3
+    assert Roofline.for_model(cfg, kv_cache_dtype="fp8").kv_bytes_per_token * 2 == bf16.kv_bytes_per_token
+    assert fp8.flops == 2 * bf16.flops and awq.flops == bf16.flops

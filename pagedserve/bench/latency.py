@@ -26,7 +26,7 @@ def run_latency(args, llm_kwargs: dict, llm=None) -> dict:
         llm = LLM(**llm_kwargs)
         startup = time.perf_counter() - t0
     engine, cfg = llm.engine, llm.engine.model_config
-    roof = Roofline.for_model(cfg)
+    roof = Roofline.for_model(cfg, quantization=engine.config.quantization)
     device = engine.config.resolved_device()
     no_roof = no_roofline_reason(device)  # a CPU: bandwidth measured, no H200 ideal to judge by
     rng = random.Random(args.seed)

@@ -3,7 +3,10 @@
 Decode is memory-bound: a step reads the weights once plus the KV cache of every running
 sequence. Prefill is compute-bound: 2 x parameters FLOPs per token. A step's ideal time is
 max(bytes / bandwidth, FLOPs / peak); summed over a workload it gives the ideal time, and
-ideal / measured is the roofline efficiency.
+ideal / measured is the roofline efficiency. A quantized model is judged on the bytes it
+really reads: its decoder projections at their stored size (FP8: 1 byte a weight; 4-bit: half
+a byte plus a 16-bit scale and zero per group of 128), an FP8 KV cache at 1 byte an element;
+W8A8 FP8 products have twice the bf16 FLOP/s (Hopper's FP8 tensor cores).
 """
 
 from __future__ import annotations
@@ -14,6 +17,10 @@ from pagedserve.config import ModelConfig
 
 H200_BANDWIDTH = 4.25e12  # bytes/s, measured copy bandwidth (read + write)
 H200_BF16_FLOPS = 790e12  # FLOP/s, measured bf16 matmul
+# bytes per decoder-projection weight as each quantization stores it, and its peak FLOP/s factor
+WEIGHT_BYTES = {None: None, "fp8": 1.0, "compressed-tensors": 1.0, "awq": 0.5 + 4 / 128,
+                "gptq": 0.5 + 4 / 128}
+FLOPS_FACTOR = {"fp8": 2.0, "compressed-tensors": 2.0}
 
 
 @dataclass(frozen=True)
@@ -25,11 +32,22 @@ class Roofline:
     flops: float = H200_BF16_FLOPS
 
     @classmethod
-    def for_model(cls, cfg: ModelConfig, dtype_bytes: int = 2) -> Roofline:
+    def for_model(cls, cfg: ModelConfig, dtype_bytes: int = 2, quantization: str | None = None,
+                  kv_cache_dtype: str = "auto") -> Roofline:
+        """The limit for `cfg` in a `dtype_bytes` dtype, its projections stored as
+        `quantization` keeps them and its KV cache in `kv_cache_dtype` ("auto": the dtype)."""
         params = cfg.num_parameters()
         gathered = 0 if cfg.tie_word_embeddings else cfg.vocab_size * cfg.hidden_size
-        kv = cfg.num_layers * 2 * cfg.num_kv_heads * cfg.head_dim * dtype_bytes
-        return cls(params, (params - gathered) * dtype_bytes, kv)
+        weight_bytes = (params - gathered) * dtype_bytes
+        per_weight = WEIGHT_BYTES.get(quantization)
+        if per_weight is not None:
+            h, i = cfg.hidden_size, cfg.intermediate_size
+            projections = cfg.num_layers * (2 * h * cfg.q_size + 2 * h * cfg.kv_size + 3 * h * i)
+            weight_bytes -= round(projections * (dtype_bytes - per_weight))
+        kv_bytes = 1 if kv_cache_dtype.startswith("fp8") else dtype_bytes
+        kv = cfg.num_layers * 2 * cfg.num_kv_heads * cfg.head_dim * kv_bytes
+        flops = H200_BF16_FLOPS * FLOPS_FACTOR.get(quantization, 1.0)
+        return cls(params, weight_bytes, kv, flops=flops)
 
     def decode_step_seconds(self, context_lens: list[int] | int, batch: int | None = None) -> float:
         """Ideal time of one decode step over sequences with these context lengths."""

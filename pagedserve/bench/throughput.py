@@ -97,7 +97,8 @@ def run_throughput(args, llm_kwargs: dict, llm=None) -> dict:
         "kv_capacity_tokens": kv.num_blocks * kv.block_size,
         "num_preemptions": llm.engine.scheduler.num_preemptions,
         "prefix_cache_hit_rate": round(hits / queries, 4) if queries else 0.0,  # of the timed run's prompt tokens
-        **roofline_fields(cfg, device, input_lens, output_lens,
+        **roofline_fields(Roofline.for_model(cfg, quantization=llm.engine.config.quantization),
+                          device, input_lens, output_lens,
                           llm.engine.scheduler_config.max_num_seqs, out_tokens, elapsed),
         "steps": steps,
         "host_seconds_by_phase": host_s,
@@ -106,14 +107,14 @@ def run_throughput(args, llm_kwargs: dict, llm=None) -> dict:
     return result
 
 
-def roofline_fields(cfg, device, input_lens: list[int], output_lens: list[int], max_num_seqs: int,
-                    out_tokens: int, elapsed: float) -> dict:
-    """The ideal time and efficiency against the H200 roofline; on a CPU, none, and why."""
+def roofline_fields(roof: Roofline, device, input_lens: list[int], output_lens: list[int],
+                    max_num_seqs: int, out_tokens: int, elapsed: float) -> dict:
+    """The ideal time and efficiency against the H200 roofline `roof`; on a CPU, none, and why."""
     reason = no_roofline_reason(device)
     if reason is not None:
         return {"ideal_s": None, "roofline_output_tokens_per_s": None, "roofline_efficiency": None,
                 "roofline_note": reason}
-    ideal = Roofline.for_model(cfg).workload_seconds(input_lens, output_lens, max_num_seqs)
+    ideal = roof.workload_seconds(input_lens, output_lens, max_num_seqs)
     return {"ideal_s": round(ideal, 3), "roofline_output_tokens_per_s": round(out_tokens / ideal, 1),
             "roofline_efficiency": round(ideal / elapsed, 4)}
 
