@@ -11,6 +11,7 @@ layer's `skinny_plan` says so, else by cuBLAS. Quantized methods live in
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 
 import torch
 import torch.nn.functional as F
@@ -39,6 +40,12 @@ class LinearMethod:
         along the output. Must register `bias` (None when `bias` is False). dtype None: the
         default dtype."""
         raise NotImplementedError
+
+    def for_layer(self, hf_names: Sequence[str]) -> LinearMethod:
+        """The method for one linear layer, filled from the checkpoint modules `hf_names` (e.g.
+        ["model.layers.0.self_attn.q_proj", "...k_proj", "...v_proj"] for a fused qkv_proj):
+        self, or another (e.g. unquantized) for a layer the checkpoint leaves out."""
+        return self
 
     def process_weights_after_loading(self, layer: nn.Module) -> None:
         """Convert the loaded parameters once, after the whole checkpoint is in (no-op here)."""

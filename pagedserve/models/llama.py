@@ -41,10 +41,13 @@ class Attention(nn.Module):
         self.layer_idx = layer_idx
         self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         self.q_size, self.kv_size = cfg.q_size, cfg.kv_size
+        prefix = f"model.layers.{layer_idx}.self_attn"
         # q, k and v projections fused into one matmul: rows [q | k | v].
         self.qkv_proj = MergedLinear(cfg.hidden_size, [self.q_size, self.kv_size, self.kv_size],
-                                     ("q", "k", "v"), bias=cfg.attention_bias, linear_method=linear_method)
-        self.o_proj = Linear(self.q_size, cfg.hidden_size, bias=False, linear_method=linear_method)
+                                     ("q", "k", "v"), bias=cfg.attention_bias,
+                                     linear_method=_method_for(linear_method, prefix, "q_proj", "k_proj", "v_proj"))
+        self.o_proj = Linear(self.q_size, cfg.hidden_size, bias=False,
+                             linear_method=_method_for(linear_method, prefix, "o_proj"))
         self.qk_norm = cfg.qk_norm
         if cfg.qk_norm:
             self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
@@ -85,12 +88,14 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
-    def __init__(self, cfg: ModelConfig, linear_method: LinearMethod | None = None) -> None:
+    def __init__(self, cfg: ModelConfig, linear_method: LinearMethod | None = None, layer_idx: int = 0) -> None:
         super().__init__()
+        prefix = f"model.layers.{layer_idx}.mlp"
         # gate and up projections fused: rows [gate | up].
-        self.gate_up_proj = MergedLinear(cfg.hidden_size, [cfg.intermediate_size] * 2, ("gate", "up"),
-                                         bias=False, linear_method=linear_method)
-        self.down_proj = Linear(cfg.intermediate_size, cfg.hidden_size, bias=False, linear_method=linear_method)
+        self.gate_up_proj = MergedLinear(cfg.hidden_size, [cfg.intermediate_size] * 2, ("gate", "up"), bias=False,
+                                         linear_method=_method_for(linear_method, prefix, "gate_proj", "up_proj"))
+        self.down_proj = Linear(cfg.intermediate_size, cfg.hidden_size, bias=False,
+                                linear_method=_method_for(linear_method, prefix, "down_proj"))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(silu_and_mul(self.gate_up_proj(x)))
@@ -102,7 +107,7 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.self_attn = Attention(cfg, layer_idx, linear_method)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.mlp = MLP(cfg, linear_method)
+        self.mlp = MLP(cfg, linear_method, layer_idx)
 
     def forward(
         self,
@@ -231,6 +236,14 @@ class LlamaForCausalLM(nn.Module):
         for mod in self.modules():
             if isinstance(mod, Linear):
                 mod.linear_method.process_weights_after_loading(mod)
+
+
+def _method_for(linear_method: LinearMethod | None, prefix: str, *parts: str) -> LinearMethod | None:
+    """The method of the projection filled from checkpoint modules `prefix.part` for each part
+    (a quantized checkpoint may leave some unquantized: `LinearMethod.for_layer`)."""
+    if linear_method is None:
+        return None
+    return linear_method.for_layer([f"{prefix}.{part}" for part in parts])
 
 
 def _param_name(hf_name: str) -> tuple[str, str | None]:

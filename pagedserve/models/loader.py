@@ -16,7 +16,7 @@ from pagedserve.config import ModelConfig, resolve_dtype
 from pagedserve.layers.linear_method import LinearMethod
 from pagedserve.models.llama import LlamaForCausalLM
 from pagedserve.models.source import ModelSource
-from pagedserve.quantization import checkpoint_quant_config
+from pagedserve.quantization import checkpoint_quant_config, resolve_quantization
 from pagedserve.quantization.methods import linear_method_for
 
 LOAD_FORMATS = ("auto", "safetensors", "gguf", "dummy")
@@ -31,14 +31,17 @@ def build_model(
     seed: int = 0,
     quantization: str | None = None,
 ) -> LlamaForCausalLM:
-    """Create the decoder on `device` in `dtype` and fill its weights; `quantization` (a method
-    `resolve_quantization` returned, or None) sets the decoder projections' weight format
-    (`pagedserve/quantization/`), read from the checkpoint's quantization_config if it has one."""
+    """Create the decoder on `device` in `dtype` and fill its weights; `quantization` (as
+    `--quantization`: None, or a method `resolve_quantization` accepts for this checkpoint)
+    sets the decoder projections' weight format (`pagedserve/quantization/`), read from the
+    checkpoint's quantization_config if it has one (a pre-quantized checkpoint runs its own
+    method when `quantization` is None)."""
     if load_format not in LOAD_FORMATS:
         raise ValueError(f"load_format {load_format!r} is not one of {', '.join(LOAD_FORMATS)}")
     device = torch.device(device)
     torch_dtype = resolve_dtype(dtype, device)
     cfg = ModelConfig.from_hf_config(source.hf_config)
+    quantization = resolve_quantization(quantization, source.hf_config)
     method = linear_method_for(quantization, checkpoint_quant_config(source.hf_config))
     model = _materialise(cfg, torch_dtype, device, method)
     if load_format == "dummy":
@@ -77,11 +80,17 @@ def _materialise(cfg: ModelConfig, dtype: torch.dtype, device: torch.device,
 
 @torch.no_grad()
 def _fill_dummy(model: LlamaForCausalLM, seed: int) -> None:
-    """Random weights, small enough that activations stay finite in bf16."""
+    """Random weights, small enough that activations stay finite in bf16. An FP8 checkpoint's
+    e4m3 weights take values over e4m3's range and their scales (`*scale`, `*scale_inv`)
+    0.05 / 448, so the weights they stand for are as small as the unquantized ones."""
     gen = torch.Generator(device=model.embed_tokens.weight.device).manual_seed(seed)
     for name, p in model.named_parameters():
         if name.endswith("norm.weight"):
             p.fill_(1.0)
+        elif p.dtype == torch.float8_e4m3fn:
+            p.copy_(torch.empty(p.shape, device=p.device).uniform_(-448.0, 448.0, generator=gen))
+        elif name.endswith(("scale", "scale_inv")):
+            p.fill_(0.05 / 448.0)
         else:
             p.uniform_(-0.05, 0.05, generator=gen)
 

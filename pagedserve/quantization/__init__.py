@@ -17,7 +17,10 @@ from typing import Any
 # what --quantization quantizes at load, from an unquantized (bf16/fp16/fp32) checkpoint
 DYNAMIC_METHODS = ("fp8",)
 # quant_method values of pre-quantized checkpoints that load as stored
-CHECKPOINT_METHODS: tuple[str, ...] = ()
+CHECKPOINT_METHODS: tuple[str, ...] = (
+    "fp8",  # FP8 weights in blocks (weight_scale_inv) or per tensor: fp8_block.py, fp8_checkpoint.py
+    "compressed-tensors",  # its FP8 schemes: compressed_tensors.py
+)
 # what --quantization accepts (a checkpoint method must match its checkpoint's)
 QUANTIZATION_CHOICES = tuple(dict.fromkeys(DYNAMIC_METHODS + CHECKPOINT_METHODS))
 

@@ -70,10 +70,14 @@ class Fp8LinearMethod(LinearMethod):
 
     @classmethod
     def from_config(cls, quant_config: dict | None) -> LinearMethod:
-        if quant_config is not None:
-            raise ValueError("FP8 checkpoints (quantization_config quant_method 'fp8') cannot be "
-                             "read yet; serve the unquantized release with --quantization fp8")
-        return cls()
+        """Dynamic FP8 for an unquantized checkpoint (None); for an FP8 checkpoint's
+        quantization_config, its method: block FP8 (`fp8_block.py`) or per-tensor FP8
+        (`fp8_checkpoint.py`)."""
+        if quant_config is None:
+            return cls()
+        from pagedserve.quantization.fp8_checkpoint import fp8_config_method
+
+        return fp8_config_method(quant_config)
 
     def create_weights(self, layer: nn.Module, input_size: int, output_sizes: list[int],
                        bias: bool, dtype: torch.dtype | None) -> None:

@@ -11,6 +11,7 @@ from pagedserve.layers.linear_method import LinearMethod
 # name -> (module, class); each class builds itself with `from_config(quant_config or None)`
 METHODS: dict[str, tuple[str, str]] = {
     "fp8": ("pagedserve.quantization.fp8", "Fp8LinearMethod"),
+    "compressed-tensors": ("pagedserve.quantization.compressed_tensors", "CompressedTensorsLinearMethod"),
 }
 
 
