@@ -35,11 +35,13 @@ from pagedserve.kernels._utils import check_dtype, next_pow2
 def _skinny_kernel(
     X, W, Y,  # x [M, K], W [N, K] (x's dtype, or e4m3 with W_SCALE), y [M, N]; last dims contiguous
     W_SCALE,  # HAS_SCALE only: float32 [N], y[:, n] *= W_SCALE[n] (an FP8 weight's scale per row)
+    X_SCALE,  # HAS_X_SCALE only (x e4m3 too, tensor-core path): float32 [M], y[m, :] *= X_SCALE[m]
     PARTIAL, LOCKS,  # split-K only: float32 [SPLIT_K, M, N] partial sums; int32 [cdiv(N, BLOCK_N)] zeros
     PROGRESS, SIGNAL_AT,  # program SIGNAL_AT (-1: none) bumps int32 PROGRESS as it ends
     M, N, K, K_PER_SPLIT, stride_xm, stride_wn, stride_ym,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
     USE_DOT: tl.constexpr, EVEN_K: tl.constexpr, PRECISION: tl.constexpr, HAS_SCALE: tl.constexpr,
+    HAS_X_SCALE: tl.constexpr,
     PDL: tl.constexpr,  # programmatic dependent launch (kernels/pdl.py)
 ):
     pdl.wait_and_release(PDL)
@@ -85,6 +87,8 @@ def _skinny_kernel(
         acc = tl.sum(acc2, axis=1)[:, None]  # [BLOCK_N, 1]; row 0 of the output
     if HAS_SCALE:
         acc = acc * tl.load(W_SCALE + rn_load)[:, None]
+    if HAS_X_SCALE:
+        acc = acc * tl.load(X_SCALE + rm, mask=m_ok, other=0.0)[None, :]
     _store(acc, Y, PARTIAL, LOCKS, rn, rm, M, N, stride_ym, pid_n, split, SPLIT_K)
     _signal(PROGRESS, SIGNAL_AT, pid_n, split)
 
@@ -123,10 +127,10 @@ def _store(acc, Y, PARTIAL, LOCKS, rn, rm, M, N, stride_ym, pid_n, split, SPLIT_
 @triton.jit(do_not_specialize=["M", "SIGNAL_AT"])
 def _skinny_tma_kernel(
     x_desc, w_desc,  # TMA descriptors: x [M, K] in [BLOCK_M, BLOCK_K] boxes, W [N, K] in [BLOCK_N, BLOCK_K]
-    Y, W_SCALE, PARTIAL, LOCKS, PROGRESS, SIGNAL_AT,  # as _skinny_kernel
+    Y, W_SCALE, X_SCALE, PARTIAL, LOCKS, PROGRESS, SIGNAL_AT,  # as _skinny_kernel
     M, N, K, K_PER_SPLIT, stride_ym,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
-    PRECISION: tl.constexpr, HAS_SCALE: tl.constexpr, PDL: tl.constexpr,
+    PRECISION: tl.constexpr, HAS_SCALE: tl.constexpr, HAS_X_SCALE: tl.constexpr, PDL: tl.constexpr,
 ):
     """The tensor-core path with its tiles brought in by the copy engine (TMA): out-of-range
     rows of x and columns past K arrive as zeros, so no masks and no padding copies."""
@@ -145,6 +149,8 @@ def _skinny_tma_kernel(
     rm = tl.arange(0, BLOCK_M)
     if HAS_SCALE:
         acc = acc * tl.load(W_SCALE + rn, mask=rn < N, other=0.0)[:, None]
+    if HAS_X_SCALE:
+        acc = acc * tl.load(X_SCALE + rm, mask=rm < M, other=0.0)[None, :]
     _store(acc, Y, PARTIAL, LOCKS, rn, rm, M, N, stride_ym, pid_n, split, SPLIT_K)
     _signal(PROGRESS, SIGNAL_AT, pid_n, split)
 
@@ -184,10 +190,13 @@ def _tma_ok(t: torch.Tensor) -> bool:
 
 
 def skinny_matmul(x: torch.Tensor, weight: torch.Tensor, cfg: SkinnyConfig,
-                  out: torch.Tensor | None = None, scale: torch.Tensor | None = None) -> torch.Tensor:
+                  out: torch.Tensor | None = None, scale: torch.Tensor | None = None,
+                  x_scale: torch.Tensor | None = None) -> torch.Tensor:
     """x [M, K] @ weight [N, K]^T -> [M, N] in x's dtype, float32 accumulation. An e4m3
-    `weight` comes with `scale`, float32 with N elements (its scale per row): it is widened
-    to x's dtype in registers, and column n of the product multiplied by scale[n].
+    `weight` comes with `scale`, float32 with N elements (its scale per row): with a bf16/fp16
+    x it is widened in registers (weight-only FP8); with an e4m3 x (`x_scale`, float32 with M
+    elements; tensor-core settings only) both go to the FP8 tensor cores and y is bf16 (or
+    `out`'s dtype). Column n of the product is multiplied by scale[n], row m by x_scale[m].
 
     An FMA setting takes M == 1 only; a dot setting takes M <= MAX_ROWS. With split_k > 1
     the K dimension is cut into that many slices summed in a fixed order (deterministic).
@@ -195,16 +204,21 @@ def skinny_matmul(x: torch.Tensor, weight: torch.Tensor, cfg: SkinnyConfig,
     block_n, block_k, num_warps, num_stages, use_dot, split_k, tma = cfg
     rows, k = x.shape
     n = weight.shape[0]
+    fp8_x = x.dtype == torch.float8_e4m3fn
     if weight.dtype == torch.float8_e4m3fn:
-        check_dtype(x)
         if scale is None or scale.numel() != n or scale.dtype != torch.float32 or not scale.is_contiguous():
             raise ValueError(f"an e4m3 weight [{n}, {k}] needs a contiguous float32 scale of {n} elements")
-        if x.dtype == torch.float32:
-            raise ValueError("an e4m3 weight multiplies bf16 or fp16 inputs")
+        if fp8_x:
+            if not use_dot or x_scale is None or x_scale.numel() != rows or x_scale.dtype != torch.float32:
+                raise ValueError("an e4m3 x needs a tensor-core setting and a float32 x_scale of M elements")
+        else:
+            check_dtype(x)
+            if x.dtype == torch.float32:
+                raise ValueError("an e4m3 weight multiplies bf16, fp16 or e4m3 inputs")
     else:
         check_dtype(x, weight)
-        if scale is not None:
-            raise ValueError("a scale goes with an e4m3 weight only")
+        if scale is not None or x_scale is not None:
+            raise ValueError("scales go with an e4m3 weight only")
     if weight.shape[1] != k:
         raise ValueError(f"x has {k} columns but weight has {weight.shape[1]}")
     if weight.numel() >= 2**31:
@@ -215,7 +229,8 @@ def skinny_matmul(x: torch.Tensor, weight: torch.Tensor, cfg: SkinnyConfig,
     if tma and not use_dot:
         raise ValueError(f"{cfg}: TMA loads are for the tensor-core path")
     block_m = max(16, next_pow2(rows)) if use_dot else 1
-    y = torch.empty((rows, n), dtype=x.dtype, device=x.device) if out is None else out
+    out_dtype = torch.bfloat16 if fp8_x else x.dtype
+    y = torch.empty((rows, n), dtype=out_dtype, device=x.device) if out is None else out
     n_blocks = triton.cdiv(n, block_n)
     k_per_split = triton.cdiv(triton.cdiv(k, split_k), block_k) * block_k
     if split_k > 1:
@@ -233,16 +248,19 @@ def skinny_matmul(x: torch.Tensor, weight: torch.Tensor, cfg: SkinnyConfig,
         _skinny_tma_kernel[(n_blocks, split_k)](
             TensorDescriptor.from_tensor(x, [block_m, block_k]),
             TensorDescriptor.from_tensor(weight, [block_n, block_k]),
-            y, y if scale is None else scale, partial, locks, progress, signal_at, rows, n, k,
-            k_per_split, y.stride(0), BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
-            SPLIT_K=split_k, PRECISION=precision, HAS_SCALE=scale is not None, num_warps=num_warps, num_stages=num_stages, **pdl.launch_options(x),
+            y, y if scale is None else scale, y if x_scale is None else x_scale, partial, locks,
+            progress, signal_at, rows, n, k, k_per_split, y.stride(0), BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
+            SPLIT_K=split_k, PRECISION=precision, HAS_SCALE=scale is not None,
+            HAS_X_SCALE=x_scale is not None, num_warps=num_warps, num_stages=num_stages,
+            **pdl.launch_options(x),
         )
         return y
     _skinny_kernel[(n_blocks, split_k)](
-        x, weight, y, y if scale is None else scale, partial, locks, progress, signal_at, rows, n, k,
-        k_per_split, x.stride(0), weight.stride(0), y.stride(0),
+        x, weight, y, y if scale is None else scale, y if x_scale is None else x_scale, partial, locks,
+        progress, signal_at, rows, n, k, k_per_split, x.stride(0), weight.stride(0), y.stride(0),
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, SPLIT_K=split_k, USE_DOT=use_dot,
         EVEN_K=k % block_k == 0, PRECISION=precision, HAS_SCALE=scale is not None,
+        HAS_X_SCALE=x_scale is not None,
         num_warps=num_warps, num_stages=num_stages, **pdl.launch_options(x),
     )
     return y

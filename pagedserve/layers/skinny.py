@@ -48,10 +48,25 @@ def matmul(x: torch.Tensor, weight: torch.Tensor, plan: SkinnyPlan | None,
     if plan and x.dim() == 2 and 0 < rows <= ROW_BUCKETS[-1]:
         cfg = plan.get(row_bucket(rows))
         if cfg is not None and x.stride(-1) == 1:
-            from pagedserve.kernels.skinny_gemm import skinny_matmul
-
-            return skinny_matmul(x, weight, cfg, scale=None if scale is None else scale.view(-1))
+            return skinny(x, weight, cfg, scale)
     return fallback_matmul(x, weight, scale)
+
+
+def skinny(x: torch.Tensor, weight: torch.Tensor, cfg: SkinnyConfig, scale: torch.Tensor | None = None,
+           out: torch.Tensor | None = None) -> torch.Tensor:
+    """x [T, K] @ weight [N, K]^T on the skinny kernel with setting `cfg`. An e4m3 weight (its
+    `scale` float32 [1, N]): one row is multiplied in x's dtype (weight-only FP8); for a
+    tensor-core setting x is quantized per token first and both go to the FP8 tensor cores."""
+    from pagedserve.kernels.skinny_gemm import skinny_matmul
+
+    if scale is None:
+        return skinny_matmul(x, weight, cfg, out)
+    if not cfg.use_dot:
+        return skinny_matmul(x, weight, cfg, out, scale.view(-1))
+    from pagedserve.kernels.fp8_quant import quantize_rows_fp8
+
+    xq, xs = quantize_rows_fp8(x)  # [T, K] e4m3, [T, 1]
+    return skinny_matmul(xq, weight, cfg, out, scale.view(-1), xs)
 
 
 def fallback_matmul(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None) -> torch.Tensor:
@@ -65,13 +80,19 @@ def fallback_matmul(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor |
     return fp8_scaled_mm(x, weight, scale)
 
 
-def _candidates(rows: int) -> list:
+def _candidates(rows: int, fp8: bool = False) -> list:
     """Settings worth timing for a row bucket (from `gpu_check.py --sections skinny` and
     `skinny_tma` on the H200: one-row FMA programs over a few output columns for one row;
     tensor-core programs for more, pointer loads for qkv_proj, TMA loads with split-K and a
     deep pipeline for the narrow o_proj and down_proj, TMA without split-K for gate_up)."""
     from pagedserve.kernels.skinny_gemm import SkinnyConfig
 
+    if fp8:  # e4m3 weights: twice the columns for the same bytes (FP8 tensor cores from 2 rows)
+        if rows == 1:
+            return [SkinnyConfig(8, 1024, 4, 1, False, 1), SkinnyConfig(4, 2048, 4, 1, False, 1),
+                    SkinnyConfig(8, 1024, 4, 2, False, 1), SkinnyConfig(16, 512, 4, 2, False, 1)]
+        return [SkinnyConfig(64, 128, 4, 6, True, 4, True), SkinnyConfig(64, 256, 4, 4, True, 1),
+                SkinnyConfig(64, 128, 4, 4, True, 1, True), SkinnyConfig(128, 128, 4, 4, True, 2, True)]
     dot = [SkinnyConfig(64, 64, 4, 6, True, 4, True), SkinnyConfig(64, 128, 4, 4, True, 1),
            SkinnyConfig(64, 64, 4, 4, True, 1, True)]
     if rows == 1:
@@ -106,7 +127,6 @@ def plan_skinny_matmuls(groups: dict[str, list[torch.Tensor]],
 
     Returns group name -> plan (row bucket -> SkinnyConfig, or None for the fallback).
     """
-    from pagedserve.kernels.skinny_gemm import skinny_matmul
 
     plans: dict[str, SkinnyPlan] = {}
     for name, weights in groups.items():
@@ -126,19 +146,20 @@ def plan_skinny_matmuls(groups: dict[str, list[torch.Tensor]],
                 for w, sc in zip(weights, group_scales):
                     fallback_matmul(x, w, sc)
             best_ms, best = timer(blas), None
-            w0, s0 = weights[0], group_scales[0]  # (an e4m3 weight: its dequantized value)
-            ref = F.linear(x, w0).float() if s0 is None else x.float() @ (w0.float() * s0.view(-1, 1)).t()
-            for cfg in _candidates(rows):
-                flat = [None if sc is None else sc.view(-1) for sc in group_scales]
-                got = skinny_matmul(x, weights[0], cfg, out, flat[0]).float()  # compiles; checked once
+            w0, s0 = weights[0], group_scales[0]
+            exact = F.linear(x, w0).float() if s0 is None else blas_ref(x, w0, s0)
+            for cfg in _candidates(rows, fp8=s0 is not None):
+                # an FP8 tensor-core setting quantizes x as the fallback does: compare with it
+                ref = fallback_matmul(x, w0, s0).float() if s0 is not None and cfg.use_dot else exact
+                got = skinny(x, w0, cfg, s0, out).float()  # compiles; checked once
                 if (got - ref).norm() > 1e-2 * ref.norm():
                     logger.warning("skinny matmul %s disagrees with cuBLAS on %s; not used", cfg, name)
                     continue
 
-                def skinny(x=x, cfg=cfg, out=out, weights=weights, flat=flat):
-                    for w, sc in zip(weights, flat):
-                        skinny_matmul(x, w, cfg, out, sc)
-                ms = timer(skinny)
+                def run(x=x, cfg=cfg, out=out, weights=weights, group_scales=group_scales):
+                    for w, sc in zip(weights, group_scales):
+                        skinny(x, w, cfg, sc, out)
+                ms = timer(run)
                 if ms < best_ms:
                     best_ms, best = ms, cfg
             plan[rows] = best
@@ -149,11 +170,15 @@ def plan_skinny_matmuls(groups: dict[str, list[torch.Tensor]],
 
 
 @torch.inference_mode()
+def blas_ref(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """float32 x [T, K] @ (e4m3 weight [N, K] * scale [1, N])^T: weight-only FP8's exact value."""
+    return x.float() @ (weight.float() * scale.view(-1, 1)).t()
+
+
 def compile_skinny_candidates(weights: list[torch.Tensor]) -> None:
     """Launch every setting `plan_skinny_matmuls` would time, once per weight and row bucket,
     on uninitialised inputs (one weight per shape and dtype is enough: kernels compile per
     shape)."""
-    from pagedserve.kernels.skinny_gemm import skinny_matmul
 
     for weight in weights:
         n, k = weight.shape
@@ -161,9 +186,9 @@ def compile_skinny_candidates(weights: list[torch.Tensor]) -> None:
             continue
         fp8 = weight.dtype == torch.float8_e4m3fn
         dtype = torch.bfloat16 if fp8 else weight.dtype
-        scale = torch.ones(n, device=weight.device) if fp8 else None  # float32 [N]
+        scale = torch.ones(1, n, device=weight.device) if fp8 else None  # float32 [1, N]
         for rows in ROW_BUCKETS:
-            x = torch.empty(rows, k, device=weight.device, dtype=dtype)  # [rows, K]
+            x = torch.zeros(rows, k, device=weight.device, dtype=dtype)  # [rows, K]
             out = torch.empty(rows, n, device=x.device, dtype=x.dtype)  # [rows, N]
-            for cfg in _candidates(rows):
-                skinny_matmul(x, weight, cfg, out, scale)
+            for cfg in _candidates(rows, fp8):
+                skinny(x, weight, cfg, scale, out)

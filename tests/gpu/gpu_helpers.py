@@ -21,11 +21,12 @@ def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a - b).norm() / b.norm().clamp_min(1e-30))
 
 
-def skinny_candidates(rows: int) -> list:
-    """Every skinny-matmul setting the engine's start-up plan may pick for `rows` rows."""
+def skinny_candidates(rows: int, fp8: bool = False) -> list:
+    """Every skinny-matmul setting the engine's start-up plan may pick for `rows` rows (of
+    bf16 weights, or e4m3 ones with `fp8`)."""
     from pagedserve.layers.skinny import _candidates
 
-    return _candidates(rows)
+    return _candidates(rows, fp8)
 
 
 def runner_of(engine):
