@@ -82,15 +82,24 @@ def _materialise(cfg: ModelConfig, dtype: torch.dtype, device: torch.device,
 def _fill_dummy(model: LlamaForCausalLM, seed: int) -> None:
     """Random weights, small enough that activations stay finite in bf16. An FP8 checkpoint's
     e4m3 weights take values over e4m3's range and their scales (`*scale`, `*scale_inv`)
-    0.05 / 448, so the weights they stand for are as small as the unquantized ones."""
+    0.05 / 448, so the weights they stand for are as small as the unquantized ones; a 4-bit
+    checkpoint's packed integers take random bits and its group scales 0.05 / 8."""
     gen = torch.Generator(device=model.embed_tokens.weight.device).manual_seed(seed)
-    for name, p in model.named_parameters():
+    params = dict(model.named_parameters())
+    for name, p in params.items():
         if name.endswith("norm.weight"):
             p.fill_(1.0)
         elif p.dtype == torch.float8_e4m3fn:
             p.copy_(torch.empty(p.shape, device=p.device).uniform_(-448.0, 448.0, generator=gen))
         elif name.endswith(("scale", "scale_inv")):
             p.fill_(0.05 / 448.0)
+        elif name.endswith("g_idx"):  # GPTQ: input row k in group k // G
+            k, groups = p.shape[-1], params[name.removesuffix("g_idx") + "scales"].shape[0]
+            p.copy_(torch.arange(k, device=p.device).div(k // groups, rounding_mode="floor").expand_as(p))
+        elif not p.is_floating_point():  # 4-bit AWQ/GPTQ qweight, qzeros: any bits
+            p.random_(generator=gen)
+        elif name.endswith("scales"):  # their group scales: weights within about +-0.1
+            p.fill_(0.05 / 8)
         else:
             p.uniform_(-0.05, 0.05, generator=gen)
 

@@ -20,6 +20,8 @@ DYNAMIC_METHODS = ("fp8",)
 CHECKPOINT_METHODS: tuple[str, ...] = (
     "fp8",  # FP8 weights in blocks (weight_scale_inv) or per tensor: fp8_block.py, fp8_checkpoint.py
     "compressed-tensors",  # its FP8 schemes: compressed_tensors.py
+    "awq",  # 4-bit weights (W4A16), awq.py
+    "gptq",  # 4-bit weights (W4A16), gptq.py
 )
 # what --quantization accepts (a checkpoint method must match its checkpoint's)
 QUANTIZATION_CHOICES = tuple(dict.fromkeys(DYNAMIC_METHODS + CHECKPOINT_METHODS))

@@ -12,6 +12,8 @@ from pagedserve.layers.linear_method import LinearMethod
 METHODS: dict[str, tuple[str, str]] = {
     "fp8": ("pagedserve.quantization.fp8", "Fp8LinearMethod"),
     "compressed-tensors": ("pagedserve.quantization.compressed_tensors", "CompressedTensorsLinearMethod"),
+    "awq": ("pagedserve.quantization.awq", "AwqLinearMethod"),
+    "gptq": ("pagedserve.quantization.gptq", "GptqLinearMethod"),
 }
 
 
