@@ -169,8 +169,10 @@ def pick_config(m: int, n: int, k: int, group: int, device: torch.device) -> Int
     """Tiles for M rows: a 16-row tile for decode, wider ones as M grows; K split so that
     there are at least as many programs as SMs (never more than 16 splits, nor splits of
     less than two steps)."""
+    # (the packed words are loaded once per row they hold: a [BLOCK_K, BLOCK_N] int32 tile per
+    # pipeline stage, so BLOCK_K stays at 64 to keep the stages' shared memory small)
     if m <= 16:
-        bm, bn, bk, warps, stages = 16, 64, _block_k(group, 128), 4, 4
+        bm, bn, bk, warps, stages = 16, 64, _block_k(group, 64), 4, 4
     elif m <= 64:
         bm, bn, bk, warps, stages = 32 if m <= 32 else 64, 64, _block_k(group, 64), 4, 3
     else:
