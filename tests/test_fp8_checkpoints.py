@@ -326,9 +326,11 @@ def test_block_and_group_helpers_match_the_reference():
 
 _KERNEL_CHECK = r"""
 import torch
-from pagedserve.kernels.fp8_block_gemm import fp8_block_gemm
+from pagedserve.kernels.fp8_block_gemm import Fp8BlockConfig, fp8_block_gemm
 torch.manual_seed(0)
-for m, n, k, bn, bk in [(5, 96, 200, 64, 64), (17, 130, 256, 128, 128), (70, 40, 96, 16, 32)]:
+small = Fp8BlockConfig(16, 32, 4, 1, group_m=2)  # 5 x 5 tiles in groups of 2 row tiles
+for m, n, k, bn, bk, cfg in [(5, 96, 200, 64, 64, None), (17, 130, 256, 128, 128, None),
+                             (70, 40, 96, 16, 32, None), (70, 130, 96, 64, 32, small)]:
     g = -(-k // bk)
     # x exactly representable after its scaling (the interpreter's own e4m3 rounding is off):
     # e4m3 values times 2^j per (row, group), each group holding a 448
@@ -337,7 +339,7 @@ for m, n, k, bn, bk in [(5, 96, 200, 64, 64), (17, 130, 256, 128, 128), (70, 40,
     x = (q * (2.0 ** torch.randint(-6, 3, (m, g)).float()).repeat_interleave(bk, 1))[:, :k].half()
     w = (torch.randn(n, k) * 100).clamp(-448, 448).to(torch.float8_e4m3fn)
     s = torch.rand(-(-n // bn), g) * 0.01 + 1e-3
-    y = fp8_block_gemm(x, w, s, (bn, bk))
+    y = fp8_block_gemm(x, w, s, (bn, bk), cfg)
     ref = x.float() @ (w.float() * s.repeat_interleave(bn, 0)[:n].repeat_interleave(bk, 1)[:, :k]).t()
     err = float((y.float() - ref).norm() / ref.norm())
     assert y.shape == (m, n) and err < 1e-3, (m, n, k, err)
@@ -346,8 +348,9 @@ print("ok")
 
 
 def test_block_gemm_kernel_indexing_under_the_interpreter():
-    """The Triton kernel's tiles, masks and scale indexing (partial K and N tiles, block rows
-    that are not the tile's) on inputs whose quantization is exact, under TRITON_INTERPRET."""
+    """The Triton kernels' tiles, masks and scale indexing (partial K and N tiles, block rows
+    that are not the tile's, grouped tile order) on inputs whose quantization is exact, under
+    TRITON_INTERPRET."""
     pytest.importorskip("triton")
     env = {**os.environ, "TRITON_INTERPRET": "1"}
     proc = subprocess.run([sys.executable, "-c", _KERNEL_CHECK], capture_output=True, text=True,

@@ -10,8 +10,8 @@ shard but the last must be a whole number of blocks (no block straddles two shar
 layer refuses other sizes when it is built.
 
 Inputs are quantized per token and per group of bk columns (1 x bk, dynamic, float32
-scales). On Hopper (compute capability 9.0, bf16/fp16 models) both FP8 operands meet on the
-tensor cores in one Triton GEMM that quantizes x on the fly (`kernels/fp8_block_gemm.py`).
+scales). On Hopper (compute capability 9.0, bf16/fp16 models) a small Triton kernel quantizes
+x and a Triton GEMM multiplies both FP8 operands on the tensor cores (`kernels/fp8_block_gemm.py`).
 Elsewhere the reference path computes the same numbers in torch: the weight dequantized to
 the input's dtype, x quantized and dequantized by groups, then `F.linear`.
 """
