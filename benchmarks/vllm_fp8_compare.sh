@@ -1,0 +1,58 @@
+#!/usr/bin/env bash
+# pagedserve --quantization fp8 against vLLM 0.26 --quantization fp8 on the GPU machine, back to
+# back in one call, both measured by vLLM's own client (`vllm bench serve`, random 1,024 in /
+# 128 out, --ignore-eos, 32/64/256/1,024 prompts at concurrency 1/16/64/256), Qwen3-4B preset
+# with dummy weights. vLLM comes from ../shared/tools/vllm-carry.sh: pieces a and b already
+# copied to /root/keep by the previous call, piece c and the wheels carried with this one:
+#   VLLM_DIR=.carry/vllm bash benchmarks/vllm_fp8_compare.sh
+# Results (vLLM's result JSON per run and a table) go to $OUT (or ./compare_results).
+set -uo pipefail
+OUT="${OUT:-compare_results}"
+VLLM_DIR="${VLLM_DIR:-.carry/vllm}"
+ENGINES="${ENGINES:-vllm pagedserve}"
+mkdir -p "$OUT" /tmp/vllm /tmp/qwen3
+cat /root/keep/piece.a /root/keep/piece.b "$VLLM_DIR/piece.c" | xz -d | tar -x -C /tmp/vllm || exit 1
+python3 -m pip install -q --no-index --no-deps --target /tmp/vsite "$VLLM_DIR"/wheels/*.whl || exit 1
+python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/pydeps .whl/*.whl || exit 1
+cp pagedserve/models/presets/qwen3-4b-instruct-2507.json /tmp/qwen3/config.json
+VLLM="env VLLM_USE_FLASHINFER_SAMPLER=0 PYTHONPATH=/tmp/vllm:/tmp/vsite python3 -m vllm.entrypoints.cli.main"
+PORT=8000
+wait_ready() { for _ in $(seq 400); do curl -sf http://127.0.0.1:$PORT/health > /dev/null && return 0; sleep 1; done; return 1; }
+bench() {  # engine name, served model id
+    for c in 1 16 64 256; do
+        n=$(( c == 1 ? 32 : c == 16 ? 64 : c == 64 ? 256 : 1024 ))
+        $VLLM bench serve --backend openai --base-url http://127.0.0.1:$PORT --model "$2" \
+            --tokenizer .devtok --dataset-name random --random-input-len 1024 --random-output-len 128 \
+            --num-prompts $n --max-concurrency $c --ignore-eos --seed $c --save-result \
+            --result-dir "$OUT" --result-filename "$1_c$c.json" > "$OUT/$1_c$c.log" 2>&1
+        grep -E "Output token throughput|Median TTFT|Median TPOT|Failed" "$OUT/$1_c$c.log" | tr '\n' ' '; echo " <- $1 c$c"
+    done
+}
+for engine in $ENGINES; do
+    t0=$(date +%s)
+    if [ $engine = vllm ]; then
+        $VLLM serve /tmp/qwen3 --load-format dummy --tokenizer .devtok --quantization fp8 --port $PORT \
+            > "$OUT/vllm_server.log" 2>&1 &
+    else
+        env PYTHONPATH="$PWD:/tmp/pydeps" python3 -m pagedserve.cli serve qwen3-4b-instruct-2507 \
+            --load-format dummy --tokenizer .devtok --quantization fp8 --port $PORT \
+            > "$OUT/pagedserve_server.log" 2>&1 &
+    fi
+    SERVER=$!
+    wait_ready || { tail -20 "$OUT/${engine}_server.log"; kill $SERVER; continue; }
+    echo "$engine ready after $(( $(date +%s) - t0 )) s"
+    id=$(curl -s http://127.0.0.1:$PORT/v1/models | python3 -c "import json,sys; print(json.load(sys.stdin)['data'][0]['id'])")
+    bench $engine "$id"
+    kill -TERM $SERVER; wait $SERVER; sleep 3
+done
+python3 - "$OUT" <<'PY'
+import json, os, sys
+print(f"{'engine':<11} {'c':>4} {'out tok/s':>10} {'TTFT p50':>9} {'TPOT p50':>9} {'failed':>6}")
+for engine in ("pagedserve", "vllm"):
+    for c in (1, 16, 64, 256):
+        path = os.path.join(sys.argv[1], f"{engine}_c{c}.json")
+        if os.path.exists(path):
+            r = json.load(open(path))
+            print(f"{engine:<11} {c:>4} {r['output_throughput']:>10.0f} {r['median_ttft_ms']:>9.1f} "
+                  f"{r['median_tpot_ms']:>9.2f} {r.get('failed', 0):>6}")
+PY
