@@ -24,6 +24,11 @@ DTYPE_NAMES: dict[str, str] = {
     "bfloat16": "bfloat16", "bf16": "bfloat16",
     "float16": "float16", "fp16": "float16", "half": "float16",
 }
+# --kv-cache-dtype names -> the torch dtype name the KV cache is stored in (auto: the model's
+# dtype); vLLM's names for the FP8 formats it reads on these GPUs
+KV_CACHE_DTYPES: dict[str, str | None] = {
+    "auto": None, "fp8": "float8_e4m3fn", "fp8_e4m3": "float8_e4m3fn",
+}
 
 
 def resolve_dtype(dtype: str | torch.dtype | None, device: str | torch.device) -> torch.dtype:
@@ -161,8 +166,12 @@ class CacheConfig:
     enable_prefix_caching: bool = True
     kv_cache_memory: int | None = None  # bytes; overrides gpu_memory_utilization
     gpu_memory_utilization: float = 0.9  # fraction of the GPU's memory pagedserve may use
+    kv_cache_dtype: str = "auto"  # KV_CACHE_DTYPES: auto (the model's dtype), fp8 / fp8_e4m3
 
     def __post_init__(self) -> None:
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(f"kv_cache_dtype {self.kv_cache_dtype!r} is not supported; choose one "
+                             f"of {', '.join(KV_CACHE_DTYPES)}")
         if self.block_size <= 0 or self.block_size & (self.block_size - 1):
             raise ValueError(f"block_size must be a power of two, got {self.block_size}")
         if self.kv_cache_memory is not None and self.kv_cache_memory <= 0:
@@ -223,7 +232,8 @@ class EngineConfig:
     def from_args(cls, model: str | None = None, *, max_model_len: int | None = None,
                   max_num_seqs: int = 256, max_num_batched_tokens: int = 8192, block_size: int = 16,
                   enable_prefix_caching: bool = True, kv_cache_memory: int | None = None,
-                  gpu_memory_utilization: float = 0.9, revision: str | None = None,
+                  gpu_memory_utilization: float = 0.9, kv_cache_dtype: str = "auto",
+                  revision: str | None = None,
                   download_dir: str | None = None,
                   **kw: Any) -> tuple[EngineConfig, ModelSource, ModelConfig]:
         """The one place a user's settings (LLM(...) arguments or CLI flags) become a config:
@@ -255,7 +265,8 @@ class EngineConfig:
         kw.setdefault("observability", envs.observability_config())
         config = cls(
             model=model, scheduler=SchedulerConfig(max_num_seqs, max_num_batched_tokens, max_len),
-            cache=CacheConfig(block_size, enable_prefix_caching, kv_cache_memory, gpu_memory_utilization),
+            cache=CacheConfig(block_size, enable_prefix_caching, kv_cache_memory, gpu_memory_utilization,
+                              kv_cache_dtype),
             **kw,
         )
         return config, source, model_cfg

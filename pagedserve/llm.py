@@ -29,7 +29,9 @@ class LLM:
     ("auto", "vllm" or a folder) gives `get_default_sampling_params`. `quantization="fp8"`
     quantizes the decoder's weights to FP8 at load; a pre-quantized checkpoint runs its own
     method (`pagedserve/quantization/`). Memory for the KV cache comes from `kv_cache_memory` (bytes)
-    or, on a GPU, `gpu_memory_utilization` after profiling a forward pass.
+    or, on a GPU, `gpu_memory_utilization` after profiling a forward pass; `kv_cache_dtype="fp8"`
+    (or "fp8_e4m3") stores it as float8 e4m3, twice the tokens in the same memory ("auto": the
+    model's dtype).
     """
 
     def __init__(
@@ -55,6 +57,7 @@ class LLM:
         download_dir: str | None = None,
         generation_config: str = "auto",
         quantization: str | None = None,
+        kv_cache_dtype: str = "auto",
     ) -> None:
         config, source, model_cfg = EngineConfig.from_args(
             model, max_model_len=max_model_len, max_num_seqs=max_num_seqs,
@@ -64,6 +67,7 @@ class LLM:
             load_format=load_format, seed=seed, attention_backend=attention_backend,
             enforce_eager=enforce_eager, async_scheduling=async_scheduling, tokenizer=tokenizer,
             revision=revision, download_dir=download_dir, quantization=quantization,
+            kv_cache_dtype=kv_cache_dtype,
         )
         self._defaults = sampling_defaults(source, generation_config)
         self.engine = EngineCore(config, source)

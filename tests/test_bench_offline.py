@@ -50,10 +50,13 @@ def test_bench_throughput(tmp_path):
     assert "0.0" not in [line.split(":")[-1].strip() for line in printed[0].splitlines()]
     # the commit of the checkout pagedserve runs from, though the command ran outside it
     assert r["commit"] == _head() != "unknown"
+    assert r["quantization"] is None and r["kv_cache_dtype"] == "auto"  # the number formats
 
 
 def test_bench_latency(tmp_path):
-    r = _run(tmp_path, "latency", "--batch-sizes", "1,2", "--input-len", "8", "--steps", "3")
+    r = _run(tmp_path, "latency", "--batch-sizes", "1,2", "--input-len", "8", "--steps", "3",
+             "--kv-cache-dtype", "fp8")
+    assert r["quantization"] is None and r["kv_cache_dtype"] == "fp8"
     assert [row["batch"] for row in r["rows"]] == [1, 2]
     assert all(row["ms_per_step"] > 0 and row["bandwidth_tb_s"] >= 0 for row in r["rows"])
     assert all(row["ideal_ms"] is None and row["roofline_efficiency"] is None for row in r["rows"])

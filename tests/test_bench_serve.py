@@ -235,7 +235,8 @@ def test_launch_measures_startup_and_stops_the_server(tmp_path):
 
     port = free_port()
     cmd = (f"{sys.executable} -m pagedserve.cli serve --host 127.0.0.1 --port {port} --device cpu "
-           f"--dtype float32 --max-model-len 1024 --kv-cache-memory {KV_CACHE_BYTES} --log-level INFO")
+           f"--dtype float32 --max-model-len 1024 --kv-cache-memory {KV_CACHE_BYTES} --log-level INFO "
+           "--kv-cache-dtype fp8")
     url = f"http://127.0.0.1:{port}"
     log = tmp_path / "server.log"
     result = run_serve(_args(base_url=url, launch=cmd, launch_timeout=300.0, launch_log=str(log), dataset="short",
@@ -244,6 +245,7 @@ def test_launch_measures_startup_and_stops_the_server(tmp_path):
     launch = result["launch"]
     assert launch["command"] == cmd and 0 < launch["startup_s"] < 300
     assert launch["peak_gpu_memory_bytes"] is None  # no GPU on the test machine
+    assert (result["quantization"], result["kv_cache_dtype"]) == (None, "fp8")  # from the command
     assert result["runs"][0]["completed"] == 3 and result["runs"][0]["output_tokens"] == 12
     cpu = result["runs"][0]["cpu"]  # the client's and each server process's CPU while measuring
     assert cpu["client_s"] > 0 and cpu["server_main_s"] > 0
@@ -255,6 +257,7 @@ def test_launch_measures_startup_and_stops_the_server(tmp_path):
     with pytest.raises(httpx.HTTPError):  # the launched server and its engine are gone
         httpx.get(f"{url}/health", timeout=2)
     assert "engine ready" in log.read_text()  # --launch-log keeps the server's output
+    assert "float8_e4m3fn, 1 byte/element" in log.read_text()  # the FP8 cache it served from
 
 
 def test_launch_reports_a_server_that_dies_with_its_log():

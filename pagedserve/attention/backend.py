@@ -58,7 +58,9 @@ class AttentionBackend(ABC):
     """Computes attention for every layer and owns the per-layer KV cache tensors.
 
     `kv_caches[layer]` has shape [2, num_blocks, block_size, num_kv_heads, head_dim]
-    (index 0 = keys, 1 = values), or the list is empty when running without a cache.
+    (index 0 = keys, 1 = values), or the list is empty when running without a cache. Its
+    dtype is the model's, or float8_e4m3fn: then `kv_scales[layer]` ([2] float32: K, V) are
+    the scales its elements are stored in (`engine/kv_cache_spec.py`, `attention/kv_quant.py`).
     Backends that support CUDA graphs override the capture hooks.
     """
 
@@ -70,10 +72,21 @@ class AttentionBackend(ABC):
         self.head_dim = head_dim
         self.scale = scale
         self.kv_caches: list[torch.Tensor] = []
+        self.kv_scales: torch.Tensor | None = None  # [num_layers, 2] float32 of an FP8 cache
 
-    def bind_kv_caches(self, kv_caches: list[torch.Tensor]) -> None:
-        """Attach the preallocated per-layer cache tensors."""
+    def bind_kv_caches(self, kv_caches: list[torch.Tensor], kv_scales: torch.Tensor | None = None) -> None:
+        """Attach the preallocated per-layer cache tensors, and an FP8 cache's scales
+        ([num_layers, 2] float32; default: all 1.0)."""
         self.kv_caches = kv_caches
+        if kv_scales is None and kv_caches and kv_caches[0].dtype == torch.float8_e4m3fn:
+            kv_scales = torch.ones((len(kv_caches), 2), dtype=torch.float32, device=kv_caches[0].device)
+        self.kv_scales = kv_scales if kv_caches else None
+
+    def kv_scale(self, layer_idx: int) -> torch.Tensor | None:
+        """[2] float32 (k_scale, v_scale) of layer `layer_idx`'s FP8 cache; None for others."""
+        if self.kv_scales is None or self.kv_caches[layer_idx].dtype != torch.float8_e4m3fn:
+            return None
+        return self.kv_scales[layer_idx]
 
     @abstractmethod
     def forward(
@@ -88,10 +101,9 @@ class AttentionBackend(ABC):
         """Write k/v into the cache at meta.slot_mapping (unless `kv_stored`: the caller
         already wrote them where `kv_store_target` said), then attend causally."""
 
-    def kv_store_target(self, layer_idx: int, meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """(cache [2, num_blocks, block_size, kv_heads, head_dim], slot_mapping [T]) for a
-        caller that can write the new K/V itself (the fused RoPE kernel), or None if this
-        backend stores them in `forward`."""
+    def kv_store_target(self, layer_idx: int, meta: AttentionMetadata) -> KVStoreTarget | None:
+        """Where a caller that can write the new K/V itself (the fused RoPE kernel) puts
+        them, or None if this backend stores them in `forward`."""
         return None
 
     def prepare(self, meta: AttentionMetadata) -> None:
@@ -139,6 +151,14 @@ class AttentionBackend(ABC):
         """Complete the static metadata a graph of `key` is captured with: fixed buffers,
         kernel grids sized for the key (the fields say at replay which entries are real)."""
         raise NotImplementedError(f"the {self.name} attention backend has no CUDA graphs")
+
+
+class KVStoreTarget(NamedTuple):
+    """A layer's KV cache as a writer of new K/V needs it."""
+
+    cache: torch.Tensor  # [2, num_blocks, block_size, kv_heads, head_dim]
+    slot_mapping: torch.Tensor  # [T] cache slot per new token; negative = skip
+    kv_scale: torch.Tensor | None = None  # [2] float32 (k, v) of an FP8 cache
 
 
 class GraphKey(NamedTuple):

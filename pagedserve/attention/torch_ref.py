@@ -1,4 +1,5 @@
-"""Reference attention in plain PyTorch (CPU and CUDA): simple, slow, exact."""
+"""Reference attention in plain PyTorch (CPU and CUDA): simple, slow, exact. An FP8 cache is
+written quantized and read dequantized to q's dtype (`kv_quant.py`): the kernels' math."""
 
 from __future__ import annotations
 
@@ -6,6 +7,7 @@ import torch
 import torch.nn.functional as F
 
 from pagedserve.attention.backend import AttentionBackend, AttentionMetadata, register_backend
+from pagedserve.attention.kv_quant import E4M3, dequantize_kv, is_fp8, quantize_kv
 
 
 @register_backend
@@ -18,8 +20,9 @@ class TorchReferenceBackend(AttentionBackend):
         has_cache = bool(self.kv_caches)
         if has_cache:
             cache = self.kv_caches[layer_idx]  # [2, num_blocks, block_size, kv_heads, head_dim]
+            kv_scale = self.kv_scale(layer_idx)
             if not kv_stored:
-                write_kv_cache(cache, k, v, meta.slot_mapping)
+                write_kv_cache(cache, k, v, meta.slot_mapping, kv_scale)
         out = torch.empty_like(q)
         starts = meta.query_start_loc_cpu
         for i, seq_len in enumerate(meta.seq_lens_cpu):
@@ -27,7 +30,7 @@ class TorchReferenceBackend(AttentionBackend):
             if e == s:
                 continue
             if has_cache:
-                k_ctx, v_ctx = gather_context(cache, meta.block_tables[i], seq_len)
+                k_ctx, v_ctx = gather_context(cache, meta.block_tables[i], seq_len, kv_scale, q.dtype)
             else:
                 k_ctx, v_ctx = k[s:e], v[s:e]  # the whole prompt is in this step
             out[s:e] = self._attend(q[s:e], k_ctx, v_ctx)
@@ -58,21 +61,33 @@ def write_kv_cache(
     k: torch.Tensor,  # [num_tokens, kv_heads, head_dim]
     v: torch.Tensor,
     slot_mapping: torch.Tensor,  # [num_tokens], -1 = skip
+    kv_scale: torch.Tensor | None = None,  # [2] float32 (k, v): an FP8 cache's scales
 ) -> None:
     valid = slot_mapping >= 0
     slots = slot_mapping[valid]
+    k, v = k[valid], v[valid]
+    if is_fp8(cache):  # (as bytes: torch's CPU indexing has no float8 kernels)
+        k, v = quantize_kv(k, kv_scale[0]).view(torch.uint8), quantize_kv(v, kv_scale[1]).view(torch.uint8)
+        cache = cache.view(torch.uint8)
     flat = cache.view(2, -1, cache.shape[-2], cache.shape[-1])  # [2, slots, kv_heads, head_dim]
-    flat[0].index_copy_(0, slots, k[valid])
-    flat[1].index_copy_(0, slots, v[valid])
+    flat[0].index_copy_(0, slots, k)
+    flat[1].index_copy_(0, slots, v)
 
 
 def gather_context(
-    cache: torch.Tensor, block_table: torch.Tensor, seq_len: int
+    cache: torch.Tensor, block_table: torch.Tensor, seq_len: int,
+    kv_scale: torch.Tensor | None = None, dtype: torch.dtype | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Return one sequence's K and V, [seq_len, kv_heads, head_dim] each."""
+    """Return one sequence's K and V, [seq_len, kv_heads, head_dim] each (an FP8 cache's
+    dequantized with kv_scale [2] to `dtype`)."""
     block_size = cache.shape[2]
     n_blocks = -(-seq_len // block_size)
     blocks = block_table[:n_blocks].long()
+    fp8 = is_fp8(cache)
+    if fp8:
+        cache = cache.view(torch.uint8)  # (as bytes: torch's CPU indexing has no float8 kernels)
     k = cache[0, blocks].flatten(0, 1)[:seq_len]
     v = cache[1, blocks].flatten(0, 1)[:seq_len]
+    if fp8:
+        k, v = (dequantize_kv(x.view(E4M3), s, dtype) for x, s in ((k, kv_scale[0]), (v, kv_scale[1])))
     return k, v

@@ -11,6 +11,7 @@ from pagedserve.attention.backend import (
     AttentionBackend,
     AttentionMetadata,
     GraphKey,
+    KVStoreTarget,
     register_backend,
 )
 from pagedserve.engine.host_copy import to_device_views
@@ -195,16 +196,19 @@ class TritonBackend(AttentionBackend):
             self._partials[key] = alloc_decode_partials(rows, splits, self.num_heads, self.head_dim, device)
         return self._partials[key]
 
-    def kv_store_target(self, layer_idx, meta: AttentionMetadata):
-        return (self.kv_caches[layer_idx], meta.slot_mapping) if self.kv_caches else None
+    def kv_store_target(self, layer_idx, meta: AttentionMetadata) -> KVStoreTarget | None:
+        if not self.kv_caches:
+            return None
+        return KVStoreTarget(self.kv_caches[layer_idx], meta.slot_mapping, self.kv_scale(layer_idx))
 
     def forward(self, layer_idx, q, k, v, meta: AttentionMetadata, kv_stored: bool = False) -> torch.Tensor:
         from pagedserve.kernels.kv_cache import store_kv_cache
         from pagedserve.kernels.paged_attention import paged_decode, paged_extend
 
-        cache = self.kv_caches[layer_idx]
+        cache = self.kv_caches[layer_idx]  # (an FP8 cache: read 1 byte an element, scales applied)
+        kv_scale = self.kv_scale(layer_idx)
         if not kv_stored:
-            store_kv_cache(k, v, cache, meta.slot_mapping)
+            store_kv_cache(k, v, cache, meta.slot_mapping, kv_scale)
         data: TritonStepData = meta.backend_data
         out = torch.empty_like(q)
         counts = data.counts
@@ -213,9 +217,9 @@ class TritonBackend(AttentionBackend):
             parts = self.partials(nd, data.num_splits, q.device) if data.num_splits > 1 else None
             paged_decode(q, cache, out, data.decode_seq_ids, meta.query_start_loc, meta.seq_lens,
                          meta.block_tables, self.scale, data.num_splits, parts,
-                         count=None if counts is None else counts[0:1])
+                         count=None if counts is None else counts[0:1], kv_scale=kv_scale)
         if data.tile_seq.shape[0]:
             paged_extend(q, k, v, cache, out, data.tile_seq, data.tile_start, meta.query_start_loc,
                          meta.seq_lens, meta.block_tables, self.scale,
-                         count=None if counts is None else counts[1:2])
+                         count=None if counts is None else counts[1:2], kv_scale=kv_scale)
         return out

@@ -6,7 +6,7 @@ import random
 import time
 
 from pagedserve.bench.roofline import Roofline
-from pagedserve.bench.run_info import device_name, git_commit, no_roofline_reason
+from pagedserve.bench.run_info import device_name, git_commit, no_roofline_reason, number_formats
 
 
 def run_latency(args, llm_kwargs: dict, llm=None) -> dict:
@@ -26,7 +26,8 @@ def run_latency(args, llm_kwargs: dict, llm=None) -> dict:
         llm = LLM(**llm_kwargs)
         startup = time.perf_counter() - t0
     engine, cfg = llm.engine, llm.engine.model_config
-    roof = Roofline.for_model(cfg, quantization=engine.config.quantization)
+    roof = Roofline.for_model(cfg, quantization=engine.config.quantization,
+                              kv_cache_dtype=engine.config.cache.kv_cache_dtype)
     device = engine.config.resolved_device()
     no_roof = no_roofline_reason(device)  # a CPU: bandwidth measured, no H200 ideal to judge by
     rng = random.Random(args.seed)
@@ -70,7 +71,8 @@ def run_latency(args, llm_kwargs: dict, llm=None) -> dict:
               f"bandwidth {moved / (ms / 1e3) / 1e12:.2f} TB/s  host {phases}", flush=True)
     engine.kv.check_integrity(expect_all_free=True)
     return {"benchmark": "latency", "model": engine.source.name, "gpu": device_name(device),
-            "commit": git_commit(), "roofline_note": no_roof, "input_len": args.input_len, "steps": args.steps,
+            "commit": git_commit(), **number_formats(engine.config), "roofline_note": no_roof,
+            "input_len": args.input_len, "steps": args.steps,
             "startup_s": round(startup, 2) if startup is not None else None,
             "graph_capture_s": round(engine.graph_capture_seconds, 2),
             "matmul_plan_s": round(engine.matmul_plan_seconds, 2),

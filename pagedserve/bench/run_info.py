@@ -1,10 +1,13 @@
-"""What a benchmark result records about where it ran: the commit measured, the device, and
-whether the roofline (an H200's, DESIGN.md section 4) applies to it."""
+"""What a benchmark result records about where it ran: the commit measured, the device,
+whether the roofline (an H200's, DESIGN.md section 4) applies to it, and the engine's number
+formats (the quantization method and the KV cache's dtype)."""
 
 from __future__ import annotations
 
+import shlex
 import subprocess
 from pathlib import Path
+from typing import Any
 
 SOURCE_ROOT = Path(__file__).resolve().parents[2]  # the checkout holding pagedserve/, if any
 
@@ -61,3 +64,23 @@ def no_roofline_reason(device) -> str | None:
 
     kind = torch.device(device).type
     return None if kind == "cuda" else f"n/a (no GPU roofline for {kind})"
+
+
+def number_formats(config) -> dict[str, Any]:
+    """An engine's number formats, from its EngineConfig: `quantization` (the method the
+    decoder ran, a checkpoint's own included; None: unquantized) and `kv_cache_dtype`."""
+    return {"quantization": config.quantization, "kv_cache_dtype": config.cache.kv_cache_dtype}
+
+
+def launched_number_formats(command: str) -> dict[str, Any]:
+    """The same, as a launched server's command line gives them (pagedserve's and vLLM's flags
+    have the same names): the values of --quantization/-q and --kv-cache-dtype, else their
+    defaults (None, "auto"; a pre-quantized checkpoint's own method is not seen here)."""
+    found: dict[str, Any] = {"quantization": None, "kv_cache_dtype": "auto"}
+    flags = {"--quantization": "quantization", "-q": "quantization", "--kv-cache-dtype": "kv_cache_dtype"}
+    words = shlex.split(command)
+    for i, word in enumerate(words):
+        name, eq, value = word.partition("=")
+        if name in flags and (eq or i + 1 < len(words)):
+            found[flags[name]] = value if eq else words[i + 1]
+    return found

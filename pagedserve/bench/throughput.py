@@ -8,7 +8,7 @@ import time
 from pathlib import Path
 
 from pagedserve.bench.roofline import Roofline
-from pagedserve.bench.run_info import device_name, git_commit, no_roofline_reason
+from pagedserve.bench.run_info import device_name, git_commit, no_roofline_reason, number_formats
 
 
 def make_lengths(num: int, mean: int, range_ratio: float, rng: random.Random) -> list[int]:
@@ -81,6 +81,7 @@ def run_throughput(args, llm_kwargs: dict, llm=None) -> dict:
         "load_format": llm_kwargs.get("load_format"),
         "gpu": device_name(device),
         "commit": git_commit(),
+        **number_formats(llm.engine.config),
         "num_prompts": args.num_prompts,
         "input_tokens": in_tokens,
         "output_tokens": out_tokens,
@@ -97,7 +98,8 @@ def run_throughput(args, llm_kwargs: dict, llm=None) -> dict:
         "kv_capacity_tokens": kv.num_blocks * kv.block_size,
         "num_preemptions": llm.engine.scheduler.num_preemptions,
         "prefix_cache_hit_rate": round(hits / queries, 4) if queries else 0.0,  # of the timed run's prompt tokens
-        **roofline_fields(Roofline.for_model(cfg, quantization=llm.engine.config.quantization),
+        **roofline_fields(Roofline.for_model(cfg, quantization=llm.engine.config.quantization,
+                                             kv_cache_dtype=llm.engine.config.cache.kv_cache_dtype),
                           device, input_lens, output_lens,
                           llm.engine.scheduler_config.max_num_seqs, out_tokens, elapsed),
         "steps": steps,

@@ -7,7 +7,7 @@ import argparse
 
 from pagedserve import envs
 from pagedserve.cli import types
-from pagedserve.config import DTYPE_NAMES
+from pagedserve.config import DTYPE_NAMES, KV_CACHE_DTYPES
 from pagedserve.quantization import QUANTIZATION_CHOICES
 
 
@@ -45,6 +45,11 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                         "FP8 e4m3 at load (per output channel), activations per token, FP8 "
                         "tensor cores on Hopper. A pre-quantized checkpoint runs its own method "
                         "(the flag may name it); the CPU runs a dequantizing reference path")
+    p.add_argument("--kv-cache-dtype", default="auto", choices=list(KV_CACHE_DTYPES),
+                   help="how the KV cache is stored; auto: the model's dtype; fp8 (= fp8_e4m3): "
+                        "float8 e4m3 with one scale per layer for K and one for V (1.0), half "
+                        "the bytes of bfloat16, so twice the tokens fit (GPUs of compute "
+                        "capability 8.9+; the CPU runs it on the torch reference path)")
     p.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
     p.add_argument("--attention-backend", default="auto", choices=["auto", "triton", "torch"],
                    help="auto: triton on CUDA, torch on the CPU")
@@ -81,5 +86,5 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
         enforce_eager=args.enforce_eager, attention_backend=args.attention_backend,
         tokenizer=args.tokenizer, seed=args.seed, revision=args.revision,
         download_dir=args.download_dir, generation_config=args.generation_config,
-        quantization=args.quantization,
+        quantization=args.quantization, kv_cache_dtype=args.kv_cache_dtype,
     )

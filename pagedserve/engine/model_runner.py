@@ -105,8 +105,9 @@ class ModelRunner:
         self.device = model.embed_tokens.weight.device
         self.vocab_size = cfg.vocab_size
         self.kv_caches = spec.allocate(num_blocks, self.device)
+        self.kv_scales = spec.allocate_scales(self.device)  # [layers, 2] of an FP8 cache, else None
         self.num_blocks = num_blocks
-        backend.bind_kv_caches(self.kv_caches)
+        backend.bind_kv_caches(self.kv_caches, self.kv_scales)
         self.sampler = sampler
         self.buffers = StepBuffers(backend, limits.max_num_batched_tokens, limits.max_num_seqs,
                                    -(-limits.max_model_len // spec.block_size), self.device)

@@ -95,7 +95,7 @@ def profile_forward(model, backend, sched: SchedulerConfig, spec: KVCacheSpec) -
     meta = AttentionMetadata.for_prefill(lens, device)
     meta.slot_mapping = torch.cat(slots).to(device)
     meta.block_tables = tables.to(device)
-    backend.bind_kv_caches(caches)
+    backend.bind_kv_caches(caches, spec.allocate_scales(device))
     backend.prepare(meta)
     ids = torch.zeros(total, dtype=torch.long, device=device)
     positions = torch.cat([torch.arange(n, device=device) for n in lens])

@@ -19,7 +19,7 @@ import torch
 from pagedserve.attention.backend import AttentionBackend, AttentionContext, get_backend_class
 from pagedserve.config import EngineConfig, ModelConfig, resolve_dtype
 from pagedserve.engine.cache_sizing import determine_num_blocks
-from pagedserve.engine.kv_cache_spec import KVCacheSpec
+from pagedserve.engine.kv_cache_spec import KVCacheSpec, check_kv_cache_device
 from pagedserve.engine.messages import StepResult
 from pagedserve.engine.model_runner import ModelRunner, StepHandle
 from pagedserve.engine.scheduler import SchedulerOutput
@@ -55,6 +55,7 @@ class Worker:
 
             pdl.set_enabled(kernels.pdl)
             report_late_compiles(False)  # (this start-up's compiles are expected)
+        check_kv_cache_device(config.cache.kv_cache_dtype, device, config.dtype)  # before loading
         model = build_model(source, dtype=config.dtype, device=device,
                             load_format=config.load_format, seed=config.seed,
                             quantization=config.quantization)
@@ -62,7 +63,8 @@ class Worker:
         self.dtype = dtype = resolve_dtype(config.dtype, device)
         self.scheduler_config = sched = config.scheduler_for(cfg)
         backend = make_backend(config.attention_backend, device, cfg)
-        self.kv_spec = spec = KVCacheSpec.for_model(cfg, config.cache.block_size, dtype)
+        self.kv_spec = spec = KVCacheSpec.for_model(cfg, config.cache.block_size, dtype,
+                                                    config.cache.kv_cache_dtype)
         self._compile_ahead = self.cuda and kernels.compile_ahead
         self.compile_ahead_seconds = 0.0
         self.model = model
@@ -93,7 +95,7 @@ class Worker:
         logger.info(
             "KV cache: %d blocks of %d tokens = %d tokens (%.2f GiB, %s); max concurrency at "
             "max_model_len=%d: %.2fx", num_blocks, spec.block_size, num_blocks * spec.block_size,
-            num_blocks * spec.bytes_per_block / 2**30, dtype, sched.max_model_len,
+            num_blocks * spec.bytes_per_block / 2**30, spec.describe(dtype), sched.max_model_len,
             num_blocks * spec.block_size / sched.max_model_len,
         )
         self.load_seconds = time.perf_counter() - t0

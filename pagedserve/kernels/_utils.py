@@ -52,3 +52,17 @@ def check_dtype(*tensors: torch.Tensor) -> None:
             raise TypeError(f"dtype mismatch: {t.dtype} vs {dtype}")
         if t.stride(-1) != 1 and t.shape[-1] > 1:
             raise ValueError("the last dimension must be contiguous (stride 1)")
+
+
+def check_kv_cache_dtype(kv_cache: torch.Tensor, like: torch.Tensor, kv_scale: torch.Tensor | None) -> bool:
+    """A KV cache holds `like`'s dtype, or float8_e4m3fn with a [2] float32 `kv_scale` (K, V)
+    on its device; its last dimension is contiguous. Returns whether it is FP8."""
+    if kv_cache.stride(-1) != 1 and kv_cache.shape[-1] > 1:
+        raise ValueError("the KV cache's last dimension must be contiguous (stride 1)")
+    if kv_cache.dtype == torch.float8_e4m3fn:
+        if (kv_scale is None or kv_scale.shape != (2,) or kv_scale.dtype != torch.float32
+                or kv_scale.device != kv_cache.device):
+            raise ValueError("an FP8 KV cache needs kv_scale: [2] float32 (k, v) on its device")
+        return True
+    check_dtype(like, kv_cache)
+    return False

@@ -13,6 +13,12 @@ Two kernels cover every step shape; the new tokens' K/V are in the cache before 
 
 Cache layout: [2, num_blocks, block_size, kv_heads, head_dim]; a sequence's token j lives at
 block_tables[seq, j // block_size], row j % block_size.
+
+An FP8 cache (float8_e4m3fn, `kernels/kv_quant.py`) is read 1 byte an element and widened
+exactly to q's dtype in registers; the layer's scales (kv_scale [2] float32: K, V) are
+applied to what is linear in them: the K scale to the scores (with the softmax scale), the
+V scale to the output. The extend kernel then reads the step's own keys from the cache too,
+so they carry the same quantization as every later read of them (as the torch reference).
 """
 
 from __future__ import annotations
@@ -22,6 +28,8 @@ import triton
 import triton.language as tl
 
 from pagedserve.kernels import pdl
+from pagedserve.kernels._utils import check_kv_cache_dtype
+from pagedserve.kernels.kv_quant import kv_scales, load_kv
 
 LOG2E = 1.4426950408889634
 
@@ -43,15 +51,24 @@ def _dot_acc(a, b, acc, IEEE: tl.constexpr):
 
 
 @triton.jit
+def _page_offsets(block_tables, seq, stride_bt, n, nmask, kvh, stride_cb, stride_cs, stride_ch,
+                  PAGE: tl.constexpr):
+    """Cache offsets [BLOCK_N] of a sequence's tokens n (their kv head kvh's row)."""
+    page = tl.load(block_tables + seq * stride_bt + n // PAGE, mask=nmask, other=0)
+    return page.to(tl.int64) * stride_cb + (n % PAGE) * stride_cs + kvh * stride_ch
+
+
+@triton.jit
 def _decode_kernel(
     Q, KC, VC, Out, PartAcc, PartML,
     seq_ids, query_start_loc, seq_lens, block_tables, num_rows,
+    KVScale,  # [2] float32 (k_scale, v_scale) of an FP8 cache (read if KV_FP8)
     scale_log2,
     stride_qt, stride_qh, stride_ot, stride_oh,
     stride_cb, stride_cs, stride_ch, stride_bt,
     GROUP: tl.constexpr, G_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, NUM_KV_HEADS: tl.constexpr,
     PAGE: tl.constexpr, BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr, IEEE: tl.constexpr,
-    HAS_COUNT: tl.constexpr, HEADS_FAST: tl.constexpr,
+    HAS_COUNT: tl.constexpr, HEADS_FAST: tl.constexpr, KV_FP8: tl.constexpr,
     PDL: tl.constexpr,  # programmatic dependent launch (kernels/pdl.py)
 ):
     pdl.wait_and_release(PDL)
@@ -77,6 +94,7 @@ def _decode_kernel(
     gmask = g < GROUP
     q = tl.load(Q + tok * stride_qt + heads[:, None] * stride_qh + d[None, :],
                 mask=gmask[:, None], other=0.0)  # [G_PAD, D]
+    scale_log2, v_scale = kv_scales(KVScale, scale_log2, KV_FP8)
 
     per_split = tl.cdiv(tl.cdiv(seq_len, NUM_SPLITS), BLOCK_N) * BLOCK_N
     start = split * per_split
@@ -87,19 +105,19 @@ def _decode_kernel(
     for n0 in range(start, end, BLOCK_N):
         n = n0 + tl.arange(0, BLOCK_N)
         nmask = n < end
-        page = tl.load(block_tables + seq * stride_bt + n // PAGE, mask=nmask, other=0)
-        off = page.to(tl.int64) * stride_cb + (n % PAGE) * stride_cs + kvh * stride_ch
-        k = tl.load(KC + off[:, None] + d[None, :], mask=nmask[:, None], other=0.0)  # [BLOCK_N, D]
+        off = _page_offsets(block_tables, seq, stride_bt, n, nmask, kvh, stride_cb, stride_cs,
+                            stride_ch, PAGE)
+        k, v = load_kv(KC, VC, off, d, nmask, q)  # [BLOCK_N, D] each
         s = _dot(q, tl.trans(k), IEEE)  # [G_PAD, BLOCK_N], unscaled
         s = tl.where(nmask[None, :], s, float("-inf"))
         m_new = tl.maximum(m, tl.max(s, 1) * scale_log2)  # log2 units
         p = tl.exp2(s * scale_log2 - m_new[:, None])
         alpha = tl.exp2(m - m_new)
         lsum = lsum * alpha + tl.sum(p, 1)
-        v = tl.load(VC + off[:, None] + d[None, :], mask=nmask[:, None], other=0.0)
         acc = _dot_acc(p.to(v.dtype), v, acc * alpha[:, None], IEEE)
         m = m_new
 
+    acc = acc * v_scale
     if NUM_SPLITS == 1:
         out = acc / tl.where(lsum > 0, lsum, 1.0)[:, None]
         tl.store(Out + tok * stride_ot + heads[:, None] * stride_oh + d[None, :],
@@ -160,11 +178,13 @@ def _attend_block(q, k, v, m, lsum, acc, scale_log2, keep, IEEE: tl.constexpr, M
 def _extend_kernel(
     Q, KC, VC, KN, VN, Out,
     tile_seq, tile_start, query_start_loc, seq_lens, block_tables, num_tiles,
+    KVScale,  # [2] float32 (k_scale, v_scale) of an FP8 cache (read if KV_FP8)
     scale_log2,
     stride_qt, stride_qh, stride_ot, stride_oh, stride_kt, stride_kh, stride_vt, stride_vh,
     stride_cb, stride_cs, stride_ch, stride_bt,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, IEEE: tl.constexpr, HAS_COUNT: tl.constexpr,
+    KV_FP8: tl.constexpr,  # FP8 cache: this step's keys are read from the cache as well
     PDL: tl.constexpr,  # programmatic dependent launch (kernels/pdl.py)
 ):
     pdl.wait_and_release(PDL)
@@ -188,38 +208,49 @@ def _extend_kernel(
     m = tl.full([BLOCK_M], float("-inf"), tl.float32)
     lsum = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
+    scale_log2, v_scale = kv_scales(KVScale, scale_log2, KV_FP8)
 
     # 1. Earlier context (prefix-cached blocks, earlier chunks) from the paged cache: every
     #    query sees all of it, so only the last block's tail is masked.
     for n0 in range(0, ctx_before, BLOCK_N):
         n = n0 + tl.arange(0, BLOCK_N)
         nmask = n < ctx_before
-        page = tl.load(block_tables + seq * stride_bt + n // PAGE, mask=nmask, other=0)
-        off = page.to(tl.int64) * stride_cb + (n % PAGE) * stride_cs + kvh * stride_ch
-        k = tl.load(KC + off[:, None] + d[None, :], mask=nmask[:, None], other=0.0)
-        v = tl.load(VC + off[:, None] + d[None, :], mask=nmask[:, None], other=0.0)
+        off = _page_offsets(block_tables, seq, stride_bt, n, nmask, kvh, stride_cb, stride_cs,
+                            stride_ch, PAGE)
+        k, v = load_kv(KC, VC, off, d, nmask, q)
         m, lsum, acc = _attend_block(q, k, v, m, lsum, acc, scale_log2, nmask[None, :], IEEE, True)
 
     # 2. This step's own keys, straight from the new K/V [T, Hkv, D] (contiguous per token).
     #    Blocks wholly before the tile's first query need no mask; the rest are causal.
+    #    (FP8 cache: from the cache, at positions ctx_before + j.)
     kn = KN + kvh * stride_kh + d[None, :]
     vn = VN + kvh * stride_vh + d[None, :]
     diag = i0 // BLOCK_N * BLOCK_N
     for j0 in range(0, diag, BLOCK_N):
-        j = first + j0 + tl.arange(0, BLOCK_N)
-        k = tl.load(kn + j[:, None] * stride_kt)
-        v = tl.load(vn + j[:, None] * stride_vt)
+        j = j0 + tl.arange(0, BLOCK_N)
+        if KV_FP8:
+            off = _page_offsets(block_tables, seq, stride_bt, ctx_before + j, j < q_len, kvh,
+                                stride_cb, stride_cs, stride_ch, PAGE)
+            k, v = load_kv(KC, VC, off, d, j < q_len, q)
+        else:
+            k = tl.load(kn + (first + j)[:, None] * stride_kt)
+            v = tl.load(vn + (first + j)[:, None] * stride_vt)
         # (unmasked: the keep argument is ignored)
         m, lsum, acc = _attend_block(q, k, v, m, lsum, acc, scale_log2, mmask[:, None], IEEE, False)
     for j0 in range(diag, tl.minimum(q_len, i0 + BLOCK_M), BLOCK_N):
         j = j0 + tl.arange(0, BLOCK_N)
         jmask = j < q_len
-        k = tl.load(kn + (first + j)[:, None] * stride_kt, mask=jmask[:, None], other=0.0)
-        v = tl.load(vn + (first + j)[:, None] * stride_vt, mask=jmask[:, None], other=0.0)
+        if KV_FP8:
+            off = _page_offsets(block_tables, seq, stride_bt, ctx_before + j, jmask, kvh,
+                                stride_cb, stride_cs, stride_ch, PAGE)
+            k, v = load_kv(KC, VC, off, d, jmask, q)
+        else:
+            k = tl.load(kn + (first + j)[:, None] * stride_kt, mask=jmask[:, None], other=0.0)
+            v = tl.load(vn + (first + j)[:, None] * stride_vt, mask=jmask[:, None], other=0.0)
         keep = (j[None, :] <= mi[:, None]) & jmask[None, :]
         m, lsum, acc = _attend_block(q, k, v, m, lsum, acc, scale_log2, keep, IEEE, True)
 
-    out = acc / lsum[:, None]
+    out = acc * v_scale / lsum[:, None]
     tl.store(Out + (first + mi)[:, None] * stride_ot + h * stride_oh + d[None, :],
              out.to(Out.dtype.element_ty), mask=mmask[:, None])
 
@@ -228,6 +259,12 @@ def _cache_strides(kv_cache: torch.Tensor) -> tuple[int, int, int]:
     # kv_cache: [2, num_blocks, block_size, kv_heads, head_dim]; K = kv_cache[0], V = kv_cache[1]
     assert kv_cache.stride(-1) == 1
     return kv_cache.stride(1), kv_cache.stride(2), kv_cache.stride(3)
+
+
+def _kv_scale_arg(kv_cache: torch.Tensor, q: torch.Tensor, kv_scale: torch.Tensor | None):
+    """(the scale pointer to pass, whether the cache is FP8)."""
+    fp8 = check_kv_cache_dtype(kv_cache, q, kv_scale)
+    return (kv_scale if fp8 else q), fp8
 
 
 # Tile size, launch settings and program order of the decode kernel (benchmarks/gpu_check.py
@@ -248,12 +285,13 @@ def paged_decode(
     partials: tuple[torch.Tensor, torch.Tensor] | None = None,
     count: torch.Tensor | None = None,
     config: dict | None = None,
+    kv_scale: torch.Tensor | None = None,
 ) -> None:
     """Attention for sequences with one new token each (see the module docstring).
 
     With `count` ([1] int32 on the device), only the first count[0] entries of seq_ids are
     decodes: the grid stays sized for all of seq_ids, so a CUDA graph can replay it.
-    `config` overrides DECODE_CONFIG.
+    `config` overrides DECODE_CONFIG. An FP8 cache needs `kv_scale` ([2] float32: K, V).
     """
     num_rows = seq_ids.shape[0]
     if num_rows == 0:
@@ -265,15 +303,16 @@ def paged_decode(
         partials = alloc_decode_partials(num_rows, num_splits, num_heads, head_dim, q.device)
     acc_buf, ml_buf = partials if num_splits > 1 else (out, out)
     scb, scs, sch = _cache_strides(kv_cache)
+    scale_arg, fp8 = _kv_scale_arg(kv_cache, q, kv_scale)
     _decode_kernel[(num_rows * num_kv_heads, num_splits)](
         q, kv_cache[0], kv_cache[1], out, acc_buf, ml_buf,
         seq_ids, query_start_loc, seq_lens, block_tables, seq_ids if count is None else count,
-        scale * LOG2E,
+        scale_arg, scale * LOG2E,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         scb, scs, sch, block_tables.stride(0),
         GROUP=group, G_PAD=max(16, triton.next_power_of_2(group)), HEAD_DIM=head_dim,
         NUM_KV_HEADS=num_kv_heads, PAGE=page, NUM_SPLITS=num_splits, IEEE=q.dtype == torch.float32,
-        HAS_COUNT=count is not None, **(config or DECODE_CONFIG), **pdl.launch_options(q),
+        HAS_COUNT=count is not None, KV_FP8=fp8, **(config or DECODE_CONFIG), **pdl.launch_options(q),
     )
     if num_splits > 1:
         _reduce_kernel[(num_rows, num_heads)](
@@ -313,10 +352,12 @@ def paged_extend(
     block_m: int = EXTEND_BLOCK_M,
     config: dict | None = None,
     count: torch.Tensor | None = None,
+    kv_scale: torch.Tensor | None = None,
 ) -> None:
     """Causal attention for query tiles of `block_m` tokens over the paged context (the tiles
     must have been cut with the same block_m; `config` overrides EXTEND_CONFIG). With `count`
-    ([1] int32 on the device), only the first count[0] tiles are real (fixed grid for graphs)."""
+    ([1] int32 on the device), only the first count[0] tiles are real (fixed grid for graphs).
+    An FP8 cache needs `kv_scale` ([2] float32: K, V) and this step's K/V already stored."""
     num_tiles = tile_seq.shape[0]
     if num_tiles == 0:
         return
@@ -324,15 +365,16 @@ def paged_extend(
     num_kv_heads, page = kv_cache.shape[3], kv_cache.shape[2]
     assert k.stride(-1) == 1 and v.stride(-1) == 1
     scb, scs, sch = _cache_strides(kv_cache)
+    scale_arg, fp8 = _kv_scale_arg(kv_cache, q, kv_scale)
     _extend_kernel[(num_heads, num_tiles)](
         q, kv_cache[0], kv_cache[1], k, v, out,
         tile_seq, tile_start, query_start_loc, seq_lens, block_tables,
         tile_seq if count is None else count,
-        scale * LOG2E,
+        scale_arg, scale * LOG2E,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         scb, scs, sch, block_tables.stride(0),
         GROUP=num_heads // num_kv_heads, HEAD_DIM=head_dim, PAGE=page,
-        BLOCK_M=block_m, IEEE=q.dtype == torch.float32, HAS_COUNT=count is not None,
+        BLOCK_M=block_m, IEEE=q.dtype == torch.float32, HAS_COUNT=count is not None, KV_FP8=fp8,
         **(config or EXTEND_CONFIG), **pdl.launch_options(q),
     )

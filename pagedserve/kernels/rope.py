@@ -19,14 +19,17 @@ import triton
 import triton.language as tl
 
 from pagedserve.kernels import pdl
-from pagedserve.kernels._utils import check_dtype, next_pow2, num_warps_for
+from pagedserve.kernels._utils import check_dtype, check_kv_cache_dtype, next_pow2, num_warps_for
+from pagedserve.kernels.kv_quant import store_kv
 
 
 @triton.jit
 def _norm_rope_heads(
     src, dst, dst2, heads2, w_ptr, cos, sin, eps,  # src: one token's H heads [H, 2*HALF]; dst likewise
+    scale2_ptr,  # dst2's float32 scale (if FP8)
     H: tl.constexpr, H_PAD: tl.constexpr, HALF: tl.constexpr, HAS_NORM: tl.constexpr,
     STORE2: tl.constexpr,  # also write the first heads2 heads (0 or H) to dst2 (a KV-cache slot)
+    FP8: tl.constexpr,  # dst2 is an FP8 cache: the value rounded to dst's dtype, then quantized
 ):
     h = tl.arange(0, H_PAD)[:, None]
     d = tl.arange(0, HALF)[None, :]
@@ -49,8 +52,8 @@ def _norm_rope_heads(
     tl.store(dst + offs + HALF, out_hi.to(dst.dtype.element_ty), mask=mask)
     if STORE2:
         mask2 = (h < heads2) & (d < HALF)
-        tl.store(dst2 + offs, out_lo.to(dst.dtype.element_ty), mask=mask2)
-        tl.store(dst2 + offs + HALF, out_hi.to(dst.dtype.element_ty), mask=mask2)
+        store_kv(dst2 + offs, out_lo.to(dst.dtype.element_ty), mask2, scale2_ptr, FP8)
+        store_kv(dst2 + offs + HALF, out_hi.to(dst.dtype.element_ty), mask2, scale2_ptr, FP8)
 
 
 @triton.jit
@@ -62,9 +65,11 @@ def _qk_norm_rope_kernel(
     q_ptr, k_ptr,  # [T, HQ, D], [T, HKV, D], contiguous
     kc_ptr, vc_ptr, slot_ptr,  # KV cache [num_blocks, BLOCK_SIZE, HKV, D] x2, slots [T] (if STORE)
     cache_block_stride, cache_slot_stride,
+    scale_ptr,  # [2] float32 (k_scale, v_scale) of an FP8 cache (if FP8)
     eps,
     HQ: tl.constexpr, HKV: tl.constexpr, HQ_PAD: tl.constexpr, HKV_PAD: tl.constexpr,
     HALF: tl.constexpr, HAS_NORM: tl.constexpr, STORE: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+    FP8: tl.constexpr,
     PDL: tl.constexpr,  # programmatic dependent launch (kernels/pdl.py)
 ):
     pdl.wait_and_release(PDL)
@@ -81,7 +86,8 @@ def _qk_norm_rope_kernel(
     sin = tl.sin(r)[None, :]
     row = qkv_ptr + t * qkv_stride
     q_dst = q_ptr + t * (HQ * 2 * HALF)
-    _norm_rope_heads(row, q_dst, q_dst, 0, qw_ptr, cos, sin, eps, HQ, HQ_PAD, HALF, HAS_NORM, False)
+    _norm_rope_heads(row, q_dst, q_dst, 0, qw_ptr, cos, sin, eps, scale_ptr, HQ, HQ_PAD, HALF, HAS_NORM,
+                     False, False)
     k_dst = k_ptr + t * (HKV * 2 * HALF)
     if STORE:
         slot = tl.load(slot_ptr + t).to(tl.int64)
@@ -89,16 +95,16 @@ def _qk_norm_rope_kernel(
         at = (slot // BLOCK_SIZE) * cache_block_stride + (slot % BLOCK_SIZE) * cache_slot_stride
         at = tl.where(slot >= 0, at, 0)
         _norm_rope_heads(row + HQ * 2 * HALF, k_dst, kc_ptr + at, heads, kw_ptr, cos, sin, eps,
-                         HKV, HKV_PAD, HALF, HAS_NORM, True)
+                         scale_ptr, HKV, HKV_PAD, HALF, HAS_NORM, True, FP8)
         vh = tl.arange(0, HKV_PAD)[:, None]  # v is copied as it is
         vd = tl.arange(0, 2 * HALF)[None, :]
         v_offs = vh * (2 * HALF) + vd
         v_mask = (vh < heads) & (vd < 2 * HALF)
         v = tl.load(row + (HQ + HKV) * 2 * HALF + v_offs, mask=v_mask)
-        tl.store(vc_ptr + at + v_offs, v, mask=v_mask)
+        store_kv(vc_ptr + at + v_offs, v, v_mask, scale_ptr + 1, FP8)
     else:
         _norm_rope_heads(row + HQ * 2 * HALF, k_dst, k_dst, 0, kw_ptr, cos, sin, eps,
-                         HKV, HKV_PAD, HALF, HAS_NORM, False)
+                         scale_ptr, HKV, HKV_PAD, HALF, HAS_NORM, False, False)
 
 
 def qk_norm_rope(
@@ -115,6 +121,7 @@ def qk_norm_rope(
     out_k: torch.Tensor | None = None,
     kv_cache: torch.Tensor | None = None,
     slot_mapping: torch.Tensor | None = None,
+    kv_scale: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Split qkv into (q, k, v), RMSNorm q and k per head (if weights given), apply RoPE;
     optionally also write each token's k (after RoPE) and v into the paged KV cache.
@@ -127,7 +134,8 @@ def qk_norm_rope(
     token dimension; `store_kv_cache` accepts it as is). qkv is not modified.
     kv_cache ([2, num_blocks, block_size, Hkv, D], each slot's [Hkv, D] contiguous) with
     slot_mapping ([T], negative = skip): the same write as `store_kv_cache(k, v, kv_cache,
-    slot_mapping)`, done here to save a kernel and a second read of k and v.
+    slot_mapping, kv_scale)`, done here to save a kernel and a second read of k and v (an
+    FP8 cache, with its [2] float32 kv_scale, gets them quantized just as that call would).
     """
     T = qkv.shape[0]
     D, half = head_dim, head_dim // 2
@@ -158,7 +166,7 @@ def qk_norm_rope(
     qw = q_norm_weight.contiguous() if has_norm else inv_freq  # dummy pointer when unused
     kw = k_norm_weight.contiguous() if has_norm else inv_freq
     hq_pad, hkv_pad = next_pow2(num_heads), next_pow2(num_kv_heads)
-    store = kv_cache is not None
+    store, fp8 = kv_cache is not None, False
     if store:
         if (kv_cache.dim() != 5 or kv_cache.shape[0] != 2 or tuple(kv_cache.shape[3:]) != (num_kv_heads, D)
                 or kv_cache.stride(3) != D or kv_cache.stride(4) != 1):
@@ -166,14 +174,16 @@ def qk_norm_rope(
                              f"expected [2, N, B, {num_kv_heads}, {D}] with each slot contiguous")
         if slot_mapping is None or slot_mapping.shape != (T,):
             raise ValueError(f"slot_mapping must be [{T}] when kv_cache is given")
-        check_dtype(qkv, kv_cache)
+        fp8 = check_kv_cache_dtype(kv_cache, qkv, kv_scale)
     kc, vc = (kv_cache[0], kv_cache[1]) if store else (out_k, out_k)  # dummy pointers when unused
     _qk_norm_rope_kernel[(T,)](
         qkv, qkv.stride(0), positions, inv_freq.contiguous(), qw, kw, out_q, out_k,
         kc, vc, slot_mapping if store else positions,
-        kc.stride(0) if store else 0, kc.stride(1) if store else 0, float(eps),
+        kc.stride(0) if store else 0, kc.stride(1) if store else 0,
+        kv_scale if fp8 else inv_freq, float(eps),
         HQ=num_heads, HKV=num_kv_heads, HQ_PAD=hq_pad, HKV_PAD=hkv_pad, HALF=half,
         HAS_NORM=has_norm, STORE=store, BLOCK_SIZE=kv_cache.shape[2] if store else 1,
+        FP8=fp8,
         num_warps=num_warps_for(hq_pad * D), **pdl.launch_options(qkv),
     )
     return out_q, out_k, v

@@ -72,6 +72,7 @@ class Attention(nn.Module):
                 self.k_norm.weight if self.qk_norm else None,
                 self.q_norm.eps if self.qk_norm else 0.0,
                 kv_cache=target[0] if target else None, slot_mapping=target[1] if target else None,
+                kv_scale=target[2] if target else None,
             )
         else:
             q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
