@@ -222,6 +222,10 @@ def test_flag_config_and_errors(monkeypatch):
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA A100")
     with pytest.raises(ValueError, match=r"compute capability 8.9 or newer.*A100 is 8.0.*--kv-cache-dtype auto"):
         check_kv_cache_device("fp8", "cuda", "bfloat16")
+    from pagedserve import LLM
+
+    with pytest.raises(ValueError, match=r"A100 is 8.0. Use --kv-cache-dtype auto .*\(bfloat16\)"):
+        LLM(device="cuda", kv_cache_dtype="fp8", kv_cache_memory=8 << 20)  # (refused before loading)
     check_kv_cache_device("auto", "cuda")  # no FP8: nothing to check
     check_kv_cache_device("fp8", "cpu")  # the torch reference path
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))

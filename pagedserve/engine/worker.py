@@ -55,7 +55,8 @@ class Worker:
 
             pdl.set_enabled(kernels.pdl)
             report_late_compiles(False)  # (this start-up's compiles are expected)
-        check_kv_cache_device(config.cache.kv_cache_dtype, device, config.dtype)  # before loading
+        check_kv_cache_device(config.cache.kv_cache_dtype, device,  # (before loading)
+                              str(resolve_dtype(config.dtype, device)).removeprefix("torch."))
         model = build_model(source, dtype=config.dtype, device=device,
                             load_format=config.load_format, seed=config.seed,
                             quantization=config.quantization)
