@@ -46,8 +46,8 @@ def _wide_range(*shape: int, gen: torch.Generator) -> torch.Tensor:
     return torch.randn(*shape, generator=gen).sign() * mag
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
-def test_the_store_kernel_writes_the_reference_bytes(dtype):
+@pytest.mark.parametrize("dtype,scales", [(torch.float32, (0.5, 2.0)), (torch.float16, (0.3, 1.7))])
+def test_the_store_kernel_writes_the_reference_bytes(dtype, scales):
     from pagedserve.kernels.kv_cache import store_kv_cache, store_kv_cache_ref
 
     gen = torch.Generator().manual_seed(1)
@@ -56,7 +56,7 @@ def test_the_store_kernel_writes_the_reference_bytes(dtype):
     v = _wide_range(T, 2 * hkv, D, gen=gen).to(dtype)[:, hkv:]  # a strided view, as qk_norm_rope's
     slots = torch.randperm(nb * bs, generator=gen)[:T]
     slots[::5] = -1  # padding: nothing written
-    kv_scale = torch.tensor([0.5, 2.0])
+    kv_scale = torch.tensor(scales)
     cache = torch.zeros(2, nb, bs, hkv, D, dtype=E4M3)
     ref = cache.clone()
     store_kv_cache(k, v, cache, slots, kv_scale)
@@ -65,18 +65,18 @@ def test_the_store_kernel_writes_the_reference_bytes(dtype):
 
     keep = slots >= 0
     flat = _bytes(cache).view(2, -1, hkv, D)[:, slots[keep]]  # [2, kept, hkv, D]
-    assert torch.equal(flat[0], _e4m3_reference(k[keep], 0.5))
-    assert torch.equal(flat[1], _e4m3_reference(v[keep], 2.0))
+    assert torch.equal(flat[0], _e4m3_reference(k[keep], kv_scale[0]))
+    assert torch.equal(flat[1], _e4m3_reference(v[keep], kv_scale[1]))
     untouched = torch.ones(nb * bs, dtype=torch.bool)
     untouched[slots[keep]] = False
     assert not _bytes(cache).view(2, -1, hkv, D)[:, untouched].any()
     # read back: x itself within e4m3's half step (relative 2**-4, absolute 2**-10 among the
     # subnormals), clamped at 448 * scale, never NaN
-    for stored, x, s in ((flat[0], k[keep], 0.5), (flat[1], v[keep], 2.0)):
+    for stored, x, s in ((flat[0], k[keep], kv_scale[0]), (flat[1], v[keep], kv_scale[1])):
         back = dequantize_kv(stored.view(E4M3), s, torch.float32)
         want = x.float().clamp(-448 * s, 448 * s)
         assert back.isfinite().all()
-        assert ((back - want).abs() <= torch.maximum(want.abs() * 2**-4, torch.tensor(2**-10 * s))).all()
+        assert ((back - want).abs() <= (want.abs() * 2**-4).clamp(min=float(2**-10 * s))).all()
 
 
 def test_the_fused_rope_kernel_stores_the_same_fp8_bytes():

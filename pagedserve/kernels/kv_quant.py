@@ -18,7 +18,8 @@ E4M3_MAX = 448.0
 @triton.jit
 def quantize_e4m3(x, scale):
     """float32 x [any shape] / scale -> float8e4nv, clamped to +-448, round to nearest even."""
-    y = tl.minimum(tl.maximum(x / scale, -448.0), 448.0)
+    # (div_rn: IEEE division, as torch's; `/` would be the approximate div.full.f32 on the GPU)
+    y = tl.minimum(tl.maximum(tl.math.div_rn(x, scale), -448.0), 448.0)
     bits = y.to(tl.int32, bitcast=True)
     # normal e4m3 (|y| >= 2**-6): keep 3 mantissa bits, ties to even, in the integer bits
     normal = ((bits + 0x7FFFF + ((bits >> 20) & 1)) & -1048576).to(tl.float32, bitcast=True)
