@@ -42,7 +42,6 @@ def _skinny_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
     USE_DOT: tl.constexpr, EVEN_K: tl.constexpr, PRECISION: tl.constexpr, HAS_SCALE: tl.constexpr,
     HAS_X_SCALE: tl.constexpr,
-    QUANT_X: tl.constexpr,  # tensor-core path, e4m3 W, bf16/fp16 x: quantize x per token here
     PDL: tl.constexpr,  # programmatic dependent launch (kernels/pdl.py)
 ):
     pdl.wait_and_release(PDL)
@@ -60,8 +59,6 @@ def _skinny_kernel(
     if USE_DOT:
         x_ptrs = X + rm[:, None] * stride_xm + rk[None, :]  # [BLOCK_M, BLOCK_K]
         acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
-        if QUANT_X:
-            xs = _row_scales(X, stride_xm, rm, m_ok, K, BLOCK_M, BLOCK_K)  # [BLOCK_M]
         for k0 in range(k_start, k_end, BLOCK_K):
             if EVEN_K:
                 w = tl.load(w_ptrs)
@@ -70,8 +67,6 @@ def _skinny_kernel(
                 k_ok = (rk + (k0 - k_start)) < k_end
                 w = tl.load(w_ptrs, mask=k_ok[None, :], other=0.0)
                 x = tl.load(x_ptrs, mask=m_ok[:, None] & k_ok[None, :], other=0.0)
-            if QUANT_X:
-                x = _quantize(x, xs, tl.float8e4nv)
             acc = tl.dot(w.to(x.dtype), tl.trans(x), acc, input_precision=PRECISION)  # [BLOCK_N, BLOCK_M]
             w_ptrs += BLOCK_K
             x_ptrs += BLOCK_K
@@ -94,31 +89,8 @@ def _skinny_kernel(
         acc = acc * tl.load(W_SCALE + rn_load)[:, None]
     if HAS_X_SCALE:
         acc = acc * tl.load(X_SCALE + rm, mask=m_ok, other=0.0)[None, :]
-    if QUANT_X:
-        acc = acc * xs[None, :]
     _store(acc, Y, PARTIAL, LOCKS, rn, rm, M, N, stride_ym, pid_n, split, SPLIT_K)
     _signal(PROGRESS, SIGNAL_AT, pid_n, split)
-
-
-@triton.jit
-def _row_scales(X, stride_xm, rm, m_ok, K, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr):
-    """Per-token FP8 scales of x's rows rm [BLOCK_M] (float32): max |x| over all K / 448, as
-    `kernels/fp8_quant.py` computes them (rows past M: a tiny scale over zeros)."""
-    rk = tl.arange(0, BLOCK_K)
-    amax = tl.zeros([BLOCK_M, BLOCK_K], dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):
-        mask = m_ok[:, None] & ((k0 + rk) < K)[None, :]
-        x = tl.load(X + rm[:, None] * stride_xm + (k0 + rk)[None, :], mask=mask, other=0.0)
-        amax = tl.maximum(amax, tl.abs(x.to(tl.float32)))
-    return tl.maximum(tl.max(amax, axis=1), 1e-12) / 448.0
-
-
-@triton.jit
-def _quantize(x, xs, dtype: tl.constexpr):
-    """x [BLOCK_M, BLOCK_K] / its rows' scales xs [BLOCK_M], saturated and rounded to `dtype`
-    (e4m3): the numbers of `kernels/fp8_quant.py`."""
-    q = tl.fdiv(x.to(tl.float32), xs[:, None], ieee_rounding=True)
-    return tl.clamp(q, -448.0, 448.0).to(dtype)
 
 
 @triton.jit
@@ -155,12 +127,10 @@ def _store(acc, Y, PARTIAL, LOCKS, rn, rm, M, N, stride_ym, pid_n, split, SPLIT_
 @triton.jit(do_not_specialize=["M", "SIGNAL_AT"])
 def _skinny_tma_kernel(
     x_desc, w_desc,  # TMA descriptors: x [M, K] in [BLOCK_M, BLOCK_K] boxes, W [N, K] in [BLOCK_N, BLOCK_K]
-    X,  # x's pointer (QUANT_X: its rows' scales are read through it first)
     Y, W_SCALE, X_SCALE, PARTIAL, LOCKS, PROGRESS, SIGNAL_AT,  # as _skinny_kernel
-    M, N, K, K_PER_SPLIT, stride_xm, stride_ym,
+    M, N, K, K_PER_SPLIT, stride_ym,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
-    PRECISION: tl.constexpr, HAS_SCALE: tl.constexpr, HAS_X_SCALE: tl.constexpr,
-    QUANT_X: tl.constexpr, PDL: tl.constexpr,
+    PRECISION: tl.constexpr, HAS_SCALE: tl.constexpr, HAS_X_SCALE: tl.constexpr, PDL: tl.constexpr,
 ):
     """The tensor-core path with its tiles brought in by the copy engine (TMA): out-of-range
     rows of x and columns past K arrive as zeros, so no masks and no padding copies."""
@@ -170,23 +140,17 @@ def _skinny_tma_kernel(
     k_start = split * K_PER_SPLIT
     k_end = tl.minimum(K, k_start + K_PER_SPLIT)
     n0 = pid_n * BLOCK_N
-    rn = n0 + tl.arange(0, BLOCK_N)
-    rm = tl.arange(0, BLOCK_M)
     acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
-    if QUANT_X:
-        xs = _row_scales(X, stride_xm, rm, rm < M, K, BLOCK_M, BLOCK_K)  # [BLOCK_M]
     for k0 in range(k_start, k_end, BLOCK_K):
         w = w_desc.load([n0, k0])  # [BLOCK_N, BLOCK_K]
         x = x_desc.load([0, k0])  # [BLOCK_M, BLOCK_K]
-        if QUANT_X:
-            x = _quantize(x, xs, tl.float8e4nv)
         acc = tl.dot(w.to(x.dtype), tl.trans(x), acc, input_precision=PRECISION)  # [BLOCK_N, BLOCK_M]
+    rn = n0 + tl.arange(0, BLOCK_N)
+    rm = tl.arange(0, BLOCK_M)
     if HAS_SCALE:
         acc = acc * tl.load(W_SCALE + rn, mask=rn < N, other=0.0)[:, None]
     if HAS_X_SCALE:
         acc = acc * tl.load(X_SCALE + rm, mask=rm < M, other=0.0)[None, :]
-    if QUANT_X:
-        acc = acc * xs[None, :]
     _store(acc, Y, PARTIAL, LOCKS, rn, rm, M, N, stride_ym, pid_n, split, SPLIT_K)
     _signal(PROGRESS, SIGNAL_AT, pid_n, split)
 
@@ -201,7 +165,6 @@ class SkinnyConfig(NamedTuple):
     use_dot: bool
     split_k: int = 1
     tma: bool = False  # tensor-core path only: tiles loaded by TMA (_skinny_tma_kernel)
-    quant_x: bool = False  # e4m3 weight, tensor-core path: quantize x per token in the kernel
 
 
 MAX_ROWS = 256  # x rows a tensor-core program takes (padded to 16, 32, ..., 256: tl.dot needs >= 16)
@@ -238,7 +201,7 @@ def skinny_matmul(x: torch.Tensor, weight: torch.Tensor, cfg: SkinnyConfig,
     An FMA setting takes M == 1 only; a dot setting takes M <= MAX_ROWS. With split_k > 1
     the K dimension is cut into that many slices summed in a fixed order (deterministic).
     """
-    block_n, block_k, num_warps, num_stages, use_dot, split_k, tma, quant_x = cfg
+    block_n, block_k, num_warps, num_stages, use_dot, split_k, tma = cfg
     rows, k = x.shape
     n = weight.shape[0]
     fp8_x = x.dtype == torch.float8_e4m3fn
@@ -252,13 +215,10 @@ def skinny_matmul(x: torch.Tensor, weight: torch.Tensor, cfg: SkinnyConfig,
             check_dtype(x)
             if x.dtype == torch.float32:
                 raise ValueError("an e4m3 weight multiplies bf16, fp16 or e4m3 inputs")
-            if use_dot and not quant_x:
-                raise ValueError(f"{cfg}: a tensor-core setting takes an e4m3 x or quantizes x itself")
     else:
         check_dtype(x, weight)
-        if scale is not None or x_scale is not None or quant_x:
-            raise ValueError("scales and quant_x go with an e4m3 weight only")
-    quant_x = quant_x and not fp8_x
+        if scale is not None or x_scale is not None:
+            raise ValueError("scales go with an e4m3 weight only")
     if weight.shape[1] != k:
         raise ValueError(f"x has {k} columns but weight has {weight.shape[1]}")
     if weight.numel() >= 2**31:
@@ -269,7 +229,7 @@ def skinny_matmul(x: torch.Tensor, weight: torch.Tensor, cfg: SkinnyConfig,
     if tma and not use_dot:
         raise ValueError(f"{cfg}: TMA loads are for the tensor-core path")
     block_m = max(16, next_pow2(rows)) if use_dot else 1
-    out_dtype = torch.bfloat16 if fp8_x else x.dtype  # (an FP8 product's own: bf16)
+    out_dtype = torch.bfloat16 if fp8_x else x.dtype
     y = torch.empty((rows, n), dtype=out_dtype, device=x.device) if out is None else out
     n_blocks = triton.cdiv(n, block_n)
     k_per_split = triton.cdiv(triton.cdiv(k, split_k), block_k) * block_k
@@ -287,12 +247,12 @@ def skinny_matmul(x: torch.Tensor, weight: torch.Tensor, cfg: SkinnyConfig,
 
         _skinny_tma_kernel[(n_blocks, split_k)](
             TensorDescriptor.from_tensor(x, [block_m, block_k]),
-            TensorDescriptor.from_tensor(weight, [block_n, block_k]), x,
+            TensorDescriptor.from_tensor(weight, [block_n, block_k]),
             y, y if scale is None else scale, y if x_scale is None else x_scale, partial, locks,
-            progress, signal_at, rows, n, k, k_per_split, x.stride(0), y.stride(0), BLOCK_M=block_m,
-            BLOCK_N=block_n, BLOCK_K=block_k, SPLIT_K=split_k, PRECISION=precision,
-            HAS_SCALE=scale is not None, HAS_X_SCALE=x_scale is not None, QUANT_X=quant_x,
-            num_warps=num_warps, num_stages=num_stages, **pdl.launch_options(x),
+            progress, signal_at, rows, n, k, k_per_split, y.stride(0), BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
+            SPLIT_K=split_k, PRECISION=precision, HAS_SCALE=scale is not None,
+            HAS_X_SCALE=x_scale is not None, num_warps=num_warps, num_stages=num_stages,
+            **pdl.launch_options(x),
         )
         return y
     _skinny_kernel[(n_blocks, split_k)](
@@ -300,7 +260,7 @@ def skinny_matmul(x: torch.Tensor, weight: torch.Tensor, cfg: SkinnyConfig,
         progress, signal_at, rows, n, k, k_per_split, x.stride(0), weight.stride(0), y.stride(0),
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, SPLIT_K=split_k, USE_DOT=use_dot,
         EVEN_K=k % block_k == 0, PRECISION=precision, HAS_SCALE=scale is not None,
-        HAS_X_SCALE=x_scale is not None, QUANT_X=quant_x,
+        HAS_X_SCALE=x_scale is not None,
         num_warps=num_warps, num_stages=num_stages, **pdl.launch_options(x),
     )
     return y

@@ -55,14 +55,13 @@ def matmul(x: torch.Tensor, weight: torch.Tensor, plan: SkinnyPlan | None,
 def skinny(x: torch.Tensor, weight: torch.Tensor, cfg: SkinnyConfig, scale: torch.Tensor | None = None,
            out: torch.Tensor | None = None) -> torch.Tensor:
     """x [T, K] @ weight [N, K]^T on the skinny kernel with setting `cfg`. An e4m3 weight (its
-    `scale` float32 [1, N]): an FMA setting (one row) multiplies in x's dtype (weight-only FP8);
-    a tensor-core setting quantizes x per token, in the kernel (`cfg.quant_x`) or in a launch
-    of its own first, and both go to the FP8 tensor cores."""
+    `scale` float32 [1, N]): one row is multiplied in x's dtype (weight-only FP8); for a
+    tensor-core setting x is quantized per token first and both go to the FP8 tensor cores."""
     from pagedserve.kernels.skinny_gemm import skinny_matmul
 
     if scale is None:
         return skinny_matmul(x, weight, cfg, out)
-    if not cfg.use_dot or cfg.quant_x:
+    if not cfg.use_dot:
         return skinny_matmul(x, weight, cfg, out, scale.view(-1))
     from pagedserve.kernels.fp8_quant import quantize_rows_fp8
 
@@ -88,14 +87,13 @@ def _candidates(rows: int, fp8: bool = False) -> list:
     deep pipeline for the narrow o_proj and down_proj, TMA without split-K for gate_up)."""
     from pagedserve.kernels.skinny_gemm import SkinnyConfig
 
-    if fp8:  # e4m3 weights: twice the columns for the same bytes; x quantized in the kernel or before
-        fp8_dot = [SkinnyConfig(64, 256, 4, 4, True, 1, False, True),
-                   SkinnyConfig(64, 128, 4, 6, True, 4, True, True),
-                   SkinnyConfig(64, 128, 4, 4, True, 1, True, True)]
+    if fp8:  # e4m3 weights (H200 plans: the one-row FMA settings of bf16 or a 2,048-wide one,
+        # the tensor-core ones with twice bf16's BLOCK_K for the same bytes)
         if rows == 1:
             return [SkinnyConfig(8, 512, 4, 1, False, 1), SkinnyConfig(2, 1024, 4, 1, False, 1),
-                    SkinnyConfig(4, 2048, 4, 1, False, 1), *fp8_dot]
-        return [*fp8_dot, SkinnyConfig(64, 256, 4, 4, True, 1), SkinnyConfig(64, 128, 4, 6, True, 4, True)]
+                    SkinnyConfig(4, 2048, 4, 1, False, 1)]
+        return [SkinnyConfig(64, 256, 4, 4, True, 1), SkinnyConfig(64, 128, 4, 6, True, 4, True),
+                SkinnyConfig(64, 128, 4, 4, True, 1, True)]
     dot = [SkinnyConfig(64, 64, 4, 6, True, 4, True), SkinnyConfig(64, 128, 4, 4, True, 1),
            SkinnyConfig(64, 64, 4, 4, True, 1, True)]
     if rows == 1:
