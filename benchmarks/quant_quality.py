@@ -1,0 +1,133 @@
+"""Quality of the quantized formats on real weights (issue 26): teacher-forced next-token
+agreement with the float32 model, and perplexity, over a fixed English text.
+
+    python benchmarks/quant_quality.py [--device cuda] [--out results.json]
+
+The model is the embedded SmolLM2-135M-Instruct (real weights). Variants: float32 (the
+reference), bf16, FP8 weights and activations (`--quantization fp8`: on a Hopper GPU the real
+FP8 products, elsewhere the dequantizing reference path), FP8 weights with an FP8 KV cache
+(attention reads every key and value back from the cache), and 4-bit AWQ and GPTQ checkpoints
+made by round-to-nearest per group of 64 (the reference quantizer of tests/test_int4.py, not
+AWQ's or GPTQ's own search; SmolLM2's 576 inputs are not a multiple of 128), loaded as any
+AWQ/GPTQ checkpoint is. Each variant runs
+one prefill of the whole text through the torch attention backend.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+import tempfile
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+TEXT = (
+    "The history of the printing press begins in the fifteenth century, when Johannes Gutenberg "
+    "combined movable metal type, oil-based ink and a wooden press adapted from those used to "
+    "make wine. Within fifty years, presses had spread to more than two hundred cities across "
+    "Europe, and millions of books had been printed. Cheap books changed how people learned, "
+    "argued and prayed, and the ideas of scholars travelled faster than ever before. "
+    "A river begins as rain on high ground. The water gathers in small streams that join one "
+    "another as they run downhill, and by the time it reaches the plain it has become wide and "
+    "slow, carrying silt that it leaves behind when it floods. Farmers have always settled on "
+    "such plains because the soil is rich, even though the same river that feeds their fields "
+    "can destroy their homes. To bake bread, mix flour, water, salt and a little yeast, knead "
+    "the dough until it is smooth, and leave it in a warm place until it has doubled in size. "
+    "Shape it, let it rise again, and bake it in a hot oven until the crust is brown and the "
+    "loaf sounds hollow when tapped underneath. In computing, a cache keeps copies of data close "
+    "to where they are used, so that the second request for the same data is answered quickly. "
+    "Deciding what to keep and what to throw away is the hard part, and many systems simply "
+    "discard whatever was used least recently."
+)
+
+
+def logits_of(model, ids: list[int], kv_cache_dtype: str = "auto") -> torch.Tensor:
+    """float32 logits [len(ids), vocab] of one prefill; attention reads K/V back from a paged
+    cache stored as `kv_cache_dtype`."""
+    from pagedserve.attention.backend import AttentionContext, AttentionMetadata
+    from pagedserve.attention.torch_ref import TorchReferenceBackend
+    from pagedserve.engine.kv_cache_spec import KVCacheSpec
+
+    cfg, n, bs = model.config, len(ids), 16
+    dev = model.embed_tokens.weight.device
+    spec = KVCacheSpec.for_model(cfg, bs, model.embed_tokens.weight.dtype, kv_cache_dtype)
+    backend = TorchReferenceBackend(cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.head_dim**-0.5)
+    nb = -(-n // bs)
+    backend.bind_kv_caches(spec.allocate(nb, dev), spec.allocate_scales(dev))
+    meta = AttentionMetadata.for_prefill([n], dev)
+    meta.slot_mapping = torch.arange(n, device=dev)
+    meta.block_tables = torch.arange(nb, dtype=torch.int32, device=dev)[None]
+    with torch.no_grad():
+        hidden = model(torch.tensor(ids, device=dev), torch.arange(n, device=dev), AttentionContext(backend, meta))
+        return model.compute_logits(hidden).float()
+
+
+def int4_checkpoint(folder: Path, fmt: str) -> Path:
+    """SmolLM2 quantized to 4 bits (group 64) by tests/test_int4.py's reference quantizer:
+    AWQ with zero points, GPTQ symmetric (its usual setting)."""
+    from safetensors.torch import load_file
+
+    from pagedserve.models.source import resolve_model
+
+    sys.path.insert(0, str(ROOT / "tests"))
+    from test_int4 import write_checkpoint  # the tests' reference quantizer
+
+    src = resolve_model(None)
+    state = load_file(str(src.folder / "model.safetensors"))
+    write_checkpoint(folder / fmt, src.hf_config, state, fmt, 64, sym=fmt == "gptq")
+    return folder / fmt
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--out", default=None, help="write the figures as JSON here")
+    args = p.parse_args()
+
+    from pagedserve.bench.run_info import device_name, git_commit
+    from pagedserve.models.loader import build_model
+    from pagedserve.models.source import resolve_model
+    from pagedserve.quantization import resolve_quantization
+    from pagedserve.tokenizer import Tokenizer
+
+    source = resolve_model(None)
+    ids = Tokenizer.from_pretrained(source.folder).encode(TEXT, add_special_tokens=False)
+    tmp = Path(tempfile.mkdtemp())
+    half = "bfloat16"
+    variants = {  # name -> (model source, dtype, quantization, kv cache dtype)
+        "float32": (source, "float32", None, "auto"),
+        "bf16": (source, half, None, "auto"),
+        "fp8": (source, half, "fp8", "auto"),
+        "fp8 + fp8 KV": (source, half, "fp8", "fp8"),
+        "bf16 + fp8 KV": (source, half, None, "fp8"),
+    }
+    for fmt in ("awq", "gptq"):
+        folder = resolve_model(str(int4_checkpoint(tmp, fmt)))
+        variants[f"{fmt} int4 g64{' sym' if fmt == 'gptq' else ''}"] = (folder, half, resolve_quantization(None, folder.hf_config), "auto")
+    ref = None
+    rows = []
+    for name, (src, dtype, quant, kv) in variants.items():
+        model = build_model(src, dtype=dtype, device=args.device, quantization=quant)
+        logits = logits_of(model, ids, kv)  # [n, vocab]
+        nll = torch.nn.functional.cross_entropy(logits[:-1], torch.tensor(ids[1:], device=logits.device))
+        top1 = logits.argmax(-1)
+        if ref is None:
+            ref = top1
+        agree = (top1 == ref).float().mean().item()
+        rows.append({"variant": name, "agreement_with_float32": round(agree, 4),
+                     "perplexity": round(math.exp(nll.item()), 3)})
+        print(f"{name:<15} agreement {agree:7.2%}  perplexity {math.exp(nll.item()):8.3f}", flush=True)
+        del model
+    result = {"benchmark": "quant_quality", "model": "SmolLM2-135M-Instruct (embedded, real weights)",
+              "tokens": len(ids), "device": device_name(args.device), "commit": git_commit(),
+              "command": "python benchmarks/quant_quality.py --device " + args.device, "rows": rows}
+    if args.out:
+        Path(args.out).write_text(json.dumps(result, indent=1))
+
+
+if __name__ == "__main__":
+    main()
