@@ -119,3 +119,21 @@ def test_which_method_runs_follows_the_flag_and_the_checkpoint():
         resolve_quantization("int3", plain)
     with pytest.raises(ValueError, match="no quant_method"):
         resolve_quantization(None, {"quantization_config": {"bits": 4}})
+
+
+def test_fp8_weights_on_a_gpu_without_fp8_are_refused_before_loading(monkeypatch):
+    """An A100 (compute capability 8.0) has no e4m3 arithmetic: --quantization fp8 (and an FP8
+    checkpoint) is refused before the weights load, naming the fix; 4-bit and the CPU pass."""
+    from pagedserve import LLM
+    from pagedserve.quantization.methods import check_quantization_device
+
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (8, 0))
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA A100")
+    with pytest.raises(ValueError, match=r"compute capability 8.9 or newer.*A100 is 8.0.*AWQ or GPTQ"):
+        check_quantization_device("compressed-tensors", "cuda")
+    with pytest.raises(ValueError, match=r"fp8 quantization \(FP8 weights\) needs a GPU"):
+        LLM(device="cuda", quantization="fp8", kv_cache_memory=8 << 20)  # (refused before loading)
+    for ok in (("awq", "cuda"), (None, "cuda"), ("fp8", "cpu")):
+        check_quantization_device(*ok)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
+    check_quantization_device("fp8", "cuda")

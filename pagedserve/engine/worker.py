@@ -27,6 +27,7 @@ from pagedserve.engine.warm_up import profile_forward
 from pagedserve.layers.sampler import Sampler
 from pagedserve.models.loader import build_model
 from pagedserve.models.source import ModelSource
+from pagedserve.quantization.methods import check_quantization_device
 
 logger = logging.getLogger("pagedserve")
 
@@ -57,6 +58,7 @@ class Worker:
             report_late_compiles(False)  # (this start-up's compiles are expected)
         check_kv_cache_device(config.cache.kv_cache_dtype, device,  # (before loading)
                               str(resolve_dtype(config.dtype, device)).removeprefix("torch."))
+        check_quantization_device(config.quantization, device)
         model = build_model(source, dtype=config.dtype, device=device,
                             load_format=config.load_format, seed=config.seed,
                             quantization=config.quantization)

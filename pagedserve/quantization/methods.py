@@ -30,3 +30,25 @@ def linear_method_for(quantization: str | None,
     module, cls = METHODS[quantization]
     method_cls = getattr(importlib.import_module(module), cls)
     return method_cls.from_config(dict(quant_config) if quant_config is not None else None)
+
+
+# methods whose products need FP8 (e4m3) arithmetic on the GPU
+FP8_METHODS = ("fp8", "compressed-tensors")
+
+
+def check_quantization_device(quantization: str | None, device: object) -> None:
+    """Raise a ValueError naming the fix where `quantization` cannot run on `device` (checked
+    before the weights load): FP8 weights need a GPU of compute capability 8.9 or newer (Ada,
+    Hopper). The CPU runs every method on its dequantizing reference path."""
+    import torch
+
+    device = torch.device(device)
+    if quantization not in FP8_METHODS or device.type != "cuda":
+        return
+    major, minor = torch.cuda.get_device_capability(device)
+    if (major, minor) < (8, 9):
+        raise ValueError(
+            f"{quantization} quantization (FP8 weights) needs a GPU with FP8 (e4m3) support, "
+            f"compute capability 8.9 or newer (Ada, Hopper); {torch.cuda.get_device_name(device)} "
+            f"is {major}.{minor}. Serve the unquantized model (drop --quantization), or a 4-bit "
+            "AWQ or GPTQ checkpoint, which runs on any CUDA GPU")
