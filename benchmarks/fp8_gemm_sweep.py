@@ -1,0 +1,73 @@
+"""FP8 products against bf16 across row counts, on Qwen3-4B's projection shapes (GPU only).
+
+    python benchmarks/fp8_gemm_sweep.py [--out sweep.json]
+
+For each shape and row count: bf16 cuBLAS (`F.linear`), the per-token quantization launch
+alone (`kernels/fp8_quant.py`), and the FP8 fallback product (that quantization, then
+`torch._scaled_mm` with row-wise scales) — the path every FP8 step of more than 64 rows takes
+(prefill chunks and mixed steps). Microseconds per call, from CUDA-graph replays of 20 calls.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+import torch
+import torch.nn.functional as F
+
+SHAPES = {"qkv_proj": (6144, 2560), "o_proj": (2560, 4096), "gate_up_proj": (19456, 2560),
+          "down_proj": (2560, 9728)}
+ROWS = (1, 16, 64, 128, 256, 512, 1024, 2048, 4096, 8192)
+
+
+def graph_us(fn, calls: int = 20) -> float:
+    """Microseconds per call of fn, replayed from a CUDA graph of `calls` calls (best of 3)."""
+    fn()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(calls):
+            fn()
+    best = float("inf")
+    for _ in range(3):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        best = min(best, start.elapsed_time(end) * 1e3 / calls)
+    return best
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--out", default=None, help="write the figures as JSON here")
+    args = p.parse_args()
+
+    from pagedserve.bench.run_info import device_name, git_commit
+    from pagedserve.kernels.fp8_quant import quantize_rows_fp8
+    from pagedserve.quantization.fp8 import fp8_scaled_mm, quantize_rows
+
+    rows_out = []
+    print(f"{'shape':<14} {'rows':>5} {'bf16 us':>9} {'quant us':>9} {'fp8 us':>9} {'fp8/bf16':>9}")
+    for name, (n, k) in SHAPES.items():
+        w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.05  # [N, K]
+        wq, ws = quantize_rows(w)  # e4m3 [N, K], [N, 1]
+        ws = ws.reshape(1, -1).contiguous()  # [1, N]
+        for m in ROWS:
+            x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)  # [M, K]
+            bf16 = graph_us(lambda x=x, w=w: F.linear(x, w))
+            quant = graph_us(lambda x=x: quantize_rows_fp8(x))
+            fp8 = graph_us(lambda x=x, wq=wq, ws=ws: fp8_scaled_mm(x, wq, ws))
+            rows_out.append({"shape": name, "n": n, "k": k, "rows": m, "bf16_us": round(bf16, 2),
+                             "quant_us": round(quant, 2), "fp8_us": round(fp8, 2)})
+            print(f"{name:<14} {m:>5} {bf16:>9.1f} {quant:>9.1f} {fp8:>9.1f} {fp8 / bf16:>9.2f}", flush=True)
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump({"benchmark": "fp8_gemm_sweep", "gpu": device_name("cuda"), "commit": git_commit(),
+                       "command": "python benchmarks/fp8_gemm_sweep.py", "rows": rows_out}, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
