@@ -245,7 +245,7 @@ def test_launch_measures_startup_and_stops_the_server(tmp_path):
     launch = result["launch"]
     assert launch["command"] == cmd and 0 < launch["startup_s"] < 300
     assert launch["peak_gpu_memory_bytes"] is None  # no GPU on the test machine
-    assert (result["quantization"], result["kv_cache_dtype"]) == (None, "fp8")  # from the command
+    assert (result["quantization"], result["kv_cache_dtype"]) == (None, "fp8")  # as the server reports
     assert result["runs"][0]["completed"] == 3 and result["runs"][0]["output_tokens"] == 12
     cpu = result["runs"][0]["cpu"]  # the client's and each server process's CPU while measuring
     assert cpu["client_s"] > 0 and cpu["server_main_s"] > 0

@@ -52,6 +52,7 @@ def test_retrieve_model(server):
     listed = httpx.get(server.url + "/v1/models", timeout=10).json()["data"][0]
     assert model.id == MODEL and model.model_dump(exclude_unset=True) == listed
     assert "sampling_defaults" in listed and listed["max_model_len"] == 2048
+    assert (listed["quantization"], listed["kv_cache_dtype"]) == (None, "auto")  # its number formats
     for missing in ("gpt-4", "Qwen/Qwen3-4B-Instruct-2507"):
         with pytest.raises(openai.NotFoundError) as e:
             client.models.retrieve(missing)

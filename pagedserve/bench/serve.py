@@ -18,6 +18,7 @@ import json
 import random
 import time
 from collections.abc import AsyncIterator
+from typing import Any
 
 import aiohttp
 
@@ -256,6 +257,19 @@ def run_async(coro):
     except ImportError:
         return asyncio.run(coro)
     return uvloop.run(coro)
+
+
+def server_number_formats(base_url: str, api_key: str | None) -> dict[str, Any] | None:
+    """The quantization and KV-cache dtype a pagedserve server reports on its model card
+    (`/v1/models`); None for a server that does not (vLLM) or cannot be asked."""
+    import httpx
+
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    try:
+        card = httpx.get(f"{base_url}/v1/models", headers=headers, timeout=30).json()["data"][0]
+        return {"quantization": card["quantization"], "kv_cache_dtype": card["kv_cache_dtype"]}
+    except (httpx.HTTPError, KeyError, IndexError, TypeError, ValueError):
+        return None
 
 
 def discover_model(base_url: str, api_key: str | None) -> str:

@@ -8,7 +8,13 @@ from pathlib import Path
 
 from pagedserve.bench.launcher import LaunchedServer
 from pagedserve.bench.run_info import launched_number_formats
-from pagedserve.bench.serve import build_dataset, discover_model, run_async, run_level
+from pagedserve.bench.serve import (
+    build_dataset,
+    discover_model,
+    run_async,
+    run_level,
+    server_number_formats,
+)
 from pagedserve.bench.serve_args import result_path
 from pagedserve.bench.serve_metrics import percentile_key
 
@@ -22,7 +28,8 @@ def run_serve(args) -> dict:
             print(f"launched server healthy after {server.startup_s:.1f} s: {args.launch}")
             result = _measure(args, base_url, server.usage)
             result["launch"] = server.info().as_dict()
-            result.update(launched_number_formats(args.launch))
+            if result["kv_cache_dtype"] == "unknown":  # (a server that does not report them)
+                result.update(launched_number_formats(args.launch))
         print_launch(result["launch"])
     else:
         result = _measure(args, base_url)
@@ -68,8 +75,10 @@ def _measure(args, base_url: str, server_usage=None) -> dict:
         "endpoint": args.endpoint, "backend": args.backend, "date": time.strftime("%Y-%m-%d %H:%M:%S"),
         "dataset": dataset, "ignore_eos": args.ignore_eos, "temperature": args.temperature,
         "json_schema": args.json_schema, "unique_schemas": args.unique_schemas,
-        # the server's number formats: read from the --launch command (else not known here)
-        "quantization": "unknown", "kv_cache_dtype": "unknown",
+        # the server's number formats: as it reports them (pagedserve's model card), else read
+        # from the --launch command, else not known here
+        **(server_number_formats(base_url, args.api_key)
+           or {"quantization": "unknown", "kv_cache_dtype": "unknown"}),
         "runs": runs,
     }
     return result

@@ -199,7 +199,10 @@ def create_app(settings: ServerSettings, core: SpawnedCore | None = None) -> Fas
         info = client.info
         return {"id": name, "object": "model", "created": server.created, "owned_by": "pagedserve",
                 "root": info.model_name if info else name, "max_model_len": server.max_model_len,
-                "sampling_defaults": server.sampling_defaults}
+                "sampling_defaults": server.sampling_defaults,
+                # pagedserve's own fields, as sampling_defaults: the number formats it serves in
+                "quantization": settings.engine.quantization,
+                "kv_cache_dtype": settings.engine.cache.kv_cache_dtype}
 
     @app.get("/v1/models")
     async def list_models():
