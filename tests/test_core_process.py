@@ -202,12 +202,13 @@ def test_first_token_carries_queue_and_prefill_time():
 
 
 def _engine_flags(**changes) -> dict:
-    """Every engine flag, as cli.engine_kwargs gives them."""
-    flags = dict(model=None, dtype="float32", device="cpu", load_format="auto", max_num_seqs=8,
-                 max_num_batched_tokens=256, max_model_len=256, block_size=16,
-                 enable_prefix_caching=True, kv_cache_memory=16 << 20, gpu_memory_utilization=0.9,
-                 enforce_eager=True, attention_backend="auto", seed=0, tokenizer=None,
-                 revision=None, download_dir=None, quantization=None)
+    """Every engine flag, as cli.engine_kwargs gives them (the CLI's defaults, then a small
+    CPU engine's settings, then `changes`)."""
+    from pagedserve.cli import build_parser, engine_kwargs
+
+    flags = engine_kwargs(build_parser().parse_args(["serve"]))
+    flags.update(dtype="float32", device="cpu", max_num_seqs=8, max_num_batched_tokens=256,
+                 max_model_len=256, kv_cache_memory=16 << 20, enforce_eager=True)
     return {**flags, **changes}
 
 
