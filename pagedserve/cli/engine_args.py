@@ -42,9 +42,10 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="fraction of GPU memory the engine may use, KV cache included")
     p.add_argument("--quantization", "-q", default=None, choices=QUANTIZATION_CHOICES,
                    help="fp8 on an unquantized checkpoint: the decoder's weights quantized to "
-                        "FP8 e4m3 at load (per output channel), activations per token, FP8 "
-                        "tensor cores on Hopper. A pre-quantized checkpoint runs its own method "
-                        "(the flag may name it); the CPU runs a dequantizing reference path")
+                        "FP8 e4m3 at load (per output channel), activations per token (GPUs of "
+                        "compute capability 8.9+). A pre-quantized checkpoint (fp8, "
+                        "compressed-tensors, awq, gptq) runs its own method (the flag may name "
+                        "it); the CPU runs a dequantizing reference path")
     p.add_argument("--kv-cache-dtype", default="auto", choices=list(KV_CACHE_DTYPES),
                    help="how the KV cache is stored; auto: the model's dtype; fp8 (= fp8_e4m3): "
                         "float8 e4m3 with one scale per layer for K and one for V (1.0), half "
