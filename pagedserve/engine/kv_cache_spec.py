@@ -93,15 +93,12 @@ def check_kv_cache_device(kv_cache_dtype: str, device: torch.device | str, model
     FP8 cache needs e4m3 conversions, which Triton has on compute capability 8.9+ (Ada,
     Hopper); the CPU runs it on the torch reference path. (Any model dtype works: the
     kernels widen e4m3 exactly to float32, bfloat16 and float16.)"""
-    import torch
+    from pagedserve.kernels._utils import fp8_gpu_shortfall
 
-    device = torch.device(device)
-    if KV_CACHE_DTYPES.get(kv_cache_dtype) != FP8_E4M3 or device.type != "cuda":
+    if KV_CACHE_DTYPES.get(kv_cache_dtype) != FP8_E4M3:
         return
-    major, minor = torch.cuda.get_device_capability(device)
-    if (major, minor) < (8, 9):
+    shortfall = fp8_gpu_shortfall(device)
+    if shortfall is not None:
         raise ValueError(
-            f"--kv-cache-dtype {kv_cache_dtype} needs a GPU with FP8 (e4m3) support, compute "
-            f"capability 8.9 or newer (Ada, Hopper); {torch.cuda.get_device_name(device)} is "
-            f"{major}.{minor}. Use --kv-cache-dtype auto (kv_cache_dtype='auto') to keep the "
-            f"KV cache in the model's dtype ({model_dtype})")
+            f"--kv-cache-dtype {kv_cache_dtype} needs {shortfall}. Use --kv-cache-dtype auto "
+            f"(kv_cache_dtype='auto') to keep the KV cache in the model's dtype ({model_dtype})")

@@ -66,3 +66,17 @@ def check_kv_cache_dtype(kv_cache: torch.Tensor, like: torch.Tensor, kv_scale: t
         return True
     check_dtype(like, kv_cache)
     return False
+
+
+def fp8_gpu_shortfall(device: torch.device | str) -> str | None:
+    """Why `device` cannot run the FP8 (e4m3) kernels, worded as what is needed (for an error
+    message: "a GPU with FP8 (e4m3) support, ...; NVIDIA A100 is 8.0"), or None: a GPU of
+    compute capability 8.9+ (Ada, Hopper), or no GPU (the CPU runs the torch reference path)."""
+    device = torch.device(device)
+    if device.type != "cuda":
+        return None
+    major, minor = torch.cuda.get_device_capability(device)
+    if (major, minor) >= (8, 9):
+        return None
+    return (f"a GPU with FP8 (e4m3) support, compute capability 8.9 or newer (Ada, Hopper); "
+            f"{torch.cuda.get_device_name(device)} is {major}.{minor}")

@@ -149,9 +149,10 @@ def plan_skinny_matmuls(groups: dict[str, list[torch.Tensor]],
             best_ms, best = timer(blas), None
             w0, s0 = weights[0], group_scales[0]
             exact = F.linear(x, w0).float() if s0 is None else blas_ref(x, w0, s0)
+            # an FP8 tensor-core setting quantizes x as the fallback does: compared with it
+            quantized = exact if s0 is None else fallback_matmul(x, w0, s0).float()
             for cfg in _candidates(rows, fp8=s0 is not None):
-                # an FP8 tensor-core setting quantizes x as the fallback does: compare with it
-                ref = fallback_matmul(x, w0, s0).float() if s0 is not None and cfg.use_dot else exact
+                ref = quantized if cfg.use_dot else exact
                 try:
                     got = skinny(x, w0, cfg, s0, out).float()  # compiles; checked once
                 except Exception as e:  # (a setting this GPU or Triton cannot build: not a candidate)

@@ -40,15 +40,13 @@ def check_quantization_device(quantization: str | None, device: object) -> None:
     """Raise a ValueError naming the fix where `quantization` cannot run on `device` (checked
     before the weights load): FP8 weights need a GPU of compute capability 8.9 or newer (Ada,
     Hopper). The CPU runs every method on its dequantizing reference path."""
-    import torch
+    from pagedserve.kernels._utils import fp8_gpu_shortfall
 
-    device = torch.device(device)
-    if quantization not in FP8_METHODS or device.type != "cuda":
+    if quantization not in FP8_METHODS:
         return
-    major, minor = torch.cuda.get_device_capability(device)
-    if (major, minor) < (8, 9):
+    shortfall = fp8_gpu_shortfall(device)
+    if shortfall is not None:
         raise ValueError(
-            f"{quantization} quantization (FP8 weights) needs a GPU with FP8 (e4m3) support, "
-            f"compute capability 8.9 or newer (Ada, Hopper); {torch.cuda.get_device_name(device)} "
-            f"is {major}.{minor}. Serve the unquantized model (drop --quantization), or a 4-bit "
-            "AWQ or GPTQ checkpoint, which runs on any CUDA GPU")
+            f"{quantization} quantization (FP8 weights) needs {shortfall}. Serve the unquantized "
+            "model (drop --quantization), or a 4-bit AWQ or GPTQ checkpoint, which runs on any "
+            "CUDA GPU")
