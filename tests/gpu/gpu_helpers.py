@@ -75,3 +75,38 @@ def teacher_forced_logits(cfg, state_dict: dict, dtype: torch.dtype, ids: list[i
             graphs.graphs[key].replay()
             logits.append(model.compute_logits(graphs.outputs[key][:count]))
     return torch.cat(logits)
+
+
+# seven prompts of token ids; the last repeats the first
+PROMPTS = [[100 + i, 200 + i, 300 + i, 400 + i] for i in range(6)] + [[100, 200, 300, 400]]
+
+
+def assert_graphs_match_eager(model: str, inspect=None, prompts: list[list[int]] = PROMPTS,
+                              **llm_kwargs) -> None:
+    """Greedy tokens (24 a prompt, EOS ignored) of `prompts` from an engine on `model` with
+    dummy weights and a 1 GiB KV cache, first with CUDA graphs, then eager: every prompt gets
+    its 24 tokens, the last prompt (a repeat of the first) the first's, and graphs equal eager.
+    `inspect(llm, eager)` runs after each engine starts (checks of its layers, a shared plan)."""
+    import gc
+    import os
+
+    from pagedserve import LLM, SamplingParams
+
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+
+    def run(eager: bool) -> list[list[int]]:
+        # (the GPU machine has no embedded model: PS_TOKENIZER names a stand-in tokenizer)
+        llm = LLM(model, load_format="dummy", kv_cache_memory=1 << 30, enforce_eager=eager,
+                  max_model_len=4096, tokenizer=os.environ.get("PS_TOKENIZER"), **llm_kwargs)
+        if inspect is not None:
+            inspect(llm, eager)
+        outs = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+        del llm
+        gc.collect()
+        torch.cuda.empty_cache()
+        return outs
+
+    graphs, eager = run(False), run(True)
+    assert all(len(t) == 24 for t in graphs)
+    assert graphs[0] == graphs[-1]
+    assert graphs == eager

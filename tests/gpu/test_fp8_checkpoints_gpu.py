@@ -10,11 +10,10 @@ Run: python3 -m pytest tests/gpu/test_fp8_checkpoints_gpu.py -q (add -s for the 
 from __future__ import annotations
 
 import json
-import os
 
 import pytest
 import torch
-from gpu_helpers import DEV, rel_err, runner_of
+from gpu_helpers import DEV, assert_graphs_match_eager, rel_err, runner_of
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
@@ -124,32 +123,16 @@ def test_block_fp8_qwen3_engine_graphs_match_eager(tmp_path):
     """Qwen3-4B with Qwen's FP8 config (weight_block_size [128, 128], dummy weights) through
     the engine: the projections are e4m3 with block scales, and greedy tokens from CUDA
     graphs equal the eager path's."""
-    import gc
-
-    from pagedserve import LLM, SamplingParams
     from pagedserve.models import presets
 
     cfg = presets.load_preset("qwen3-4b-instruct-2507")
     cfg["quantization_config"] = {"quant_method": "fp8", "activation_scheme": "dynamic",
                                   "weight_block_size": [128, 128], "modules_to_not_convert": ["lm_head"]}
     (tmp_path / "config.json").write_text(json.dumps(cfg))
-    prompts = [[100 + i, 200 + i, 300 + i, 400 + i] for i in range(6)] + [[100, 200, 300, 400]]
-    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
 
-    def run(eager: bool) -> list[list[int]]:
-        # (the GPU machine has no embedded model: PS_TOKENIZER names a stand-in tokenizer)
-        llm = LLM(str(tmp_path), load_format="dummy", kv_cache_memory=1 << 30, enforce_eager=eager,
-                  max_model_len=4096, tokenizer=os.environ.get("PS_TOKENIZER"))
+    def inspect(llm, eager):
         proj = runner_of(llm.engine).model.layers[0].self_attn.qkv_proj
         assert proj.weight.dtype == torch.float8_e4m3fn and proj.weight_scale_inv.shape == (48, 20)
         assert proj.fp8_block_kernel == _hopper()
-        outs = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
-        del llm
-        gc.collect()
-        torch.cuda.empty_cache()
-        return outs
 
-    graphs, eager = run(False), run(True)
-    assert all(len(t) == 24 for t in graphs)
-    assert graphs[0] == graphs[-1]
-    assert graphs == eager
+    assert_graphs_match_eager(str(tmp_path), inspect)

@@ -4,11 +4,9 @@ SmolLM2 with FP8 weights against its bf16 self, through the engine with CUDA gra
 
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
-from gpu_helpers import DEV, rel_err, runner_of
+from gpu_helpers import DEV, assert_graphs_match_eager, rel_err, runner_of
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
@@ -80,20 +78,9 @@ def test_fp8_engine_graphs_match_eager():
     from CUDA graphs equal the eager path's, and the same prompt gives the same text. The
     eager engine follows the graph engine's small-batch plan: each start-up times its own,
     and two settings sum in different orders (dummy weights' near-ties then flip)."""
-    import gc
-
-    from pagedserve import LLM, SamplingParams
-
-    prompts = [[100 + i, 200 + i, 300 + i, 400 + i] for i in range(6)] + [[100, 200, 300, 400]]
-    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
-
     plans: dict = {}
 
-    def run(eager: bool) -> list[list[int]]:
-        # (the GPU machine has no embedded model: PS_TOKENIZER names a stand-in tokenizer)
-        llm = LLM("qwen3-4b-instruct-2507", load_format="dummy", quantization="fp8",
-                  kv_cache_memory=1 << 30, enforce_eager=eager, max_model_len=4096,
-                  tokenizer=os.environ.get("PS_TOKENIZER"))
+    def inspect(llm, eager):
         model = runner_of(llm.engine).model
         assert model.layers[0].mlp.down_proj.weight.dtype == torch.float8_e4m3fn
         for name, mod in model.named_modules():
@@ -102,13 +89,5 @@ def test_fp8_engine_graphs_match_eager():
                     mod.skinny_plan = plans[name]
                 else:
                     plans[name] = mod.skinny_plan
-        outs = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
-        del llm
-        gc.collect()
-        torch.cuda.empty_cache()
-        return outs
 
-    graphs, eager = run(False), run(True)
-    assert all(len(t) == 24 for t in graphs)
-    assert graphs[0] == graphs[-1]
-    assert graphs == eager
+    assert_graphs_match_eager("qwen3-4b-instruct-2507", inspect, quantization="fp8")

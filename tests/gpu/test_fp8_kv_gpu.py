@@ -6,11 +6,9 @@ dominate, and the engine's CUDA graphs equal to its eager steps. Skipped without
 
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
-from gpu_helpers import DEV, rel_err, runner_of
+from gpu_helpers import DEV, assert_graphs_match_eager, rel_err, runner_of
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
@@ -139,28 +137,11 @@ def test_fp8_kv_engine_graphs_match_eager():
     """Qwen3-4B (preset, dummy weights) with an FP8 KV cache through the engine: greedy tokens
     from CUDA graphs equal the eager path's; the blocks are what the memory holds at 1 byte
     an element (twice bf16's)."""
-    import gc
-
-    from pagedserve import LLM, SamplingParams
-
     prompts = [[100 + i, 200 + i, 300 + i, 400 + i] * (1 + 40 * i) for i in range(6)] + [[100, 200, 300, 400]]
-    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
 
-    def run(eager: bool) -> list[list[int]]:
-        # (the GPU machine has no embedded model: PS_TOKENIZER names a stand-in tokenizer)
-        llm = LLM("qwen3-4b-instruct-2507", load_format="dummy", kv_cache_dtype="fp8",
-                  kv_cache_memory=1 << 30, enforce_eager=eager, max_model_len=4096,
-                  tokenizer=os.environ.get("PS_TOKENIZER"))
+    def inspect(llm, eager):
         runner = runner_of(llm.engine)
         assert runner.kv_caches[0].dtype == E4M3
         assert runner.num_blocks == (1 << 30) // (BS * 36 * 2 * HKV * D)  # 1 byte an element
-        outs = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
-        del llm
-        gc.collect()
-        torch.cuda.empty_cache()
-        return outs
 
-    graphs, eager = run(False), run(True)
-    assert all(len(t) == 24 for t in graphs)
-    assert graphs[0] == graphs[-1]
-    assert graphs == eager
+    assert_graphs_match_eager("qwen3-4b-instruct-2507", inspect, prompts, kv_cache_dtype="fp8")

@@ -10,11 +10,10 @@ Run: python3 -m pytest tests/gpu/test_int4_gpu.py -q (add -s for the speed lines
 from __future__ import annotations
 
 import json
-import os
 
 import pytest
 import torch
-from gpu_helpers import DEV, rel_err, runner_of
+from gpu_helpers import DEV, assert_graphs_match_eager, rel_err, runner_of
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
@@ -139,31 +138,15 @@ def test_int4_qwen3_engine_graphs_match_eager(fmt, tmp_path):
     """Qwen3-4B with a 4-bit config (group 128, dummy weights) through the engine: the
     projections are in the int4 layout, and greedy tokens from CUDA graphs equal the eager
     path's."""
-    import gc
-
-    from pagedserve import LLM, SamplingParams
     from pagedserve.models import presets
 
     cfg = presets.load_preset("qwen3-4b-instruct-2507")
     cfg["quantization_config"] = {"quant_method": fmt, "bits": 4, "group_size": 128, "zero_point": True,
                                   "version": "gemm", "desc_act": False, "sym": True}
     (tmp_path / "config.json").write_text(json.dumps(cfg))
-    prompts = [[100 + i, 200 + i, 300 + i, 400 + i] for i in range(6)] + [[100, 200, 300, 400]]
-    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
 
-    def run(eager: bool) -> list[list[int]]:
-        # (the GPU machine has no embedded model: PS_TOKENIZER names a stand-in tokenizer)
-        llm = LLM(str(tmp_path), load_format="dummy", kv_cache_memory=1 << 30, enforce_eager=eager,
-                  max_model_len=4096, tokenizer=os.environ.get("PS_TOKENIZER"))
+    def inspect(llm, eager):
         proj = runner_of(llm.engine).model.layers[0].self_attn.qkv_proj
         assert proj.w4_qweight.shape == (2560 // 8, 6144) and proj.w4_scales.shape == (20, 6144)
-        outs = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
-        del llm
-        gc.collect()
-        torch.cuda.empty_cache()
-        return outs
 
-    graphs, eager = run(False), run(True)
-    assert all(len(t) == 24 for t in graphs)
-    assert graphs[0] == graphs[-1]
-    assert graphs == eager
+    assert_graphs_match_eager(str(tmp_path), inspect)
