@@ -18,7 +18,7 @@ from pagedserve.config import ModelConfig
 H200_BANDWIDTH = 4.25e12  # bytes/s, measured copy bandwidth (read + write)
 H200_BF16_FLOPS = 790e12  # FLOP/s, measured bf16 matmul
 # bytes per decoder-projection weight as each quantization stores it, and its peak FLOP/s factor
-WEIGHT_BYTES = {None: None, "fp8": 1.0, "compressed-tensors": 1.0, "awq": 0.5 + 4 / 128,
+WEIGHT_BYTES = {"fp8": 1.0, "compressed-tensors": 1.0, "awq": 0.5 + 4 / 128,
                 "gptq": 0.5 + 4 / 128}
 FLOPS_FACTOR = {"fp8": 2.0, "compressed-tensors": 2.0}
 
