@@ -17,7 +17,7 @@ export PYTHONPATH="$PWD:/tmp/pydeps" PS_TOKENIZER=.devtok
 python3 -m pytest -p no:cacheprovider tests/gpu/test_structured_gpu.py tests/gpu/test_engine_gpu.py \
     > "$OUT/pytest.log" 2>&1
 PORT=8000
-python3 -m pagedserve.cli serve qwen3-4b-instruct-2507 --load-format dummy --tokenizer .devtok \
+PAGEDSERVE_STEP_TIMES=200 python3 -m pagedserve.cli serve qwen3-4b-instruct-2507 --load-format dummy --tokenizer .devtok \
     --port $PORT --log-level WARNING > "$OUT/server.log" 2>&1 &
 SERVER=$!
 for _ in $(seq 300); do curl -sf http://127.0.0.1:$PORT/health > /dev/null && break; sleep 1; done
@@ -30,15 +30,32 @@ run() {  # name, then bench flags
 SCHEMA=benchmarks/schemas/catalogue.json
 # Every run has prompts of its own (--seed): a run that repeated another's would hit the
 # prefix cache.
-for round in 1 2; do  # two rounds, alternating, so drift shows
-    run free_c64_r$round --max-concurrency 64 --num-prompts 256 --warmup 8 --seed $((10 * round))
-    run schema_c64_r$round --max-concurrency 64 --num-prompts 256 --warmup 8 --seed $((10 * round + 1)) --json-schema $SCHEMA
+# What one schema output looks like (dummy weights write garbage inside the strings)
+curl -s http://127.0.0.1:$PORT/v1/completions -H 'Content-Type: application/json' -d "{\"model\": \"qwen3-4b-instruct-2507\",
+    \"prompt\": \"A catalogue:\", \"max_tokens\": 128, \"temperature\": 0,
+    \"response_format\": {\"type\": \"json_schema\", \"json_schema\": {\"name\": \"c\", \"schema\": $(cat $SCHEMA)}}}" \
+    > "$OUT/sample.json"
+head -c 600 "$OUT/sample.json"; echo
+ROUNDS="${ROUNDS:-3}"; PROMPTS="${PROMPTS:-512}"
+for round in $(seq "$ROUNDS"); do  # rounds, alternating, so drift shows
+    run free_c64_r$round --max-concurrency 64 --num-prompts "$PROMPTS" --warmup 8 --seed $((10 * round))
+    if [ "${PYSPY:-0}" = 1 ] && [ "$round" = "$ROUNDS" ]; then  # where the engine core's host time goes
+        python3 -m pip install -q --no-index --find-links .whl --target /tmp/pyspy py-spy
+        /tmp/pyspy/bin/py-spy record --subprocesses --native --pid "$SERVER" --rate 100 --duration 8 \
+            --format raw -o "$OUT/pyspy_schema.txt" > /dev/null 2>&1 &
+    fi
+    run schema_c64_r$round --max-concurrency 64 --num-prompts "$PROMPTS" --warmup 8 --seed $((10 * round + 1)) --json-schema $SCHEMA
 done
+if [ -s "$OUT/pyspy_schema.txt" ]; then
+    python3 benchmarks/pyspy_summary.py "$OUT/pyspy_schema.txt" --top 25 > "$OUT/pyspy_summary.txt"
+    grep -A30 "engine" "$OUT/pyspy_summary.txt" | head -40
+fi
 run cached_c1 --max-concurrency 1 --num-prompts 32 --warmup 2 --json-schema $SCHEMA --seed 5
 run unique_c1 --max-concurrency 1 --num-prompts 32 --warmup 2 --json-schema $SCHEMA --unique-schemas --seed 6
 run free_c1 --max-concurrency 1 --num-prompts 32 --warmup 2 --seed 7
 run unique_c64 --max-concurrency 64 --num-prompts 256 --warmup 8 --json-schema $SCHEMA --unique-schemas --seed 8
 kill -TERM $SERVER; wait $SERVER
+grep "host ms per step" "$OUT/server.log" | tail -12 | cut -c1-400
 tail -5 "$OUT/server.log"
 grep -E "[0-9]+ (passed|failed)" "$OUT/pytest.log" | tail -3
 python3 - "$OUT" <<'PY'

@@ -43,6 +43,7 @@ class CachedRequest:
     matcher: GrammarMatcher | None = None  # its place in its structured-output grammar
     # token ids the output must reach before the grammar applies (the end of reasoning)
     grammar_after: tuple[int, ...] = ()
+    grammar_done: bool = False  # its grammar is complete (it accepted its stop token)
 
     @property
     def output_token_ids(self) -> list[int]:
@@ -53,17 +54,20 @@ class CachedRequest:
         """Its grammar decides its next token (it has one, and any reasoning before it ended)."""
         return self.matcher is not None and not self.grammar_after
 
-    def accept(self, new: list[int]) -> bool:
+    def accept(self, new: list[int], grammar_took_first: bool = False) -> bool:
         """Append sampled tokens, advancing the grammar past those it governs; False if the
-        grammar refuses one (the request then fails: the tokens after it are dropped)."""
-        for t in new:
-            if self.constrained and not self.matcher.accept_token(t):
+        grammar refuses one (the request then fails: the tokens after it are dropped).
+        `grammar_took_first`: the grammar has already accepted new[0] (in a batch call)."""
+        for i, t in enumerate(new):
+            if self.constrained and not (i == 0 and grammar_took_first) \
+                    and not self.matcher.accept_token(t):
                 return False
             self.token_ids.append(t)
             after = self.grammar_after
             if after and tuple(self.token_ids[-len(after):]) == after \
                     and len(self.token_ids) - len(self.prompt_token_ids) >= len(after):
                 self.grammar_after = ()  # the reasoning ended: the grammar applies from here
+        self.grammar_done = self.constrained and self.matcher.is_terminated()
         return True
 
 
@@ -278,19 +282,26 @@ class ModelRunner:
             non_finite = [r.request_id for r, t in zip(reqs, tokens) if t < 0]
             for rid in non_finite:
                 del token_ids[rid]
-        failed: dict[str, str] = {}
         grammar_done: list[str] = []
-        for r in reqs:
-            if r.request_id in token_ids and self.requests.get(r.request_id) is r:
-                new = token_ids[r.request_id]
-                why = self._mask_failed.pop(r.request_id, None)
-                if why is None and not r.accept(new):
-                    why = f"its grammar refused the sampled token(s) {new}"
-                if why is not None:
-                    failed[r.request_id] = why
-                    del token_ids[r.request_id]
-                elif r.constrained and r.matcher.is_terminated():
-                    grammar_done.append(r.request_id)
+        held = [r for r in reqs if r.request_id in token_ids and self.requests.get(r.request_id) is r]
+        failed: dict[str, str] = {r.request_id: why for r in held
+                  if (why := self._mask_failed.pop(r.request_id, None)) is not None}
+        # Each grammar's first new token in one call (see XGrammarMatcher)
+        batch = [r for r in held if r.constrained and r.request_id not in failed]
+        took = dict.fromkeys(r.request_id for r in held)
+        if batch:
+            firsts = [token_ids[r.request_id][0] for r in batch]
+            for r, ok in zip(batch, type(batch[0].matcher).accept_tokens([r.matcher for r in batch], firsts)):
+                took[r.request_id] = ok
+        for r in held:
+            new = token_ids[r.request_id]
+            if r.request_id not in failed and (took[r.request_id] is False
+                                               or not r.accept(new, took[r.request_id] is True)):
+                failed[r.request_id] = f"its grammar refused the sampled token(s) {new}"
+            if r.request_id in failed:
+                del token_ids[r.request_id]
+            elif r.grammar_done:
+                grammar_done.append(r.request_id)
         logprobs: dict[str, tuple[float, list[tuple[int, float]]]] = {}
         if logprobs_t is not None:
             lp, lp_ids = logprobs_t.tolist(), logprob_ids_t.tolist()
@@ -314,10 +325,11 @@ class ModelRunner:
         elif self._mask_copied is not None:
             self._mask_copied.synchronize()  # the last step's copy out of it has finished
         mask = buf[: len(reqs)]
-        mask.fill_(-1)
         # (a grammar complete with the previous token: that token ended its request, so its
         # row's token here will be dropped)
-        rows = [i for i, r in enumerate(reqs) if r.constrained and not r.matcher.is_terminated()]
+        rows = [i for i, r in enumerate(reqs) if r.constrained and not r.grammar_done]
+        if len(rows) < len(reqs):  # (a grammar's fill writes its whole row)
+            mask.fill_(-1)
         matchers = [reqs[i].matcher for i in rows]
         try:
             if matchers:

@@ -36,6 +36,11 @@ class GrammarMatcher(ABC):
     def accept_token(self, token_id: int) -> bool:
         """Advance past a sampled token; False if the grammar does not allow it."""
 
+    @classmethod
+    def accept_tokens(cls, matchers: list[GrammarMatcher], token_ids: list[int]) -> list[bool]:
+        """`accept_token` of each matcher's token (a backend may do them in one call)."""
+        return [m.accept_token(t) for m, t in zip(matchers, token_ids, strict=True)]
+
     @abstractmethod
     def is_terminated(self) -> bool:
         """The grammar is complete and its stop token was accepted."""

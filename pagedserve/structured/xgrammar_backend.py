@@ -18,14 +18,28 @@ _WHAT = {"json": "JSON schema", "json_object": "JSON grammar", "regex": "regex",
 
 
 class XGrammarMatcher(GrammarMatcher):
+    # Every xgrammar call releases the GIL, and taking it back can wait for another thread's
+    # turn: a step's rows go through one call each way (one thread; more lost on the H200 host).
+    _batch: xgr.BatchGrammarMatcher | None = None
+
     def __init__(self, compiled: xgr.CompiledGrammar) -> None:
         self._m = xgr.GrammarMatcher(compiled)
 
     def fill_bitmask(self, bitmask: Any, row: int) -> None:
         self._m.fill_next_token_bitmask(bitmask, row)
 
+    @classmethod
+    def fill_bitmasks(cls, matchers: list[GrammarMatcher], bitmask: Any, rows: list[int]) -> None:
+        if cls._batch is None:
+            cls._batch = xgr.BatchGrammarMatcher(max_threads=1)
+        cls._batch.batch_fill_next_token_bitmask([m._m for m in matchers], bitmask, rows)
+
     def accept_token(self, token_id: int) -> bool:
         return self._m.accept_token(token_id)
+
+    @classmethod
+    def accept_tokens(cls, matchers: list[GrammarMatcher], token_ids: list[int]) -> list[bool]:
+        return xgr.BatchGrammarMatcher.batch_accept_token([m._m for m in matchers], token_ids)
 
     def is_terminated(self) -> bool:
         return self._m.is_terminated()
