@@ -4,8 +4,9 @@
 
 For each shape and row count: bf16 cuBLAS (`F.linear`), the per-token quantization launch
 alone (`kernels/fp8_quant.py`), and the FP8 fallback product (that quantization, then
-`torch._scaled_mm` with row-wise scales) — the path every FP8 step of more than 64 rows takes
-(prefill chunks and mixed steps). Microseconds per call, from CUDA-graph replays of 20 calls.
+`torch._scaled_mm` with row-wise scales), and from 64 rows each setting of the Triton FP8 GEMM
+(`kernels/fp8_gemm.py`, quantization included) that the start-up plan may pick, with the best.
+Microseconds per call, from CUDA-graph replays of 20 calls.
 """
 
 from __future__ import annotations
@@ -47,10 +48,12 @@ def main() -> None:
 
     from pagedserve.bench.run_info import device_name, git_commit
     from pagedserve.kernels.fp8_quant import quantize_rows_fp8
+    from pagedserve.layers.skinny import _candidates, skinny
     from pagedserve.quantization.fp8 import fp8_scaled_mm, quantize_rows
 
     rows_out = []
-    print(f"{'shape':<14} {'rows':>5} {'bf16 us':>9} {'quant us':>9} {'fp8 us':>9} {'fp8/bf16':>9}")
+    print(f"{'shape':<14} {'rows':>5} {'bf16 us':>9} {'quant us':>9} {'fp8 us':>9} {'fp8/bf16':>9} "
+          f"{'triton us':>9} {'tri/bf16':>9}  best triton setting")
     for name, (n, k) in SHAPES.items():
         w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.05  # [N, K]
         wq, ws = quantize_rows(w)  # e4m3 [N, K], [N, 1]
@@ -60,9 +63,15 @@ def main() -> None:
             bf16 = graph_us(lambda x=x, w=w: F.linear(x, w))
             quant = graph_us(lambda x=x: quantize_rows_fp8(x))
             fp8 = graph_us(lambda x=x, wq=wq, ws=ws: fp8_scaled_mm(x, wq, ws))
+            triton_us = {}
+            for cfg in (_candidates(max(m, 128), fp8=True) if m >= 64 else []):
+                triton_us[str(tuple(cfg))] = round(graph_us(lambda x=x, cfg=cfg, wq=wq, ws=ws: skinny(x, wq, cfg, ws)), 2)
+            best = min(triton_us, key=triton_us.get) if triton_us else None
+            tri = triton_us[best] if best else float("nan")
             rows_out.append({"shape": name, "n": n, "k": k, "rows": m, "bf16_us": round(bf16, 2),
-                             "quant_us": round(quant, 2), "fp8_us": round(fp8, 2)})
-            print(f"{name:<14} {m:>5} {bf16:>9.1f} {quant:>9.1f} {fp8:>9.1f} {fp8 / bf16:>9.2f}", flush=True)
+                             "quant_us": round(quant, 2), "fp8_us": round(fp8, 2), "triton_us": triton_us})
+            print(f"{name:<14} {m:>5} {bf16:>9.1f} {quant:>9.1f} {fp8:>9.1f} {fp8 / bf16:>9.2f} "
+                  f"{tri:>9.1f} {tri / bf16:>9.2f}  {best or ''}", flush=True)
     if args.out:
         with open(args.out, "w") as f:
             json.dump({"benchmark": "fp8_gemm_sweep", "gpu": device_name("cuda"), "commit": git_commit(),

@@ -137,3 +137,40 @@ def test_fp8_weights_on_a_gpu_without_fp8_are_refused_before_loading(monkeypatch
         check_quantization_device(*ok)
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
     check_quantization_device("fp8", "cuda")
+
+
+_GEMM_CHECK = r"""
+import torch
+from pagedserve.kernels.fp8_gemm import Fp8GemmConfig, fp8_gemm
+torch.manual_seed(0)
+e4m3 = torch.float8_e4m3fn
+for m, n, k, cfg in [(70, 96, 256, Fp8GemmConfig(32, 32, 64, 4, 1, group_m=2)),  # 3 x 3 tiles, groups of 2
+                     (5, 40, 200, Fp8GemmConfig(16, 32, 64, 4, 1)),  # partial K and N tiles
+                     (33, 64, 128, Fp8GemmConfig(16, 16, 32, 4, 1, group_m=1))]:
+    xq = (torch.randn(m, k) * 60).clamp(-448, 448).to(e4m3)
+    w = (torch.randn(n, k) * 100).clamp(-448, 448).to(e4m3)
+    xs, ws = torch.rand(m) * 0.01 + 1e-3, torch.rand(n) * 0.01 + 1e-3
+    y = fp8_gemm(xq, xs, w, ws, cfg, out_dtype=torch.float32)
+    ref = (xq.float() * xs[:, None]) @ (w.float() * ws[:, None]).t()
+    err = float((y - ref).norm() / ref.norm())
+    assert y.shape == (m, n) and err < 1e-5, (m, n, k, err)
+try:
+    fp8_gemm(xq.float(), xs, w, ws, cfg)
+except ValueError as e:
+    assert "must be e4m3" in str(e)
+else:
+    raise AssertionError("a float32 x was taken")
+print("ok")
+"""
+
+
+def test_fp8_gemm_kernel_indexing_under_the_interpreter():
+    """kernels/fp8_gemm.py (the FP8 product of 65-1,024 rows on Hopper): tiles, masks, grouped
+    tile order and both scales, on e4m3 inputs (exact in float32), under TRITON_INTERPRET."""
+    pytest.importorskip("triton")
+    import os
+
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    proc = subprocess.run([sys.executable, "-c", _GEMM_CHECK], capture_output=True, text=True,
+                          timeout=120, env=env)
+    assert proc.returncode == 0 and "ok" in proc.stdout, proc.stderr[-3000:]

@@ -9,8 +9,10 @@ everything is plain `F.linear`. `layers/linear.py` plans a whole model with thes
 
 FP8 weights (`quantization/fp8.py`) are planned the same way: the skinny kernel reads the e4m3
 weight (half the bytes) and widens it in registers, leaving x in bf16 (weight-only FP8, as
-exact as the weight's rounding allows); the fallback it is timed against quantizes x per token
-and multiplies on the FP8 tensor cores (`torch._scaled_mm`), which wins for larger batches.
+exact as the weight's rounding allows) for one row, and quantizes x per token for the FP8
+tensor cores from two; an FP8 weight's plan goes on to 1,024 rows, where the Triton FP8 GEMM
+(`kernels/fp8_gemm.py`) is timed too. The fallback they are timed against quantizes x per
+token and multiplies on the FP8 tensor cores with cuBLAS (`torch._scaled_mm`).
 """
 
 from __future__ import annotations
@@ -23,21 +25,29 @@ import torch
 import torch.nn.functional as F
 
 if TYPE_CHECKING:
+    from pagedserve.kernels.fp8_gemm import Fp8GemmConfig
     from pagedserve.kernels.skinny_gemm import SkinnyConfig
 
 logger = logging.getLogger(__name__)
 
 ROW_BUCKETS = (1, 2, 4, 8, 16, 32, 64)  # a plan's row counts; 3 rows follow the plan for 4, ...
+# an e4m3 weight's: cuBLAS's FP8 product (torch._scaled_mm) is slow up to about 1,024 rows
+FP8_ROW_BUCKETS = (*ROW_BUCKETS, 128, 256, 512, 1024)
 
-# Plan for one weight: row bucket -> SkinnyConfig, or None where the fallback (cuBLAS) was faster.
-SkinnyPlan = dict[int, "SkinnyConfig | None"]
+# Plan for one weight: row bucket -> setting, or None where the fallback (cuBLAS) was faster.
+SkinnyPlan = dict[int, "SkinnyConfig | Fp8GemmConfig | None"]
 
 Timer = Callable[[Callable[[], None]], float]  # timer(fn) -> ms
 
 
-def row_bucket(rows: int) -> int:
-    """The smallest ROW_BUCKETS entry >= rows (rows <= ROW_BUCKETS[-1])."""
-    return next(b for b in ROW_BUCKETS if b >= rows)
+def row_bucket(rows: int, buckets: tuple[int, ...] = ROW_BUCKETS) -> int:
+    """The smallest `buckets` entry >= rows (rows <= buckets[-1])."""
+    return next(b for b in buckets if b >= rows)
+
+
+def buckets_for(weight: torch.Tensor) -> tuple[int, ...]:
+    """The row buckets a plan for `weight` covers."""
+    return FP8_ROW_BUCKETS if weight.dtype == torch.float8_e4m3fn else ROW_BUCKETS
 
 
 def matmul(x: torch.Tensor, weight: torch.Tensor, plan: SkinnyPlan | None,
@@ -45,27 +55,32 @@ def matmul(x: torch.Tensor, weight: torch.Tensor, plan: SkinnyPlan | None,
     """x [T, K] @ weight [N, K]^T -> [T, N], on the skinny kernel where `plan` says so, else
     `fallback_matmul`. An e4m3 weight comes with `scale` (float32 [1, N], see `fallback_matmul`)."""
     rows = x.shape[0]
-    if plan and x.dim() == 2 and 0 < rows <= ROW_BUCKETS[-1]:
-        cfg = plan.get(row_bucket(rows))
+    buckets = ROW_BUCKETS if scale is None else FP8_ROW_BUCKETS
+    if plan and x.dim() == 2 and 0 < rows <= buckets[-1]:
+        cfg = plan.get(row_bucket(rows, buckets))
         if cfg is not None and x.stride(-1) == 1:
             return skinny(x, weight, cfg, scale)
     return fallback_matmul(x, weight, scale)
 
 
-def skinny(x: torch.Tensor, weight: torch.Tensor, cfg: SkinnyConfig, scale: torch.Tensor | None = None,
-           out: torch.Tensor | None = None) -> torch.Tensor:
+def skinny(x: torch.Tensor, weight: torch.Tensor, cfg: SkinnyConfig | Fp8GemmConfig,
+           scale: torch.Tensor | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
     """x [T, K] @ weight [N, K]^T on the skinny kernel with setting `cfg`. An e4m3 weight (its
     `scale` float32 [1, N]): one row is multiplied in x's dtype (weight-only FP8); for a
-    tensor-core setting x is quantized per token first and both go to the FP8 tensor cores."""
+    tensor-core setting x is quantized per token first and both go to the FP8 tensor cores
+    (an `Fp8GemmConfig`: on the FP8 GEMM of `kernels/fp8_gemm.py`)."""
     from pagedserve.kernels.skinny_gemm import skinny_matmul
 
     if scale is None:
         return skinny_matmul(x, weight, cfg, out)
     if not cfg.use_dot:
         return skinny_matmul(x, weight, cfg, out, scale.view(-1))
+    from pagedserve.kernels.fp8_gemm import Fp8GemmConfig, fp8_gemm
     from pagedserve.kernels.fp8_quant import quantize_rows_fp8
 
     xq, xs = quantize_rows_fp8(x)  # [T, K] e4m3, [T, 1]
+    if isinstance(cfg, Fp8GemmConfig):
+        return fp8_gemm(xq, xs.view(-1), weight, scale.view(-1), cfg, out, x.dtype)
     return skinny_matmul(xq, weight, cfg, out, scale.view(-1), xs)
 
 
@@ -85,8 +100,13 @@ def _candidates(rows: int, fp8: bool = False) -> list:
     `skinny_tma` on the H200: one-row FMA programs over a few output columns for one row;
     tensor-core programs for more, pointer loads for qkv_proj, TMA loads with split-K and a
     deep pipeline for the narrow o_proj and down_proj, TMA without split-K for gate_up)."""
+    from pagedserve.kernels.fp8_gemm import Fp8GemmConfig
     from pagedserve.kernels.skinny_gemm import SkinnyConfig
 
+    if fp8 and rows > ROW_BUCKETS[-1]:  # the FP8 GEMM's tiles: wide ones, and narrow ones
+        # that give the 2,560-wide o_proj and down_proj enough programs
+        return [Fp8GemmConfig(64, 128, 128, 4, 4, tma=True), Fp8GemmConfig(128, 128, 128, 8, 4, tma=True),
+                Fp8GemmConfig(64, 64, 128, 4, 4, tma=True), Fp8GemmConfig(64, 32, 128, 4, 6)]
     if fp8:  # e4m3 weights (H200 plans: the one-row FMA settings of bf16 or a 2,048-wide one,
         # the tensor-core ones with twice bf16's BLOCK_K for the same bytes)
         if rows == 1:
@@ -122,7 +142,7 @@ def plan_skinny_matmuls(groups: dict[str, list[torch.Tensor]],
                         timer: Timer = _gpu_ms,
                         scales: dict[str, list[torch.Tensor]] | None = None) -> dict[str, SkinnyPlan]:
     """For each group of same-shaped weights (e.g. every layer's o_proj), the fastest way to
-    multiply 1..64 rows by them, timed (`timer(fn)` -> ms) over the whole group as a decode
+    multiply 1..64 rows (1..1,024 for e4m3 weights) by them, timed (`timer(fn)` -> ms) over the whole group as a decode
     step reads it: `fallback_matmul` first (cuBLAS), then each candidate setting that agrees
     with it. An e4m3 group has its weights' scales in `scales[name]` (float32 [1, N] each).
 
@@ -139,7 +159,7 @@ def plan_skinny_matmuls(groups: dict[str, list[torch.Tensor]],
             plans[name] = plan
             continue
         summary = []
-        for rows in ROW_BUCKETS:
+        for rows in buckets_for(weights[0]):
             x = torch.randn(rows, k, device=weights[0].device, dtype=dtype)  # [rows, K]
             out = torch.empty(rows, n, device=x.device, dtype=x.dtype)  # [rows, N]
 
@@ -193,7 +213,7 @@ def compile_skinny_candidates(weights: list[torch.Tensor]) -> None:
         fp8 = weight.dtype == torch.float8_e4m3fn
         dtype = torch.bfloat16 if fp8 else weight.dtype
         scale = torch.ones(1, n, device=weight.device) if fp8 else None  # float32 [1, N]
-        for rows in ROW_BUCKETS:
+        for rows in buckets_for(weight):
             x = torch.zeros(rows, k, device=weight.device, dtype=dtype)  # [rows, K]
             out = torch.empty(rows, n, device=x.device, dtype=x.dtype)  # [rows, N]
             for cfg in _candidates(rows, fp8):

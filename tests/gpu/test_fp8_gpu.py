@@ -50,12 +50,13 @@ def test_the_quant_kernel_gives_the_reference_numbers(k):
     assert torch.equal(q.view(torch.uint8), rq.view(torch.uint8))
 
 
-@pytest.mark.parametrize("rows", [1, 2, 7, 16, 64])
+@pytest.mark.parametrize("rows", [1, 2, 7, 16, 64, 100, 256, 1000])
 @pytest.mark.parametrize("shape", [(6144, 2560), (2560, 4096), (19456, 2560), (2560, 9728)])
 def test_skinny_fp8_settings_match_their_reference(rows, shape):
     """Every setting the start-up plan may pick for an e4m3 weight (Qwen3-4B's projections):
     one row against x times the dequantized weight (weight-only FP8), more rows (x quantized
-    per token, FP8 tensor cores) against the dequantized x times the dequantized weight."""
+    per token, FP8 tensor cores: the skinny kernel to 64 rows, the FP8 GEMM of
+    kernels/fp8_gemm.py from 65) against the dequantized x times the dequantized weight."""
     from gpu_helpers import skinny_candidates
 
     from pagedserve.layers.skinny import skinny
@@ -66,7 +67,9 @@ def test_skinny_fp8_settings_match_their_reference(rows, shape):
     w, scale = quantize_rows(torch.randn(n, k, device=DEV, dtype=torch.bfloat16) * 0.05)
     x = torch.randn(rows, k, device=DEV, dtype=torch.bfloat16)
     w_ref = dequantize_rows(w, scale, torch.float32)  # [N, K]
-    for cfg in skinny_candidates(rows, fp8=True):
+    from pagedserve.layers.skinny import FP8_ROW_BUCKETS, row_bucket
+
+    for cfg in skinny_candidates(row_bucket(rows, FP8_ROW_BUCKETS), fp8=True):
         xq, xs = quantize_rows(x)
         x_ref = dequantize_rows(xq, xs, torch.float32) if cfg.use_dot else x.float()
         got = skinny(x, w, cfg, scale.view(1, -1))
