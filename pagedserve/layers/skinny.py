@@ -103,17 +103,23 @@ def _candidates(rows: int, fp8: bool = False) -> list:
     from pagedserve.kernels.fp8_gemm import Fp8GemmConfig
     from pagedserve.kernels.skinny_gemm import SkinnyConfig
 
-    if fp8 and rows > ROW_BUCKETS[-1]:  # the FP8 GEMM's tiles: wide ones, and narrow ones
-        # that give the 2,560-wide o_proj and down_proj enough programs
-        return [Fp8GemmConfig(64, 128, 128, 4, 4, tma=True), Fp8GemmConfig(128, 128, 128, 8, 4, tma=True),
-                Fp8GemmConfig(64, 64, 128, 4, 4, tma=True), Fp8GemmConfig(64, 32, 128, 4, 6)]
+    if fp8 and rows > ROW_BUCKETS[-1]:  # the FP8 GEMM's tiles (`benchmarks/fp8_gemm_tune.py`
+        # on the H200: 256 columns of K a step for the narrow o_proj and down_proj, 128 for
+        # gate_up; larger tiles from 512 rows)
+        gemm = [Fp8GemmConfig(64, 128, 256, 4, 4, tma=True), Fp8GemmConfig(64, 64, 256, 4, 4, tma=True),
+                Fp8GemmConfig(64, 64, 128, 4, 4, tma=True)]
+        if rows >= 512:
+            gemm += [Fp8GemmConfig(64, 128, 128, 4, 4, tma=True), Fp8GemmConfig(128, 128, 128, 8, 4, tma=True)]
+        return gemm
     if fp8:  # e4m3 weights (H200 plans: the one-row FMA settings of bf16 or a 2,048-wide one,
-        # the tensor-core ones with twice bf16's BLOCK_K for the same bytes)
+        # the tensor-core ones with twice bf16's BLOCK_K for the same bytes, by TMA or not;
+        # at 64 rows the FP8 GEMM's narrow tiles)
         if rows == 1:
             return [SkinnyConfig(8, 512, 4, 1, False, 1), SkinnyConfig(2, 1024, 4, 1, False, 1),
                     SkinnyConfig(4, 2048, 4, 1, False, 1)]
-        return [SkinnyConfig(64, 256, 4, 4, True, 1), SkinnyConfig(64, 128, 4, 6, True, 4, True),
-                SkinnyConfig(64, 128, 4, 4, True, 1, True)]
+        dot8 = [SkinnyConfig(64, 256, 4, 4, True, 1), SkinnyConfig(64, 256, 4, 4, True, 1, True),
+                SkinnyConfig(64, 128, 4, 6, True, 4, True), SkinnyConfig(64, 128, 4, 4, True, 1, True)]
+        return dot8 + [Fp8GemmConfig(64, 64, 128, 4, 4, tma=True)] if rows == ROW_BUCKETS[-1] else dot8
     dot = [SkinnyConfig(64, 64, 4, 6, True, 4, True), SkinnyConfig(64, 128, 4, 4, True, 1),
            SkinnyConfig(64, 64, 4, 4, True, 1, True)]
     if rows == 1:
