@@ -446,3 +446,32 @@ def test_a_killed_server_leaves_no_process(guarded):
     left = [cmdline(p) for p in kids if alive(p)]
     assert not left, f"still running 2 s after the server was killed: {left}"
     print(f"children gone {time.monotonic() - killed:.2f} s after the kill")
+
+
+def test_a_constraint_governs_the_answer_after_the_reasoning(server, guarded):
+    """With a reasoning parser, structured output starts after </think>: the reasoning is what
+    the model writes unconstrained (the same greedy tokens), the content is one of the
+    choices; streamed and not."""
+    base = {"model": MODEL, "messages": [{"role": "user", "content": THINK_SHOTS}], "max_tokens": 24,
+            "temperature": 0, "chat_template_kwargs": {"chat_template": THINK_TEMPLATE}}
+    raw_text = httpx.post(server.url + "/v1/chat/completions", json=base,
+                          timeout=60).json()["choices"][0]["message"]["content"]
+    assert "</think>" in raw_text, raw_text  # (the free run of test_reasoning_split)
+    reasoning_want = raw_text.partition("</think>")[0]
+    choices = ["Seven.", "Eight."]  # (the free answer is "Two.": the grammar must change it)
+    body = {**base, "structured_outputs": {"choice": choices}}
+    r = httpx.post(guarded.url + "/v1/chat/completions", json=body, headers=guarded.headers, timeout=60)
+    assert r.status_code == 200, r.text
+    choice = r.json()["choices"][0]
+    assert choice["message"]["reasoning_content"] == reasoning_want
+    assert choice["message"]["content"] in choices and choice["finish_reason"] == "stop", choice
+
+    reasoning, content = "", ""
+    with httpx.stream("POST", guarded.url + "/v1/chat/completions", headers=guarded.headers,
+                      json={**body, "stream": True}, timeout=60) as s:
+        for line in s.iter_lines():
+            if line.startswith("data: ") and line != "data: [DONE]":
+                for c in json.loads(line[6:])["choices"]:
+                    reasoning += c["delta"].get("reasoning_content") or ""
+                    content += c["delta"].get("content") or ""
+    assert (reasoning, content) == (reasoning_want, choice["message"]["content"])
