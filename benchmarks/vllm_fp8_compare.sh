@@ -5,14 +5,18 @@
 # with dummy weights. vLLM comes from ../shared/tools/vllm-carry.sh: pieces a and b already
 # copied to /root/keep by the previous call, piece c and the wheels carried with this one:
 #   VLLM_DIR=.carry/vllm bash benchmarks/vllm_fp8_compare.sh
+# ENGINES (default "vllm pagedserve"): add pagedserve_kv8 for pagedserve with --kv-cache-dtype
+# fp8 as well. A later call on the same machine finds vLLM unpacked and carries nothing of it.
 # Results (vLLM's result JSON per run and a table) go to $OUT (or ./compare_results).
 set -uo pipefail
 OUT="${OUT:-compare_results}"
 VLLM_DIR="${VLLM_DIR:-.carry/vllm}"
 ENGINES="${ENGINES:-vllm pagedserve}"
 mkdir -p "$OUT" /tmp/vllm /tmp/qwen3
-cat /root/keep/piece.a /root/keep/piece.b "$VLLM_DIR/piece.c" | xz -d | tar -x -C /tmp/vllm || exit 1
-python3 -m pip install -q --no-index --no-deps --target /tmp/vsite "$VLLM_DIR"/wheels/*.whl || exit 1
+if [ ! -d /tmp/vllm/vllm ]; then
+    cat /root/keep/piece.a /root/keep/piece.b "$VLLM_DIR/piece.c" | xz -d | tar -x -C /tmp/vllm || exit 1
+    python3 -m pip install -q --no-index --no-deps --target /tmp/vsite "$VLLM_DIR"/wheels/*.whl || exit 1
+fi
 python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/pydeps .whl/*.whl || exit 1
 cp pagedserve/models/presets/qwen3-4b-instruct-2507.json /tmp/qwen3/config.json
 VLLM="env VLLM_USE_FLASHINFER_SAMPLER=0 PYTHONPATH=/tmp/vllm:/tmp/vsite python3 -m vllm.entrypoints.cli.main"
@@ -34,9 +38,10 @@ for engine in $ENGINES; do
         $VLLM serve /tmp/qwen3 --load-format dummy --tokenizer .devtok --quantization fp8 --port $PORT \
             > "$OUT/vllm_server.log" 2>&1 &
     else
+        kv=""; [ $engine = pagedserve_kv8 ] && kv="--kv-cache-dtype fp8"
         env PYTHONPATH="$PWD:/tmp/pydeps" python3 -m pagedserve.cli serve qwen3-4b-instruct-2507 \
-            --load-format dummy --tokenizer .devtok --quantization fp8 --port $PORT \
-            > "$OUT/pagedserve_server.log" 2>&1 &
+            --load-format dummy --tokenizer .devtok --quantization fp8 $kv --port $PORT \
+            > "$OUT/${engine}_server.log" 2>&1 &
     fi
     SERVER=$!
     wait_ready || { tail -20 "$OUT/${engine}_server.log"; kill $SERVER; continue; }
@@ -48,7 +53,7 @@ done
 python3 - "$OUT" <<'PY'
 import json, os, sys
 print(f"{'engine':<11} {'c':>4} {'out tok/s':>10} {'TTFT p50':>9} {'TPOT p50':>9} {'failed':>6}")
-for engine in ("pagedserve", "vllm"):
+for engine in ("pagedserve", "pagedserve_kv8", "vllm"):
     for c in (1, 16, 64, 256):
         path = os.path.join(sys.argv[1], f"{engine}_c{c}.json")
         if os.path.exists(path):
