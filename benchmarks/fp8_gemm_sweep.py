@@ -6,7 +6,9 @@ For each shape and row count: bf16 cuBLAS (`F.linear`), the per-token quantizati
 alone (`kernels/fp8_quant.py`), and the FP8 fallback product (that quantization, then
 `torch._scaled_mm` with row-wise scales), and from 64 rows each setting of the Triton FP8 GEMM
 (`kernels/fp8_gemm.py`, quantization included) that the start-up plan may pick, with the best.
-Microseconds per call, from CUDA-graph replays of 20 calls.
+Microseconds per call, from CUDA-graph replays of 20 calls that cycle through COPIES copies of
+the weight (more bytes than the L2 holds, as a step's 36 layers: one weight replayed would be
+read from the L2 and flatter the kernels that re-read it).
 """
 
 from __future__ import annotations
@@ -22,14 +24,19 @@ SHAPES = {"qkv_proj": (6144, 2560), "o_proj": (2560, 4096), "gate_up_proj": (194
 ROWS = (1, 16, 64, 128, 256, 512, 1024, 2048, 4096, 8192)
 
 
+COPIES = 8  # copies of each weight a timing cycles through
+
+
 def graph_us(fn, calls: int = 20) -> float:
-    """Microseconds per call of fn, replayed from a CUDA graph of `calls` calls (best of 3)."""
-    fn()
+    """Microseconds per call of fn(i) (i: the call's number), replayed from a CUDA graph of
+    `calls` calls (best of 3)."""
+    for i in range(min(calls, COPIES)):
+        fn(i)
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        for _ in range(calls):
-            fn()
+        for i in range(calls):
+            fn(i)
     best = float("inf")
     for _ in range(3):
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
@@ -56,17 +63,18 @@ def main() -> None:
     print(f"{'shape':<14} {'rows':>5} {'bf16 us':>9} {'quant us':>9} {'fp8 us':>9} {'fp8/bf16':>9} "
           f"{'triton us':>9} {'tri/bf16':>9}  best triton setting")
     for name, (n, k) in SHAPES.items():
-        w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.05  # [N, K]
-        wq, ws = quantize_rows(w)  # e4m3 [N, K], [N, 1]
-        ws = ws.reshape(1, -1).contiguous()  # [1, N]
+        w = [torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.05 for _ in range(COPIES)]  # [N, K] each
+        wq, ws = zip(*(quantize_rows(c) for c in w))  # e4m3 [N, K], [N, 1] each
+        ws = [s.reshape(1, -1).contiguous() for s in ws]  # [1, N] each
         for m in map(int, args.rows.split(",")):
             x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)  # [M, K]
-            bf16 = graph_us(lambda x=x, w=w: F.linear(x, w))
-            quant = graph_us(lambda x=x: quantize_rows_fp8(x))
-            fp8 = graph_us(lambda x=x, wq=wq, ws=ws: fp8_scaled_mm(x, wq, ws))
+            bf16 = graph_us(lambda i, x=x, w=w: F.linear(x, w[i % COPIES]))
+            quant = graph_us(lambda i, x=x: quantize_rows_fp8(x))
+            fp8 = graph_us(lambda i, x=x, wq=wq, ws=ws: fp8_scaled_mm(x, wq[i % COPIES], ws[i % COPIES]))
             triton_us = {}
             for cfg in (_candidates(max(m, 128), fp8=True) if m >= 64 else []):
-                triton_us[str(tuple(cfg))] = round(graph_us(lambda x=x, cfg=cfg, wq=wq, ws=ws: skinny(x, wq, cfg, ws)), 2)
+                triton_us[str(tuple(cfg))] = round(graph_us(
+                    lambda i, x=x, cfg=cfg, wq=wq, ws=ws: skinny(x, wq[i % COPIES], cfg, ws[i % COPIES])), 2)
             best = min(triton_us, key=triton_us.get) if triton_us else None
             tri = triton_us[best] if best else float("nan")
             rows_out.append({"shape": name, "n": n, "k": k, "rows": m, "bf16_us": round(bf16, 2),

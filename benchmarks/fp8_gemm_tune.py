@@ -6,7 +6,9 @@ chose the candidates `layers/skinny.py` times at start-up.
     python benchmarks/fp8_gemm_tune.py [--rows 64,128,256] [--out tune.json]
 
 Prints the three fastest settings per shape and row count (microseconds per call, CUDA-graph
-replays of 20 calls, quantization included) and writes every figure as JSON.
+replays of 20 calls over COPIES copies of the weight, quantization included) and writes every
+figure as JSON. (A first version replayed one weight, which the L2 held: its winners lost the
+start-up plan, which times every layer's weight.)
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ import itertools
 import json
 
 import torch
-from fp8_gemm_sweep import SHAPES, graph_us  # (beside this script)
+from fp8_gemm_sweep import COPIES, SHAPES, graph_us  # (beside this script)
 
 
 def grid(rows: int) -> list:
@@ -48,20 +50,22 @@ def main() -> None:
 
     results = []
     for name, (n, k) in SHAPES.items():
-        w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.05  # [N, K]
-        wq, ws = quantize_rows(w)  # e4m3 [N, K], [N, 1]
-        ws = ws.reshape(1, -1).contiguous()  # [1, N]
+        copies = [quantize_rows(torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.05)
+                  for _ in range(COPIES)]  # e4m3 [N, K] and [N, 1] each
+        wq = [q for q, _ in copies]
+        ws = [s.reshape(1, -1).contiguous() for _, s in copies]  # [1, N] each
         for m in map(int, args.rows.split(",")):
             x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)  # [M, K]
-            times = {"scaled_mm": graph_us(lambda x=x, wq=wq, ws=ws: fp8_scaled_mm(x, wq, ws))}
-            ref = fp8_scaled_mm(x, wq, ws).float()
+            times = {"scaled_mm": graph_us(
+                lambda i, x=x, wq=wq, ws=ws: fp8_scaled_mm(x, wq[i % COPIES], ws[i % COPIES]))}
+            ref = fp8_scaled_mm(x, wq[0], ws[0]).float()
             for cfg in grid(m):
                 try:
-                    got = skinny(x, wq, cfg, ws).float()
+                    got = skinny(x, wq[0], cfg, ws[0]).float()
                     if (got - ref).norm() > 1e-2 * ref.norm():
                         continue
                     times[f"{type(cfg).__name__}{tuple(cfg)}"] = graph_us(
-                        lambda x=x, cfg=cfg, wq=wq, ws=ws: skinny(x, wq, cfg, ws))
+                        lambda i, x=x, cfg=cfg, wq=wq, ws=ws: skinny(x, wq[i % COPIES], cfg, ws[i % COPIES]))
                 except Exception:  # (a setting that does not build here)
                     continue
             best = sorted(times, key=times.get)[:3]

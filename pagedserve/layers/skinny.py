@@ -103,14 +103,12 @@ def _candidates(rows: int, fp8: bool = False) -> list:
     from pagedserve.kernels.fp8_gemm import Fp8GemmConfig
     from pagedserve.kernels.skinny_gemm import SkinnyConfig
 
-    if fp8 and rows > ROW_BUCKETS[-1]:  # the FP8 GEMM's tiles (`benchmarks/fp8_gemm_tune.py`
-        # on the H200: 256 columns of K a step for the narrow o_proj and down_proj, 128 for
-        # gate_up; larger tiles from 512 rows)
-        gemm = [Fp8GemmConfig(64, 128, 256, 4, 4, tma=True), Fp8GemmConfig(64, 64, 256, 4, 4, tma=True),
-                Fp8GemmConfig(64, 64, 128, 4, 4, tma=True)]
-        if rows >= 512:
-            gemm += [Fp8GemmConfig(64, 128, 128, 4, 4, tma=True), Fp8GemmConfig(128, 128, 128, 8, 4, tma=True)]
-        return gemm
+    if fp8 and rows > ROW_BUCKETS[-1]:  # the FP8 GEMM's tiles: those that won a start-up plan
+        # on the H200 at 128-1,024 rows (narrow ones give the 2,560-wide o_proj and down_proj
+        # enough programs); `benchmarks/fp8_gemm_tune.py` explores more
+        return [Fp8GemmConfig(64, 32, 128, 4, 6), Fp8GemmConfig(64, 64, 128, 4, 4, tma=True),
+                Fp8GemmConfig(64, 128, 256, 4, 4, tma=True), Fp8GemmConfig(64, 128, 128, 4, 4, tma=True),
+                Fp8GemmConfig(128, 128, 128, 8, 4, tma=True)]
     if fp8:  # e4m3 weights (H200 plans: the one-row FMA settings of bf16 or a 2,048-wide one,
         # the tensor-core ones with twice bf16's BLOCK_K for the same bytes, by TMA or not;
         # at 64 rows the FP8 GEMM's narrow tiles)
