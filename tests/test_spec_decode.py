@@ -1,0 +1,104 @@
+"""Speculative decoding's building blocks (issue 27): the n-gram proposer's lookups, and the
+rejection sampler: greedy rows keep exactly the drafts the target's argmax agrees with, and
+sampled rows emit tokens whose distribution is the target's (a small vocabulary, many
+samples), for draft-model and n-gram (one-hot) proposals."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from pagedserve.spec_decode.ngram import NgramProposer
+from pagedserve.spec_decode.rejection import rejection_sample
+
+
+def test_ngram_proposes_what_followed_the_longest_most_recent_match():
+    p = NgramProposer(3, prompt_lookup_max=3, prompt_lookup_min=1)
+    #                 0  1  2  3  4  5  6  7  8  9
+    assert p.propose([5, 6, 7, 8, 9, 1, 6, 7, 2, 6, 7]) == [2, 6, 7]  # "6 7": most recent earlier hit at 6
+    assert p.propose([1, 2, 3, 4, 9, 9, 1, 2, 3]) == [4, 9, 9]  # the 3-gram "1 2 3"
+    assert p.propose([4, 1, 2, 5, 1, 2]) == [5, 1, 2]  # the k tokens after the match
+    assert p.propose([7, 7, 7]) == [7]  # overlapping repetition: what is there to copy
+    assert p.propose([1, 2, 3]) == []  # no earlier occurrence
+    assert p.propose([3]) == []
+    assert NgramProposer(2, prompt_lookup_min=2).propose([1, 2, 9, 2]) == []  # only 1-grams match
+    with pytest.raises(ValueError, match="num_speculative_tokens"):
+        NgramProposer(0)
+    with pytest.raises(ValueError, match="prompt_lookup_min"):
+        NgramProposer(2, prompt_lookup_max=1, prompt_lookup_min=2)
+
+
+def _onehot_probs(argmaxes: list[list[int]], vocab: int) -> torch.Tensor:
+    """[N, k + 1, V] distributions peaked (0.6) at the given tokens."""
+    probs = torch.full((len(argmaxes), len(argmaxes[0]), vocab), 0.4 / (vocab - 1))
+    for r, row in enumerate(argmaxes):
+        for i, t in enumerate(row):
+            probs[r, i, t] = 0.6
+    return probs
+
+
+def test_greedy_rows_keep_the_drafts_the_argmax_agrees_with():
+    target = _onehot_probs([[3, 4, 5], [3, 4, 5], [3, 4, 5], [1, 2, 0]], vocab=8)
+    drafts = torch.tensor([[3, 4], [3, 7], [6, 4], [1, 7]])
+    num = torch.tensor([2, 2, 2, 1])  # the last row's second draft is padding
+    out = rejection_sample(target, drafts, num, greedy=torch.ones(4, dtype=torch.bool))
+    assert out.num_accepted.tolist() == [2, 1, 0, 1]
+    assert out.token_ids.tolist() == [[3, 4, 5], [3, 4, -1], [3, -1, -1], [1, 2, -1]]
+    assert out.num_emitted.tolist() == [3, 2, 1, 2]
+    none = rejection_sample(target[:1], drafts[:1], torch.tensor([0]), greedy=torch.ones(1, dtype=torch.bool))
+    assert none.token_ids.tolist() == [[3, -1, -1]]  # no drafts: the target's own token
+
+
+def _dists(gen: torch.Generator, rows: int, vocab: int) -> torch.Tensor:
+    d = torch.rand(rows, vocab, generator=gen) ** 2 + 0.02
+    return d / d.sum(dim=-1, keepdim=True)
+
+
+def _hist(tokens: torch.Tensor, vocab: int) -> torch.Tensor:
+    return torch.bincount(tokens, minlength=vocab).double() / len(tokens)
+
+
+@pytest.mark.parametrize("proposal", ["draft_model", "ngram"])
+def test_sampled_rows_keep_the_target_distribution(proposal):
+    gen = torch.Generator().manual_seed(0)
+    vocab, k, n = 6, 2, 200_000
+    p = _dists(gen, k + 1, vocab)  # [k + 1, V] the target's, per position
+    target = p.expand(n, k + 1, vocab)
+    if proposal == "draft_model":
+        q = _dists(gen, k, vocab)  # [k, V]
+        drafts = torch.stack([torch.multinomial(q[i], n, replacement=True, generator=gen) for i in range(k)], 1)
+        draft_probs = q.expand(n, k, vocab)
+        accept_first = torch.minimum(p[0], q[0]).sum()  # the theory's acceptance rate
+    else:  # a fixed guess (the target's likeliest tokens, so that all positions are reached), q one-hot
+        guess = p[:k].argmax(dim=-1)  # [k]
+        drafts = guess.expand(n, k)
+        draft_probs = None
+        accept_first = p[0, guess[0]]
+    num = torch.full((n,), k)
+    out = rejection_sample(target, drafts, num, draft_probs, generator=gen)
+    tokens, emitted = out.token_ids, out.num_emitted
+    tol = 5 * (0.25 / n) ** 0.5  # five standard deviations of a frequency
+    assert (_hist(tokens[:, 0], vocab) - p[0].double()).abs().max() < tol
+    assert abs((out.num_accepted >= 1).double().mean() - accept_first) < tol
+    for i in (1, 2):  # given that position i is emitted, it follows p_i
+        rows = emitted > i
+        m = int(rows.sum())
+        assert m > 2000  # (enough samples for the bound below)
+        assert (_hist(tokens[rows, i], vocab) - p[i].double()).abs().max() < 5 * (0.25 / m) ** 0.5
+    # the layout: kept drafts, then the target's token, then -1
+    assert ((tokens >= 0).sum(dim=1) == emitted).all()
+    kept = torch.arange(k)[None, :] < out.num_accepted[:, None]
+    assert torch.equal(torch.where(kept, tokens[:, :k], -1), torch.where(kept, drafts, -1))
+
+
+def test_rows_with_fewer_drafts_and_no_drafts():
+    gen = torch.Generator().manual_seed(1)
+    vocab, k, n = 5, 3, 100_000
+    p = _dists(gen, k + 1, vocab)
+    out = rejection_sample(p.expand(n, k + 1, vocab), torch.zeros((n, k), dtype=torch.int64),
+                           torch.zeros(n, dtype=torch.int64), generator=gen)
+    assert (out.num_emitted == 1).all()  # no drafts: one token, the bonus, from p_0
+    assert (_hist(out.token_ids[:, 0], vocab) - p[0].double()).abs().max() < 5 * (0.25 / n) ** 0.5
+    one = rejection_sample(p.expand(n, k + 1, vocab), torch.full((n, k), 3), torch.ones(n, dtype=torch.int64),
+                           generator=gen)
+    assert (one.num_emitted <= 2).all() and (one.token_ids[:, 2:] == -1).all()  # padding never kept
