@@ -103,21 +103,18 @@ def _candidates(rows: int, fp8: bool = False) -> list:
     from pagedserve.kernels.fp8_gemm import Fp8GemmConfig
     from pagedserve.kernels.skinny_gemm import SkinnyConfig
 
-    if fp8 and rows > ROW_BUCKETS[-1]:  # the FP8 GEMM's tiles: those that won a start-up plan
-        # on the H200 at 128-1,024 rows (narrow ones give the 2,560-wide o_proj and down_proj
-        # enough programs); `benchmarks/fp8_gemm_tune.py` explores more
+    if fp8 and rows > ROW_BUCKETS[-1]:  # the FP8 GEMM's tiles that won start-up plans on the
+        # H200 at 128-512 rows (narrow ones give the 2,560-wide o_proj and down_proj enough
+        # programs); `benchmarks/fp8_gemm_tune.py` explores more
         return [Fp8GemmConfig(64, 32, 128, 4, 6), Fp8GemmConfig(64, 64, 128, 4, 4, tma=True),
-                Fp8GemmConfig(64, 128, 256, 4, 4, tma=True), Fp8GemmConfig(64, 128, 128, 4, 4, tma=True),
-                Fp8GemmConfig(128, 128, 128, 8, 4, tma=True)]
+                Fp8GemmConfig(64, 128, 256, 4, 4, tma=True)]
     if fp8:  # e4m3 weights (H200 plans: the one-row FMA settings of bf16 or a 2,048-wide one,
-        # the tensor-core ones with twice bf16's BLOCK_K for the same bytes, by TMA or not;
-        # at 64 rows the FP8 GEMM's narrow tiles)
+        # the tensor-core ones with twice bf16's BLOCK_K for the same bytes)
         if rows == 1:
             return [SkinnyConfig(8, 512, 4, 1, False, 1), SkinnyConfig(2, 1024, 4, 1, False, 1),
                     SkinnyConfig(4, 2048, 4, 1, False, 1)]
-        dot8 = [SkinnyConfig(64, 256, 4, 4, True, 1), SkinnyConfig(64, 256, 4, 4, True, 1, True),
-                SkinnyConfig(64, 128, 4, 6, True, 4, True), SkinnyConfig(64, 128, 4, 4, True, 1, True)]
-        return dot8 + [Fp8GemmConfig(64, 64, 128, 4, 4, tma=True)] if rows == ROW_BUCKETS[-1] else dot8
+        return [SkinnyConfig(64, 256, 4, 4, True, 1), SkinnyConfig(64, 128, 4, 6, True, 4, True),
+                SkinnyConfig(64, 128, 4, 4, True, 1, True)]
     dot = [SkinnyConfig(64, 64, 4, 6, True, 4, True), SkinnyConfig(64, 128, 4, 4, True, 1),
            SkinnyConfig(64, 64, 4, 4, True, 1, True)]
     if rows == 1:
@@ -146,11 +143,13 @@ def plan_skinny_matmuls(groups: dict[str, list[torch.Tensor]],
                         timer: Timer = _gpu_ms,
                         scales: dict[str, list[torch.Tensor]] | None = None) -> dict[str, SkinnyPlan]:
     """For each group of same-shaped weights (e.g. every layer's o_proj), the fastest way to
-    multiply 1..64 rows (1..1,024 for e4m3 weights) by them, timed (`timer(fn)` -> ms) over the whole group as a decode
-    step reads it: `fallback_matmul` first (cuBLAS), then each candidate setting that agrees
-    with it. An e4m3 group has its weights' scales in `scales[name]` (float32 [1, N] each).
+    multiply 1..64 rows (1..1,024 for e4m3 weights) by them, timed (`timer(fn)` -> ms) over
+    the whole group as a decode step reads it: `fallback_matmul` first (cuBLAS), then each
+    candidate setting that agrees with it. An e4m3 group has its weights' scales in
+    `scales[name]` (float32 [1, N] each).
 
-    Returns group name -> plan (row bucket -> SkinnyConfig, or None for the fallback).
+    Returns group name -> plan (row bucket -> SkinnyConfig or Fp8GemmConfig, or None for the
+    fallback).
     """
 
     plans: dict[str, SkinnyPlan] = {}
