@@ -6,6 +6,8 @@
 #    `pagedserve bench serve` (1,024 token-id prompt tokens in, 128 out, streaming completions):
 #    free vs every request under benchmarks/schemas/catalogue.json at concurrency 64, and the
 #    first-token latency of a cached schema vs a new schema per request (concurrency 1 and 64).
+#    ROUNDS (3) rounds of free and schema runs of PROMPTS (512) prompts each; PYSPY=1 records
+#    a py-spy profile of the server's processes during the last schema run (which it slows).
 # The GPU machine has no network: fastapi, pydantic, pyzmq, xgrammar, ... come as wheels in
 # .whl/ (pip download ... --python-version 3.12, see docs/performance.md), the stand-in
 # tokenizer from .devtok/. Results go to $OUT (or ./structured_results).
@@ -18,7 +20,7 @@ python3 -m pytest -p no:cacheprovider tests/gpu/test_structured_gpu.py tests/gpu
     > "$OUT/pytest.log" 2>&1
 PORT=8000
 PAGEDSERVE_STEP_TIMES=200 python3 -m pagedserve.cli serve qwen3-4b-instruct-2507 --load-format dummy --tokenizer .devtok \
-    --port $PORT --log-level WARNING > "$OUT/server.log" 2>&1 &
+    --port $PORT --log-level INFO --disable-log-requests > "$OUT/server.log" 2>&1 &
 SERVER=$!
 for _ in $(seq 300); do curl -sf http://127.0.0.1:$PORT/health > /dev/null && break; sleep 1; done
 BENCH="python3 -m pagedserve.cli bench serve --base-url http://127.0.0.1:$PORT --no-progress --input-len 1024 --output-len 128"
