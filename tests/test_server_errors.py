@@ -434,20 +434,6 @@ def test_reasoning_split(server, guarded):
     assert content == content_want
 
 
-def test_a_killed_server_leaves_no_process(guarded):
-    """SIGKILL the server (the OOM killer, kill -9): its engine core and every other child
-    it started exit within 2 s, not re-parented to PID 1 holding their memory."""
-    kids = child_pids(guarded.proc.pid)
-    assert any("multiprocessing.spawn" in cmdline(p) for p in kids), [cmdline(p) for p in kids]
-    os.kill(guarded.proc.pid, signal.SIGKILL)
-    killed = time.monotonic()
-    while any(alive(p) for p in kids) and time.monotonic() - killed < 2:
-        time.sleep(0.05)
-    left = [cmdline(p) for p in kids if alive(p)]
-    assert not left, f"still running 2 s after the server was killed: {left}"
-    print(f"children gone {time.monotonic() - killed:.2f} s after the kill")
-
-
 def test_a_constraint_governs_the_answer_after_the_reasoning(server, guarded):
     """With a reasoning parser, structured output starts after </think>: the reasoning is what
     the model writes unconstrained (the same greedy tokens), the content is one of the
@@ -475,3 +461,18 @@ def test_a_constraint_governs_the_answer_after_the_reasoning(server, guarded):
                     reasoning += c["delta"].get("reasoning_content") or ""
                     content += c["delta"].get("content") or ""
     assert (reasoning, content) == (reasoning_want, choice["message"]["content"])
+
+
+def test_a_killed_server_leaves_no_process(guarded):
+    """SIGKILL the server (the OOM killer, kill -9): its engine core and every other child
+    it started exit within 2 s, not re-parented to PID 1 holding their memory."""
+    kids = child_pids(guarded.proc.pid)
+    assert any("multiprocessing.spawn" in cmdline(p) for p in kids), [cmdline(p) for p in kids]
+    os.kill(guarded.proc.pid, signal.SIGKILL)
+    killed = time.monotonic()
+    while any(alive(p) for p in kids) and time.monotonic() - killed < 2:
+        time.sleep(0.05)
+    left = [cmdline(p) for p in kids if alive(p)]
+    assert not left, f"still running 2 s after the server was killed: {left}"
+    print(f"children gone {time.monotonic() - killed:.2f} s after the kill")
+
