@@ -288,15 +288,15 @@ class ModelRunner:
                   if (why := self._mask_failed.pop(r.request_id, None)) is not None}
         # Each grammar's first new token in one call (see XGrammarMatcher)
         batch = [r for r in held if r.constrained and r.request_id not in failed]
-        took = dict.fromkeys(r.request_id for r in held)
+        took: dict[str, bool] = {}  # request id -> whether its grammar took its first new token
         if batch:
             firsts = [token_ids[r.request_id][0] for r in batch]
-            for r, ok in zip(batch, type(batch[0].matcher).accept_tokens([r.matcher for r in batch], firsts)):
-                took[r.request_id] = ok
+            oks = type(batch[0].matcher).accept_tokens([r.matcher for r in batch], firsts)
+            took = {r.request_id: ok for r, ok in zip(batch, oks)}
         for r in held:
             new = token_ids[r.request_id]
-            if r.request_id not in failed and (took[r.request_id] is False
-                                               or not r.accept(new, took[r.request_id] is True)):
+            ok = took.get(r.request_id)
+            if r.request_id not in failed and (ok is False or not r.accept(new, ok is True)):
                 failed[r.request_id] = f"its grammar refused the sampled token(s) {new}"
             if r.request_id in failed:
                 del token_ids[r.request_id]

@@ -32,6 +32,11 @@ def kernels_usable(t: torch.Tensor) -> bool:
     return triton_available() and (t.is_cuda or interpreting())
 
 
+def tma_ok(t: torch.Tensor) -> bool:
+    """TMA needs 16-byte aligned rows and base address (else a kernel's pointer loads run)."""
+    return t.stride(-1) == 1 and (t.stride(0) * t.element_size()) % 16 == 0 and t.data_ptr() % 16 == 0
+
+
 def next_pow2(n: int) -> int:
     """Smallest power of two >= n (>= 1)."""
     return 1 << max(0, (int(n) - 1).bit_length())

@@ -24,6 +24,7 @@ import triton
 import triton.language as tl
 
 from pagedserve.kernels import pdl
+from pagedserve.kernels._utils import tma_ok
 
 
 @triton.jit
@@ -118,11 +119,6 @@ class Fp8GemmConfig(NamedTuple):
         return True
 
 
-def _tma_ok(t: torch.Tensor) -> bool:
-    """TMA needs 16-byte aligned rows and base address (else the pointer kernel runs)."""
-    return t.stride(-1) == 1 and (t.stride(0) * t.element_size()) % 16 == 0 and t.data_ptr() % 16 == 0
-
-
 def fp8_gemm(xq: torch.Tensor, x_scale: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
              cfg: Fp8GemmConfig, out: torch.Tensor | None = None,
              out_dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
@@ -147,7 +143,7 @@ def fp8_gemm(xq: torch.Tensor, x_scale: torch.Tensor, weight: torch.Tensor, scal
     common = dict(BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
                   GROUP_M=cfg.group_m, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
                   **pdl.launch_options(xq))
-    if cfg.tma and _tma_ok(xq) and _tma_ok(weight):
+    if cfg.tma and tma_ok(xq) and tma_ok(weight):
         from triton.tools.tensor_descriptor import TensorDescriptor
 
         _fp8_gemm_tma_kernel[grid](

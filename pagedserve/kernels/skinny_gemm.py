@@ -26,7 +26,7 @@ import triton
 import triton.language as tl
 
 from pagedserve.kernels import pdl, weight_prefetch
-from pagedserve.kernels._utils import check_dtype, next_pow2
+from pagedserve.kernels._utils import check_dtype, next_pow2, tma_ok
 
 
 # M (the row count) is not specialized on (== 1, divisible by 16): one compiled variant per
@@ -184,11 +184,6 @@ def _locks(device: torch.device, count: int) -> torch.Tensor:
     return locks
 
 
-def _tma_ok(t: torch.Tensor) -> bool:
-    """TMA needs 16-byte aligned rows and base address (else the pointer kernel runs)."""
-    return t.stride(-1) == 1 and (t.stride(0) * t.element_size()) % 16 == 0 and t.data_ptr() % 16 == 0
-
-
 def skinny_matmul(x: torch.Tensor, weight: torch.Tensor, cfg: SkinnyConfig,
                   out: torch.Tensor | None = None, scale: torch.Tensor | None = None,
                   x_scale: torch.Tensor | None = None) -> torch.Tensor:
@@ -242,7 +237,7 @@ def skinny_matmul(x: torch.Tensor, weight: torch.Tensor, cfg: SkinnyConfig,
     prefetcher = weight_prefetch.active()  # set while a decode graph with the prefetch is made
     progress, signal_at = (prefetcher.signal(weight, n_blocks * split_k) if prefetcher is not None
                            else (_locks(x.device, 1), -1))  # int32 either way: one compiled variant
-    if tma and all(_tma_ok(t) for t in (x, weight)):
+    if tma and tma_ok(x) and tma_ok(weight):
         from triton.tools.tensor_descriptor import TensorDescriptor
 
         _skinny_tma_kernel[(n_blocks, split_k)](
