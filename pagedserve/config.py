@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from pagedserve.faults import FaultPlan
+from pagedserve.spec_decode.config import SpeculativeConfig
 
 if TYPE_CHECKING:
     import torch
@@ -227,6 +228,7 @@ class EngineConfig:
     faults: FaultPlan = field(default_factory=FaultPlan)  # chaos tests only (faults.py)
     kernels: KernelConfig = field(default_factory=KernelConfig)
     observability: ObservabilityConfig = field(default_factory=ObservabilityConfig)
+    speculative: SpeculativeConfig | None = None  # speculative decoding (spec_decode/); None = off
 
     @classmethod
     def from_args(cls, model: str | None = None, *, max_model_len: int | None = None,
@@ -239,7 +241,8 @@ class EngineConfig:
         """The one place a user's settings (LLM(...) arguments or CLI flags) become a config:
         resolves the model, checks max_model_len against it (default: the model's limit), and
         reads the kernel and logging switches from the environment. Returns (config, the
-        resolved model source, its ModelConfig). `kw`: the other EngineConfig fields. A Hub id
+        resolved model source, its ModelConfig). `kw`: the other EngineConfig fields
+        (`speculative_config`: vLLM's JSON, a string or a dict). A Hub id
         (`revision`, `download_dir`) is fetched here, and the config names its local folder."""
         from pagedserve import envs
         from pagedserve.models.source import resolve_model
@@ -261,6 +264,7 @@ class EngineConfig:
         if max_len > limit:
             raise ValueError(f"max_model_len={max_len} exceeds the model's max_position_embeddings "
                              f"({limit}); lower --max-model-len")
+        kw["speculative"] = SpeculativeConfig.parse(kw.pop("speculative_config", None))
         kw.setdefault("kernels", envs.kernel_config())
         kw.setdefault("observability", envs.observability_config())
         config = cls(

@@ -31,7 +31,8 @@ class LLM:
     method (`pagedserve/quantization/`). Memory for the KV cache comes from `kv_cache_memory` (bytes)
     or, on a GPU, `gpu_memory_utilization` after profiling a forward pass; `kv_cache_dtype="fp8"`
     (or "fp8_e4m3") stores it as float8 e4m3, twice the tokens in the same memory ("auto": the
-    model's dtype).
+    model's dtype). `speculative_config` (vLLM's JSON or a dict, e.g. `{"method": "ngram",
+    "num_speculative_tokens": 4}`) turns on speculative decoding.
     """
 
     def __init__(
@@ -58,6 +59,7 @@ class LLM:
         generation_config: str = "auto",
         quantization: str | None = None,
         kv_cache_dtype: str = "auto",
+        speculative_config: dict | str | None = None,
     ) -> None:
         config, source, model_cfg = EngineConfig.from_args(
             model, max_model_len=max_model_len, max_num_seqs=max_num_seqs,
@@ -67,7 +69,7 @@ class LLM:
             load_format=load_format, seed=seed, attention_backend=attention_backend,
             enforce_eager=enforce_eager, async_scheduling=async_scheduling, tokenizer=tokenizer,
             revision=revision, download_dir=download_dir, quantization=quantization,
-            kv_cache_dtype=kv_cache_dtype,
+            kv_cache_dtype=kv_cache_dtype, speculative_config=speculative_config,
         )
         self._defaults = sampling_defaults(source, generation_config)
         self.engine = EngineCore(config, source)

@@ -51,6 +51,13 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                         "float8 e4m3 with one scale per layer for K and one for V (1.0), half "
                         "the bytes of bfloat16, so twice the tokens fit (GPUs of compute "
                         "capability 8.9+; the CPU runs it on the torch reference path)")
+    p.add_argument("--speculative-config", type=types.speculative_config, default=None,
+                   help="speculative decoding, vLLM's JSON: '{\"method\": \"ngram\", "
+                        "\"num_speculative_tokens\": 4, \"prompt_lookup_max\": 4, "
+                        "\"prompt_lookup_min\": 1}' guesses the next tokens from earlier text "
+                        "and verifies them in one pass (exact: the same tokens or the same "
+                        "distribution as without); \"disable_by_batch_size\": N turns it off "
+                        "while more than N requests run (default 32)")
     p.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
     p.add_argument("--attention-backend", default="auto", choices=["auto", "triton", "torch"],
                    help="auto: triton on CUDA, torch on the CPU")
@@ -88,4 +95,5 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
         tokenizer=args.tokenizer, seed=args.seed, revision=args.revision,
         download_dir=args.download_dir, generation_config=args.generation_config,
         quantization=args.quantization, kv_cache_dtype=args.kv_cache_dtype,
+        speculative_config=args.speculative_config,
     )

@@ -96,3 +96,13 @@ def json_string_list(text: str) -> list[str]:
     if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
         raise argparse.ArgumentTypeError(f"{text!r} must be a JSON list of strings, e.g. '[\"*\"]'")
     return value
+
+
+def speculative_config(text: str):
+    """vLLM's --speculative-config JSON, checked (`spec_decode/config.py`)."""
+    from pagedserve.spec_decode.config import SpeculativeConfig
+
+    try:
+        return SpeculativeConfig.parse(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None

@@ -20,11 +20,12 @@ from pagedserve.engine.limits import check_logit_bias, check_prompt
 from pagedserve.engine.messages import EngineRequest, TokenOutput
 from pagedserve.engine.request import Request
 from pagedserve.engine.scheduler import Scheduler
-from pagedserve.engine.step_timer import GC_CLOCK, StepTimer, allocator_counts
+from pagedserve.engine.step_timer import GC_CLOCK, StepTimer, allocator_counts, log_slow_step
 from pagedserve.engine.step_trace import StepTrace
 from pagedserve.engine.stopping import check_stop
 from pagedserve.engine.warm_up import warm_up
 from pagedserve.models.source import ModelSource, resolve_model
+from pagedserve.spec_decode.speculator import Speculator
 from pagedserve.structured.backend import GrammarError
 from pagedserve.structured.compiler import GrammarCompiler
 
@@ -49,6 +50,8 @@ class EngineCore:
         self.kv = KVCacheManager(ex.num_blocks, ex.block_size, config.cache.enable_prefix_caching)
         self.scheduler = Scheduler(sched, self.kv)
         self.requests: dict[str, Request] = {}
+        spec = config.speculative
+        self.speculator = None if spec is None else Speculator(spec, sched.max_model_len)
         self._inflight = None  # (SchedulerOutput, step handle) launched but not yet read back
         self._launching = None  # the SchedulerOutput of the step being scheduled and launched
         self._step_outputs: list[TokenOutput] = []  # outputs made so far in the current step
@@ -107,6 +110,8 @@ class EngineCore:
         self.kv.reset_stats()
         self.scheduler.reset_stats()
         self.executor.reset_stats()
+        if self.speculator is not None:
+            self.speculator.reset_stats()
         self.num_prefill_tokens = self.num_generation_tokens = 0
 
     # ---- requests ---------------------------------------------------------------------
@@ -207,6 +212,8 @@ class EngineCore:
         timer.mark()
         if self._compiling:
             self._fail_bad_grammars()
+        if self._speculating():
+            self.speculator.propose(self.scheduler.running)
         out = self.scheduler.schedule()
         self._launching = out
         timer.mark("schedule")
@@ -236,8 +243,8 @@ class EngineCore:
             time.sleep(0.001)
         ms = (time.perf_counter() - t0) * 1e3
         if self._slow_step_ms and ms > self._slow_step_ms:
-            self._log_slow_step(ms, out, (t_scheduled - t0) * 1e3, (t_launched - t_scheduled) * 1e3,
-                                (GC_CLOCK.seconds - gc0) * 1e3, allocs0)
+            log_slow_step(ms, out.chunks, (t_scheduled - t0) * 1e3, (t_launched - t_scheduled) * 1e3,
+                          self.executor.last_launch_ms(), (GC_CLOCK.seconds - gc0) * 1e3, allocs0)
         if self._log_times_every:
             self._log_step_times()
 
@@ -303,28 +310,18 @@ class EngineCore:
         self._timed_steps = 0
         self.timer.enable()  # clears the phase totals
 
-    def _log_slow_step(self, ms: float, out, schedule_ms: float, launch_ms: float, gc_ms: float,
-                       allocs0: dict[str, int] | None) -> None:
-        chunks = out.chunks
-        decodes = sum(1 for c in chunks if c.is_decode)
-        inputs, model, sample = self.executor.last_launch_ms()
-        allocs = ""
-        if allocs0:  # what the CUDA memory allocators had to do during the step
-            now = allocator_counts()
-            allocs = "; allocator: " + ", ".join(f"{k} {now[k] - allocs0.get(k, 0)}" for k in now)
-        logger.warning("slow engine step: %.0f ms to schedule %d decodes and %d other chunks "
-                       "(%d tokens); it also waited for the previous step (scheduling %.0f ms, "
-                       "launching %.0f ms: inputs %.0f, model %.0f, logits and sampling %.0f; then "
-                       "waiting for and applying the previous step; Python's garbage collector "
-                       "%.0f ms%s)", ms, decodes, len(chunks) - decodes, sum(c.num_tokens for c in chunks),
-                       schedule_ms, launch_ms, inputs, model, sample, gc_ms, allocs)
-
     def _needs_sync(self) -> bool:
         """Penalties read every output token on the host: while such a request runs, each
-        step completes before the next. (A grammar's mask also needs the token before it; the
-        worker waits for that token behind the next forward pass, so grammars keep async
-        scheduling.)"""
-        return any(r.sampling_params.uses_penalties for r in self.scheduler.running)
+        step completes before the next. So do speculative steps: drafts follow a request's
+        last token, and a verified step's tokens decide where the next one starts. (A
+        grammar's mask also needs the token before it; the worker waits for that token behind
+        the next forward pass, so grammars keep async scheduling.)"""
+        inflight = self._inflight[0].chunks if self._inflight else ()
+        return (self._speculating() or any(c.draft_token_ids for c in inflight)
+                or any(r.sampling_params.uses_penalties for r in self.scheduler.running))
+
+    def _speculating(self) -> bool:
+        return self.speculator is not None and self.speculator.active(len(self.scheduler.running))
 
     def _complete(self, out, handle) -> None:
         """Read a launched step's tokens back; apply them; stop what should stop. The outputs
@@ -343,7 +340,9 @@ class EngineCore:
             if req is not None:
                 outputs.append(self._fail_request(req, why))
         updated = self.scheduler.apply_results(out, result.token_ids)
-        self.num_generation_tokens += len(updated)
+        if self.speculator is not None:
+            self.speculator.record(out.chunks, result.token_ids)
+        self.num_generation_tokens += sum(len(result.token_ids[r.request_id]) for r in updated)
         now = time.monotonic()
         for req in updated:
             try:
@@ -358,17 +357,26 @@ class EngineCore:
         if self._faults and "request" in self._faults.get(req.request_id, ()):
             faults.fail("request", req.request_id)
         lp = result.logprobs.get(req.request_id)
-        o = TokenOutput(req.request_id, list(result.token_ids[req.request_id]), [lp] if lp else [],
+        new = result.token_ids[req.request_id]
+        o = TokenOutput(req.request_id, list(new), [lp] if lp else [],
                         num_prompt_tokens=req.num_prompt_tokens,
                         num_cached_tokens=req.num_cached_tokens)
         if req.first_token_time is None:
             req.first_token_time = now
             scheduled = req.first_scheduled_time or now
             o.queue_s, o.prefill_s = scheduled - req.arrival_time, now - scheduled
-        num_known = len(req.token_ids)  # the state as of this token (later ones may be pending)
-        stop = check_stop(req.sampling_params, req.token_ids[-1], num_known - req.num_prompt_tokens,
-                          num_known, req.max_tokens, self.scheduler_config.max_model_len,
-                          req.eos_token_ids)
+        # the state as of each new token (later ones may be pending); a speculative step's
+        # tokens after the one that stops are dropped
+        first = len(req.token_ids) - len(new)
+        stop = None
+        for i, token in enumerate(new):
+            num_known = first + i + 1
+            stop = check_stop(req.sampling_params, token, num_known - req.num_prompt_tokens,
+                              num_known, req.max_tokens, self.scheduler_config.max_model_len,
+                              req.eos_token_ids)
+            if stop is not None:
+                del req.token_ids[num_known:], o.new_token_ids[i + 1:]
+                break
         if stop is None and req.request_id in result.grammar_done:
             stop = ("stop", None)  # its grammar is complete: nothing may follow (even with ignore_eos)
         if stop is not None:

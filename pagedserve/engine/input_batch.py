@@ -30,9 +30,12 @@ class StepArrays:
     query_start_loc: np.ndarray  # [S + 1] int64
     seq_lens: np.ndarray  # [S] int64, context length including this step's tokens
     tables: np.ndarray  # [S, widest table] int32 block tables
-    logits_idx: np.ndarray  # [N] int64: the token whose logits each sampling sequence needs
+    # [R] int64: the tokens whose logits are needed: each sampling sequence's last token,
+    # preceded by the positions of its draft tokens' inputs (R = N + all drafts)
+    logits_idx: np.ndarray
     sample_rows: list[int]  # the N sequences that sample, in order
     max_query_len: int
+    num_drafts: list[int] | None = None  # [N] draft tokens of each sampling sequence (None: none)
 
     @property
     def num_tokens(self) -> int:
@@ -52,7 +55,8 @@ def pack_step(chunks, token_ids: list[list[int]], prev_rows: dict[str, int],
     """Flatten a step's chunks (`ScheduledChunk`s; token_ids[i]: the known tokens of chunk
     i's request) into arrays, vectorised except for one loop over sequences. A chunk whose
     last input token is still pending (sampled by the previous step, not yet read back) gets
-    id 0 and the row of its request in the previous step's samples."""
+    id 0 and the row of its request in the previous step's samples. A chunk's draft tokens
+    follow its known ones, and each of their positions' logits is needed too."""
     bs = block_size
     n = len(chunks)
     q_lens = np.fromiter((c.num_tokens for c in chunks), dtype=np.int64, count=n)
@@ -63,19 +67,33 @@ def pack_step(chunks, token_ids: list[list[int]], prev_rows: dict[str, int],
     ids = np.zeros(total, dtype=np.int64)
     src = np.full(total, -1, dtype=np.int64)
     tables = np.zeros((n, max(len(c.block_ids) for c in chunks)), dtype=np.int32)
+    any_drafts = False
     for i, (chunk, toks) in enumerate(zip(chunks, token_ids)):
         s = int(cu[i])
-        known = toks[chunk.start : chunk.start + chunk.num_tokens]
+        drafts = chunk.draft_token_ids
+        new = chunk.num_tokens - len(drafts)
+        known = toks[chunk.start : chunk.start + new]
         ids[s : s + len(known)] = known
-        if len(known) < chunk.num_tokens:  # the last input token is still on the device
-            src[s + chunk.num_tokens - 1] = prev_rows[chunk.request_id]
+        if len(known) < new:  # the last input token is still on the device
+            src[s + new - 1] = prev_rows[chunk.request_id]
+        if drafts:
+            ids[s + new : s + chunk.num_tokens] = drafts
+            any_drafts = True
         tables[i, : len(chunk.block_ids)] = chunk.block_ids
     positions = np.repeat(starts - cu[:-1], q_lens) + np.arange(total)
     row_of_token = np.repeat(np.arange(n), q_lens)
     slots = tables[row_of_token, positions // bs].astype(np.int64) * bs + positions % bs
     sample_rows = [i for i, c in enumerate(chunks) if c.samples]
+    logits_idx = cu[1:][sample_rows] - 1
+    num_drafts = None
+    if any_drafts:
+        num_drafts = [len(chunks[i].draft_token_ids) for i in sample_rows]
+        counts = np.asarray(num_drafts, dtype=np.int64) + 1
+        # each sequence's last count tokens: end - count + 0 .. end - count + (count - 1)
+        offsets = np.arange(int(counts.sum())) - np.repeat(np.cumsum(counts) - counts, counts)
+        logits_idx = np.repeat(logits_idx + 1 - counts, counts) + offsets
     return StepArrays(ids, positions, slots, src, cu, starts + q_lens, tables,
-                      cu[1:][sample_rows] - 1, sample_rows, int(q_lens.max()))
+                      logits_idx, sample_rows, int(q_lens.max()), num_drafts)
 
 
 def _aligned(n: int) -> int:
@@ -86,8 +104,8 @@ class SeqLayout:
     """Offsets of the per-sequence int32 fields inside one flat buffer (one copy per step):
     the common ones, then the attention backend's (`AttentionBackend.step_fields`)."""
 
-    def __init__(self, max_seqs: int, backend_fields: dict[str, int]) -> None:
-        sizes = {"query_start_loc": max_seqs + 1, "seq_lens": max_seqs, "logits_idx": max_seqs,
+    def __init__(self, max_seqs: int, backend_fields: dict[str, int], max_logits: int | None = None) -> None:
+        sizes = {"query_start_loc": max_seqs + 1, "seq_lens": max_seqs, "logits_idx": max_logits or max_seqs,
                  **backend_fields}
         self.offsets: dict[str, tuple[int, int]] = {}  # name -> (start, length)
         at = 0
@@ -130,13 +148,15 @@ def pack_inputs(a: StepArrays, bucket: int, key: GraphKey | None, layout: SeqLay
 
 class StepBuffers:
     """The device step buffers (fixed addresses): token rows for up to `max_tokens` tokens,
-    the int32 field buffer, block tables [max_seqs, max_blocks]."""
+    the int32 field buffer, block tables [max_seqs, max_blocks]. `max_drafts`: the most
+    speculative tokens a sequence carries (each adds a row of logits)."""
 
     def __init__(self, backend: AttentionBackend, max_tokens: int, max_seqs: int, max_blocks: int,
-                 device: torch.device) -> None:
+                 device: torch.device, max_drafts: int = 0) -> None:
         self.backend, self.device = backend, device
         self.max_tokens, self.max_seqs, self.max_blocks = max_tokens, max_seqs, max_blocks
-        self.layout = SeqLayout(max_seqs, backend.step_fields(max_tokens, max_seqs))
+        self.layout = SeqLayout(max_seqs, backend.step_fields(max_tokens, max_seqs),
+                                min(max_seqs * (1 + max_drafts), max(max_tokens, max_seqs)))
         # For a step of n tokens the token rows live at tokens[:4 * n] viewed as [4, n]: one
         # copy of exactly the step's inputs, at the same addresses in every replay.
         self.tokens = torch.zeros(4 * max_tokens, dtype=torch.long, device=device)

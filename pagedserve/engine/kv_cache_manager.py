@@ -220,6 +220,20 @@ class KVCacheManager:
             if block.ref_count == 0:
                 self._free[b] = None
 
+    def trim(self, request_id: str, num_tokens: int) -> None:
+        """Give back the request's blocks past its first `num_tokens` tokens (the slots of
+        rejected speculative tokens). They hold no registered prefix, so they go to the front
+        of the free pool."""
+        state = self._reqs[request_id]
+        keep = max(self.blocks_needed(num_tokens), len(state.block_hashes))
+        while len(state.block_ids) > keep:
+            b = state.block_ids.pop()
+            block = self.blocks[b]
+            block.ref_count -= 1
+            if block.ref_count == 0:
+                self._free[b] = None
+                self._free.move_to_end(b, last=False)
+
     def reset_prefix_cache(self) -> None:
         """Forget every cached hash (e.g. after weights change)."""
         for b in self._free:

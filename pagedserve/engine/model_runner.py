@@ -12,8 +12,9 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
 from pagedserve.attention.backend import AttentionBackend, AttentionContext
@@ -26,6 +27,7 @@ from pagedserve.engine.scheduler import NewRequestData, ScheduledChunk, Schedule
 from pagedserve.layers.sampler import Sampler, SamplingBatch
 from pagedserve.models.llama import LlamaForCausalLM
 from pagedserve.sampling_params import SamplingParams
+from pagedserve.spec_decode.verify import verify_drafts
 from pagedserve.structured.backend import GrammarMatcher
 
 
@@ -80,11 +82,13 @@ class StepHandle:
     step launched after it.
     """
 
-    reqs: list
+    reqs: list  # the requests that sampled one token (no drafts)
     token_ids: torch.Tensor | None  # [N] int64 (the device tensor; the next step reads it)
     # (tokens [N] with -1 in rows whose logits were not finite, logprobs [N, 1+k] | None,
     #  ids [N, 1+k] | None)
     host: tuple | None = None
+    spec_reqs: list = field(default_factory=list)  # the requests whose drafts were verified
+    spec_host: torch.Tensor | None = None  # their tokens [Ns, k + 1] (see verify_drafts)
     ready: torch.cuda.Event | None = None
     result: StepResult | None = None  # once read back (by collect, or by the next step's grammar)
 
@@ -101,7 +105,7 @@ class ModelRunner:
     the logits of the rows that sample, and samples on the device."""
 
     def __init__(self, model: LlamaForCausalLM, backend: AttentionBackend, spec: KVCacheSpec,
-                 num_blocks: int, sampler: Sampler, limits: SchedulerConfig) -> None:
+                 num_blocks: int, sampler: Sampler, limits: SchedulerConfig, max_drafts: int = 0) -> None:
         cfg = model.config
         self.model = model
         self.backend = backend
@@ -114,7 +118,7 @@ class ModelRunner:
         backend.bind_kv_caches(self.kv_caches, self.kv_scales)
         self.sampler = sampler
         self.buffers = StepBuffers(backend, limits.max_num_batched_tokens, limits.max_num_seqs,
-                                   -(-limits.max_model_len // spec.block_size), self.device)
+                                   -(-limits.max_model_len // spec.block_size), self.device, max_drafts)
         self.graphs: GraphRunner | None = None  # once enable_cuda_graphs() ran
         self.last_launch_ms = (0.0, 0.0, 0.0)  # see execute()
         self._prev_tokens: torch.Tensor | None = None  # the last launched step's samples [N]
@@ -206,15 +210,19 @@ class ModelRunner:
             hidden = self.forward_eager(a, noted)
         t_forward = time.perf_counter()
         handle = StepHandle(reqs, None)
+        sample_rows = a.sample_rows
+        logits = self.model.compute_logits(hidden) if reqs else None  # [R, vocab]
+        if a.num_drafts is not None:  # the requests with drafts are verified apart
+            logits, reqs, sample_rows = self._verify(logits, a, out.chunks, states, handle)
+            handle.reqs = reqs
         if reqs:
-            logits = self.model.compute_logits(hidden)  # [N, vocab]
             params = [r.sampling_params for r in reqs]
             # Token lists only for penalties (then the engine runs in sync, so none is
             # pending); otherwise just the counts of outputs before this sample.
             penalties = any(p.uses_penalties for p in params)
             # outputs before this sample: the sequence through the sampling chunk, less the prompt
             num_outputs = [c.start + c.num_tokens - len(r.prompt_token_ids)
-                           for c, r in ((out.chunks[i], states[i]) for i in a.sample_rows)]
+                           for c, r in ((out.chunks[i], states[i]) for i in sample_rows)]
             batch = SamplingBatch.build(
                 params,
                 [r.generator for r in reqs],
@@ -238,16 +246,15 @@ class ModelRunner:
                 self.grammar_seconds[0] += t_fill - t_wait
                 self.grammar_seconds[1] += time.perf_counter() - t_fill
             result = self.sampler(logits, batch)
-            handle = StepHandle(reqs, result.token_ids)
+            handle.reqs, handle.token_ids = reqs, result.token_ids
             # Rows with NaN or Inf logits reach the host as token -1; the device copy the next
             # step reads keeps the sampled ids, which are always in range.
-            outs = (result.checked_token_ids, result.logprobs, result.logprob_token_ids)
-            if self.device.type == "cuda":
-                handle.host = tuple(None if t is None else _to_pinned_async(t) for t in outs)
-                handle.ready = torch.cuda.Event()
-                handle.ready.record()
-            else:
-                handle.host = outs
+            handle.host = (result.checked_token_ids, result.logprobs, result.logprob_token_ids)
+        if (handle.host is not None or handle.spec_reqs) and self.device.type == "cuda":
+            handle.host = tuple(None if t is None else _to_pinned_async(t) for t in handle.host or ())
+            handle.spec_host = None if handle.spec_host is None else _to_pinned_async(handle.spec_host)
+            handle.ready = torch.cuda.Event()
+            handle.ready.record()
         self._prev_tokens = handle.token_ids
         self._prev_rows = {r.request_id: i for i, r in enumerate(reqs)}
         self._prev_handle = handle
@@ -255,6 +262,25 @@ class ModelRunner:
         # host ms of this launch: inputs, model, logits + sampling
         self.last_launch_ms = ((t_prepared - t0) * 1e3, (t_forward - t_prepared) * 1e3, (t_end - t_forward) * 1e3)
         return handle
+
+    def _verify(self, logits: torch.Tensor, a: StepArrays, chunks: list[ScheduledChunk],
+                states: list[CachedRequest], handle: StepHandle):
+        """Verify the drafts of the sampling sequences that carry some (their tokens go to
+        `handle`); returns the logits [N1, V], requests and chunk rows of the others."""
+        ends = np.cumsum([d + 1 for d in a.num_drafts]) - 1  # each sequence's last logits row
+        plain = [i for i, d in enumerate(a.num_drafts) if d == 0]
+        spec = [i for i, d in enumerate(a.num_drafts) if d > 0]
+        spec_logits = [r for i in spec for r in range(ends[i] - a.num_drafts[i], ends[i] + 1)]
+        rows = [a.sample_rows[i] for i in spec]
+        handle.spec_reqs = [states[i] for i in rows]
+        handle.spec_host = verify_drafts(
+            self.sampler, logits.index_select(0, torch.tensor(spec_logits, device=self.device)),
+            [r.sampling_params for r in handle.spec_reqs], [chunks[i].draft_token_ids for i in rows],
+            [chunks[i].start + 1 - len(states[i].prompt_token_ids) for i in rows],
+            self.model.config.eos_token_ids)
+        sample_rows = [a.sample_rows[i] for i in plain]
+        plain_logits = logits.index_select(0, torch.tensor(ends[plain], device=self.device))
+        return plain_logits, [states[i] for i in sample_rows], sample_rows
 
     def collect(self, handle: StepHandle) -> StepResult:
         """Wait for a step's sampled tokens and bring them to the host; each request that
@@ -269,21 +295,27 @@ class ModelRunner:
         return handle.result
 
     def _results(self, handle: StepHandle) -> StepResult:
-        if not handle.reqs:
+        if not handle.reqs and not handle.spec_reqs:
             return StepResult({}, {})
         reqs = handle.reqs
         if handle.ready is not None:
             handle.ready.synchronize()
-        tokens_t, logprobs_t, logprob_ids_t = handle.host
-        tokens = tokens_t.tolist()
+        tokens_t, logprobs_t, logprob_ids_t = handle.host or (None, None, None)
+        tokens = tokens_t.tolist() if reqs else []
         token_ids = {r.request_id: [t] for r, t in zip(reqs, tokens)}
         non_finite = []
-        if min(tokens) < 0:
+        if reqs and min(tokens) < 0:
             non_finite = [r.request_id for r, t in zip(reqs, tokens) if t < 0]
             for rid in non_finite:
                 del token_ids[rid]
+        for r, row in zip(handle.spec_reqs, handle.spec_host.tolist() if handle.spec_reqs else ()):
+            if row[0] < 0:
+                non_finite.append(r.request_id)
+            else:
+                token_ids[r.request_id] = [t for t in row if t >= 0]
         grammar_done: list[str] = []
-        held = [r for r in reqs if r.request_id in token_ids and self.requests.get(r.request_id) is r]
+        held = [r for r in reqs + handle.spec_reqs
+                if r.request_id in token_ids and self.requests.get(r.request_id) is r]
         failed: dict[str, str] = {r.request_id: why for r in held
                   if (why := self._mask_failed.pop(r.request_id, None)) is not None}
         # Each grammar's first new token in one call (see XGrammarMatcher)

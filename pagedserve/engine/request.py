@@ -46,6 +46,9 @@ class Request:
     # concurrent.futures.Future of its compiled structured-output grammar (None: unconstrained);
     # the scheduler admits the request once it is done
     grammar: Any = None
+    # speculative tokens proposed for its next step (the engine core sets them; the
+    # scheduler sends them with its next decode and clears them)
+    draft_token_ids: list[int] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         self.token_ids = list(self.prompt_token_ids)

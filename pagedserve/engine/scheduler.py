@@ -38,7 +38,9 @@ class ScheduledChunk:
     `block_ids` is the request's block table. `samples` is True when the chunk reaches the
     request's last token, so its logits give a new token; `is_decode` when it is one new
     token after the prompt (a prompt's last single-token chunk is not one). Both are decided
-    when scheduled.
+    when scheduled. A decode may carry speculative `draft_token_ids`: they are the chunk's
+    last tokens (counted in num_tokens), verified by the step, which then emits from one to
+    len(draft_token_ids) + 1 tokens.
     """
 
     request_id: str
@@ -47,6 +49,7 @@ class ScheduledChunk:
     block_ids: list[int] = field(default_factory=list)
     samples: bool = False
     is_decode: bool = False
+    draft_token_ids: list[int] = field(default_factory=list)
 
 
 @dataclass
@@ -136,16 +139,27 @@ class Scheduler:
         while i < len(self.running) and budget > 0:
             req = self.running[i]
             n = min(req.num_tokens - req.num_computed_tokens, budget)
+            drafts, req.draft_token_ids = req.draft_token_ids, []
             if n <= 0 or self._reached_length(req):
                 i += 1  # its last token is still pending: it finishes when that resolves
                 continue
+            if drafts and n == 1 and not req.num_pending:  # a decode whose input token is known:
+                # its drafts ride along where budget and blocks allow
+                drafts = drafts[: budget - 1]
+                if self.kv.allocate(req.request_id, req.num_computed_tokens + 1 + len(drafts)):
+                    n += len(drafts)
+                else:
+                    drafts = []
+            else:
+                drafts = []
             while not self.kv.allocate(req.request_id, req.num_computed_tokens + n):
                 victim = self._pick_victim(exclude=scheduled)
                 self._preempt(victim, out)
                 if victim is req:
                     break
             else:
-                out.chunks.append(ScheduledChunk(req.request_id, req.num_computed_tokens, n))
+                out.chunks.append(ScheduledChunk(req.request_id, req.num_computed_tokens, n,
+                                                 draft_token_ids=drafts))
                 reqs.append(req)
                 scheduled.add(id(req))
                 budget -= n
@@ -202,12 +216,13 @@ class Scheduler:
 
     def _mark_scheduled(self, out: SchedulerOutput, reqs: list[Request]) -> None:
         """Advance each request as if the step already ran: its chunk's tokens count as
-        computed, and a sampling chunk leaves one pending token. Fill in each chunk's
-        block table and kind."""
+        computed (drafts too, until `apply_results` knows how many were right), and a
+        sampling chunk leaves one pending token. Fill in each chunk's block table and kind."""
         for chunk, req in zip(out.chunks, reqs):
             chunk.block_ids = self.kv.block_ids(req.request_id)
-            chunk.is_decode = chunk.num_tokens == 1 and chunk.start >= req.num_prompt_tokens
-            chunk.samples = chunk.start + chunk.num_tokens == req.num_tokens
+            new = chunk.num_tokens - len(chunk.draft_token_ids)
+            chunk.is_decode = new == 1 and chunk.start >= req.num_prompt_tokens
+            chunk.samples = chunk.start + new == req.num_tokens
             req.num_computed_tokens = chunk.start + chunk.num_tokens
             if chunk.samples:
                 req.num_pending += 1
@@ -222,6 +237,7 @@ class Scheduler:
         self.running.remove(req)
         self.kv.free(req.request_id)
         req.num_computed_tokens = 0
+        req.draft_token_ids = []
         req.num_preemptions += 1
         self.num_preemptions += 1
         req.status = RequestStatus.PREEMPTED
@@ -235,7 +251,9 @@ class Scheduler:
         sampled); return the unfinished requests that got some.
 
         Requests finished or aborted since the step was scheduled are skipped; preempted ones
-        still get their token (it was computed from the right context).
+        still get their token (it was computed from the right context). A chunk with drafts
+        keeps the KV of the drafts that were right: its computed tokens become all but the
+        last new one, and the blocks past them go back.
         """
         got_token = []
         for chunk, req in zip(out.chunks, self.drop(out)):
@@ -243,6 +261,9 @@ class Scheduler:
                 continue
             req.token_ids.extend(sampled[req.request_id])
             req.num_pending -= 1
+            if chunk.draft_token_ids and req.status == RequestStatus.RUNNING:
+                req.num_computed_tokens = len(req.token_ids) - 1
+                self.kv.trim(req.request_id, len(req.token_ids))
             if req.status == RequestStatus.RUNNING:
                 known = min(req.num_computed_tokens, len(req.token_ids))
                 self.kv.cache_computed_blocks(req.request_id, req.token_ids, known)

@@ -4,10 +4,13 @@ and the clocks a slow step is explained by (garbage collection, CUDA allocator c
 from __future__ import annotations
 
 import gc
+import logging
 import time
 from collections import defaultdict
 
 import torch
+
+logger = logging.getLogger("pagedserve")
 
 
 class StepTimer:
@@ -66,3 +69,23 @@ def allocator_counts() -> dict[str, int]:
     if host is not None:
         counts["num_host_alloc"] = int(host().get("num_host_alloc", 0))
     return counts
+
+
+def log_slow_step(ms: float, chunks: list, schedule_ms: float, launch_ms: float,
+                  last_launch_ms: tuple[float, float, float], gc_ms: float,
+                  allocs0: dict[str, int] | None) -> None:
+    """A warning that explains a slow engine step: what it scheduled (`ScheduledChunk`s), the
+    host's phases (`last_launch_ms`: inputs, model, logits and sampling), the garbage
+    collector's pause and the allocator calls since `allocs0` (`allocator_counts`)."""
+    decodes = sum(1 for c in chunks if c.is_decode)
+    inputs, model, sample = last_launch_ms
+    allocs = ""
+    if allocs0:  # what the CUDA memory allocators had to do during the step
+        now = allocator_counts()
+        allocs = "; allocator: " + ", ".join(f"{k} {now[k] - allocs0.get(k, 0)}" for k in now)
+    logger.warning("slow engine step: %.0f ms to schedule %d decodes and %d other chunks "
+                   "(%d tokens); it also waited for the previous step (scheduling %.0f ms, "
+                   "launching %.0f ms: inputs %.0f, model %.0f, logits and sampling %.0f; then "
+                   "waiting for and applying the previous step; Python's garbage collector "
+                   "%.0f ms%s)", ms, decodes, len(chunks) - decodes, sum(c.num_tokens for c in chunks),
+                   schedule_ms, launch_ms, inputs, model, sample, gc_ms, allocs)

@@ -308,16 +308,7 @@ class Sampler:
             token_ids = sample_with_temperature(logits, batch.temperature,
                                                 self._seed + self._fused_calls, checked=checked)
         else:
-            if batch.need_penalties:
-                logits = apply_penalties(logits, batch)
-            if batch.bias is not None:
-                rows, ids, values = batch.bias
-                logits = logits.index_put((rows, ids), values, accumulate=True)
-            if batch.ban_rows is not None:
-                neg_inf = logits.new_full((), float("-inf"))
-                logits = logits.index_put((batch.ban_rows, batch.ban_token_ids), neg_inf)
-            if batch.allowed_token_mask is not None:
-                logits = apply_token_bitmask(logits, batch.allowed_token_mask)
+            logits = self._constrain(logits, batch)
             # [N] int64
             token_ids = logits.argmax(dim=-1) if batch.all_greedy else self._sample(logits, batch)
             checked = check_finite(raw_logits, token_ids)
@@ -327,11 +318,43 @@ class Sampler:
         return SamplerOutput(token_ids=token_ids, checked_token_ids=checked, logprobs=logprobs,
                              logprob_token_ids=ids)
 
+    def target_probs(self, logits: Tensor, batch: SamplingBatch) -> Tensor:
+        """[N, V] float32: the distribution each row's token would be drawn from (penalties,
+        logit_bias, bans, the allowed-token mask, temperature, top-k, top-p and min-p
+        applied; normalised), one-hot at the argmax in greedy rows. Speculative decoding's
+        verify pass draws from it (`spec_decode/verify.py`)."""
+        assert logits.shape == (batch.num_rows, batch.vocab_size), (logits.shape, batch.num_rows)
+        logits = self._constrain(logits.float(), batch)
+        one_hot = torch.zeros_like(logits).scatter_(1, logits.argmax(dim=-1, keepdim=True), 1.0)
+        if batch.all_greedy:
+            return one_hot
+        probs = self._probs(logits, batch)
+        probs = probs / probs.sum(dim=-1, keepdim=True)
+        assert batch.temperature is not None
+        return torch.where((batch.temperature == 0).unsqueeze(1), one_hot, probs)
+
     @staticmethod
-    def _sample(logits: Tensor, batch: SamplingBatch) -> Tensor:
+    def _constrain(logits: Tensor, batch: SamplingBatch) -> Tensor:
+        """Penalties, logit_bias, min_tokens bans and the allowed-token mask on float32
+        logits [N, V] (a new tensor where any applies)."""
+        if batch.need_penalties:
+            logits = apply_penalties(logits, batch)
+        if batch.bias is not None:
+            rows, ids, values = batch.bias
+            logits = logits.index_put((rows, ids), values, accumulate=True)
+        if batch.ban_rows is not None:
+            neg_inf = logits.new_full((), float("-inf"))
+            logits = logits.index_put((batch.ban_rows, batch.ban_token_ids), neg_inf)
+        if batch.allowed_token_mask is not None:
+            logits = apply_token_bitmask(logits, batch.allowed_token_mask)
+        return logits
+
+    @staticmethod
+    def _probs(logits: Tensor, batch: SamplingBatch) -> Tensor:
+        """[N, V] unnormalised probabilities of the random rows (temperature, top-k, top-p,
+        min-p); greedy rows get temperature 1 (their value is not used)."""
         assert batch.temperature is not None and batch.min_p is not None
-        greedy_rows = batch.temperature == 0  # [N] bool
-        temperature = batch.temperature.masked_fill(greedy_rows, 1.0).unsqueeze(1)  # [N, 1]
+        temperature = batch.temperature.masked_fill(batch.temperature == 0, 1.0).unsqueeze(1)  # [N, 1]
         scaled = logits / temperature  # [N, V]
         if batch.need_top_k_top_p:
             scaled = apply_top_k_top_p(scaled, batch)
@@ -339,10 +362,16 @@ class Sampler:
         if batch.need_min_p:
             floor = batch.min_p.unsqueeze(1) * probs.amax(dim=-1, keepdim=True)  # [N, 1]
             probs = probs.masked_fill(probs < floor, 0.0)
+        return probs
+
+    @classmethod
+    def _sample(cls, logits: Tensor, batch: SamplingBatch) -> Tensor:
+        probs = cls._probs(logits, batch)
         sampled = (probs / _exponential_noise(probs, batch)).argmax(dim=-1)  # [N]
         if batch.all_random:
             return sampled
-        return torch.where(greedy_rows, logits.argmax(dim=-1), sampled)
+        assert batch.temperature is not None
+        return torch.where(batch.temperature == 0, logits.argmax(dim=-1), sampled)
 
     @staticmethod
     def _logprobs(raw_logits: Tensor, token_ids: Tensor, k: int) -> tuple[Tensor, Tensor]:

@@ -9,7 +9,7 @@ import hmac
 import logging
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
@@ -202,7 +202,9 @@ def create_app(settings: ServerSettings, core: SpawnedCore | None = None) -> Fas
                 "sampling_defaults": server.sampling_defaults,
                 # pagedserve's own fields, as sampling_defaults: the number formats it serves in
                 "quantization": settings.engine.quantization,
-                "kv_cache_dtype": settings.engine.cache.kv_cache_dtype}
+                "kv_cache_dtype": settings.engine.cache.kv_cache_dtype,
+                "speculative_config": (None if settings.engine.speculative is None
+                                       else asdict(settings.engine.speculative))}
 
     @app.get("/v1/models")
     async def list_models():

@@ -1,4 +1,5 @@
-"""Speculative decoding's building blocks (issue 27): the n-gram prompt-lookup proposer
-(`ngram.py`, torch-free) and the rejection sampler that keeps the target model's
-distribution (`rejection.py`). Not wired into the engine yet: no flag turns them on.
+"""Speculative decoding (`--speculative-config`): the n-gram prompt-lookup proposer
+(`ngram.py`, torch-free), its configuration (`config.py`), and the verify pass's sampling
+(`rejection.py`: the rejection sampler that keeps the target model's distribution;
+`verify.py`: the target distributions of a step's draft positions).
 """

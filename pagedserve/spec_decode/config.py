@@ -1,0 +1,77 @@
+"""`--speculative-config`: vLLM's JSON, checked once into a frozen `SpeculativeConfig`
+(torch-free; the engine core builds its proposer from it)."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from typing import Any
+
+METHODS = ("ngram",)  # built; "draft_model" is refused with a message until it is
+_KEYS = {"method", "num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min",
+         "disable_by_batch_size", "model"}
+# Running requests above which no step speculates (the verify pass then costs more than it
+# saves: a batch that large already reads the weights once for many tokens). The figure is
+# measured: docs/performance.md, "Speculative decoding".
+DEFAULT_DISABLE_BY_BATCH_SIZE = 32
+
+
+@dataclass(frozen=True)
+class SpeculativeConfig:
+    """How the engine guesses tokens ahead and verifies them in one pass.
+
+    `num_speculative_tokens` (k): the most draft tokens a request gets per step;
+    `prompt_lookup_max` / `prompt_lookup_min`: the n-gram lengths tried (`spec_decode/ngram.py`);
+    `disable_by_batch_size`: with more running requests than this, steps do not speculate."""
+
+    method: str = "ngram"
+    num_speculative_tokens: int = 4
+    prompt_lookup_max: int = 4
+    prompt_lookup_min: int = 1
+    disable_by_batch_size: int = DEFAULT_DISABLE_BY_BATCH_SIZE
+
+    def __post_init__(self) -> None:
+        if self.method not in METHODS:
+            raise ValueError(f"speculative method {self.method!r} is not supported; choose one of "
+                             f"{', '.join(METHODS)}")
+        if not 1 <= self.num_speculative_tokens <= 16:
+            raise ValueError("speculative num_speculative_tokens must be in [1, 16], got "
+                             f"{self.num_speculative_tokens}")
+        if not 1 <= self.prompt_lookup_min <= self.prompt_lookup_max:
+            raise ValueError("speculative prompt_lookup_min and prompt_lookup_max must satisfy "
+                             f"1 <= min <= max, got {self.prompt_lookup_min} and {self.prompt_lookup_max}")
+        if self.disable_by_batch_size < 1:
+            raise ValueError(f"speculative disable_by_batch_size must be at least 1, got "
+                             f"{self.disable_by_batch_size}")
+
+    @classmethod
+    def parse(cls, value: str | dict[str, Any] | SpeculativeConfig | None) -> SpeculativeConfig | None:
+        """From vLLM's JSON (a string or a dict); None stays None. ValueError names the
+        field at fault."""
+        if value is None or isinstance(value, SpeculativeConfig):
+            return value
+        if isinstance(value, str):
+            try:
+                value = json.loads(value)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"speculative config is not JSON ({e.msg}); e.g. "
+                                 '\'{"method": "ngram", "num_speculative_tokens": 4}\'') from None
+        if not isinstance(value, dict):
+            raise ValueError("speculative config must be a JSON object, e.g. "
+                             '{"method": "ngram", "num_speculative_tokens": 4}')
+        unknown = sorted(set(value) - _KEYS)
+        if unknown:
+            raise ValueError(f"speculative config: unknown field(s) {', '.join(unknown)}; known: "
+                             f"{', '.join(sorted(_KEYS))}")
+        method = value.get("method")
+        if method is None:
+            raise ValueError('speculative config needs "method" (e.g. "ngram")')
+        if method == "draft_model":
+            raise ValueError('speculative method "draft_model" is not built yet; use '
+                             '{"method": "ngram", ...}')
+        if "model" in value:
+            raise ValueError('speculative config: "model" applies to method "draft_model" only')
+        for key in value.keys() - {"method"}:
+            if not isinstance(value[key], int) or isinstance(value[key], bool):
+                raise ValueError(f"speculative config: {key} must be a whole number, got {value[key]!r}")
+        return cls(**value)

@@ -1,0 +1,77 @@
+"""The engine core's side of speculative decoding (torch-free): before each step it proposes
+draft tokens for the running requests that can take them, and after it counts how many the
+target model kept.
+
+A request gets drafts only while its tokens are all on the host (the core runs speculative
+steps in sync), it is decoding (one new token to compute), and its sampling needs nothing
+that depends on the tokens before each verified position beyond the count of outputs:
+requests with penalties, a grammar, logprobs or a seed of their own decode one token a
+step as without speculation. Drafts never take a request past max_tokens or max_model_len.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+from pagedserve.engine.request import Request
+from pagedserve.sampling_params import SamplingParams
+from pagedserve.spec_decode.config import SpeculativeConfig
+from pagedserve.spec_decode.ngram import NgramProposer
+
+
+def can_speculate(params: SamplingParams) -> bool:
+    """Whether a request with these parameters may get draft tokens."""
+    return not (params.uses_penalties or params.structured_outputs is not None
+                or params.logprobs is not None or params.seed is not None)
+
+
+class Speculator:
+    """Proposes drafts (`propose`) and keeps the acceptance counters (`record`)."""
+
+    def __init__(self, config: SpeculativeConfig, max_model_len: int) -> None:
+        self.config = config
+        self.max_model_len = max_model_len
+        self.proposer = NgramProposer(config.num_speculative_tokens, config.prompt_lookup_max,
+                                      config.prompt_lookup_min)
+        self.reset_stats()
+
+    def reset_stats(self) -> None:
+        self.num_drafts = 0  # cumulative: steps of a request that carried drafts
+        self.num_draft_tokens = 0  # cumulative: draft tokens verified
+        self.num_accepted_tokens = 0  # cumulative: draft tokens the target kept
+
+    def active(self, num_running: int) -> bool:
+        """Whether this step may speculate (`disable_by_batch_size`)."""
+        return 0 < num_running <= self.config.disable_by_batch_size
+
+    def propose(self, running: Iterable[Request]) -> None:
+        """Set `draft_token_ids` of each running request that can take drafts this step."""
+        k = self.config.num_speculative_tokens
+        for req in running:
+            if (req.num_pending or req.num_tokens - req.num_computed_tokens != 1
+                    or not can_speculate(req.sampling_params)):
+                continue
+            # every draft kept and the bonus token: len(drafts) + 1 new tokens at most
+            room = min(k, req.max_tokens - req.num_output_tokens - 1,
+                       self.max_model_len - req.num_tokens - 1)
+            if room > 0:
+                req.draft_token_ids = self.proposer.propose(req.token_ids)[:room]
+
+    def record(self, chunks: Iterable, token_ids: dict[str, list[int]]) -> None:
+        """Count a finished step's drafts (`ScheduledChunk`s) and the new tokens each
+        request got: all but the last new token are kept drafts."""
+        for chunk in chunks:
+            new = token_ids.get(chunk.request_id)
+            if chunk.draft_token_ids and new:
+                self.num_drafts += 1
+                self.num_draft_tokens += len(chunk.draft_token_ids)
+                self.num_accepted_tokens += len(new) - 1
+
+    @property
+    def acceptance_rate(self) -> float:
+        return self.num_accepted_tokens / self.num_draft_tokens if self.num_draft_tokens else 0.0
+
+    @property
+    def mean_accepted_length(self) -> float:
+        """Tokens per verified step of a request: kept drafts + the target's own one."""
+        return 1 + self.num_accepted_tokens / self.num_drafts if self.num_drafts else 0.0
