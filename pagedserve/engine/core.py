@@ -342,7 +342,6 @@ class EngineCore:
         updated = self.scheduler.apply_results(out, result.token_ids)
         if self.speculator is not None:
             self.speculator.record(out.chunks, result.token_ids)
-        self.num_generation_tokens += sum(len(result.token_ids[r.request_id]) for r in updated)
         now = time.monotonic()
         for req in updated:
             try:
@@ -377,6 +376,7 @@ class EngineCore:
             if stop is not None:
                 del req.token_ids[num_known:], o.new_token_ids[i + 1:]
                 break
+        self.num_generation_tokens += len(o.new_token_ids)
         if stop is None and req.request_id in result.grammar_done:
             stop = ("stop", None)  # its grammar is complete: nothing may follow (even with ignore_eos)
         if stop is not None:

@@ -120,9 +120,10 @@ def _loop(core, inp, out) -> None:
 
 
 def core_stats(core) -> CoreStats:
-    kv, sched = core.kv, core.scheduler
+    kv, sched, spec = core.kv, core.scheduler, core.speculator
     return CoreStats(
         len(sched.running), len(sched.waiting), kv.usage, kv.stats.queries, kv.stats.hits,
         sched.num_preemptions, core.num_prefill_tokens, core.num_generation_tokens,
         core.num_failed_steps, core.num_failed_requests,
+        *((spec.num_drafts, spec.num_draft_tokens, spec.num_accepted_tokens) if spec else ()),
     )

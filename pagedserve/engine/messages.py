@@ -79,6 +79,11 @@ class CoreStats:
     generation_tokens: int  # cumulative sampled tokens
     failed_steps: int = 0  # cumulative steps that raised
     failed_requests: int = 0  # cumulative requests failed inside the engine
+    # speculative decoding (cumulative): a request's steps that carried drafts, the draft
+    # tokens verified, those the target model kept
+    spec_drafts: int = 0
+    spec_draft_tokens: int = 0
+    spec_accepted_tokens: int = 0
 
 
 # ---- socket messages ----------------------------------------------------------------------

@@ -140,6 +140,9 @@ class Metrics:
         self.prompt_tokens = counter("vllm:prompt_tokens", "Number of prefill tokens processed "
                                      "(computed by the engine: prefix-cache hits are not).")
         self.generation_tokens = counter("vllm:generation_tokens", "Number of generation tokens processed.")
+        self.spec_drafts = counter("vllm:spec_decode_num_drafts", "Number of spec decoding drafts.")
+        self.spec_draft_tokens = counter("vllm:spec_decode_num_draft_tokens", "Number of draft tokens.")
+        self.spec_accepted_tokens = counter("vllm:spec_decode_num_accepted_tokens", "Number of accepted tokens.")
         self.requests = Counter("vllm:request_success", "Count of successfully processed requests.",
                                 labels + ["finished_reason"], registry=r)
         for reason in ("stop", "length"):  # present (at 0) from the start, as in vLLM
@@ -177,7 +180,7 @@ class Metrics:
         self.restarts = Counter("pagedserve_engine_restarts", "Engine-core processes started after "
                                 "one died", own, registry=r).labels(model_name)
         self._last = _ZERO
-        self._logged = (time.monotonic(), 0, 0)
+        self._logged = (time.monotonic(), 0, 0, 0, 0, 0)  # (time, prompt, generation, spec counts)
 
     def update(self, stats: CoreStats | None) -> None:
         """Bring gauges and counters up to the core's latest stats (None: no core serving, or
@@ -195,13 +198,16 @@ class Metrics:
         self.prompt_tokens.inc(stats.prompt_tokens_computed - last.prompt_tokens_computed)
         self.generation_tokens.inc(stats.generation_tokens - last.generation_tokens)
         self.step_failures.inc(stats.failed_steps - last.failed_steps)
+        self.spec_drafts.inc(stats.spec_drafts - last.spec_drafts)
+        self.spec_draft_tokens.inc(stats.spec_draft_tokens - last.spec_draft_tokens)
+        self.spec_accepted_tokens.inc(stats.spec_accepted_tokens - last.spec_accepted_tokens)
         self._last = stats
 
     def on_engine_restart(self) -> None:
         """A new engine core serves: its cumulative counts start from zero again."""
         self.restarts.inc()
         self._last = _ZERO
-        self._logged = (time.monotonic(), 0, 0)
+        self._logged = (time.monotonic(), 0, 0, 0, 0, 0)
         self.update(_ZERO)  # gauges back to an empty engine
 
     def on_failure(self, source: str) -> None:
@@ -210,7 +216,8 @@ class Metrics:
     @staticmethod
     def _cumulative(s: CoreStats) -> tuple:
         return (s.prefix_queries, s.prefix_hits, s.num_preemptions, s.prompt_tokens_computed,
-                s.generation_tokens, s.failed_steps, s.failed_requests)
+                s.generation_tokens, s.failed_steps, s.failed_requests, s.spec_drafts,
+                s.spec_draft_tokens, s.spec_accepted_tokens)
 
     def on_finish(self, pending, state: SampleState, now: float) -> None:
         """Record one finished sample (called by the engine client); `now` is when its last
@@ -241,17 +248,24 @@ class Metrics:
         """The periodic status line, or None when nothing happened since the last one."""
         if stats is None:
             return None
-        t0, p0, g0 = self._logged
+        t0, p0, g0, d0, dt0, a0 = self._logged
         now = time.monotonic()
         dp, dg = stats.prompt_tokens_computed - p0, stats.generation_tokens - g0
         if not (dp or dg or stats.num_running or stats.num_waiting):
             return None
         dt = max(now - t0, 1e-6)
-        self._logged = (now, stats.prompt_tokens_computed, stats.generation_tokens)
+        self._logged = (now, stats.prompt_tokens_computed, stats.generation_tokens, stats.spec_drafts,
+                        stats.spec_draft_tokens, stats.spec_accepted_tokens)
         hit = stats.prefix_hits / stats.prefix_queries if stats.prefix_queries else 0.0
-        return (f"prompt throughput: {dp / dt:.1f} tokens/s, generation throughput: {dg / dt:.1f} "
+        line = (f"prompt throughput: {dp / dt:.1f} tokens/s, generation throughput: {dg / dt:.1f} "
                 f"tokens/s, running: {stats.num_running} reqs, waiting: {stats.num_waiting} reqs, "
                 f"KV cache usage: {stats.kv_usage:.1%}, prefix cache hit rate: {hit:.1%}")
+        drafts, draft_tokens = stats.spec_drafts - d0, stats.spec_draft_tokens - dt0
+        if drafts:
+            accepted = stats.spec_accepted_tokens - a0
+            line += (f", speculative decoding: {draft_tokens} draft tokens, {accepted} accepted "
+                     f"({accepted / draft_tokens:.1%}), mean accepted length {1 + accepted / drafts:.2f}")
+        return line
 
 
 async def log_periodically(metrics: Metrics, client, interval: float) -> None:

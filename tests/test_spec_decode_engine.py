@@ -1,0 +1,197 @@
+"""Speculative decoding in the engine (issue 27), on the embedded SmolLM2 (CPU, fp32): with
+n-gram drafts, greedy outputs are token for token those without, across batching, chunked
+prefill, preemption, prefix-cache hits, stop strings and ids, max_tokens; requests that
+cannot take drafts (a seed, logprobs, penalties) are unchanged; the acceptance counters are
+what replaying the proposer over the known output gives; no KV block leaks. The verify
+pass's sampling keeps the target distribution (a small vocabulary, many rows)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from pagedserve import LLM, SamplingParams
+from pagedserve.layers.sampler import Sampler, SamplingBatch
+from pagedserve.spec_decode.config import SpeculativeConfig
+from pagedserve.spec_decode.ngram import NgramProposer
+from pagedserve.spec_decode.verify import verify_drafts
+
+NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 3}
+# (raw prompts: SmolLM2 continues the list, and the code, copying from the prompt)
+QUOTE = "The list: apples, oranges, pears, plums, apples, oranges, pears, plums, apples, oranges,"
+COPY = "Copy the list. List: apples, oranges, pears, plums. Copy: apples,"
+PROMPTS = [
+    QUOTE,
+    COPY,
+    "def add(a, b):\n    return a + b\n\ndef sub(a, b):\n    return a - b\n\ndef mul(a, b):\n",
+    "Say hello.",
+    "One, two, three, four, one, two, three, four, one, two,",
+    "The capital of France is",
+]
+
+
+def _tokens(llm: LLM, prompts, params) -> list[list[int]]:
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    llm.engine.kv.check_integrity(expect_all_free=True)  # every request's blocks came back
+    return [list(o.outputs[0].token_ids) for o in outs]
+
+
+@pytest.fixture(scope="module")
+def engines():
+    kw = dict(max_num_seqs=8, max_num_batched_tokens=64)  # prompts are chunked
+    return LLM(**kw), LLM(speculative_config=NGRAM, **kw)
+
+
+def test_greedy_outputs_are_unchanged_and_drafts_are_kept(engines):
+    base, spec = engines
+    params = SamplingParams(temperature=0, max_tokens=40)
+    want = _tokens(base, PROMPTS, params)
+    s = spec.engine.speculator
+    s.reset_stats()
+    assert _tokens(spec, PROMPTS, params) == want
+    assert s.num_drafts > 0 and 0 < s.num_accepted_tokens <= s.num_draft_tokens
+    # the same once the prompts' blocks are in the prefix cache (second run: hits)
+    hits = spec.engine.kv.stats.hits
+    assert _tokens(spec, PROMPTS, params) == want
+    assert spec.engine.kv.stats.hits > hits
+
+
+def test_stops_inside_a_verified_run_end_the_output_there(engines):
+    base, spec = engines
+    first = _tokens(base, [QUOTE], SamplingParams(temperature=0, max_tokens=30))[0]
+    for params in (
+        SamplingParams(temperature=0, max_tokens=30, stop=["plums, apples"]),
+        SamplingParams(temperature=0, max_tokens=30, stop_token_ids=[first[9]]),
+        *(SamplingParams(temperature=0, max_tokens=m) for m in (1, 2, 7, 13)),
+    ):
+        want = base.generate([QUOTE], params, use_tqdm=False)[0].outputs[0]
+        got = spec.generate([QUOTE], params, use_tqdm=False)[0].outputs[0]
+        assert (got.token_ids, got.text, got.finish_reason) == (want.token_ids, want.text, want.finish_reason)
+    spec.engine.kv.check_integrity(expect_all_free=True)
+
+
+def test_requests_that_take_no_drafts_are_unchanged(engines):
+    base, spec = engines
+    mixed = [SamplingParams(temperature=0, max_tokens=24),
+             SamplingParams(temperature=0.8, seed=7, max_tokens=24),
+             SamplingParams(temperature=0, max_tokens=24, logprobs=2),
+             SamplingParams(temperature=0, max_tokens=24, repetition_penalty=1.3),
+             SamplingParams(temperature=0, max_tokens=24, min_tokens=20)]
+    prompts = [QUOTE] * len(mixed)
+    want = base.generate(prompts, mixed, use_tqdm=False)
+    got = spec.generate(prompts, mixed, use_tqdm=False)
+    for w, g in zip(want, got):
+        assert g.outputs[0].token_ids == w.outputs[0].token_ids
+    want_lp, got_lp = want[2].outputs[0].logprobs, got[2].outputs[0].logprobs
+    assert len(got_lp) == 24 and [d.keys() for d in got_lp] == [d.keys() for d in want_lp]
+    flat = [[v for d in lps for v in d.values()] for lps in (got_lp, want_lp)]
+    assert flat[0] == pytest.approx(flat[1], abs=1e-4)
+    spec.engine.kv.check_integrity(expect_all_free=True)
+
+
+def test_sampled_requests_with_drafts_finish_and_free_their_blocks(engines):
+    _, spec = engines
+    s = spec.engine.speculator
+    s.reset_stats()
+    params = SamplingParams(temperature=0.7, top_p=0.9, top_k=20, max_tokens=32, ignore_eos=True)
+    outs = _tokens(spec, [QUOTE] * 4, params)
+    assert all(len(t) == 32 for t in outs)
+    assert s.num_drafts > 0
+
+
+def test_acceptance_counts_are_what_replaying_the_proposer_gives(engines):
+    base, spec = engines
+    params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+    prompt = spec.get_tokenizer().encode(COPY)
+    out = _tokens(base, [prompt], params)[0]
+    # replay: the first token comes from the prefill; then each step proposes from the known
+    # tokens (no more than fit before max_tokens) and keeps the drafts the output agrees with
+    proposer, k = NgramProposer(4, 3, 1), 4
+    drafts = accepted = steps = 0
+    m = 1
+    while m < len(out):
+        guess = proposer.propose(prompt + out[:m])[: min(k, params.max_tokens - m - 1)]
+        kept = 0
+        while kept < len(guess) and guess[kept] == out[m + kept]:
+            kept += 1
+        if guess:
+            steps, drafts, accepted = steps + 1, drafts + len(guess), accepted + kept
+        m += kept + 1
+    assert 0 < accepted < drafts
+    s = spec.engine.speculator
+    s.reset_stats()
+    gen0 = spec.engine.num_generation_tokens
+    assert _tokens(spec, [prompt], params)[0] == out
+    assert (s.num_drafts, s.num_draft_tokens, s.num_accepted_tokens) == (steps, drafts, accepted)
+    assert spec.engine.num_generation_tokens - gen0 == len(out)
+
+
+def test_preemption_and_recompute_keep_the_outputs():
+    # a cache of 14 blocks for five requests of up to ~100 tokens: they preempt each other
+    kw = dict(max_num_seqs=8, max_num_batched_tokens=64, kv_cache_memory=14 * 16 * 30 * 2 * 3 * 64 * 4)
+    params = SamplingParams(temperature=0, max_tokens=48, ignore_eos=True)
+    want = _tokens(LLM(**kw), PROMPTS, params)
+    spec = LLM(speculative_config=NGRAM, **kw)
+    assert _tokens(spec, PROMPTS, params) == want
+    assert spec.engine.scheduler.num_preemptions > 0
+    assert spec.engine.speculator.num_accepted_tokens > 0
+
+
+def test_no_step_speculates_above_disable_by_batch_size():
+    spec = LLM(max_num_seqs=8, speculative_config={**NGRAM, "disable_by_batch_size": 2})
+    params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+    _tokens(spec, [QUOTE] * 3, params)  # three run together from the first step to the last
+    assert spec.engine.speculator.num_drafts == 0
+    _tokens(spec, [QUOTE] * 2, params)
+    assert spec.engine.speculator.num_drafts > 0
+
+
+def test_the_config_is_vllms_json_and_bad_fields_are_named():
+    assert SpeculativeConfig.parse('{"method": "ngram", "num_speculative_tokens": 3}').num_speculative_tokens == 3
+    assert SpeculativeConfig.parse(None) is None
+    for bad, words in (('{"method": "ngram", "num_speculative_tokens": 0}', "num_speculative_tokens"),
+                       ('{"num_speculative_tokens": 2}', '"method"'),
+                       ('{"method": "eagle"}', "eagle"),
+                       ('{"method": "draft_model", "model": "x"}', "draft_model"),
+                       ('{"method": "ngram", "lookahead": 2}', "lookahead"),
+                       ('{"method": "ngram", "prompt_lookup_min": 3, "prompt_lookup_max": 2}', "prompt_lookup_min"),
+                       ('{"method": "ngram", "num_speculative_tokens": "4"}', "whole number"),
+                       ("ngram", "not JSON")):
+        with pytest.raises(ValueError, match=words):
+            SpeculativeConfig.parse(bad)
+
+
+# ---- the verify pass's sampling ---------------------------------------------------------------
+
+
+def test_verify_greedy_rows_follow_the_argmax_and_bad_rows_are_flagged():
+    logits = torch.tensor([[0., 5, 0, 0], [0, 0, 5, 0], [5, 0, 0, 0],  # request 0: argmax 1, 2, 0
+                           [0, 0, 0, 5], [float("nan"), 0, 0, 0]])  # request 1 (a NaN)
+    greedy = SamplingParams(temperature=0)
+    out = verify_drafts(Sampler(), logits, [greedy, greedy], [[1, 3], [3]], [0, 0], ())
+    assert out.tolist() == [[1, 2, -1], [-1, -1, -1]]  # second draft rejected: the argmax instead
+    # min_tokens bans count the outputs before each position: with min_tokens=2, EOS (token
+    # 2, the argmax at the second position) is banned there after 0 outputs before the
+    # first position, allowed after 1
+    banned = SamplingParams(temperature=0, min_tokens=2)
+    out = verify_drafts(Sampler(), logits[:3], [banned], [[1, 2]], [0], (2,))
+    assert out.tolist() == [[1, 0, -1]]  # the draft EOS is rejected: the best allowed token
+    out = verify_drafts(Sampler(), logits[:3], [banned], [[1, 2]], [1], (2,))
+    assert out.tolist() == [[1, 2, 0]]
+
+
+def test_verify_keeps_the_target_distribution_of_sampled_rows():
+    torch.manual_seed(0)
+    vocab, n = 5, 40_000
+    logits = torch.tensor([[1.0, 0.5, 0.0, -0.5, 2.0], [0.3, 1.2, 0.1, 0.0, -1.0]])  # positions 0, 1
+    params = SamplingParams(temperature=0.8, top_k=4)
+    out = verify_drafts(Sampler(), logits.repeat(n, 1), [params] * n, [[4]] * n, [0] * n, ())
+    batch = SamplingBatch.build([params] * 2, [None] * 2, [[]] * 2, None, vocab, "cpu", num_outputs=[0, 0])
+    p = Sampler().target_probs(logits, batch)  # [2, V]
+    assert p[0, 3] == 0 and p[1, 4] == 0  # top_k=4 drops the least likely
+    first = torch.bincount(out[:, 0], minlength=vocab).double() / n
+    assert torch.allclose(first, p[0].double(), atol=5 * (0.25 / n) ** 0.5)
+    # after a kept draft (token 4) the bonus token follows position 1's distribution
+    kept = out[:, 0] == 4
+    second = torch.bincount(out[kept, 1], minlength=vocab).double() / int(kept.sum())
+    assert torch.allclose(second, p[1].double(), atol=5 * (0.25 / int(kept.sum())) ** 0.5)
