@@ -6,7 +6,13 @@ import random
 import time
 
 from pagedserve.bench.roofline import Roofline
-from pagedserve.bench.run_info import device_name, git_commit, no_roofline_reason, number_formats
+from pagedserve.bench.run_info import (
+    device_name,
+    git_commit,
+    no_roofline_reason,
+    number_formats,
+    speculative_fields,
+)
 
 
 def run_latency(args, llm_kwargs: dict, llm=None) -> dict:
@@ -15,12 +21,15 @@ def run_latency(args, llm_kwargs: dict, llm=None) -> dict:
 
     from pagedserve import LLM, SamplingParams
     from pagedserve.engine.messages import EngineRequest
+    from pagedserve.spec_decode.config import SpeculativeConfig
 
     sizes = [int(b) for b in args.batch_sizes.split(",")]
     startup = None
     if llm is None:
-        if not llm_kwargs.get("max_model_len"):
-            llm_kwargs["max_model_len"] = args.input_len + args.steps + 64
+        if not llm_kwargs.get("max_model_len"):  # (a speculative step gives up to k + 1 tokens)
+            spec = SpeculativeConfig.parse(llm_kwargs.get("speculative_config"))
+            per_step = 1 + (spec.num_speculative_tokens if spec else 0)
+            llm_kwargs["max_model_len"] = args.input_len + (args.steps + 8) * per_step + 64
         llm_kwargs["max_num_seqs"] = max(max(sizes), llm_kwargs.get("max_num_seqs") or 0)
         t0 = time.perf_counter()
         llm = LLM(**llm_kwargs)
@@ -33,7 +42,9 @@ def run_latency(args, llm_kwargs: dict, llm=None) -> dict:
     rng = random.Random(args.seed)
     rows = []
     for bs in sizes:
-        params = SamplingParams(temperature=0, max_tokens=args.steps + 8, ignore_eos=True)
+        # (a speculative step may give each request up to k + 1 tokens)
+        per_step = 1 + (engine.speculator.config.num_speculative_tokens if engine.speculator else 0)
+        params = SamplingParams(temperature=0, max_tokens=(args.steps + 8) * per_step, ignore_eos=True)
         ids = [f"lat-{bs}-{i}" for i in range(bs)]
         for rid in ids:
             prompt = [rng.randrange(10, min(cfg.vocab_size, 32000)) for _ in range(args.input_len)]
@@ -45,29 +56,35 @@ def run_latency(args, llm_kwargs: dict, llm=None) -> dict:
         if torch.cuda.is_available():
             torch.cuda.synchronize()
         engine.timer.enable()
+        if engine.speculator is not None:
+            engine.speculator.reset_stats()
+        tokens0 = engine.num_generation_tokens
         start = time.perf_counter()
         for _ in range(args.steps):
             engine.step()
         if torch.cuda.is_available():
             torch.cuda.synchronize()
         ms = (time.perf_counter() - start) / args.steps * 1e3
+        per_step = (engine.num_generation_tokens - tokens0) / args.steps / bs  # tokens a request got
         phases = engine.timer.summary(args.steps)
         engine.timer.enabled = False
         ctx = args.input_len + 4 + args.steps // 2  # mean context during the timed steps
         ideal_ms = roof.decode_step_seconds(ctx, bs) * 1e3
         moved = roof.weight_bytes + bs * ctx * roof.kv_bytes_per_token
-        row = {"batch": bs, "ms_per_step": round(ms, 3), "tokens_per_s": round(bs / ms * 1e3, 1),
+        row = {"batch": bs, "ms_per_step": round(ms, 3), "tokens_per_s": round(bs * per_step / ms * 1e3, 1),
+               "tokens_per_step": round(per_step, 3), "ms_per_token": round(ms / per_step, 3),
                "ideal_ms": round(ideal_ms, 3), "roofline_efficiency": round(ideal_ms / ms, 4),
                "bandwidth_tb_s": round(moved / (ms / 1e3) / 1e12, 3),
                "bandwidth_utilisation": round(moved / (ms / 1e3) / roof.bandwidth, 4),
-               "host_ms_per_step": phases}
+               "host_ms_per_step": phases, **speculative_fields(engine)}
         judged = f"ideal {ideal_ms:.3f} ms  efficiency {ideal_ms / ms:.1%}"
         if no_roof:
             row.update(ideal_ms=None, roofline_efficiency=None, bandwidth_utilisation=None)
             judged = f"roofline {no_roof}"
         rows.append(row)
         engine.abort_requests(ids)
-        print(f"batch {bs:>4}: {ms:8.3f} ms/step  {bs / ms * 1e3:10.1f} tok/s  {judged}  "
+        print(f"batch {bs:>4}: {ms:8.3f} ms/step  {ms / per_step:8.3f} ms/token  "
+              f"{bs * per_step / ms * 1e3:10.1f} tok/s  {judged}  "
               f"bandwidth {moved / (ms / 1e3) / 1e12:.2f} TB/s  host {phases}", flush=True)
     engine.kv.check_integrity(expect_all_free=True)
     return {"benchmark": "latency", "model": engine.source.name, "gpu": device_name(device),

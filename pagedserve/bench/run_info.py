@@ -84,3 +84,17 @@ def launched_number_formats(command: str) -> dict[str, Any]:
         if name in flags and (eq or i + 1 < len(words)):
             found[flags[name]] = value if eq else words[i + 1]
     return found
+
+
+def speculative_fields(engine) -> dict:
+    """An engine core's speculative decoding: its config (None: off) and the counters since
+    they were last reset (draft tokens, accepted, acceptance rate, mean accepted length)."""
+    spec = engine.speculator
+    if spec is None:
+        return {"speculative_config": None}
+    from dataclasses import asdict
+
+    return {"speculative_config": asdict(spec.config), "spec_drafts": spec.num_drafts,
+            "spec_draft_tokens": spec.num_draft_tokens, "spec_accepted_tokens": spec.num_accepted_tokens,
+            "spec_acceptance_rate": round(spec.acceptance_rate, 4),
+            "spec_mean_accepted_length": round(spec.mean_accepted_length, 3)}

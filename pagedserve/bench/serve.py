@@ -272,6 +272,41 @@ def server_number_formats(base_url: str, api_key: str | None) -> dict[str, Any] 
         return None
 
 
+SPEC_COUNTERS = {"drafts": "vllm:spec_decode_num_drafts_total",
+                 "draft_tokens": "vllm:spec_decode_num_draft_tokens_total",
+                 "accepted_tokens": "vllm:spec_decode_num_accepted_tokens_total"}
+
+
+def server_spec_counters(base_url: str, api_key: str | None) -> dict[str, float] | None:
+    """The speculative-decoding counters on the server's `/metrics` (vLLM's names, which
+    pagedserve's are); None when it has none or cannot be asked."""
+    import httpx
+
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    try:
+        text = httpx.get(f"{base_url}/metrics", headers=headers, timeout=30).text
+    except httpx.HTTPError:
+        return None
+    found: dict[str, float] = {}
+    for line in text.splitlines():
+        for key, name in SPEC_COUNTERS.items():
+            if line.startswith(name + "{") or line.startswith(name + " "):
+                found[key] = found.get(key, 0.0) + float(line.rsplit(" ", 1)[1])
+    return found if len(found) == len(SPEC_COUNTERS) else None
+
+
+def spec_summary(before: dict[str, float] | None, after: dict[str, float] | None) -> dict | None:
+    """Draft tokens, accepted tokens, acceptance rate and mean accepted length between two
+    `server_spec_counters` readings (None: no counters, or no drafts in between)."""
+    if not before or not after:
+        return None
+    d = {k: int(after[k] - before[k]) for k in SPEC_COUNTERS}
+    if not d["drafts"]:
+        return None
+    return {**d, "acceptance_rate": round(d["accepted_tokens"] / d["draft_tokens"], 4),
+            "mean_accepted_length": round(1 + d["accepted_tokens"] / d["drafts"], 3)}
+
+
 def discover_model(base_url: str, api_key: str | None) -> str:
     import httpx
 

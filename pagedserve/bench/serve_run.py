@@ -14,6 +14,8 @@ from pagedserve.bench.serve import (
     run_async,
     run_level,
     server_number_formats,
+    server_spec_counters,
+    spec_summary,
 )
 from pagedserve.bench.serve_args import result_path
 from pagedserve.bench.serve_metrics import percentile_key
@@ -59,7 +61,10 @@ def _measure(args, base_url: str, server_usage=None) -> dict:
             args.num_prompts = counts[i]
         # Fresh prompts per level (seed + level index): no prefix-cache hits carried over.
         reqs = build_dataset(args, seed=args.seed + i)
+        spec0 = server_spec_counters(base_url, args.api_key)
         runs.append(run_async(run_level(base_url, reqs, args, model, level, server_usage)))
+        # speculative decoding during the level (its warm-up requests included)
+        runs[-1]["speculative"] = spec_summary(spec0, server_spec_counters(base_url, args.api_key))
         print_run(runs[-1], args.percentile_metrics, args.metric_percentiles)
     dataset = {"name": args.dataset, "input_len": args.input_len, "output_len": args.output_len,
                "range_ratio": args.range_ratio, "seed": args.seed}
@@ -119,6 +124,10 @@ def print_run(run: dict, metrics=("ttft", "tpot", "itl", "e2el"), percentiles=(9
     if side:
         parts = [f"{k.removesuffix('_mean')} {v:.1f}" for k, v in side.items()]
         rows.append(("server-side means (ms)", ", ".join(parts)))
+    spec = run.get("speculative")
+    if spec:
+        rows.append(("speculative: accepted / drafted", f"{spec['accepted_tokens']} / {spec['draft_tokens']} "
+                     f"({spec['acceptance_rate']:.1%}), mean accepted length {spec['mean_accepted_length']:.2f}"))
     if run["goodput_rps"] is not None:
         rows.append(("goodput (req/s)", f"{run['goodput_rps']:.2f}"))
     if run["errors"]:

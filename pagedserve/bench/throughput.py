@@ -8,7 +8,13 @@ import time
 from pathlib import Path
 
 from pagedserve.bench.roofline import Roofline
-from pagedserve.bench.run_info import device_name, git_commit, no_roofline_reason, number_formats
+from pagedserve.bench.run_info import (
+    device_name,
+    git_commit,
+    no_roofline_reason,
+    number_formats,
+    speculative_fields,
+)
 
 
 def make_lengths(num: int, mean: int, range_ratio: float, rng: random.Random) -> list[int]:
@@ -60,6 +66,8 @@ def run_throughput(args, llm_kwargs: dict, llm=None) -> dict:
         torch.cuda.reset_peak_memory_stats()
     executor = llm.engine.executor
     graph0, eager0 = executor.graph_counts()
+    if llm.engine.speculator is not None:
+        llm.engine.speculator.reset_stats()  # (the counters cover the timed run)
     llm.engine.timer.enable()
     t1 = time.perf_counter()
     outs = llm.generate(prompts, params, use_tqdm=not args.no_progress)
@@ -104,6 +112,7 @@ def run_throughput(args, llm_kwargs: dict, llm=None) -> dict:
                           llm.engine.scheduler_config.max_num_seqs, out_tokens, elapsed),
         "steps": steps,
         "host_seconds_by_phase": host_s,
+        **speculative_fields(llm.engine),
         "settings": {k: v for k, v in vars(args).items() if k not in ("func",)},
     }
     return result

@@ -98,11 +98,12 @@ def json_string_list(text: str) -> list[str]:
     return value
 
 
-def speculative_config(text: str):
-    """vLLM's --speculative-config JSON, checked (`spec_decode/config.py`)."""
+def speculative_config(text: str) -> dict:
+    """vLLM's --speculative-config JSON, checked (`spec_decode/config.py`); the dict itself."""
     from pagedserve.spec_decode.config import SpeculativeConfig
 
     try:
-        return SpeculativeConfig.parse(text)
+        SpeculativeConfig.parse(text)
     except ValueError as e:
         raise argparse.ArgumentTypeError(str(e)) from None
+    return json.loads(text)

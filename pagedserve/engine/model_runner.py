@@ -19,6 +19,7 @@ import torch
 
 from pagedserve.attention.backend import AttentionBackend, AttentionContext
 from pagedserve.config import SchedulerConfig
+from pagedserve.engine.cached_request import CachedRequest
 from pagedserve.engine.graphs import GraphRunner
 from pagedserve.engine.input_batch import StepArrays, StepBuffers, pack_step
 from pagedserve.engine.kv_cache_spec import KVCacheSpec
@@ -26,51 +27,8 @@ from pagedserve.engine.messages import StepResult
 from pagedserve.engine.scheduler import NewRequestData, ScheduledChunk, SchedulerOutput
 from pagedserve.layers.sampler import Sampler, SamplingBatch
 from pagedserve.models.llama import LlamaForCausalLM
-from pagedserve.sampling_params import SamplingParams
+from pagedserve.spec_decode.config import SpeculativeConfig
 from pagedserve.spec_decode.verify import verify_drafts
-from pagedserve.structured.backend import GrammarMatcher
-
-
-@dataclass
-class CachedRequest:
-    """What the worker keeps about a request between its steps: its prompt and parameters
-    (from `NewRequestData`), its known tokens (prompt, then every sampled token once
-    collected) and its seeded generator."""
-
-    request_id: str
-    prompt_token_ids: list[int]
-    sampling_params: SamplingParams
-    token_ids: list[int]
-    generator: torch.Generator | None = None
-    matcher: GrammarMatcher | None = None  # its place in its structured-output grammar
-    # token ids the output must reach before the grammar applies (the end of reasoning)
-    grammar_after: tuple[int, ...] = ()
-    grammar_done: bool = False  # its grammar is complete (it accepted its stop token)
-
-    @property
-    def output_token_ids(self) -> list[int]:
-        return self.token_ids[len(self.prompt_token_ids) :]
-
-    @property
-    def constrained(self) -> bool:
-        """Its grammar decides its next token (it has one, and any reasoning before it ended)."""
-        return self.matcher is not None and not self.grammar_after
-
-    def accept(self, new: list[int], grammar_took_first: bool = False) -> bool:
-        """Append sampled tokens, advancing the grammar past those it governs; False if the
-        grammar refuses one (the request then fails: the tokens after it are dropped).
-        `grammar_took_first`: the grammar has already accepted new[0] (in a batch call)."""
-        for i, t in enumerate(new):
-            if self.constrained and not (i == 0 and grammar_took_first) \
-                    and not self.matcher.accept_token(t):
-                return False
-            self.token_ids.append(t)
-            after = self.grammar_after
-            if after and tuple(self.token_ids[-len(after):]) == after \
-                    and len(self.token_ids) - len(self.prompt_token_ids) >= len(after):
-                self.grammar_after = ()  # the reasoning ended: the grammar applies from here
-        self.grammar_done = self.constrained and self.matcher.is_terminated()
-        return True
 
 
 @dataclass
@@ -105,7 +63,8 @@ class ModelRunner:
     the logits of the rows that sample, and samples on the device."""
 
     def __init__(self, model: LlamaForCausalLM, backend: AttentionBackend, spec: KVCacheSpec,
-                 num_blocks: int, sampler: Sampler, limits: SchedulerConfig, max_drafts: int = 0) -> None:
+                 num_blocks: int, sampler: Sampler, limits: SchedulerConfig,
+                 speculative: SpeculativeConfig | None = None) -> None:
         cfg = model.config
         self.model = model
         self.backend = backend
@@ -118,7 +77,9 @@ class ModelRunner:
         backend.bind_kv_caches(self.kv_caches, self.kv_scales)
         self.sampler = sampler
         self.buffers = StepBuffers(backend, limits.max_num_batched_tokens, limits.max_num_seqs,
-                                   -(-limits.max_model_len // spec.block_size), self.device, max_drafts)
+                                   -(-limits.max_model_len // spec.block_size), self.device,
+                                   speculative.num_speculative_tokens if speculative else 0)
+        self.force_accept = bool(speculative and speculative.force_accept)
         self.graphs: GraphRunner | None = None  # once enable_cuda_graphs() ran
         self.last_launch_ms = (0.0, 0.0, 0.0)  # see execute()
         self._prev_tokens: torch.Tensor | None = None  # the last launched step's samples [N]
@@ -277,7 +238,7 @@ class ModelRunner:
             self.sampler, logits.index_select(0, torch.tensor(spec_logits, device=self.device)),
             [r.sampling_params for r in handle.spec_reqs], [chunks[i].draft_token_ids for i in rows],
             [chunks[i].start + 1 - len(states[i].prompt_token_ids) for i in rows],
-            self.model.config.eos_token_ids)
+            self.model.config.eos_token_ids, self.force_accept)
         sample_rows = [a.sample_rows[i] for i in plain]
         plain_logits = logits.index_select(0, torch.tensor(ends[plain], device=self.device))
         return plain_logits, [states[i] for i in sample_rows], sample_rows

@@ -76,7 +76,7 @@ class Worker:
             spec, config.cache, sched, device,
             profile=lambda: self.rehearsed(lambda: profile_forward(model, backend, sched, spec), "memory profile"))
         self.runner = ModelRunner(model, backend, spec, num_blocks, Sampler(fused=kernels.fused_sampling),
-                                  sched, config.speculative.num_speculative_tokens if config.speculative else 0)
+                                  sched, config.speculative)
         self.num_blocks = num_blocks
 
         self.matmul_plan_seconds = 0.0

@@ -9,7 +9,7 @@ from typing import Any
 
 METHODS = ("ngram",)  # built; "draft_model" is refused with a message until it is
 _KEYS = {"method", "num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min",
-         "disable_by_batch_size", "model"}
+         "disable_by_batch_size", "model", "force_accept"}
 # Running requests above which no step speculates (the verify pass then costs more than it
 # saves: a batch that large already reads the weights once for many tokens). The figure is
 # measured: docs/performance.md, "Speculative decoding".
@@ -22,13 +22,18 @@ class SpeculativeConfig:
 
     `num_speculative_tokens` (k): the most draft tokens a request gets per step;
     `prompt_lookup_max` / `prompt_lookup_min`: the n-gram lengths tried (`spec_decode/ngram.py`);
-    `disable_by_batch_size`: with more running requests than this, steps do not speculate."""
+    `disable_by_batch_size`: with more running requests than this, steps do not speculate.
+    `force_accept` (pagedserve's own, for benchmarks only): every request gets k drafts
+    (the n-gram's, filled up with its last token) and all of them are kept, so a verify
+    step's cost and the best possible speed-up can be measured on dummy weights; the output
+    is then not the model's."""
 
     method: str = "ngram"
     num_speculative_tokens: int = 4
     prompt_lookup_max: int = 4
     prompt_lookup_min: int = 1
     disable_by_batch_size: int = DEFAULT_DISABLE_BY_BATCH_SIZE
+    force_accept: bool = False
 
     def __post_init__(self) -> None:
         if self.method not in METHODS:
@@ -71,7 +76,10 @@ class SpeculativeConfig:
                              '{"method": "ngram", ...}')
         if "model" in value:
             raise ValueError('speculative config: "model" applies to method "draft_model" only')
-        for key in value.keys() - {"method"}:
+        if not isinstance(value.get("force_accept", False), bool):
+            raise ValueError(f"speculative config: force_accept must be true or false, got "
+                             f"{value['force_accept']!r}")
+        for key in value.keys() - {"method", "force_accept"}:
             if not isinstance(value[key], int) or isinstance(value[key], bool):
                 raise ValueError(f"speculative config: {key} must be a whole number, got {value[key]!r}")
         return cls(**value)

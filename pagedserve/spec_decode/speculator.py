@@ -55,7 +55,10 @@ class Speculator:
             room = min(k, req.max_tokens - req.num_output_tokens - 1,
                        self.max_model_len - req.num_tokens - 1)
             if room > 0:
-                req.draft_token_ids = self.proposer.propose(req.token_ids)[:room]
+                drafts = self.proposer.propose(req.token_ids)
+                if self.config.force_accept:  # (benchmark mode: always k drafts)
+                    drafts += [req.token_ids[-1]] * (k - len(drafts))
+                req.draft_token_ids = drafts[:room]
 
     def record(self, chunks: Iterable, token_ids: dict[str, list[int]]) -> None:
         """Count a finished step's drafts (`ScheduledChunk`s) and the new tokens each

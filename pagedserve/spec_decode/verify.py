@@ -19,11 +19,12 @@ from pagedserve.spec_decode.rejection import rejection_sample
 
 def verify_drafts(sampler: Sampler, logits: Tensor, params: list[SamplingParams],
                   drafts: list[list[int]], num_outputs: list[int],
-                  eos_token_ids: tuple[int, ...]) -> Tensor:
+                  eos_token_ids: tuple[int, ...], force_accept: bool = False) -> Tensor:
     """logits [R, V]: for each request i in order, its len(drafts[i]) + 1 positions (the
     last known token, then each draft); `num_outputs[i]`: its outputs before the first of
     them. Returns [N, k + 1] int64 (k: the most drafts): each row the emitted tokens, then
-    -1; a row whose logits hold a NaN or an Inf is all -1."""
+    -1; a row whose logits hold a NaN or an Inf is all -1. `force_accept` (a benchmark
+    mode): every draft is kept, then the token verification would have emitted first."""
     device = logits.device
     vocab = logits.shape[-1]
     counts = [len(d) + 1 for d in drafts]
@@ -42,7 +43,12 @@ def verify_drafts(sampler: Sampler, logits: Tensor, params: list[SamplingParams]
     num_drafts = torch.tensor(counts, dtype=torch.int64).to(device) - 1  # [N]
     greedy = torch.tensor([p.greedy for p in params]).to(device)  # [N] bool
     out = rejection_sample(target, draft_ids, num_drafts, None, greedy)
+    tokens = out.token_ids  # [N, k + 1]
+    if force_accept:
+        cols = torch.arange(k + 1, device=device)[None, :]
+        forced = torch.cat([draft_ids, draft_ids[:, :1]], dim=1).masked_fill(cols > num_drafts[:, None], -1)
+        tokens = forced.scatter(1, num_drafts[:, None], tokens[:, :1])
     # a non-finite row anywhere in a request: the whole request's tokens are garbage
     bad = check_finite(logits.float(), torch.zeros(len(row_params), dtype=torch.int64, device=device)) < 0  # [R]
     bad_req = torch.zeros(n, dtype=torch.int32, device=device).index_add_(0, req_of, bad.int()) > 0  # [N]
-    return out.token_ids.masked_fill(bad_req.unsqueeze(1), -1)
+    return tokens.masked_fill(bad_req.unsqueeze(1), -1)
