@@ -14,7 +14,7 @@ from pagedserve import LLM, SamplingParams
 from pagedserve.layers.sampler import Sampler, SamplingBatch
 from pagedserve.spec_decode.config import SpeculativeConfig
 from pagedserve.spec_decode.ngram import NgramProposer
-from pagedserve.spec_decode.verify import verify_drafts
+from pagedserve.spec_decode.verify import VerifyBatch, verify_drafts
 
 NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 3}
 # (raw prompts: SmolLM2 continues the list, and the code, copying from the prompt)
@@ -164,19 +164,38 @@ def test_the_config_is_vllms_json_and_bad_fields_are_named():
 # ---- the verify pass's sampling ---------------------------------------------------------------
 
 
+def _verify(logits, params, drafts, num_outputs, eos=()):
+    """verify_drafts over a step whose sampling rows are exactly these requests' rows."""
+    vb = VerifyBatch.build(params, drafts, num_outputs, [len(d) for d in drafts], logits.shape[-1], eos, "cpu")
+    return verify_drafts(Sampler(), logits.index_select(0, vb.rows), vb)
+
+
+def test_verify_batch_finds_each_requests_rows_among_the_steps():
+    # four sampling sequences with 0, 2, 0 and 1 drafts: logits rows 0 | 1 2 3 | 4 | 5 6
+    vb = VerifyBatch.build([SamplingParams(temperature=0)] * 2, [[7, 8], [9]], [3, 5], [0, 2, 0, 1],
+                           16, (), "cpu")
+    assert vb.rows.tolist() == [1, 2, 3, 5, 6] and vb.plain_rows.tolist() == [0, 4]
+    assert vb.req_of.tolist() == [0, 0, 0, 1, 1] and vb.pos_of.tolist() == [0, 1, 2, 0, 1]
+    assert vb.draft_ids.tolist() == [[7, 8], [9, 0]] and vb.num_drafts.tolist() == [2, 1]
+    assert vb.all_greedy and vb.greedy.tolist() == [True, True]
+
+
 def test_verify_greedy_rows_follow_the_argmax_and_bad_rows_are_flagged():
     logits = torch.tensor([[0., 5, 0, 0], [0, 0, 5, 0], [5, 0, 0, 0],  # request 0: argmax 1, 2, 0
                            [0, 0, 0, 5], [float("nan"), 0, 0, 0]])  # request 1 (a NaN)
     greedy = SamplingParams(temperature=0)
-    out = verify_drafts(Sampler(), logits, [greedy, greedy], [[1, 3], [3]], [0, 0], ())
+    out = _verify(logits, [greedy, greedy], [[1, 3], [3]], [0, 0])
     assert out.tolist() == [[1, 2, -1], [-1, -1, -1]]  # second draft rejected: the argmax instead
+    # the same greedy request beside a sampled one (the probabilities path)
+    out = _verify(logits, [greedy, SamplingParams(temperature=1.0)], [[1, 3], [3]], [0, 0])
+    assert out.tolist() == [[1, 2, -1], [-1, -1, -1]]
     # min_tokens bans count the outputs before each position: with min_tokens=2, EOS (token
     # 2, the argmax at the second position) is banned there after 0 outputs before the
     # first position, allowed after 1
     banned = SamplingParams(temperature=0, min_tokens=2)
-    out = verify_drafts(Sampler(), logits[:3], [banned], [[1, 2]], [0], (2,))
+    out = _verify(logits[:3], [banned], [[1, 2]], [0], (2,))
     assert out.tolist() == [[1, 0, -1]]  # the draft EOS is rejected: the best allowed token
-    out = verify_drafts(Sampler(), logits[:3], [banned], [[1, 2]], [1], (2,))
+    out = _verify(logits[:3], [banned], [[1, 2]], [1], (2,))
     assert out.tolist() == [[1, 2, 0]]
 
 
@@ -185,7 +204,7 @@ def test_verify_keeps_the_target_distribution_of_sampled_rows():
     vocab, n = 5, 40_000
     logits = torch.tensor([[1.0, 0.5, 0.0, -0.5, 2.0], [0.3, 1.2, 0.1, 0.0, -1.0]])  # positions 0, 1
     params = SamplingParams(temperature=0.8, top_k=4)
-    out = verify_drafts(Sampler(), logits.repeat(n, 1), [params] * n, [[4]] * n, [0] * n, ())
+    out = _verify(logits.repeat(n, 1), [params] * n, [[4]] * n, [0] * n)
     batch = SamplingBatch.build([params] * 2, [None] * 2, [[]] * 2, None, vocab, "cpu", num_outputs=[0, 0])
     p = Sampler().target_probs(logits, batch)  # [2, V]
     assert p[0, 3] == 0 and p[1, 4] == 0  # top_k=4 drops the least likely

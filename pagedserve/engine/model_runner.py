@@ -14,7 +14,6 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 
-import numpy as np
 import torch
 
 from pagedserve.attention.backend import AttentionBackend, AttentionContext
@@ -28,7 +27,7 @@ from pagedserve.engine.scheduler import NewRequestData, ScheduledChunk, Schedule
 from pagedserve.layers.sampler import Sampler, SamplingBatch
 from pagedserve.models.llama import LlamaForCausalLM
 from pagedserve.spec_decode.config import SpeculativeConfig
-from pagedserve.spec_decode.verify import verify_drafts
+from pagedserve.spec_decode.verify import VerifyBatch, verify_drafts
 
 
 @dataclass
@@ -162,6 +161,7 @@ class ModelRunner:
             all_decode = len(reqs) == a.num_seqs == a.num_tokens
             key = graphs.key_for(a, all_decode)
         noted = self.buffers.load(a, key.num_tokens if key else a.num_tokens, key, self._prev_tokens)
+        verify = None if a.num_drafts is None else self._verify_batch(a, out.chunks, states)
         t_prepared = time.perf_counter()
         if key is not None:
             self.num_graph_steps += 1
@@ -173,9 +173,13 @@ class ModelRunner:
         handle = StepHandle(reqs, None)
         sample_rows = a.sample_rows
         logits = self.model.compute_logits(hidden) if reqs else None  # [R, vocab]
-        if a.num_drafts is not None:  # the requests with drafts are verified apart
-            logits, reqs, sample_rows = self._verify(logits, a, out.chunks, states, handle)
-            handle.reqs = reqs
+        if verify is not None:  # the requests with drafts are verified apart
+            vb, spec, sample_rows = verify
+            handle.spec_reqs = [states[i] for i in spec]
+            handle.spec_host = verify_drafts(self.sampler, logits.index_select(0, vb.rows), vb,
+                                             self.force_accept)
+            logits = logits.index_select(0, vb.plain_rows)
+            handle.reqs = reqs = [states[i] for i in sample_rows]
         if reqs:
             params = [r.sampling_params for r in reqs]
             # Token lists only for penalties (then the engine runs in sync, so none is
@@ -224,24 +228,17 @@ class ModelRunner:
         self.last_launch_ms = ((t_prepared - t0) * 1e3, (t_forward - t_prepared) * 1e3, (t_end - t_forward) * 1e3)
         return handle
 
-    def _verify(self, logits: torch.Tensor, a: StepArrays, chunks: list[ScheduledChunk],
-                states: list[CachedRequest], handle: StepHandle):
-        """Verify the drafts of the sampling sequences that carry some (their tokens go to
-        `handle`); returns the logits [N1, V], requests and chunk rows of the others."""
-        ends = np.cumsum([d + 1 for d in a.num_drafts]) - 1  # each sequence's last logits row
-        plain = [i for i, d in enumerate(a.num_drafts) if d == 0]
-        spec = [i for i, d in enumerate(a.num_drafts) if d > 0]
-        spec_logits = [r for i in spec for r in range(ends[i] - a.num_drafts[i], ends[i] + 1)]
-        rows = [a.sample_rows[i] for i in spec]
-        handle.spec_reqs = [states[i] for i in rows]
-        handle.spec_host = verify_drafts(
-            self.sampler, logits.index_select(0, torch.tensor(spec_logits, device=self.device)),
-            [r.sampling_params for r in handle.spec_reqs], [chunks[i].draft_token_ids for i in rows],
-            [chunks[i].start + 1 - len(states[i].prompt_token_ids) for i in rows],
-            self.model.config.eos_token_ids, self.force_accept)
-        sample_rows = [a.sample_rows[i] for i in plain]
-        plain_logits = logits.index_select(0, torch.tensor(ends[plain], device=self.device))
-        return plain_logits, [states[i] for i in sample_rows], sample_rows
+    def _verify_batch(self, a: StepArrays, chunks: list[ScheduledChunk],
+                      states: list[CachedRequest]) -> tuple[VerifyBatch, list[int], list[int]]:
+        """The device inputs of the step's verification (copied before its forward pass), the
+        chunk rows of the sequences with drafts, and of the others that sample."""
+        spec = [a.sample_rows[i] for i, d in enumerate(a.num_drafts) if d]
+        plain = [a.sample_rows[i] for i, d in enumerate(a.num_drafts) if not d]
+        vb = VerifyBatch.build(
+            [states[i].sampling_params for i in spec], [chunks[i].draft_token_ids for i in spec],
+            [chunks[i].start + 1 - len(states[i].prompt_token_ids) for i in spec], a.num_drafts,
+            self.vocab_size, self.model.config.eos_token_ids, self.device)
+        return vb, spec, plain
 
     def collect(self, handle: StepHandle) -> StepResult:
         """Wait for a step's sampled tokens and bring them to the host; each request that

@@ -308,7 +308,7 @@ class Sampler:
             token_ids = sample_with_temperature(logits, batch.temperature,
                                                 self._seed + self._fused_calls, checked=checked)
         else:
-            logits = self._constrain(logits, batch)
+            logits = self.constrain(logits, batch)
             # [N] int64
             token_ids = logits.argmax(dim=-1) if batch.all_greedy else self._sample(logits, batch)
             checked = check_finite(raw_logits, token_ids)
@@ -324,7 +324,7 @@ class Sampler:
         applied; normalised), one-hot at the argmax in greedy rows. Speculative decoding's
         verify pass draws from it (`spec_decode/verify.py`)."""
         assert logits.shape == (batch.num_rows, batch.vocab_size), (logits.shape, batch.num_rows)
-        logits = self._constrain(logits.float(), batch)
+        logits = self.constrain(logits.float(), batch)
         one_hot = torch.zeros_like(logits).scatter_(1, logits.argmax(dim=-1, keepdim=True), 1.0)
         if batch.all_greedy:
             return one_hot
@@ -334,7 +334,7 @@ class Sampler:
         return torch.where((batch.temperature == 0).unsqueeze(1), one_hot, probs)
 
     @staticmethod
-    def _constrain(logits: Tensor, batch: SamplingBatch) -> Tensor:
+    def constrain(logits: Tensor, batch: SamplingBatch) -> Tensor:
         """Penalties, logit_bias, min_tokens bans and the allowed-token mask on float32
         logits [N, V] (a new tensor where any applies)."""
         if batch.need_penalties:

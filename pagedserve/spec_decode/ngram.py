@@ -9,7 +9,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import numpy as np
-from numpy.lib.stride_tricks import sliding_window_view
 
 
 @dataclass(frozen=True)
@@ -31,14 +30,26 @@ class NgramProposer:
     def propose(self, token_ids: list[int] | np.ndarray) -> list[int]:
         """Up to k tokens that followed the most recent earlier occurrence of the longest
         suffix of `token_ids` (prompt_lookup_max tokens down to prompt_lookup_min) that
-        occurred before; [] when none did."""
+        occurred before; [] when none did. One pass over the sequence finds where its last
+        token occurred before; only those places are checked further back."""
         seq = np.asarray(token_ids, dtype=np.int64)
         size = len(seq)
-        for n in range(min(self.prompt_lookup_max, size - 1), self.prompt_lookup_min - 1, -1):
-            # windows starting at 0 .. size - n - 1: each has at least one token after it
-            windows = sliding_window_view(seq[: size - 1], n)  # [size - n, n]
-            hits = np.flatnonzero((windows == seq[size - n :]).all(axis=1))
-            if len(hits):
-                start = int(hits[-1]) + n  # the most recent occurrence
+        if size < 2:
+            return []
+        ends = np.flatnonzero(seq[:-1] == seq[-1])  # earlier places of the last token
+        agree = ends >= 0  # how far back each still matches: grown one token at a time
+        longest = min(self.prompt_lookup_max, size - 1)
+        found = []  # for each length n = 1.., the most recent end matching n tokens
+        for n in range(1, longest + 1):
+            if n > 1:
+                agree &= ends >= n - 1
+                agree[agree] = seq[ends[agree] - (n - 1)] == seq[size - n]
+            hits = ends[agree]
+            if not len(hits):
+                break
+            found.append(int(hits[-1]))
+        for n in range(len(found), self.prompt_lookup_min - 1, -1):
+            if n:
+                start = found[n - 1] + 1
                 return seq[start : start + self.num_speculative_tokens].tolist()
         return []

@@ -5,50 +5,97 @@ the target's own), all requests at once on the device.
 Each request's parameters are applied at each of its positions as they would be at that
 point of the output (`Sampler.target_probs`; min_tokens bans see the output count there),
 then `rejection.rejection_sample` keeps a prefix of the drafts (n-gram drafts: a point mass).
+An all-greedy batch needs no probabilities: a draft is kept while it is the argmax.
+
+Everything the host knows of a step's verification is copied to the device in one transfer
+before its forward pass is launched (`VerifyBatch.build`), so the host then queues the
+sampling behind the forward pass without waiting for it.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
+import numpy as np
 import torch
 from torch import Tensor
 
+from pagedserve.engine.host_copy import to_device_views
 from pagedserve.layers.sampler import Sampler, SamplingBatch, check_finite
 from pagedserve.sampling_params import SamplingParams
 from pagedserve.spec_decode.rejection import rejection_sample
 
 
-def verify_drafts(sampler: Sampler, logits: Tensor, params: list[SamplingParams],
-                  drafts: list[list[int]], num_outputs: list[int],
-                  eos_token_ids: tuple[int, ...], force_accept: bool = False) -> Tensor:
-    """logits [R, V]: for each request i in order, its len(drafts[i]) + 1 positions (the
-    last known token, then each draft); `num_outputs[i]`: its outputs before the first of
-    them. Returns [N, k + 1] int64 (k: the most drafts): each row the emitted tokens, then
-    -1; a row whose logits hold a NaN or an Inf is all -1. `force_accept` (a benchmark
-    mode): every draft is kept, then the token verification would have emitted first."""
+@dataclass
+class VerifyBatch:
+    """A step's verification on the device: N requests with drafts (R logits rows in all),
+    k the most drafts of one."""
+
+    rows: Tensor  # [R] int64: the step's logits rows of the requests with drafts, in order
+    plain_rows: Tensor  # [N1] int64: the logits row of every other sampling request
+    req_of: Tensor  # [R] int64: each verified row's request (0..N-1)
+    pos_of: Tensor  # [R] int64: its position there (0: after the last known token)
+    draft_ids: Tensor  # [N, k] int64 (0 past a request's drafts)
+    num_drafts: Tensor  # [N] int64
+    greedy: Tensor  # [N] bool
+    batch: SamplingBatch  # the R rows' sampling parameters
+    all_greedy: bool
+    k: int
+
+    @classmethod
+    def build(cls, params: list[SamplingParams], drafts: list[list[int]], num_outputs: list[int],
+              num_drafts_per_row: list[int], vocab_size: int, eos_token_ids: tuple[int, ...],
+              device: torch.device | str) -> VerifyBatch:
+        """`num_drafts_per_row`: the drafts of each sampling sequence of the step, in logits
+        order (each has that many + 1 logits rows); `params`, `drafts` and `num_outputs`
+        (outputs before the first verified position) of those with drafts."""
+        counts = np.asarray(num_drafts_per_row, dtype=np.int64) + 1
+        ends = np.cumsum(counts) - 1  # each sequence's last logits row
+        spec = counts > 1
+        mine = counts[spec]  # [N] rows of each request with drafts
+        n, k = len(drafts), int(mine.max()) - 1
+        firsts = np.repeat(ends[spec] - mine + 1, mine)
+        pos_of = np.arange(int(mine.sum())) - np.repeat(np.cumsum(mine) - mine, mine)
+        draft_ids = np.zeros((n, k), dtype=np.int64)
+        for i, d in enumerate(drafts):
+            draft_ids[i, : len(d)] = d
+        greedy = np.fromiter((p.greedy for p in params), dtype=np.int64, count=n)
+        views = to_device_views([firsts + pos_of, ends[~spec], np.repeat(np.arange(n), mine), pos_of,
+                                 draft_ids.reshape(-1), mine - 1, greedy], device)
+        row_params = [p for p, c in zip(params, mine) for _ in range(c)]
+        row_outputs = [base + j for base, c in zip(num_outputs, mine) for j in range(c)]
+        batch = SamplingBatch.build(row_params, [None] * len(row_params), [[]] * len(row_params), None,
+                                    vocab_size, device, eos_token_ids=eos_token_ids, num_outputs=row_outputs)
+        return cls(views[0], views[1], views[2], views[3], views[4].view(n, k), views[5],
+                   views[6].bool(), batch, bool(greedy.all()), k)
+
+
+def verify_drafts(sampler: Sampler, logits: Tensor, vb: VerifyBatch, force_accept: bool = False) -> Tensor:
+    """logits [R, V] (the rows `vb.rows` of the step's logits). Returns [N, k + 1] int64: each
+    request's emitted tokens, then -1; a request whose logits hold a NaN or an Inf is all -1.
+    `force_accept` (a benchmark mode): every draft is kept, then the token verification would
+    have emitted first."""
+    n, k = vb.draft_ids.shape
     device = logits.device
-    vocab = logits.shape[-1]
-    counts = [len(d) + 1 for d in drafts]
-    n, k = len(drafts), max(counts) - 1
-    row_params = [p for p, c in zip(params, counts) for _ in range(c)]
-    row_outputs = [base + j for base, c in zip(num_outputs, counts) for j in range(c)]
-    batch = SamplingBatch.build(row_params, [None] * len(row_params), [[]] * len(row_params), None,
-                                vocab, device, eos_token_ids=eos_token_ids, num_outputs=row_outputs)
-    probs = sampler.target_probs(logits, batch)  # [R, V]
-    # [R] request of each row and its position there -> [N, k + 1, V] (zeros past a row's end)
-    req_of = torch.repeat_interleave(torch.arange(n), torch.tensor(counts)).to(device)
-    pos_of = torch.tensor([j for c in counts for j in range(c)], device=device)
-    target = probs.new_zeros((n, k + 1, vocab))
-    target[req_of, pos_of] = probs
-    draft_ids = torch.tensor([d + [0] * (k - len(d)) for d in drafts], dtype=torch.int64).to(device)  # [N, k]
-    num_drafts = torch.tensor(counts, dtype=torch.int64).to(device) - 1  # [N]
-    greedy = torch.tensor([p.greedy for p in params]).to(device)  # [N] bool
-    out = rejection_sample(target, draft_ids, num_drafts, None, greedy)
-    tokens = out.token_ids  # [N, k + 1]
+    cols = torch.arange(k + 1, device=device)[None, :]  # [1, k + 1]
+    if vb.all_greedy:  # a draft is kept while it is the argmax
+        best = sampler.constrain(logits.float(), vb.batch).argmax(dim=-1)  # [R]
+        target = torch.zeros((n, k + 1), dtype=torch.int64, device=device)
+        target[vb.req_of, vb.pos_of] = best
+        agree = (target[:, :k] == vb.draft_ids) & (cols[:, :k] < vb.num_drafts[:, None])  # [N, k]
+        kept = agree.long().cumprod(dim=1).sum(dim=1)  # [N]
+        tokens = torch.where(cols[:, :k] < kept[:, None], vb.draft_ids, -1)
+        tokens = torch.cat([tokens, tokens.new_full((n, 1), -1)], dim=1)
+        tokens.scatter_(1, kept[:, None], target.gather(1, kept[:, None]))
+    else:
+        probs = sampler.target_probs(logits, vb.batch)  # [R, V]
+        target = probs.new_zeros((n, k + 1, probs.shape[-1]))  # (zeros past a request's rows)
+        target[vb.req_of, vb.pos_of] = probs
+        tokens = rejection_sample(target, vb.draft_ids, vb.num_drafts, None, vb.greedy).token_ids
     if force_accept:
-        cols = torch.arange(k + 1, device=device)[None, :]
-        forced = torch.cat([draft_ids, draft_ids[:, :1]], dim=1).masked_fill(cols > num_drafts[:, None], -1)
-        tokens = forced.scatter(1, num_drafts[:, None], tokens[:, :1])
+        forced = torch.cat([vb.draft_ids, vb.draft_ids[:, :1]], dim=1).masked_fill(cols > vb.num_drafts[:, None], -1)
+        tokens = forced.scatter(1, vb.num_drafts[:, None], tokens[:, :1])
     # a non-finite row anywhere in a request: the whole request's tokens are garbage
-    bad = check_finite(logits.float(), torch.zeros(len(row_params), dtype=torch.int64, device=device)) < 0  # [R]
-    bad_req = torch.zeros(n, dtype=torch.int32, device=device).index_add_(0, req_of, bad.int()) > 0  # [N]
+    bad = check_finite(logits.float(), vb.req_of) < 0  # [R]
+    bad_req = torch.zeros(n, dtype=torch.int32, device=device).index_add_(0, vb.req_of, bad.int()) > 0  # [N]
     return tokens.masked_fill(bad_req.unsqueeze(1), -1)
