@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from gpu_helpers import DEV, assert_graphs_match_eager, rel_err, runner_of
+from gpu_helpers import DEV, assert_agree_until_near_tie, rel_err, runner_of
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
@@ -133,15 +133,35 @@ def test_fp8_decode_reads_half_the_bytes():
     assert ms_fp8 < 1.1 * ms_bf16
 
 
-def test_fp8_kv_engine_graphs_match_eager():
+def test_fp8_kv_engine_graphs_agree_with_eager():
     """Qwen3-4B (preset, dummy weights) with an FP8 KV cache through the engine: greedy tokens
-    from CUDA graphs equal the eager path's; the blocks are what the memory holds at 1 byte
-    an element (twice bf16's)."""
-    prompts = [[100 + i, 200 + i, 300 + i, 400 + i] * (1 + 40 * i) for i in range(6)] + [[100, 200, 300, 400]]
+    from CUDA graphs equal the eager path's, each prompt up to the first near-tie of eager's
+    two best tokens, with the same log-probabilities (gpu_helpers.NEAR_TIE); every request
+    finishes (no NaN), and most tokens are compared; the blocks are what the memory holds at
+    1 byte an element (twice bf16's). (Measured at 54703fe: exact equality fails at such ties,
+    where eager's two best were 0 to 0.09 apart; an FP8 cache rounds K and V to 3 mantissa
+    bits, so the last-bit differences of the graphs' kernels reach the logits.)"""
+    import gc
+    import os
 
-    def inspect(llm, eager):
+    from pagedserve import LLM, SamplingParams
+
+    prompts = [[100 + i, 200 + i, 300 + i, 400 + i] * (1 + 40 * i) for i in range(6)] + [[100, 200, 300, 400]]
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, logprobs=2)
+
+    def run(eager: bool):
+        llm = LLM("qwen3-4b-instruct-2507", load_format="dummy", kv_cache_memory=1 << 30, enforce_eager=eager,
+                  max_model_len=4096, tokenizer=os.environ.get("PS_TOKENIZER"), kv_cache_dtype="fp8")
         runner = runner_of(llm.engine)
         assert runner.kv_caches[0].dtype == E4M3
         assert runner.num_blocks == (1 << 30) // (BS * 36 * 2 * HKV * D)  # 1 byte an element
+        outs = [o.outputs[0] for o in llm.generate(prompts, params, use_tqdm=False)]
+        assert all(o.finish_reason == "length" and len(o.token_ids) == 24 for o in outs)
+        del llm
+        gc.collect()
+        torch.cuda.empty_cache()
+        return [(list(o.token_ids), o.logprobs) for o in outs]
 
-    assert_graphs_match_eager("qwen3-4b-instruct-2507", inspect, prompts, kv_cache_dtype="fp8")
+    graphs, eager = run(False), run(True)
+    compared = assert_agree_until_near_tie(eager, [t for t, _ in graphs], [lp for _, lp in graphs])
+    assert compared >= 24 * len(prompts) // 2, compared

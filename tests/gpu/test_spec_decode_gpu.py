@@ -11,6 +11,7 @@ import os
 
 import pytest
 import torch
+from gpu_helpers import assert_agree_until_near_tie
 
 from pagedserve import LLM, SamplingParams
 
@@ -21,35 +22,66 @@ NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 3}
 PROMPTS = [[100 + i, 200 + i, 300 + i, 400 + i] * (1 + 10 * i) for i in range(6)]
 
 
-def _run(dtype: str, eager: bool, spec: dict | None, max_tokens: int = 48):
-    llm = LLM(MODEL, load_format="dummy", kv_cache_memory=2 << 30, enforce_eager=eager, dtype=dtype,
-              max_model_len=2048, tokenizer=os.environ.get("PS_TOKENIZER"), speculative_config=spec)
-    params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True,
-                            logit_bias={1000: 100.0, 2000: 100.0, 3000: 100.0})
-    outs = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, params, use_tqdm=False)]
+BIAS = {1000: 100.0, 2000: 100.0, 3000: 100.0}
+
+
+def _llm(dtype: str, eager: bool, spec: dict | None) -> LLM:
+    return LLM(MODEL, load_format="dummy", kv_cache_memory=2 << 30, enforce_eager=eager, dtype=dtype,
+               max_model_len=2048, tokenizer=os.environ.get("PS_TOKENIZER"), speculative_config=spec)
+
+
+def _generate(llm: LLM, max_tokens: int = 48):
+    params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True, logit_bias=BIAS)
+    outs = [list(o.outputs[0].token_ids) for o in llm.generate(PROMPTS, params, use_tqdm=False)]
     llm.engine.kv.check_integrity(expect_all_free=True)
     s = llm.engine.speculator
     counts = None if s is None else (s.num_drafts, s.num_draft_tokens, s.num_accepted_tokens)
-    graphs = llm.engine.executor.graph_counts()[0]
+    return outs, counts, llm.engine.executor.graph_counts()[0]
+
+
+def _free(llm: LLM) -> None:
     del llm
     gc.collect()
     torch.cuda.empty_cache()
-    return outs, counts, graphs
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_speculative_greedy_tokens_equal_plain_decoding(dtype):
-    plain, _, _ = _run(dtype, False, None)
-    spec, counts, graphs = _run(dtype, False, NGRAM)
+    """fp32: identical tokens (graphs and eager). bf16: identical up to the first near-tie of
+    plain decoding's two best tokens (a verify step's logits come from other kernels than a
+    decode step's: mixed-step attention tiles, matmuls of more rows), checked by scoring that
+    place with plain decoding (gpu_helpers.NEAR_TIE)."""
+    plain_llm = _llm(dtype, False, None)
+    plain, _, _ = _generate(plain_llm)
+    spec_llm = _llm(dtype, False, NGRAM)
+    spec, counts, graphs = _generate(spec_llm)
+    _free(spec_llm)
     print(f"{dtype}: drafts, draft tokens, accepted = {counts}; graph steps {graphs}")
     assert 0 < counts[2] < counts[1] and graphs > 0
-    for i, (a, b) in enumerate(zip(plain, spec)):
-        assert a == b, f"prompt {i}: first difference at token {next(j for j, (x, y) in enumerate(zip(a, b)) if x != y)}"
-    eager, _, _ = _run(dtype, True, NGRAM)
-    assert eager == spec
+    if dtype == "float32":
+        assert spec == plain
+        eager_llm = _llm(dtype, True, NGRAM)
+        assert _generate(eager_llm)[0] == spec
+        _free(eager_llm)
+    else:  # where the two part, plain decoding's log-probabilities of that place
+        scored = []
+        for prompt, a, b in zip(PROMPTS, plain, spec):
+            d = next((j for j, (x, y) in enumerate(zip(a, b)) if x != y), None)
+            lps = [{}] * len(a)
+            if d is not None:  # each of the two tokens' log-probability there (a bias picks it)
+                lps[d] = {t: plain_llm.generate([prompt + a[:d]], SamplingParams(
+                    temperature=0, max_tokens=1, logprobs=0, logit_bias={t: 100.0}),
+                    use_tqdm=False)[0].outputs[0].logprobs[0][t] for t in (a[d], b[d])}
+            scored.append((a, lps))
+        compared = assert_agree_until_near_tie(scored, spec)
+        print(f"bf16: {compared} of {sum(map(len, plain))} tokens equal before a near-tie")
+        assert compared >= sum(map(len, plain)) // 2
+    _free(plain_llm)
 
 
 def test_forced_acceptance_keeps_every_draft():
-    outs, (drafts, draft_tokens, accepted), _ = _run("bfloat16", False, {**NGRAM, "force_accept": True}, 41)
+    llm = _llm("bfloat16", False, {**NGRAM, "force_accept": True})
+    outs, (drafts, draft_tokens, accepted), _ = _generate(llm, 41)
+    _free(llm)
     assert all(len(t) == 41 for t in outs)
     assert accepted == draft_tokens and drafts > 0
