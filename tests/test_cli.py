@@ -37,6 +37,9 @@ BAD_VALUES = [
     (["serve", "--chat-template", "/nonexistent.jinja"], "--chat-template"),
     (["serve", "--generation-config", "/nonexistent"], "--generation-config"),
     (["serve", "qwen3-4b-instruct-2507"], "--load-format dummy"),
+    (["serve", "--speculative-config", "ngram"], "--speculative-config"),
+    (["serve", "--speculative-config", '{"method": "ngram", "num_speculative_tokens": 0}'], "num_speculative_tokens"),
+    (["serve", "--speculative-config", '{"method": "draft_model", "model": "x"}'], "draft_model"),
 ]
 
 

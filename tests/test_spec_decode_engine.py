@@ -214,3 +214,39 @@ def test_verify_keeps_the_target_distribution_of_sampled_rows():
     kept = out[:, 0] == 4
     second = torch.bincount(out[kept, 1], minlength=vocab).double() / int(kept.sum())
     assert torch.allclose(second, p[1].double(), atol=5 * (0.25 / int(kept.sum())) ** 0.5)
+
+
+# ---- through the server ------------------------------------------------------------------------
+
+
+def test_a_speculating_server_answers_as_a_plain_one_and_counts_its_drafts(server):
+    """`pagedserve serve --speculative-config ...` with the real openai client: greedy answers
+    (streamed and not) equal the plain server's; /metrics and the model card show the drafts
+    and the config."""
+    import json
+
+    import httpx
+    import openai
+    from server_helpers import ServerProcess, metrics
+
+    spec = ServerProcess("--speculative-config", json.dumps(NGRAM)).wait_ready()
+    try:
+        def ask(url: str, stream: bool) -> str:
+            client = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=120)
+            kw = dict(model=client.models.list().data[0].id, temperature=0, max_tokens=48,
+                      messages=[{"role": "user", "content": "Repeat after me: one two three, one two three, one two three"}])
+            if not stream:
+                return client.chat.completions.create(**kw).choices[0].message.content
+            chunks = client.chat.completions.create(**kw, stream=True)
+            return "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+
+        want = ask(server.url, False)
+        assert ask(spec.url, False) == want and ask(spec.url, True) == want
+        m = metrics(spec.url)
+        drafted, accepted = m["vllm:spec_decode_num_draft_tokens_total"], m["vllm:spec_decode_num_accepted_tokens_total"]
+        assert 0 < accepted <= drafted and m["vllm:spec_decode_num_drafts_total"] > 0
+        card = httpx.get(spec.url + "/v1/models").json()["data"][0]
+        assert card["speculative_config"]["num_speculative_tokens"] == 4
+        assert httpx.get(server.url + "/v1/models").json()["data"][0]["speculative_config"] is None
+    finally:
+        assert not spec.stop()
