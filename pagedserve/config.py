@@ -209,6 +209,26 @@ class ObservabilityConfig:
     step_trace: str | None = None  # append each step's make-up and GPU times to this JSONL file
 
 
+def _checked_draft(spec: SpeculativeConfig, model_cfg: ModelConfig, load_format: str) -> SpeculativeConfig:
+    """The draft model resolved (a Hub id: its local folder) and its vocabulary checked."""
+    from dataclasses import replace
+
+    from pagedserve.models.source import resolve_model
+
+    try:
+        source = resolve_model(spec.model, load_format=load_format)
+    except (ValueError, OSError) as e:
+        raise ValueError(f"speculative config: draft model {spec.model!r}: {e}") from None
+    if source.is_preset and load_format != "dummy":
+        raise ValueError(f"speculative config: draft model preset {spec.model!r} ships no weights "
+                         "(with --load-format dummy both models get random weights)")
+    vocab = ModelConfig.from_hf_config(source.hf_config).vocab_size
+    if vocab != model_cfg.vocab_size:
+        raise ValueError(f"speculative config: draft model {spec.model!r} has a vocabulary of {vocab} "
+                         f"tokens and the model {model_cfg.vocab_size}: they must be the same")
+    return replace(spec, model=str(source.folder)) if source.from_hub else spec
+
+
 @dataclass(frozen=True)
 class EngineConfig:
     """Everything needed to build an engine core (built once: `EngineConfig.from_args`)."""
@@ -264,7 +284,9 @@ class EngineConfig:
         if max_len > limit:
             raise ValueError(f"max_model_len={max_len} exceeds the model's max_position_embeddings "
                              f"({limit}); lower --max-model-len")
-        kw["speculative"] = SpeculativeConfig.parse(kw.pop("speculative_config", None))
+        kw["speculative"] = spec = SpeculativeConfig.parse(kw.pop("speculative_config", None))
+        if spec is not None and spec.method == "draft_model":
+            kw["speculative"] = _checked_draft(spec, model_cfg, load_format)
         kw.setdefault("kernels", envs.kernel_config())
         kw.setdefault("observability", envs.observability_config())
         config = cls(

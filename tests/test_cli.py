@@ -39,7 +39,7 @@ BAD_VALUES = [
     (["serve", "qwen3-4b-instruct-2507"], "--load-format dummy"),
     (["serve", "--speculative-config", "ngram"], "--speculative-config"),
     (["serve", "--speculative-config", '{"method": "ngram", "num_speculative_tokens": 0}'], "num_speculative_tokens"),
-    (["serve", "--speculative-config", '{"method": "draft_model", "model": "x"}'], "draft_model"),
+    (["serve", "--speculative-config", '{"method": "draft_model"}'], '"model"'),
 ]
 
 

@@ -35,6 +35,7 @@ class FakeCore:
         self.scheduler = type("Sch", (), {"running": [], "waiting": [], "num_preemptions": 0})()
         self.num_prefill_tokens = self.num_generation_tokens = 0
         self.num_failed_steps = self.num_failed_requests = 0
+        self.speculator = None  # (no speculative decoding)
 
     def add_request(self, er):
         self.requests[er.request_id] = er

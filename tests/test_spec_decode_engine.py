@@ -152,13 +152,66 @@ def test_the_config_is_vllms_json_and_bad_fields_are_named():
     for bad, words in (('{"method": "ngram", "num_speculative_tokens": 0}', "num_speculative_tokens"),
                        ('{"num_speculative_tokens": 2}', '"method"'),
                        ('{"method": "eagle"}', "eagle"),
-                       ('{"method": "draft_model", "model": "x"}', "draft_model"),
+                       ('{"method": "draft_model"}', '"model"'),
+                       ('{"method": "ngram", "model": "x"}', '"model"'),
+                       ('{"method": "draft_model", "model": "x", "prompt_lookup_max": 2}', "prompt_lookup_max"),
                        ('{"method": "ngram", "lookahead": 2}', "lookahead"),
                        ('{"method": "ngram", "prompt_lookup_min": 3, "prompt_lookup_max": 2}', "prompt_lookup_min"),
                        ('{"method": "ngram", "num_speculative_tokens": "4"}', "whole number"),
                        ("ngram", "not JSON")):
         with pytest.raises(ValueError, match=words):
             SpeculativeConfig.parse(bad)
+
+
+# ---- the draft-model method -------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def tiny_draft(tmp_path_factory):
+    """A tiny random Llama with SmolLM2's vocabulary: its drafts are mostly wrong."""
+    import transformers
+
+    torch.manual_seed(1)
+    cfg = transformers.LlamaConfig(vocab_size=49152, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                   num_attention_heads=2, num_key_value_heads=1, head_dim=16,
+                                   max_position_embeddings=8192, tie_word_embeddings=True)
+    folder = tmp_path_factory.mktemp("tiny_draft")
+    transformers.LlamaForCausalLM(cfg).float().save_pretrained(folder)
+    return str(folder)
+
+
+def test_a_draft_model_of_the_same_weights_is_right_and_the_outputs_unchanged(engines, smollm2_dir):
+    base, _ = engines
+    params = SamplingParams(temperature=0, max_tokens=16)
+    want = _tokens(base, PROMPTS[:2], params)
+    spec = LLM(max_num_seqs=8, max_num_batched_tokens=64,
+               speculative_config={"method": "draft_model", "model": str(smollm2_dir), "num_speculative_tokens": 3})
+    assert _tokens(spec, PROMPTS[:2], params) == want
+    s = spec.engine.speculator
+    assert s.num_drafts > 0 and s.num_accepted_tokens >= 0.9 * s.num_draft_tokens
+
+
+def test_a_tiny_random_draft_model_leaves_the_outputs_unchanged(tiny_draft):
+    # chunked prefill, a cache small enough to preempt, prefix-cache hits on the second run
+    kw = dict(max_num_seqs=8, max_num_batched_tokens=64, kv_cache_memory=14 * 16 * 30 * 2 * 3 * 64 * 4)
+    params = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True)
+    want = _tokens(LLM(**kw), PROMPTS, params)
+    spec = LLM(speculative_config={"method": "draft_model", "model": tiny_draft, "num_speculative_tokens": 3}, **kw)
+    assert spec.engine.kv.num_blocks < 14  # the draft's KV shares the budget
+    assert _tokens(spec, PROMPTS, params) == want
+    assert spec.engine.scheduler.num_preemptions > 0 and spec.engine.speculator.num_drafts > 0
+    assert _tokens(spec, PROMPTS, params) == want
+    assert spec.engine.kv.stats.hits > 0
+
+
+def test_a_draft_model_that_does_not_fit_is_refused_before_loading(tmp_path):
+    from conftest import make_hf_checkpoint
+
+    make_hf_checkpoint("llama", tmp_path)  # a vocabulary of 256
+    with pytest.raises(ValueError, match="vocabulary of 256"):
+        LLM(speculative_config={"method": "draft_model", "model": str(tmp_path)})
+    with pytest.raises(ValueError, match="ships no weights"):
+        LLM(speculative_config={"method": "draft_model", "model": "qwen3-4b-instruct-2507"})
 
 
 # ---- the verify pass's sampling ---------------------------------------------------------------

@@ -21,6 +21,7 @@ def determine_num_blocks(
     sched: SchedulerConfig,
     device: torch.device,
     profile: Callable[[], None],
+    extra_bytes_per_block: int = 0,
 ) -> int:
     """Number of KV blocks to allocate.
 
@@ -29,8 +30,9 @@ def determine_num_blocks(
       cache what is left of `gpu_memory_utilization` x total memory after the weights,
       the profiled activation peak and memory used by other processes;
     - on the CPU: 2 GiB, or less if max_num_seqs x max_model_len needs less.
+    `extra_bytes_per_block`: what each block also holds elsewhere (a draft model's KV).
     """
-    per_block = spec.bytes_per_block
+    per_block = spec.bytes_per_block + extra_bytes_per_block
     if cache.kv_cache_memory is not None:
         budget = cache.kv_cache_memory
     elif device.type == "cuda":

@@ -51,7 +51,8 @@ class EngineCore:
         self.scheduler = Scheduler(sched, self.kv)
         self.requests: dict[str, Request] = {}
         spec = config.speculative
-        self.speculator = None if spec is None else Speculator(spec, sched.max_model_len)
+        self.speculator = None if spec is None else Speculator(spec, sched.max_model_len, self.kv,
+                                                               ex.propose_drafts)
         self._inflight = None  # (SchedulerOutput, step handle) launched but not yet read back
         self._launching = None  # the SchedulerOutput of the step being scheduled and launched
         self._step_outputs: list[TokenOutput] = []  # outputs made so far in the current step

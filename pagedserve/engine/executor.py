@@ -81,6 +81,11 @@ class Executor(ABC):
     def reset_stats(self) -> None:
         """Zero the step counters (after the warm-up)."""
 
+    def propose_drafts(self, requests: list[tuple[str, list[int], list[int], int]]) -> dict[str, list[int]]:
+        """Speculative drafts from the draft model: (request id, verified tokens, block ids,
+        number of drafts) of each request -> its drafts (`spec_decode/draft_model.py`)."""
+        raise NotImplementedError(f"{type(self).__name__} has no draft model")
+
 
 class UniprocExecutor(Executor):
     """One worker in this process."""
@@ -133,3 +138,6 @@ class UniprocExecutor(Executor):
 
     def reset_stats(self) -> None:
         self.worker.reset_stats()
+
+    def propose_drafts(self, requests):
+        return self.worker.runner.drafter.propose(requests)

@@ -27,6 +27,7 @@ from pagedserve.engine.scheduler import NewRequestData, ScheduledChunk, Schedule
 from pagedserve.layers.sampler import Sampler, SamplingBatch
 from pagedserve.models.llama import LlamaForCausalLM
 from pagedserve.spec_decode.config import SpeculativeConfig
+from pagedserve.spec_decode.draft_model import DraftRunner
 from pagedserve.spec_decode.verify import VerifyBatch, verify_drafts
 
 
@@ -63,7 +64,7 @@ class ModelRunner:
 
     def __init__(self, model: LlamaForCausalLM, backend: AttentionBackend, spec: KVCacheSpec,
                  num_blocks: int, sampler: Sampler, limits: SchedulerConfig,
-                 speculative: SpeculativeConfig | None = None) -> None:
+                 speculative: SpeculativeConfig | None = None, drafter: DraftRunner | None = None) -> None:
         cfg = model.config
         self.model = model
         self.backend = backend
@@ -79,6 +80,7 @@ class ModelRunner:
                                    -(-limits.max_model_len // spec.block_size), self.device,
                                    speculative.num_speculative_tokens if speculative else 0)
         self.force_accept = bool(speculative and speculative.force_accept)
+        self.drafter = drafter  # the draft model, which runs every step too (its KV)
         self.graphs: GraphRunner | None = None  # once enable_cuda_graphs() ran
         self.last_launch_ms = (0.0, 0.0, 0.0)  # see execute()
         self._prev_tokens: torch.Tensor | None = None  # the last launched step's samples [N]
@@ -169,6 +171,8 @@ class ModelRunner:
         else:
             self.num_eager_steps += 1
             hidden = self.forward_eager(a, noted)
+        if self.drafter is not None:
+            self.drafter.mirror(a, self._prev_tokens)
         t_forward = time.perf_counter()
         handle = StepHandle(reqs, None)
         sample_rows = a.sample_rows

@@ -72,11 +72,20 @@ class Worker:
         self.compile_ahead_seconds = 0.0
         self.model = model
 
+        draft = None
+        if config.speculative is not None and config.speculative.method == "draft_model":
+            draft = self._build_draft(config, device, cfg, dtype)
         num_blocks = determine_num_blocks(
             spec, config.cache, sched, device,
-            profile=lambda: self.rehearsed(lambda: profile_forward(model, backend, sched, spec), "memory profile"))
+            profile=lambda: self.rehearsed(lambda: profile_forward(model, backend, sched, spec), "memory profile"),
+            extra_bytes_per_block=draft[2].bytes_per_block if draft else 0)
+        drafter = None
+        if draft is not None:
+            from pagedserve.spec_decode.draft_model import DraftRunner
+
+            drafter = DraftRunner(*draft, num_blocks, sched, config.speculative.num_speculative_tokens)
         self.runner = ModelRunner(model, backend, spec, num_blocks, Sampler(fused=kernels.fused_sampling),
-                                  sched, config.speculative)
+                                  sched, config.speculative, drafter)
         self.num_blocks = num_blocks
 
         self.matmul_plan_seconds = 0.0
@@ -104,6 +113,20 @@ class Worker:
         self.load_seconds = time.perf_counter() - t0
 
     # ---- start-up helpers -------------------------------------------------------------
+
+    def _build_draft(self, config: EngineConfig, device: torch.device, cfg: ModelConfig, dtype: torch.dtype):
+        """(model, attention backend, KV spec) of the speculative draft model."""
+        from pagedserve.models.source import resolve_model
+
+        spec = config.speculative
+        source = resolve_model(spec.model, load_format=config.load_format)
+        model = build_model(source, dtype=config.dtype, device=device, load_format=config.load_format,
+                            seed=config.seed)
+        if model.config.vocab_size != cfg.vocab_size:
+            raise ValueError(f"the draft model {spec.model} has a vocabulary of {model.config.vocab_size} "
+                             f"tokens, the model {cfg.vocab_size}: they must be the same")
+        return (model, make_backend(config.attention_backend, device, model.config),
+                KVCacheSpec.for_model(model.config, config.cache.block_size, dtype, config.cache.kv_cache_dtype))
 
     def _rehearse(self, fn: Callable[[], object], what: str) -> None:
         """Run `fn` over the first two decoder layers with its Triton kernels compiled in

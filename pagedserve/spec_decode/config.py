@@ -7,7 +7,7 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
-METHODS = ("ngram",)  # built; "draft_model" is refused with a message until it is
+METHODS = ("ngram", "draft_model")
 _KEYS = {"method", "num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min",
          "disable_by_batch_size", "model", "force_accept"}
 # Running requests above which no step speculates (the verify pass then costs more than it
@@ -23,6 +23,8 @@ class SpeculativeConfig:
     `num_speculative_tokens` (k): the most draft tokens a request gets per step;
     `prompt_lookup_max` / `prompt_lookup_min`: the n-gram lengths tried (`spec_decode/ngram.py`);
     `disable_by_batch_size`: with more running requests than this, steps do not speculate.
+    `model` (draft_model): a preset, folder or Hub id of a smaller model with the same
+    vocabulary, run greedily to propose the drafts (`spec_decode/draft_model.py`).
     `force_accept` (pagedserve's own, for benchmarks only): every request gets k drafts
     (the n-gram's, filled up with its last token) and all of them are kept, so a verify
     step's cost and the best possible speed-up can be measured on dummy weights; the output
@@ -34,6 +36,7 @@ class SpeculativeConfig:
     prompt_lookup_min: int = 1
     disable_by_batch_size: int = DEFAULT_DISABLE_BY_BATCH_SIZE
     force_accept: bool = False
+    model: str | None = None
 
     def __post_init__(self) -> None:
         if self.method not in METHODS:
@@ -45,6 +48,9 @@ class SpeculativeConfig:
         if not 1 <= self.prompt_lookup_min <= self.prompt_lookup_max:
             raise ValueError("speculative prompt_lookup_min and prompt_lookup_max must satisfy "
                              f"1 <= min <= max, got {self.prompt_lookup_min} and {self.prompt_lookup_max}")
+        if (self.method == "draft_model") != (self.model is not None):
+            raise ValueError('speculative config: "model" names the draft model of method "draft_model" '
+                             "(and only of it)")
         if self.disable_by_batch_size < 1:
             raise ValueError(f"speculative disable_by_batch_size must be at least 1, got "
                              f"{self.disable_by_batch_size}")
@@ -71,15 +77,15 @@ class SpeculativeConfig:
         method = value.get("method")
         if method is None:
             raise ValueError('speculative config needs "method" (e.g. "ngram")')
-        if method == "draft_model":
-            raise ValueError('speculative method "draft_model" is not built yet; use '
-                             '{"method": "ngram", ...}')
-        if "model" in value:
-            raise ValueError('speculative config: "model" applies to method "draft_model" only')
+        if method == "draft_model" and ({"prompt_lookup_max", "prompt_lookup_min"} & value.keys()):
+            raise ValueError("speculative config: prompt_lookup_max and prompt_lookup_min apply to "
+                             'method "ngram" only')
+        if not isinstance(value.get("model", ""), str):
+            raise ValueError(f"speculative config: model must be a string, got {value['model']!r}")
         if not isinstance(value.get("force_accept", False), bool):
             raise ValueError(f"speculative config: force_accept must be true or false, got "
                              f"{value['force_accept']!r}")
-        for key in value.keys() - {"method", "force_accept"}:
+        for key in value.keys() - {"method", "force_accept", "model"}:
             if not isinstance(value[key], int) or isinstance(value[key], bool):
                 raise ValueError(f"speculative config: {key} must be a whole number, got {value[key]!r}")
         return cls(**value)

@@ -11,7 +11,7 @@ step as without speculation. Drafts never take a request past max_tokens or max_
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
 from pagedserve.engine.request import Request
 from pagedserve.sampling_params import SamplingParams
@@ -26,11 +26,15 @@ def can_speculate(params: SamplingParams) -> bool:
 
 
 class Speculator:
-    """Proposes drafts (`propose`) and keeps the acceptance counters (`record`)."""
+    """Proposes drafts (`propose`) and keeps the acceptance counters (`record`). The draft
+    model's method needs the KV manager (`kv`: blocks for the positions the draft model
+    writes while it decodes) and `draft_fn` (`Executor.propose_drafts`)."""
 
-    def __init__(self, config: SpeculativeConfig, max_model_len: int) -> None:
+    def __init__(self, config: SpeculativeConfig, max_model_len: int, kv=None,
+                 draft_fn: Callable[[list], dict[str, list[int]]] | None = None) -> None:
         self.config = config
         self.max_model_len = max_model_len
+        self.kv, self.draft_fn = kv, draft_fn
         self.proposer = NgramProposer(config.num_speculative_tokens, config.prompt_lookup_max,
                                       config.prompt_lookup_min)
         self.reset_stats()
@@ -47,6 +51,7 @@ class Speculator:
     def propose(self, running: Iterable[Request]) -> None:
         """Set `draft_token_ids` of each running request that can take drafts this step."""
         k = self.config.num_speculative_tokens
+        model = []  # (request, its number of drafts) for the draft model
         for req in running:
             if (req.num_pending or req.num_tokens - req.num_computed_tokens != 1
                     or not can_speculate(req.sampling_params)):
@@ -54,11 +59,22 @@ class Speculator:
             # every draft kept and the bonus token: len(drafts) + 1 new tokens at most
             room = min(k, req.max_tokens - req.num_output_tokens - 1,
                        self.max_model_len - req.num_tokens - 1)
-            if room > 0:
-                drafts = self.proposer.propose(req.token_ids)
-                if self.config.force_accept:  # (benchmark mode: always k drafts)
-                    drafts += [req.token_ids[-1]] * (k - len(drafts))
-                req.draft_token_ids = drafts[:room]
+            if room <= 0:
+                continue
+            if self.config.method == "draft_model":
+                # it writes its KV up to the last draft's input (no preemption for drafts)
+                if self.kv.allocate(req.request_id, len(req.token_ids) + room - 1):
+                    model.append((req, room))
+                continue
+            drafts = self.proposer.propose(req.token_ids)
+            if self.config.force_accept:  # (benchmark mode: always k drafts)
+                drafts += [req.token_ids[-1]] * (k - len(drafts))
+            req.draft_token_ids = drafts[:room]
+        if model:
+            drafts = self.draft_fn([(r.request_id, r.token_ids, self.kv.block_ids(r.request_id), n)
+                                    for r, n in model])
+            for req, _ in model:
+                req.draft_token_ids = drafts[req.request_id]
 
     def record(self, chunks: Iterable, token_ids: dict[str, list[int]]) -> None:
         """Count a finished step's drafts (`ScheduledChunk`s) and the new tokens each

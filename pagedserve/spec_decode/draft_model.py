@@ -1,0 +1,69 @@
+"""The draft model of `{"method": "draft_model"}`: a smaller model with the target's
+vocabulary that proposes the drafts by greedy decoding.
+
+Its KV cache lives in the target's block manager: one more set of per-layer cache tensors
+with the same number of blocks, indexed by the same block ids. It stays whole by running
+every step the target runs, on the same packed inputs (`mirror`): prefill chunks, decodes
+and verify chunks; after a verification the drafts that were kept have their draft KV
+already (computed as that step's inputs), and the target's own token is the input of the
+next proposal. `propose` decodes k tokens from each request's verified tokens into blocks
+the engine core has allocated for them (the next step's chunk covers those positions, so
+the mirror rewrites them with whatever that step verifies).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from pagedserve.attention.backend import AttentionBackend, AttentionContext
+from pagedserve.config import SchedulerConfig
+from pagedserve.engine.input_batch import StepArrays, StepBuffers, pack_step
+from pagedserve.engine.kv_cache_spec import KVCacheSpec
+from pagedserve.engine.scheduler import ScheduledChunk
+from pagedserve.models.llama import LlamaForCausalLM
+
+
+class DraftRunner:
+    """The draft model with its own KV tensors (`num_blocks` blocks, the target's ids) and
+    step buffers; runs eagerly."""
+
+    def __init__(self, model: LlamaForCausalLM, backend: AttentionBackend, spec: KVCacheSpec,
+                 num_blocks: int, limits: SchedulerConfig, max_drafts: int) -> None:
+        self.model, self.backend = model, backend
+        self.block_size = spec.block_size
+        self.device = model.embed_tokens.weight.device
+        self.kv_caches = spec.allocate(num_blocks, self.device)
+        backend.bind_kv_caches(self.kv_caches, spec.allocate_scales(self.device))
+        self.buffers = StepBuffers(backend, limits.max_num_batched_tokens, limits.max_num_seqs,
+                                   -(-limits.max_model_len // spec.block_size), self.device, max_drafts)
+
+    @torch.inference_mode()
+    def _forward(self, a: StepArrays, prev_tokens: torch.Tensor | None) -> torch.Tensor:
+        """Hidden states [N, hidden] of a packed step's logits rows (its KV written)."""
+        buf = self.buffers
+        noted = buf.load(a, a.num_tokens, None, prev_tokens)
+        rows = buf.token_rows(a.num_tokens)
+        hidden = self.model(rows[0], rows[1], AttentionContext(self.backend, buf.metadata(a, noted)))
+        return hidden.index_select(0, buf.view("logits_idx", len(a.logits_idx)))
+
+    def mirror(self, a: StepArrays, prev_tokens: torch.Tensor | None) -> None:
+        """Run the target's step (packed: `a`; its pending input tokens in `prev_tokens`)
+        through the draft model, for its KV."""
+        self._forward(a, prev_tokens)
+
+    @torch.inference_mode()
+    def propose(self, requests: list[tuple[str, list[int], list[int], int]]) -> dict[str, list[int]]:
+        """(request id, verified tokens, block ids, number of drafts) of each request -> its
+        greedy drafts. The blocks must hold the tokens and the drafts but the last."""
+        tokens = {rid: list(toks) for rid, toks, _, _ in requests}
+        drafts: dict[str, list[int]] = {rid: [] for rid, *_ in requests}
+        for step in range(max(n for *_, n in requests)):
+            live = [(rid, blocks) for rid, _, blocks, n in requests if n > step]
+            chunks = [ScheduledChunk(rid, len(tokens[rid]) - 1, 1, blocks, samples=True, is_decode=True)
+                      for rid, blocks in live]
+            a = pack_step(chunks, [tokens[rid] for rid, _ in live], {}, self.block_size)
+            best = self.model.compute_logits(self._forward(a, None)).argmax(dim=-1).tolist()  # [N]
+            for (rid, _), t in zip(live, best):
+                tokens[rid].append(t)
+                drafts[rid].append(t)
+        return drafts
