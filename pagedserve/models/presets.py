@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 from importlib import resources
 
-PRESET_NAMES = ("qwen3-4b-instruct-2507", "nanbeige4.1-3b", "smollm2-135m-instruct")
+PRESET_NAMES = ("qwen3-4b-instruct-2507", "nanbeige4.1-3b", "smollm2-135m-instruct", "qwen3-0.6b")
 
 _ALIASES = {
     "qwen/qwen3-4b-instruct-2507": "qwen3-4b-instruct-2507",

@@ -85,3 +85,16 @@ def test_forced_acceptance_keeps_every_draft():
     _free(llm)
     assert all(len(t) == 41 for t in outs)
     assert accepted == draft_tokens and drafts > 0
+
+
+def test_a_draft_model_gives_the_plain_tokens():
+    """Qwen3-0.6B's preset drafting for Qwen3-4B's (fp32, dummy weights: the drafts are mostly
+    wrong): the tokens of plain decoding, the draft's KV beside the target's."""
+    plain_llm = _llm("float32", False, None)
+    plain, _, _ = _generate(plain_llm, 32)
+    _free(plain_llm)
+    llm = _llm("float32", False, {"method": "draft_model", "model": "qwen3-0.6b", "num_speculative_tokens": 3})
+    spec, counts, _ = _generate(llm, 32)
+    _free(llm)
+    print(f"draft model: drafts, draft tokens, accepted = {counts}")
+    assert spec == plain and counts[0] > 0
