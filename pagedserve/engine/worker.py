@@ -104,6 +104,9 @@ class Worker:
             self.graph_capture_seconds = self.runner.enable_cuda_graphs(
                 min(sched.max_num_seqs, 512), kernels.mixed_graph_tokens, sched.max_model_len,
                 prefetch=kernels.weight_prefetch, ahead=self._rehearse if self._compile_ahead else None)
+            if drafter is not None:
+                self.graph_capture_seconds += drafter.enable_cuda_graphs(
+                    min(sched.max_num_seqs, 512), kernels.mixed_graph_tokens, sched.max_model_len)
         logger.info(
             "KV cache: %d blocks of %d tokens = %d tokens (%.2f GiB, %s); max concurrency at "
             "max_model_len=%d: %.2fx", num_blocks, spec.block_size, num_blocks * spec.block_size,

@@ -17,6 +17,7 @@ import torch
 
 from pagedserve.attention.backend import AttentionBackend, AttentionContext
 from pagedserve.config import SchedulerConfig
+from pagedserve.engine.graphs import GraphRunner
 from pagedserve.engine.input_batch import StepArrays, StepBuffers, pack_step
 from pagedserve.engine.kv_cache_spec import KVCacheSpec
 from pagedserve.engine.scheduler import ScheduledChunk
@@ -25,7 +26,7 @@ from pagedserve.models.llama import LlamaForCausalLM
 
 class DraftRunner:
     """The draft model with its own KV tensors (`num_blocks` blocks, the target's ids) and
-    step buffers; runs eagerly."""
+    step buffers; replays CUDA graphs of its own once `enable_cuda_graphs` ran."""
 
     def __init__(self, model: LlamaForCausalLM, backend: AttentionBackend, spec: KVCacheSpec,
                  num_blocks: int, limits: SchedulerConfig, max_drafts: int) -> None:
@@ -36,12 +37,25 @@ class DraftRunner:
         backend.bind_kv_caches(self.kv_caches, spec.allocate_scales(self.device))
         self.buffers = StepBuffers(backend, limits.max_num_batched_tokens, limits.max_num_seqs,
                                    -(-limits.max_model_len // spec.block_size), self.device, max_drafts)
+        self.graphs: GraphRunner | None = None
+
+    def enable_cuda_graphs(self, max_batch: int, max_mixed_tokens: int, max_model_len: int) -> float:
+        """Capture decode graphs (its proposals) and mixed-step graphs (its mirror of the
+        target's steps) over its buffers; returns the seconds it took."""
+        self.graphs = GraphRunner(self.model, self.buffers, max_batch,
+                                  min(max_mixed_tokens, self.buffers.max_tokens), max_model_len, prefetch=False)
+        return self.graphs.capture()
 
     @torch.inference_mode()
     def _forward(self, a: StepArrays, prev_tokens: torch.Tensor | None) -> torch.Tensor:
         """Hidden states [N, hidden] of a packed step's logits rows (its KV written)."""
-        buf = self.buffers
-        noted = buf.load(a, a.num_tokens, None, prev_tokens)
+        buf, graphs = self.buffers, self.graphs
+        key = None
+        if graphs is not None:
+            key = graphs.key_for(a, len(a.sample_rows) == a.num_seqs == a.num_tokens)
+        noted = buf.load(a, key.num_tokens if key else a.num_tokens, key, prev_tokens)
+        if key is not None:
+            return graphs.replay(key, a)
         rows = buf.token_rows(a.num_tokens)
         hidden = self.model(rows[0], rows[1], AttentionContext(self.backend, buf.metadata(a, noted)))
         return hidden.index_select(0, buf.view("logits_idx", len(a.logits_idx)))
