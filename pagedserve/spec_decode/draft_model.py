@@ -68,16 +68,22 @@ class DraftRunner:
     @torch.inference_mode()
     def propose(self, requests: list[tuple[str, list[int], list[int], int]]) -> dict[str, list[int]]:
         """(request id, verified tokens, block ids, number of drafts) of each request -> its
-        greedy drafts. The blocks must hold the tokens and the drafts but the last."""
-        tokens = {rid: list(toks) for rid, toks, _, _ in requests}
-        drafts: dict[str, list[int]] = {rid: [] for rid, *_ in requests}
+        greedy drafts. The blocks must hold the tokens and the drafts but the last. Each
+        step's input is the previous step's argmax, read on the device; the drafts come back
+        to the host once."""
+        prev, prev_rows = None, {}  # the last step's argmax [N] and each request's row in it
+        steps = []  # (request ids, argmax [N]) of each step
         for step in range(max(n for *_, n in requests)):
-            live = [(rid, blocks) for rid, _, blocks, n in requests if n > step]
-            chunks = [ScheduledChunk(rid, len(tokens[rid]) - 1, 1, blocks, samples=True, is_decode=True)
-                      for rid, blocks in live]
-            a = pack_step(chunks, [tokens[rid] for rid, _ in live], {}, self.block_size)
-            best = self.model.compute_logits(self._forward(a, None)).argmax(dim=-1).tolist()  # [N]
-            for (rid, _), t in zip(live, best):
-                tokens[rid].append(t)
-                drafts[rid].append(t)
+            live = [(rid, toks, blocks) for rid, toks, blocks, n in requests if n > step]
+            chunks = [ScheduledChunk(rid, len(toks) - 1 + step, 1, blocks, samples=True, is_decode=True)
+                      for rid, toks, blocks in live]
+            a = pack_step(chunks, [toks for _, toks, _ in live], prev_rows, self.block_size)
+            prev = self.model.compute_logits(self._forward(a, prev)).argmax(dim=-1)  # [N]
+            prev_rows = {rid: i for i, (rid, _, _) in enumerate(live)}
+            steps.append(([rid for rid, _, _ in live], prev))
+        flat = iter(torch.cat([t for _, t in steps]).tolist())  # (one read-back)
+        drafts: dict[str, list[int]] = {rid: [] for rid, *_ in requests}
+        for rids, _ in steps:
+            for rid in rids:
+                drafts[rid].append(next(flat))
         return drafts
