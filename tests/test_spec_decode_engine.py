@@ -1,9 +1,10 @@
 """Speculative decoding in the engine (issue 27), on the embedded SmolLM2 (CPU, fp32): with
 n-gram drafts, greedy outputs are token for token those without, across batching, chunked
-prefill, preemption, prefix-cache hits, stop strings and ids, max_tokens; requests that
-cannot take drafts (a seed, logprobs, penalties) are unchanged; the acceptance counters are
-what replaying the proposer over the known output gives; no KV block leaks. The verify
-pass's sampling keeps the target distribution (a small vocabulary, many rows)."""
+prefill, preemption, prefix-cache hits, stop strings and ids, max_tokens, penalties;
+requests that take no drafts (a seed, logprobs) are unchanged; the acceptance counters are
+what replaying the proposer over the known output gives; no KV block leaks; the same with a
+draft model (SmolLM2 itself, a tiny random one); a real server. The verify pass's sampling
+keeps the target distribution (a small vocabulary, many rows)."""
 
 from __future__ import annotations
 
@@ -67,6 +68,19 @@ def test_stops_inside_a_verified_run_end_the_output_there(engines):
         want = base.generate([QUOTE], params, use_tqdm=False)[0].outputs[0]
         got = spec.generate([QUOTE], params, use_tqdm=False)[0].outputs[0]
         assert (got.token_ids, got.text, got.finish_reason) == (want.token_ids, want.text, want.finish_reason)
+    spec.engine.kv.check_integrity(expect_all_free=True)
+
+
+def test_penalties_apply_at_each_verified_position(engines):
+    base, spec = engines
+    s = spec.engine.speculator
+    s.reset_stats()
+    params = [SamplingParams(temperature=0, max_tokens=32, repetition_penalty=1.2),
+              SamplingParams(temperature=0, max_tokens=32, presence_penalty=0.5, frequency_penalty=0.3)]
+    want = base.generate([QUOTE, QUOTE], params, use_tqdm=False)
+    got = spec.generate([QUOTE, QUOTE], params, use_tqdm=False)
+    assert [g.outputs[0].token_ids for g in got] == [w.outputs[0].token_ids for w in want]
+    assert s.num_drafts > 0
     spec.engine.kv.check_integrity(expect_all_free=True)
 
 
@@ -217,9 +231,10 @@ def test_a_draft_model_that_does_not_fit_is_refused_before_loading(tmp_path):
 # ---- the verify pass's sampling ---------------------------------------------------------------
 
 
-def _verify(logits, params, drafts, num_outputs, eos=()):
+def _verify(logits, params, drafts, num_outputs, eos=(), histories=None):
     """verify_drafts over a step whose sampling rows are exactly these requests' rows."""
-    vb = VerifyBatch.build(params, drafts, num_outputs, [len(d) for d in drafts], logits.shape[-1], eos, "cpu")
+    vb = VerifyBatch.build(params, drafts, num_outputs, [len(d) for d in drafts], logits.shape[-1], eos, "cpu",
+                           histories)
     return verify_drafts(Sampler(), logits.index_select(0, vb.rows), vb)
 
 
@@ -250,6 +265,16 @@ def test_verify_greedy_rows_follow_the_argmax_and_bad_rows_are_flagged():
     assert out.tolist() == [[1, 0, -1]]  # the draft EOS is rejected: the best allowed token
     out = _verify(logits[:3], [banned], [[1, 2]], [1], (2,))
     assert out.tolist() == [[1, 2, 0]]
+
+
+def test_verify_penalties_count_the_drafts_before_each_position():
+    logits = torch.tensor([[0.0, 5, 4, 0], [0, 5, 4, 0]])  # token 1 best at both positions
+    params = SamplingParams(temperature=0, frequency_penalty=2.0)
+    # the draft 1 is kept at the first position; at the second, 1 has been output once more
+    # (5 - 2 < 4): the target's token there is 2
+    assert _verify(logits, [params], [[1]], [0], histories=[([3], [])]).tolist() == [[1, 2]]
+    # an output 1 before the step already counts at the first position: the draft is rejected
+    assert _verify(logits, [params], [[1]], [1], histories=[([3], [1])]).tolist() == [[2, -1]]
 
 
 def test_verify_keeps_the_target_distribution_of_sampled_rows():

@@ -241,7 +241,8 @@ class ModelRunner:
         vb = VerifyBatch.build(
             [states[i].sampling_params for i in spec], [chunks[i].draft_token_ids for i in spec],
             [chunks[i].start + 1 - len(states[i].prompt_token_ids) for i in spec], a.num_drafts,
-            self.vocab_size, self.model.config.eos_token_ids, self.device)
+            self.vocab_size, self.model.config.eos_token_ids, self.device,
+            [(states[i].prompt_token_ids, states[i].output_token_ids) for i in spec])
         return vb, spec, plain
 
     def collect(self, handle: StepHandle) -> StepResult:

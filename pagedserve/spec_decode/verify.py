@@ -45,10 +45,13 @@ class VerifyBatch:
     @classmethod
     def build(cls, params: list[SamplingParams], drafts: list[list[int]], num_outputs: list[int],
               num_drafts_per_row: list[int], vocab_size: int, eos_token_ids: tuple[int, ...],
-              device: torch.device | str) -> VerifyBatch:
+              device: torch.device | str,
+              histories: list[tuple[list[int], list[int]]] | None = None) -> VerifyBatch:
         """`num_drafts_per_row`: the drafts of each sampling sequence of the step, in logits
         order (each has that many + 1 logits rows); `params`, `drafts` and `num_outputs`
-        (outputs before the first verified position) of those with drafts."""
+        (outputs before the first verified position) of those with drafts; `histories`
+        (needed when one has penalties): each one's (prompt, outputs before the first
+        verified position): a position's penalties count the drafts before it too."""
         counts = np.asarray(num_drafts_per_row, dtype=np.int64) + 1
         ends = np.cumsum(counts) - 1  # each sequence's last logits row
         spec = counts > 1
@@ -64,7 +67,12 @@ class VerifyBatch:
                                  draft_ids.reshape(-1), mine - 1, greedy], device)
         row_params = [p for p, c in zip(params, mine) for _ in range(c)]
         row_outputs = [base + j for base, c in zip(num_outputs, mine) for j in range(c)]
-        batch = SamplingBatch.build(row_params, [None] * len(row_params), [[]] * len(row_params), None,
+        prompts, outputs = [[]] * len(row_params), None
+        if any(p.uses_penalties for p in params):
+            assert histories is not None
+            prompts = [prompt for (prompt, _), c in zip(histories, mine) for _ in range(c)]
+            outputs = [out + d[:j] for (_, out), d, c in zip(histories, drafts, mine) for j in range(c)]
+        batch = SamplingBatch.build(row_params, [None] * len(row_params), prompts, outputs,
                                     vocab_size, device, eos_token_ids=eos_token_ids, num_outputs=row_outputs)
         return cls(views[0], views[1], views[2], views[3], views[4].view(n, k), views[5],
                    views[6].bool(), batch, bool(greedy.all()), k)
