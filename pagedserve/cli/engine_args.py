@@ -56,7 +56,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                         "\"num_speculative_tokens\": 4, \"prompt_lookup_max\": 4, "
                         "\"prompt_lookup_min\": 1}' guesses the next tokens from earlier text "
                         "and verifies them in one pass (exact: the same tokens or the same "
-                        "distribution as without); \"disable_by_batch_size\": N turns it off "
+                        "distribution as without); '{\"method\": \"draft_model\", \"model\": "
+                        "\"qwen3-0.6b\", \"num_speculative_tokens\": 4}' drafts with a smaller "
+                        "model of the same vocabulary; \"disable_by_batch_size\": N turns it off "
                         "while more than N requests run (default 32)")
     p.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
     p.add_argument("--attention-backend", default="auto", choices=["auto", "triton", "torch"],

@@ -322,7 +322,7 @@ class EngineCore:
                 or any(r.sampling_params.uses_penalties for r in self.scheduler.running))
 
     def _speculating(self) -> bool:
-        return self.speculator is not None and self.speculator.active(len(self.scheduler.running))
+        return self.speculator is not None and self.speculator.active(self.scheduler.running)
 
     def _complete(self, out, handle) -> None:
         """Read a launched step's tokens back; apply them; stop what should stop. The outputs

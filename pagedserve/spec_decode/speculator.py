@@ -44,9 +44,11 @@ class Speculator:
         self.num_draft_tokens = 0  # cumulative: draft tokens verified
         self.num_accepted_tokens = 0  # cumulative: draft tokens the target kept
 
-    def active(self, num_running: int) -> bool:
-        """Whether this step may speculate (`disable_by_batch_size`)."""
-        return 0 < num_running <= self.config.disable_by_batch_size
+    def active(self, running: list[Request]) -> bool:
+        """Whether this step may speculate: at most `disable_by_batch_size` requests run and
+        one of them can take drafts (else its steps keep async scheduling)."""
+        return (0 < len(running) <= self.config.disable_by_batch_size
+                and any(can_speculate(r.sampling_params) for r in running))
 
     def propose(self, running: Iterable[Request]) -> None:
         """Set `draft_token_ids` of each running request that can take drafts this step."""
