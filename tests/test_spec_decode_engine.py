@@ -1,7 +1,7 @@
 """Speculative decoding in the engine (issue 27), on the embedded SmolLM2 (CPU, fp32): with
 n-gram drafts, greedy outputs are token for token those without, across batching, chunked
-prefill, preemption, prefix-cache hits, stop strings and ids, max_tokens, penalties;
-requests that take no drafts (a seed, logprobs) are unchanged; the acceptance counters are
+prefill, preemption, prefix-cache hits, stop strings and ids, max_tokens, penalties and
+logprobs; seeded requests (which take no drafts) are unchanged; the acceptance counters are
 what replaying the proposer over the known output gives; no KV block leaks; the same with a
 draft model (SmolLM2 itself, a tiny random one); a real server. The verify pass's sampling
 keeps the target distribution (a small vocabulary, many rows)."""
@@ -84,7 +84,9 @@ def test_penalties_apply_at_each_verified_position(engines):
     spec.engine.kv.check_integrity(expect_all_free=True)
 
 
-def test_requests_that_take_no_drafts_are_unchanged(engines):
+def test_requests_with_a_seed_or_logprobs_are_unchanged(engines):
+    """A seeded request takes no drafts; a request with logprobs does, and gets one entry per
+    token, as without speculation."""
     base, spec = engines
     mixed = [SamplingParams(temperature=0, max_tokens=24),
              SamplingParams(temperature=0.8, seed=7, max_tokens=24),
@@ -96,6 +98,11 @@ def test_requests_that_take_no_drafts_are_unchanged(engines):
     got = spec.generate(prompts, mixed, use_tqdm=False)
     for w, g in zip(want, got):
         assert g.outputs[0].token_ids == w.outputs[0].token_ids
+    s = spec.engine.speculator
+    s.reset_stats()
+    lp_only = spec.generate([QUOTE], mixed[2], use_tqdm=False)[0].outputs[0]
+    assert lp_only.token_ids == want[2].outputs[0].token_ids and s.num_accepted_tokens > 0
+    assert len(lp_only.logprobs) == len(lp_only.token_ids)
     want_lp, got_lp = want[2].outputs[0].logprobs, got[2].outputs[0].logprobs
     assert len(got_lp) == 24 and [d.keys() for d in got_lp] == [d.keys() for d in want_lp]
     flat = [[v for d in lps for v in d.values()] for lps in (got_lp, want_lp)]
@@ -235,7 +242,7 @@ def _verify(logits, params, drafts, num_outputs, eos=(), histories=None):
     """verify_drafts over a step whose sampling rows are exactly these requests' rows."""
     vb = VerifyBatch.build(params, drafts, num_outputs, [len(d) for d in drafts], logits.shape[-1], eos, "cpu",
                            histories)
-    return verify_drafts(Sampler(), logits.index_select(0, vb.rows), vb)
+    return verify_drafts(Sampler(), logits.index_select(0, vb.rows), vb)[0]
 
 
 def test_verify_batch_finds_each_requests_rows_among_the_steps():
@@ -265,6 +272,17 @@ def test_verify_greedy_rows_follow_the_argmax_and_bad_rows_are_flagged():
     assert out.tolist() == [[1, 0, -1]]  # the draft EOS is rejected: the best allowed token
     out = _verify(logits[:3], [banned], [[1, 2]], [1], (2,))
     assert out.tolist() == [[1, 2, 0]]
+
+
+def test_verify_gives_the_logprobs_of_each_emitted_token():
+    logits = torch.tensor([[0.0, 5, 0, 0], [0, 0, 5, 1], [1, 0, 0, 5]])
+    params = SamplingParams(temperature=0, logprobs=1)
+    vb = VerifyBatch.build([params], [[1, 3]], [0], [2], 4, (), "cpu")
+    tokens, lp, ids = verify_drafts(Sampler(), logits, vb)
+    assert tokens.tolist() == [[1, 2, -1]]  # the second draft (3) rejected: 2 instead
+    raw = logits.log_softmax(dim=-1)
+    assert ids[:2].tolist() == [[1, 1], [2, 2]]  # the emitted token, then the top one
+    assert torch.allclose(lp[:2, 0], torch.stack([raw[0, 1], raw[1, 2]]))
 
 
 def test_verify_penalties_count_the_drafts_before_each_position():

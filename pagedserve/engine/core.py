@@ -356,9 +356,8 @@ class EngineCore:
         """The output of one request that got a token; finishes it when it should stop."""
         if self._faults and "request" in self._faults.get(req.request_id, ()):
             faults.fail("request", req.request_id)
-        lp = result.logprobs.get(req.request_id)
         new = result.token_ids[req.request_id]
-        o = TokenOutput(req.request_id, list(new), [lp] if lp else [],
+        o = TokenOutput(req.request_id, list(new), list(result.logprobs.get(req.request_id, ())),
                         num_prompt_tokens=req.num_prompt_tokens,
                         num_cached_tokens=req.num_cached_tokens)
         if req.first_token_time is None:
@@ -375,7 +374,7 @@ class EngineCore:
                               num_known, req.max_tokens, self.scheduler_config.max_model_len,
                               req.eos_token_ids)
             if stop is not None:
-                del req.token_ids[num_known:], o.new_token_ids[i + 1:]
+                del req.token_ids[num_known:], o.new_token_ids[i + 1:], o.new_logprobs[i + 1:]
                 break
         self.num_generation_tokens += len(o.new_token_ids)
         if stop is None and req.request_id in result.grammar_done:

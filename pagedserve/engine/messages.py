@@ -139,8 +139,8 @@ class StepResult:
     requests that sampled."""
 
     token_ids: dict[str, list[int]]  # request id -> its new tokens this step (in order)
-    # request id -> (sampled token's logprob, [(token id, logprob) of the top-k])
-    logprobs: dict[str, tuple[float, list[tuple[int, float]]]]
+    # request id -> per new token: (its logprob, [(token id, logprob) of the top-k])
+    logprobs: dict[str, list[tuple[float, list[tuple[int, float]]]]]
     # requests whose logits held a NaN or an Inf (not in token_ids: their token is garbage)
     non_finite: list[str] = field(default_factory=list)
     # request id -> why its part of the step failed (e.g. its grammar refused the token)

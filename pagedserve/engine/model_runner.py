@@ -46,9 +46,15 @@ class StepHandle:
     #  ids [N, 1+k] | None)
     host: tuple | None = None
     spec_reqs: list = field(default_factory=list)  # the requests whose drafts were verified
-    spec_host: torch.Tensor | None = None  # their tokens [Ns, k + 1] (see verify_drafts)
+    spec_host: tuple | None = None  # their (tokens [Ns, k + 1], logprobs, ids) (verify_drafts)
+    spec_counts: list[int] = field(default_factory=list)  # their logits rows (drafts + 1)
     ready: torch.cuda.Event | None = None
     result: StepResult | None = None  # once read back (by collect, or by the next step's grammar)
+
+
+def _token_logprobs(lp: list[float], ids: list[int], k: int) -> tuple[float, list[tuple[int, float]]]:
+    """(the token's logprob, [(id, logprob) of the top k]) from one row of token_logprobs."""
+    return lp[0], list(zip(ids[1 : 1 + k], lp[1 : 1 + k]))
 
 
 def _to_pinned_async(t: torch.Tensor) -> torch.Tensor:
@@ -179,7 +185,7 @@ class ModelRunner:
         logits = self.model.compute_logits(hidden) if reqs else None  # [R, vocab]
         if verify is not None:  # the requests with drafts are verified apart
             vb, spec, sample_rows = verify
-            handle.spec_reqs = [states[i] for i in spec]
+            handle.spec_reqs, handle.spec_counts = [states[i] for i in spec], vb.counts
             handle.spec_host = verify_drafts(self.sampler, logits.index_select(0, vb.rows), vb,
                                              self.force_accept)
             logits = logits.index_select(0, vb.plain_rows)
@@ -221,7 +227,8 @@ class ModelRunner:
             handle.host = (result.checked_token_ids, result.logprobs, result.logprob_token_ids)
         if (handle.host is not None or handle.spec_reqs) and self.device.type == "cuda":
             handle.host = tuple(None if t is None else _to_pinned_async(t) for t in handle.host or ())
-            handle.spec_host = None if handle.spec_host is None else _to_pinned_async(handle.spec_host)
+            handle.spec_host = (None if handle.spec_host is None else
+                                tuple(None if t is None else _to_pinned_async(t) for t in handle.spec_host))
             handle.ready = torch.cuda.Event()
             handle.ready.record()
         self._prev_tokens = handle.token_ids
@@ -271,11 +278,9 @@ class ModelRunner:
             non_finite = [r.request_id for r, t in zip(reqs, tokens) if t < 0]
             for rid in non_finite:
                 del token_ids[rid]
-        for r, row in zip(handle.spec_reqs, handle.spec_host.tolist() if handle.spec_reqs else ()):
-            if row[0] < 0:
-                non_finite.append(r.request_id)
-            else:
-                token_ids[r.request_id] = [t for t in row if t >= 0]
+        logprobs: dict[str, list[tuple[float, list[tuple[int, float]]]]] = {}
+        if handle.spec_reqs:
+            self._spec_results(handle, token_ids, logprobs, non_finite)
         grammar_done: list[str] = []
         held = [r for r in reqs + handle.spec_reqs
                 if r.request_id in token_ids and self.requests.get(r.request_id) is r]
@@ -297,15 +302,28 @@ class ModelRunner:
                 del token_ids[r.request_id]
             elif r.grammar_done:
                 grammar_done.append(r.request_id)
-        logprobs: dict[str, tuple[float, list[tuple[int, float]]]] = {}
         if logprobs_t is not None:
             lp, lp_ids = logprobs_t.tolist(), logprob_ids_t.tolist()
             for row, r in enumerate(reqs):
+                if r.sampling_params.logprobs is not None:
+                    logprobs[r.request_id] = [_token_logprobs(lp[row], lp_ids[row], r.sampling_params.logprobs)]
+        return StepResult(token_ids, logprobs, non_finite, failed, grammar_done)
+
+    @staticmethod
+    def _spec_results(handle: StepHandle, token_ids: dict, logprobs: dict, non_finite: list) -> None:
+        """The verified requests' new tokens (and logprobs, one per token) into the dicts."""
+        tokens_t, lp_t, ids_t = handle.spec_host
+        lp, lp_ids = (lp_t.tolist(), ids_t.tolist()) if lp_t is not None else (None, None)
+        at = 0  # the request's first row
+        for r, row, count in zip(handle.spec_reqs, tokens_t.tolist(), handle.spec_counts):
+            if row[0] < 0:
+                non_finite.append(r.request_id)
+            else:
+                new = token_ids[r.request_id] = [t for t in row if t >= 0]
                 k = r.sampling_params.logprobs
                 if k is not None:
-                    top = list(zip(lp_ids[row][1 : 1 + k], lp[row][1 : 1 + k]))
-                    logprobs[r.request_id] = (lp[row][0], top)
-        return StepResult(token_ids, logprobs, non_finite, failed, grammar_done)
+                    logprobs[r.request_id] = [_token_logprobs(lp[at + j], lp_ids[at + j], k) for j in range(len(new))]
+            at += count
 
     def _grammar_mask(self, reqs: list[CachedRequest]) -> torch.Tensor:
         """[N, ceil(V / 32)] int32 allowed-token bitmask on the device: each constrained row

@@ -314,7 +314,7 @@ class Sampler:
             checked = check_finite(raw_logits, token_ids)
         logprobs = ids = None
         if batch.max_num_logprobs is not None:
-            logprobs, ids = self._logprobs(raw_logits, token_ids, batch.max_num_logprobs)
+            logprobs, ids = self.token_logprobs(raw_logits, token_ids, batch.max_num_logprobs)
         return SamplerOutput(token_ids=token_ids, checked_token_ids=checked, logprobs=logprobs,
                              logprob_token_ids=ids)
 
@@ -374,7 +374,9 @@ class Sampler:
         return torch.where(batch.temperature == 0, logits.argmax(dim=-1), sampled)
 
     @staticmethod
-    def _logprobs(raw_logits: Tensor, token_ids: Tensor, k: int) -> tuple[Tensor, Tensor]:
+    def token_logprobs(raw_logits: Tensor, token_ids: Tensor, k: int) -> tuple[Tensor, Tensor]:
+        """([N, 1 + k] float32, [N, 1 + k] int64): each row's log-probability of token_ids [N]
+        under raw_logits [N, V], then its top k (ids and values)."""
         logprobs = raw_logits.log_softmax(dim=-1)  # [N, V]
         sampled_ids = token_ids.unsqueeze(1)  # [N, 1]
         sampled = logprobs.gather(1, sampled_ids)  # [N, 1]

@@ -5,8 +5,8 @@ target model kept.
 A request gets drafts only while its tokens are all on the host (the core runs speculative
 steps in sync) and it is decoding (one new token to compute). Its parameters apply at each
 verified position as at that point of the output (penalties count the drafts before it);
-requests with a grammar, logprobs or a seed of their own decode one token a step as
-without speculation. Drafts never take a request past max_tokens or max_model_len.
+requests with a grammar or a seed of their own decode one token a step as without
+speculation. Drafts never take a request past max_tokens or max_model_len.
 """
 
 from __future__ import annotations
@@ -21,8 +21,7 @@ from pagedserve.spec_decode.ngram import NgramProposer
 
 def can_speculate(params: SamplingParams) -> bool:
     """Whether a request with these parameters may get draft tokens."""
-    return not (params.structured_outputs is not None or params.logprobs is not None
-                or params.seed is not None)
+    return not (params.structured_outputs is not None or params.seed is not None)
 
 
 class Speculator:

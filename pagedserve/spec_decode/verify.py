@@ -41,6 +41,8 @@ class VerifyBatch:
     batch: SamplingBatch  # the R rows' sampling parameters
     all_greedy: bool
     k: int
+    counts: list[int]  # [N] rows of each request (its drafts + 1)
+    max_logprobs: int | None  # the most top logprobs a request wants (None: none wants them)
 
     @classmethod
     def build(cls, params: list[SamplingParams], drafts: list[list[int]], num_outputs: list[int],
@@ -74,13 +76,19 @@ class VerifyBatch:
             outputs = [out + d[:j] for (_, out), d, c in zip(histories, drafts, mine) for j in range(c)]
         batch = SamplingBatch.build(row_params, [None] * len(row_params), prompts, outputs,
                                     vocab_size, device, eos_token_ids=eos_token_ids, num_outputs=row_outputs)
+        wanted = [p.logprobs for p in params if p.logprobs is not None]
         return cls(views[0], views[1], views[2], views[3], views[4].view(n, k), views[5],
-                   views[6].bool(), batch, bool(greedy.all()), k)
+                   views[6].bool(), batch, bool(greedy.all()), k, mine.tolist(),
+                   max(wanted) if wanted else None)
 
 
-def verify_drafts(sampler: Sampler, logits: Tensor, vb: VerifyBatch, force_accept: bool = False) -> Tensor:
-    """logits [R, V] (the rows `vb.rows` of the step's logits). Returns [N, k + 1] int64: each
-    request's emitted tokens, then -1; a request whose logits hold a NaN or an Inf is all -1.
+def verify_drafts(sampler: Sampler, logits: Tensor, vb: VerifyBatch,
+                  force_accept: bool = False) -> tuple[Tensor, Tensor | None, Tensor | None]:
+    """logits [R, V] (the rows `vb.rows` of the step's logits). Returns the tokens [N, k + 1]
+    int64: each request's emitted tokens, then -1 (all -1: its logits hold a NaN or an Inf);
+    and where some request wants logprobs, for each of the R rows the log-probability of
+    the token emitted there (from the raw logits) and the top ones ([R, 1 + K] values and
+    ids, as `Sampler.token_logprobs`; rows past a request's emitted tokens mean nothing).
     `force_accept` (a benchmark mode): every draft is kept, then the token verification would
     have emitted first."""
     n, k = vb.draft_ids.shape
@@ -106,4 +114,9 @@ def verify_drafts(sampler: Sampler, logits: Tensor, vb: VerifyBatch, force_accep
     # a non-finite row anywhere in a request: the whole request's tokens are garbage
     bad = check_finite(logits.float(), vb.req_of) < 0  # [R]
     bad_req = torch.zeros(n, dtype=torch.int32, device=device).index_add_(0, vb.req_of, bad.int()) > 0  # [N]
-    return tokens.masked_fill(bad_req.unsqueeze(1), -1)
+    tokens = tokens.masked_fill(bad_req.unsqueeze(1), -1)
+    if vb.max_logprobs is None:
+        return tokens, None, None
+    emitted = tokens[vb.req_of, vb.pos_of].clamp(min=0)  # [R]
+    lp, ids = sampler.token_logprobs(logits.float(), emitted, vb.max_logprobs)
+    return tokens, lp, ids
