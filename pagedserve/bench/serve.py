@@ -280,19 +280,14 @@ SPEC_COUNTERS = {"drafts": "vllm:spec_decode_num_drafts_total",
 def server_spec_counters(base_url: str, api_key: str | None) -> dict[str, float] | None:
     """The speculative-decoding counters on the server's `/metrics` (vLLM's names, which
     pagedserve's are); None when it has none or cannot be asked."""
-    import httpx
+    from pagedserve.monitor.top import ScrapeError, fetch
 
-    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
     try:
-        text = httpx.get(f"{base_url}/metrics", headers=headers, timeout=30).text
-    except httpx.HTTPError:
+        scrape = fetch(base_url, api_key, timeout=30)
+    except ScrapeError:
         return None
-    found: dict[str, float] = {}
-    for line in text.splitlines():
-        for key, name in SPEC_COUNTERS.items():
-            if line.startswith(name + "{") or line.startswith(name + " "):
-                found[key] = found.get(key, 0.0) + float(line.rsplit(" ", 1)[1])
-    return found if len(found) == len(SPEC_COUNTERS) else None
+    found = {key: scrape.value(name) for key, name in SPEC_COUNTERS.items()}
+    return None if None in found.values() else found
 
 
 def spec_summary(before: dict[str, float] | None, after: dict[str, float] | None) -> dict | None:

@@ -93,9 +93,10 @@ def verify_drafts(sampler: Sampler, logits: Tensor, vb: VerifyBatch,
     have emitted first."""
     n, k = vb.draft_ids.shape
     device = logits.device
+    logits = logits.float()  # [R, V]
     cols = torch.arange(k + 1, device=device)[None, :]  # [1, k + 1]
     if vb.all_greedy:  # a draft is kept while it is the argmax
-        best = sampler.constrain(logits.float(), vb.batch).argmax(dim=-1)  # [R]
+        best = sampler.constrain(logits, vb.batch).argmax(dim=-1)  # [R]
         target = torch.zeros((n, k + 1), dtype=torch.int64, device=device)
         target[vb.req_of, vb.pos_of] = best
         agree = (target[:, :k] == vb.draft_ids) & (cols[:, :k] < vb.num_drafts[:, None])  # [N, k]
@@ -112,11 +113,11 @@ def verify_drafts(sampler: Sampler, logits: Tensor, vb: VerifyBatch,
         forced = torch.cat([vb.draft_ids, vb.draft_ids[:, :1]], dim=1).masked_fill(cols > vb.num_drafts[:, None], -1)
         tokens = forced.scatter(1, vb.num_drafts[:, None], tokens[:, :1])
     # a non-finite row anywhere in a request: the whole request's tokens are garbage
-    bad = check_finite(logits.float(), vb.req_of) < 0  # [R]
+    bad = check_finite(logits, vb.req_of) < 0  # [R]
     bad_req = torch.zeros(n, dtype=torch.int32, device=device).index_add_(0, vb.req_of, bad.int()) > 0  # [N]
     tokens = tokens.masked_fill(bad_req.unsqueeze(1), -1)
     if vb.max_logprobs is None:
         return tokens, None, None
     emitted = tokens[vb.req_of, vb.pos_of].clamp(min=0)  # [R]
-    lp, ids = sampler.token_logprobs(logits.float(), emitted, vb.max_logprobs)
+    lp, ids = sampler.token_logprobs(logits, emitted, vb.max_logprobs)
     return tokens, lp, ids
