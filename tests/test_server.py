@@ -344,15 +344,21 @@ def test_message_fields_and_request_templates_reach_the_template(server, client)
     (this server trusts request templates); a chat completion renders the same prompt."""
     template = ("{% for m in messages %}[{{ m.role }}|{{ m.name }}|{{ m.tool_call_id }}|"
                 "{{ m.reasoning_content }}|{{ m.tool_calls[0].id if m.tool_calls else '' }}]"
+                "{% for c in m.tool_calls or [] %}{{ c.function.arguments | tojson }};{% endfor %}"
                 "{{ m.content }}{% endfor %}")
     messages = [{"role": "user", "content": "hi", "name": "ann"},
                 {"role": "assistant", "content": "yo", "reasoning_content": "think",
                  "tool_calls": [{"id": "call_1", "type": "function",
-                                 "function": {"name": "f", "arguments": "{}"}}]},
+                                 "function": {"name": "f", "arguments": '{"city": "Paris"}'}},
+                                {"id": "call_2", "type": "function",
+                                 "function": {"name": "f", "arguments": "not json"}}]},
                 {"role": "tool", "content": "42", "tool_call_id": "call_1"}]
     tok = httpx.post(server.url + "/tokenize", json={"messages": messages, "chat_template": template}).json()
     text = httpx.post(server.url + "/detokenize", json={"tokens": tok["tokens"]}).json()["prompt"]
-    assert text == "[user|ann|||]hi[assistant|||think|call_1]yo[tool||call_1||]42"
+    # arguments reach the template as an object (as Hugging Face templates take them), so
+    # `tojson` writes them once; text that is not a JSON object stays text
+    assert text == ('[user|ann|||]hi[assistant|||think|call_1]{"city": "Paris"};"not json";yo'
+                    '[tool||call_1||]42')
     r = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=1,
                                        extra_body={"chat_template": template})
     assert r.usage.prompt_tokens == tok["count"]

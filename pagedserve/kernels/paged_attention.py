@@ -69,6 +69,7 @@ def _decode_kernel(
     GROUP: tl.constexpr, G_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, NUM_KV_HEADS: tl.constexpr,
     PAGE: tl.constexpr, BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr, IEEE: tl.constexpr,
     HAS_COUNT: tl.constexpr, HEADS_FAST: tl.constexpr, KV_FP8: tl.constexpr,
+    F16_DOT: tl.constexpr,  # FP8 cache, 16-bit q: products in float16 (see DECODE_FP8_CONFIG)
     PDL: tl.constexpr,  # programmatic dependent launch (kernels/pdl.py)
 ):
     pdl.wait_and_release(PDL)
@@ -94,6 +95,8 @@ def _decode_kernel(
     gmask = g < GROUP
     q = tl.load(Q + tok * stride_qt + heads[:, None] * stride_qh + d[None, :],
                 mask=gmask[:, None], other=0.0)  # [G_PAD, D]
+    if F16_DOT:  # (exact: q's bfloat16 values are below 65504 in magnitude)
+        q = q.to(tl.float16)
     scale_log2, v_scale = kv_scales(KVScale, scale_log2, KV_FP8)
 
     per_split = tl.cdiv(tl.cdiv(seq_len, NUM_SPLITS), BLOCK_N) * BLOCK_N
@@ -270,6 +273,10 @@ def _kv_scale_arg(kv_cache: torch.Tensor, q: torch.Tensor, kv_scale: torch.Tenso
 # Tile size, launch settings and program order of the decode kernel (benchmarks/gpu_check.py
 # --sections decode_tune measures the alternatives on the GPU).
 DECODE_CONFIG = {"BLOCK_N": 64, "num_warps": 4, "num_stages": 2, "HEADS_FAST": True}
+# Over an FP8 cache (benchmarks/fp8_kv_decode_tune.py): F16_DOT widens the cache's e4m3 to
+# float16, not bfloat16, and q with it, so both products run in float16 (as exact as bf16
+# or more: q's bf16 values are float16 values below 65504, p is in [0, 1]).
+DECODE_FP8_CONFIG = {**DECODE_CONFIG, "F16_DOT": True}
 
 
 def paged_decode(
@@ -291,7 +298,8 @@ def paged_decode(
 
     With `count` ([1] int32 on the device), only the first count[0] entries of seq_ids are
     decodes: the grid stays sized for all of seq_ids, so a CUDA graph can replay it.
-    `config` overrides DECODE_CONFIG. An FP8 cache needs `kv_scale` ([2] float32: K, V).
+    `config` overrides DECODE_CONFIG (DECODE_FP8_CONFIG over an FP8 cache). An FP8 cache
+    needs `kv_scale` ([2] float32: K, V).
     """
     num_rows = seq_ids.shape[0]
     if num_rows == 0:
@@ -304,6 +312,8 @@ def paged_decode(
     acc_buf, ml_buf = partials if num_splits > 1 else (out, out)
     scb, scs, sch = _cache_strides(kv_cache)
     scale_arg, fp8 = _kv_scale_arg(kv_cache, q, kv_scale)
+    config = dict(config or (DECODE_FP8_CONFIG if fp8 else DECODE_CONFIG))
+    f16_dot = config.pop("F16_DOT", False) and fp8 and q.dtype != torch.float32
     _decode_kernel[(num_rows * num_kv_heads, num_splits)](
         q, kv_cache[0], kv_cache[1], out, acc_buf, ml_buf,
         seq_ids, query_start_loc, seq_lens, block_tables, seq_ids if count is None else count,
@@ -312,7 +322,7 @@ def paged_decode(
         scb, scs, sch, block_tables.stride(0),
         GROUP=group, G_PAD=max(16, triton.next_power_of_2(group)), HEAD_DIM=head_dim,
         NUM_KV_HEADS=num_kv_heads, PAGE=page, NUM_SPLITS=num_splits, IEEE=q.dtype == torch.float32,
-        HAS_COUNT=count is not None, KV_FP8=fp8, **(config or DECODE_CONFIG), **pdl.launch_options(q),
+        HAS_COUNT=count is not None, KV_FP8=fp8, F16_DOT=f16_dot, **config, **pdl.launch_options(q),
     )
     if num_splits > 1:
         _reduce_kernel[(num_rows, num_heads)](

@@ -12,6 +12,7 @@ most RENDER_TIMEOUT_S of one thread, never the event loop.
 from __future__ import annotations
 
 import asyncio
+import json
 import sys
 import time
 from collections.abc import Callable
@@ -69,6 +70,7 @@ def template_kwargs(kwargs: dict[str, Any] | None, request_template: str | None,
 async def render_chat(tokenizer: Tokenizer, messages: list[dict[str, Any]],
                       add_generation_prompt: bool, kwargs: dict[str, Any]) -> str:
     """The prompt text of `messages` (APIError 400 when the template cannot render them)."""
+    messages = [_arguments_as_objects(m) if m.get("tool_calls") else m for m in messages]
     render = lambda: tokenizer.render_chat(messages, add_generation_prompt, **kwargs)  # noqa: E731
     try:
         if "chat_template" in kwargs:  # the request's own: bounded, in a thread
@@ -83,6 +85,26 @@ async def render_chat(tokenizer: Tokenizer, messages: list[dict[str, Any]],
     except Exception as e:  # a template that raises on these messages (jinja2 errors)
         raise APIError(400, f"the chat template cannot render these messages: "
                             f"{type(e).__name__}: {e}"[:1000], param="messages") from None
+
+
+def _arguments_as_objects(message: dict[str, Any]) -> dict[str, Any]:
+    """The message with its tool calls' `arguments` as objects, as Hugging Face templates take
+    them (and vLLM passes them): the OpenAI API sends JSON text, which templates that write
+    `arguments | tojson` (Qwen2.5's, Llama 3.1's, Mistral's) would quote a second time;
+    Qwen3's takes either. Arguments that are not a JSON object's text stay as sent."""
+    calls = []
+    for call in message["tool_calls"]:
+        function = call.get("function") if isinstance(call, dict) else None
+        arguments = function.get("arguments") if isinstance(function, dict) else None
+        if isinstance(arguments, str):
+            try:
+                parsed = json.loads(arguments)
+            except ValueError:
+                parsed = None
+            if isinstance(parsed, dict):
+                call = {**call, "function": {**function, "arguments": parsed}}
+        calls.append(call)
+    return {**message, "tool_calls": calls}
 
 
 def run_bounded(fn: Callable[[], Any], seconds: float, max_events: int,
