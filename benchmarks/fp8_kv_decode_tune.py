@@ -27,7 +27,8 @@ HQ, HKV, D, BS = 32, 8, 128, 16
 CASES = [(128, 4096), (64, 2048), (32, 4096), (256, 1024)]
 GRID = [dict(BLOCK_N=n, num_warps=w, num_stages=s, HEADS_FAST=True, F16_DOT=f)
         for n, w, s, f in [*itertools.product((64, 128), (4, 8), (2, 3, 4), (False, True)),
-                           (32, 2, 2, True), (32, 4, 3, True)]]
+                           (32, 2, 2, True), (32, 4, 3, True), (256, 4, 2, True), (256, 8, 2, True),
+                           (256, 8, 3, True)]]
 
 
 def _time(fn, reps: int = 20) -> float:
