@@ -64,6 +64,16 @@ def test_bench_latency(tmp_path):
     assert r["matmul_plan_s"] == 0.0
 
 
+def test_bench_latency_times_every_request_when_prefill_takes_many_steps(tmp_path):
+    """A batch whose prompts take many steps to prefill: the first requests decode meanwhile,
+    and none may run out of tokens before the timed steps end (each timed step gives every
+    request one token; the mean context counts the tokens they gained)."""
+    r = _run(tmp_path, "latency", "--batch-sizes", "6", "--input-len", "48", "--steps", "3",
+             "--max-num-batched-tokens", "32")
+    (row,) = r["rows"]
+    assert row["tokens_per_step"] == 1.0 and row["ms_per_token"] == row["ms_per_step"]
+
+
 def test_the_roofline_counts_the_bytes_a_quantized_model_reads():
     """Qwen3-4B: bf16 weights read 8.04 GB a decode step; FP8 projections (1 byte) bring that
     to 4.41 GB (the issue's ~1.05 ms floor at batch 1), 4-bit ones with a 16-bit scale and zero

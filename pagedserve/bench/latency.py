@@ -29,7 +29,8 @@ def run_latency(args, llm_kwargs: dict, llm=None) -> dict:
         if not llm_kwargs.get("max_model_len"):  # (a speculative step gives up to k + 1 tokens)
             spec = SpeculativeConfig.parse(llm_kwargs.get("speculative_config"))
             per_step = 1 + (spec.num_speculative_tokens if spec else 0)
-            llm_kwargs["max_model_len"] = args.input_len + (args.steps + 8) * per_step + 64
+            budget = llm_kwargs.get("max_num_batched_tokens") or 8192  # (LLM's default)
+            llm_kwargs["max_model_len"] = args.input_len + _max_tokens(args, max(sizes), per_step, budget) + 64
         llm_kwargs["max_num_seqs"] = max(max(sizes), llm_kwargs.get("max_num_seqs") or 0)
         t0 = time.perf_counter()
         llm = LLM(**llm_kwargs)
@@ -44,7 +45,9 @@ def run_latency(args, llm_kwargs: dict, llm=None) -> dict:
     for bs in sizes:
         # (a speculative step may give each request up to k + 1 tokens)
         per_step = 1 + (engine.speculator.config.num_speculative_tokens if engine.speculator else 0)
-        params = SamplingParams(temperature=0, max_tokens=(args.steps + 8) * per_step, ignore_eos=True)
+        max_tokens = _max_tokens(args, bs, per_step, engine.scheduler_config.max_num_batched_tokens)
+        params = SamplingParams(temperature=0, ignore_eos=True,
+                                max_tokens=min(max_tokens, engine.scheduler_config.max_model_len - args.input_len))
         ids = [f"lat-{bs}-{i}" for i in range(bs)]
         for rid in ids:
             prompt = [rng.randrange(10, min(cfg.vocab_size, 32000)) for _ in range(args.input_len)]
@@ -59,6 +62,8 @@ def run_latency(args, llm_kwargs: dict, llm=None) -> dict:
         if engine.speculator is not None:
             engine.speculator.reset_stats()
         tokens0 = engine.num_generation_tokens
+        # (the first prompts started decoding while the last were prefilled: longer contexts)
+        ctx0 = sum(len(engine.requests[r].token_ids) for r in ids) / bs
         start = time.perf_counter()
         for _ in range(args.steps):
             engine.step()
@@ -68,7 +73,7 @@ def run_latency(args, llm_kwargs: dict, llm=None) -> dict:
         per_step = (engine.num_generation_tokens - tokens0) / args.steps / bs  # tokens a request got
         phases = engine.timer.summary(args.steps)
         engine.timer.enabled = False
-        ctx = args.input_len + 4 + args.steps // 2  # mean context during the timed steps
+        ctx = round(ctx0 + args.steps * per_step / 2)  # mean context during the timed steps
         ideal_ms = roof.decode_step_seconds(ctx, bs) * 1e3
         moved = roof.weight_bytes + bs * ctx * roof.kv_bytes_per_token
         row = {"batch": bs, "ms_per_step": round(ms, 3), "tokens_per_s": round(bs * per_step / ms * 1e3, 1),
@@ -95,3 +100,12 @@ def run_latency(args, llm_kwargs: dict, llm=None) -> dict:
             "matmul_plan_s": round(engine.matmul_plan_seconds, 2),
             "compile_ahead_s": round(engine.compile_ahead_seconds, 2),
             "rows": rows, "settings": {k: v for k, v in vars(args).items() if k != "func"}}
+
+
+def _max_tokens(args, batch: int, per_step: int, budget: int) -> int:
+    """Enough output tokens that no request of a batch ends before the timed steps do: the
+    steps of the batch's prefill (each request decodes from the step after its own prefill;
+    a step's token budget holds the decodes and prefill chunks), three warm-up steps and the
+    timed ones."""
+    prefill_steps = -(-batch * args.input_len // max(budget - batch, 256)) + 1
+    return (prefill_steps + 3 + args.steps + 8) * per_step
