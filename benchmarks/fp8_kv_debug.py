@@ -4,6 +4,8 @@ without PDL and without the weight prefetch; prints each variant's first differi
 per prompt against eager, and whether any run produced non-finite logits (failed requests).
 
     python benchmarks/fp8_kv_debug.py [kv_cache_dtype]   (on a GPU)
+    python benchmarks/fp8_kv_debug.py f16dot   (FP8 cache: the attention kernels' F16_DOT
+        setting on and off, graphs against eager, and each against a float32 model's tokens)
 """
 
 from __future__ import annotations
@@ -19,14 +21,14 @@ from pagedserve import LLM, SamplingParams
 PROMPTS = [[100 + i, 200 + i, 300 + i, 400 + i] * (1 + 40 * i) for i in range(6)] + [[100, 200, 300, 400]]
 
 
-def run(kv: str, eager: bool, env: dict[str, str] | None = None) -> list[tuple[list[int], list]]:
+def run(kv: str, eager: bool, env: dict[str, str] | None = None, dtype: str = "auto") -> list[tuple[list[int], list]]:
     """Greedy tokens and their top-2 logprobs of PROMPTS; `env`: kernel switches
     ($PAGEDSERVE_*) set while the engine is built."""
     saved = dict(os.environ)
     os.environ.update(env or {})
     try:
         llm = LLM("qwen3-4b-instruct-2507", load_format="dummy", kv_cache_memory=1 << 30, enforce_eager=eager,
-                  max_model_len=4096, tokenizer=os.environ.get("PS_TOKENIZER"), kv_cache_dtype=kv)
+                  max_model_len=4096, tokenizer=os.environ.get("PS_TOKENIZER"), kv_cache_dtype=kv, dtype=dtype)
     finally:
         os.environ.clear()
         os.environ.update(saved)
@@ -43,8 +45,34 @@ def first_diff(a: list[int], b: list[int]) -> int | None:
     return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), None if len(a) == len(b) else min(len(a), len(b)))
 
 
+def agreement(ref, outs) -> tuple[list, float]:
+    """(first differing token per prompt, the largest logprob difference of agreed tokens)."""
+    diffs = [first_diff(a, b) for (a, _), (b, _) in zip(ref, outs)]
+    worst = 0.0
+    for (a, la), (b, lb), d in zip(ref, outs, diffs):
+        for j in range(len(a) if d is None else d):
+            worst = max(worst, abs(la[j][a[j]] - lb[j][b[j]]))
+    return diffs, worst
+
+
+def f16dot() -> None:
+    from pagedserve.kernels import paged_attention as pa
+
+    truth = run("fp8", True, dtype="float32")
+    for on in (True, False):
+        pa.DECODE_FP8_CONFIG["F16_DOT"] = pa.EXTEND_FP8_CONFIG["F16_DOT"] = on
+        eager, graphs = run("fp8", True), run("fp8", False)
+        for name, a, b in (("graphs vs eager", eager, graphs), ("eager vs fp32", truth, eager),
+                           ("graphs vs fp32", truth, graphs)):
+            diffs, worst = agreement(a, b)
+            print(f"F16_DOT {on!s:>5} {name}: first difference per prompt {diffs}, largest logprob "
+                  f"difference before it {worst:.3f}", flush=True)
+
+
 def main() -> None:
     kv = sys.argv[1] if len(sys.argv) > 1 else "fp8"
+    if kv == "f16dot":
+        return f16dot()
     ref = run(kv, True)
     variants = {"graphs": {}, "decode graphs only": {"PAGEDSERVE_MIXED_GRAPH_TOKENS": "0"},
                 "no PDL": {"PAGEDSERVE_PDL": "0"}, "no prefetch": {"PAGEDSERVE_WEIGHT_PREFETCH": "0"},
