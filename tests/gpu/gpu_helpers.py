@@ -124,19 +124,19 @@ def top2_gap(logprobs: dict[int, float]) -> float:
 
 
 def assert_agree_until_near_tie(ref: list[tuple[list[int], list[dict[int, float]]]],
-                                other: list[list[int]], other_logprobs=None, tie: float = NEAR_TIE) -> int:
+                                other: list[list[int]], other_logprobs=None) -> int:
     """Each prompt's greedy tokens in `other` equal `ref`'s (tokens, per-token top logprobs)
-    until the first place where ref's two best tokens are within `tie` (there they may
-    part); where given, the logprobs of the agreed tokens are within `tie` of ref's.
+    until the first place where ref's two best tokens are within NEAR_TIE (there they may
+    part); where given, the logprobs of the agreed tokens are within NEAR_TIE of ref's.
     Returns how many tokens were compared."""
     compared = 0
     for i, ((tokens, lps), got) in enumerate(zip(ref, other)):
         for j, (want, have) in enumerate(zip(tokens, got)):
             if want != have:
-                assert top2_gap(lps[j]) < tie, (
+                assert top2_gap(lps[j]) < NEAR_TIE, (
                     f"prompt {i} token {j}: {have} instead of {want}, whose lead was {top2_gap(lps[j]):.3f}")
                 break
             if other_logprobs is not None:
-                assert abs(other_logprobs[i][j][have] - lps[j][want]) < tie, (i, j)
+                assert abs(other_logprobs[i][j][have] - lps[j][want]) < NEAR_TIE, (i, j)
             compared += 1
     return compared
