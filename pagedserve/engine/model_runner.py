@@ -27,6 +27,7 @@ from pagedserve.engine.scheduler import NewRequestData, ScheduledChunk, Schedule
 from pagedserve.layers.sampler import Sampler, SamplingBatch
 from pagedserve.models.llama import LlamaForCausalLM
 from pagedserve.spec_decode.config import SpeculativeConfig
+from pagedserve.spec_decode.draft_grammar import draft_masks
 from pagedserve.spec_decode.draft_model import DraftRunner
 from pagedserve.spec_decode.verify import VerifyBatch, verify_drafts
 
@@ -245,11 +246,16 @@ class ModelRunner:
         chunk rows of the sequences with drafts, and of the others that sample."""
         spec = [a.sample_rows[i] for i, d in enumerate(a.num_drafts) if d]
         plain = [a.sample_rows[i] for i, d in enumerate(a.num_drafts) if not d]
+        drafts = [chunks[i].draft_token_ids for i in spec]
+        usable = mask = None
+        if any(states[i].matcher is not None for i in spec):  # masks from the drafts' grammar walks
+            usable, mask = draft_masks([states[i] for i in spec], drafts, -(-self.vocab_size // 32),
+                                       self._mask_failed)
         vb = VerifyBatch.build(
-            [states[i].sampling_params for i in spec], [chunks[i].draft_token_ids for i in spec],
+            [states[i].sampling_params for i in spec], drafts,
             [chunks[i].start + 1 - len(states[i].prompt_token_ids) for i in spec], a.num_drafts,
             self.vocab_size, self.model.config.eos_token_ids, self.device,
-            [(states[i].prompt_token_ids, states[i].output_token_ids) for i in spec])
+            [(states[i].prompt_token_ids, states[i].output_token_ids) for i in spec], usable, mask)
         return vb, spec, plain
 
     def collect(self, handle: StepHandle) -> StepResult:

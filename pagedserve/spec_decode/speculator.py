@@ -4,9 +4,10 @@ target model kept.
 
 A request gets drafts only while its tokens are all on the host (the core runs speculative
 steps in sync) and it is decoding (one new token to compute). Its parameters apply at each
-verified position as at that point of the output (penalties count the drafts before it);
-requests with a grammar or a seed of their own decode one token a step as without
-speculation. Drafts never take a request past max_tokens or max_model_len.
+verified position as at that point of the output (penalties count the drafts before it; a
+grammar's mask follows the drafts before it, `spec_decode/draft_grammar.py`); requests with
+a seed of their own decode one token a step as without speculation. Drafts never take a
+request past max_tokens or max_model_len.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ from pagedserve.spec_decode.ngram import NgramProposer
 
 def can_speculate(params: SamplingParams) -> bool:
     """Whether a request with these parameters may get draft tokens."""
-    return not (params.structured_outputs is not None or params.seed is not None)
+    return params.seed is None
 
 
 class Speculator:
@@ -57,6 +58,8 @@ class Speculator:
             if (req.num_pending or req.num_tokens - req.num_computed_tokens != 1
                     or not can_speculate(req.sampling_params)):
                 continue
+            if self.config.force_accept and req.sampling_params.structured_outputs is not None:
+                continue  # (forced drafts, kept whatever they are, would break its grammar)
             # every draft kept and the bonus token: len(drafts) + 1 new tokens at most
             room = min(k, req.max_tokens - req.num_output_tokens - 1,
                        self.max_model_len - req.num_tokens - 1)

@@ -20,7 +20,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from pagedserve.engine.host_copy import to_device_views
+from pagedserve.engine.host_copy import to_device, to_device_views
 from pagedserve.layers.sampler import Sampler, SamplingBatch, check_finite
 from pagedserve.sampling_params import SamplingParams
 from pagedserve.spec_decode.rejection import rejection_sample
@@ -48,12 +48,16 @@ class VerifyBatch:
     def build(cls, params: list[SamplingParams], drafts: list[list[int]], num_outputs: list[int],
               num_drafts_per_row: list[int], vocab_size: int, eos_token_ids: tuple[int, ...],
               device: torch.device | str,
-              histories: list[tuple[list[int], list[int]]] | None = None) -> VerifyBatch:
+              histories: list[tuple[list[int], list[int]]] | None = None,
+              usable: list[int] | None = None, allowed_token_mask: Tensor | None = None) -> VerifyBatch:
         """`num_drafts_per_row`: the drafts of each sampling sequence of the step, in logits
         order (each has that many + 1 logits rows); `params`, `drafts` and `num_outputs`
         (outputs before the first verified position) of those with drafts; `histories`
         (needed when one has penalties): each one's (prompt, outputs before the first
-        verified position): a position's penalties count the drafts before it too."""
+        verified position): a position's penalties count the drafts before it too.
+        `usable`: how many of each one's drafts may be kept (default all; the rows past them
+        are computed and ignored); `allowed_token_mask`: [R, words] int32 on the host, each
+        verified row's grammar mask (`spec_decode/draft_grammar.py`)."""
         counts = np.asarray(num_drafts_per_row, dtype=np.int64) + 1
         ends = np.cumsum(counts) - 1  # each sequence's last logits row
         spec = counts > 1
@@ -65,8 +69,9 @@ class VerifyBatch:
         for i, d in enumerate(drafts):
             draft_ids[i, : len(d)] = d
         greedy = np.fromiter((p.greedy for p in params), dtype=np.int64, count=n)
+        num_drafts = mine - 1 if usable is None else np.asarray(usable, dtype=np.int64)
         views = to_device_views([firsts + pos_of, ends[~spec], np.repeat(np.arange(n), mine), pos_of,
-                                 draft_ids.reshape(-1), mine - 1, greedy], device)
+                                 draft_ids.reshape(-1), num_drafts, greedy], device)
         row_params = [p for p, c in zip(params, mine) for _ in range(c)]
         row_outputs = [base + j for base, c in zip(num_outputs, mine) for j in range(c)]
         prompts, outputs = [[]] * len(row_params), None
@@ -76,6 +81,8 @@ class VerifyBatch:
             outputs = [out + d[:j] for (_, out), d, c in zip(histories, drafts, mine) for j in range(c)]
         batch = SamplingBatch.build(row_params, [None] * len(row_params), prompts, outputs,
                                     vocab_size, device, eos_token_ids=eos_token_ids, num_outputs=row_outputs)
+        if allowed_token_mask is not None:
+            batch.allowed_token_mask = to_device(allowed_token_mask, device)
         wanted = [p.logprobs for p in params if p.logprobs is not None]
         return cls(views[0], views[1], views[2], views[3], views[4].view(n, k), views[5],
                    views[6].bool(), batch, bool(greedy.all()), k, mine.tolist(),

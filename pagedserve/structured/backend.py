@@ -45,6 +45,11 @@ class GrammarMatcher(ABC):
     def is_terminated(self) -> bool:
         """The grammar is complete and its stop token was accepted."""
 
+    @abstractmethod
+    def rollback(self, num_tokens: int) -> None:
+        """Undo the last `num_tokens` accepted tokens (speculative decoding walks a request's
+        drafts through its grammar, then goes back)."""
+
 
 class Grammar(ABC):
     """A compiled grammar, shared by every request that asks for the same constraint."""

@@ -44,6 +44,9 @@ class XGrammarMatcher(GrammarMatcher):
     def is_terminated(self) -> bool:
         return self._m.is_terminated()
 
+    def rollback(self, num_tokens: int) -> None:
+        self._m.rollback(num_tokens)
+
 
 class XGrammar(Grammar):
     def __init__(self, compiled: xgr.CompiledGrammar) -> None:
