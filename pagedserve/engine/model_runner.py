@@ -255,7 +255,8 @@ class ModelRunner:
             [states[i].sampling_params for i in spec], drafts,
             [chunks[i].start + 1 - len(states[i].prompt_token_ids) for i in spec], a.num_drafts,
             self.vocab_size, self.model.config.eos_token_ids, self.device,
-            [(states[i].prompt_token_ids, states[i].output_token_ids) for i in spec], usable, mask)
+            [(states[i].prompt_token_ids, states[i].output_token_ids) for i in spec], usable, mask,
+            [states[i].generator for i in spec])
         return vb, spec, plain
 
     def collect(self, handle: StepHandle) -> StepResult:

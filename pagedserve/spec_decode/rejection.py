@@ -29,21 +29,29 @@ class RejectionOutput:
     num_accepted: Tensor
 
 
-def _sample_rows(probs: Tensor, generator: torch.Generator | None) -> Tensor:
-    """One token per row of probs [..., V] (unnormalised, non-negative): argmax of
+# (row, its number of drafts, its generator) of each sampled row with a seed of its own
+Seeded = list[tuple[int, int, torch.Generator]]
+
+
+def _sample_rows(probs: Tensor, generator: torch.Generator | None, seeded: Seeded) -> Tensor:
+    """One token per row of probs [N, k + 1, V] (unnormalised, non-negative): argmax of
     probs / Exp(1) noise, the exponential race (same law as a categorical draw)."""
-    noise = torch.empty_like(probs).exponential_(generator=generator).clamp_(min=torch.finfo(probs.dtype).tiny)
-    return (probs / noise).argmax(dim=-1)
+    noise = torch.empty_like(probs).exponential_(generator=generator)
+    for i, d, gen in seeded:  # (d + 1) x V draws from the row's own generator
+        noise[i, : d + 1] = torch.empty_like(noise[i, : d + 1]).exponential_(generator=gen)
+    return (probs / noise.clamp_(min=torch.finfo(probs.dtype).tiny)).argmax(dim=-1)
 
 
 def rejection_sample(target_probs: Tensor, draft_ids: Tensor, num_drafts: Tensor,
                      draft_probs: Tensor | None = None, greedy: Tensor | None = None,
-                     generator: torch.Generator | None = None) -> RejectionOutput:
+                     generator: torch.Generator | None = None, seeded: Seeded = ()) -> RejectionOutput:
     """target_probs [N, k + 1, V] float32 (each row's target distribution at its k draft
     positions and the one after); draft_ids [N, k] int64 (entries past num_drafts ignored);
     num_drafts [N] int64 (0..k drafts in each row); draft_probs [N, k, V] float32 (the
     draft model's distributions; None: deterministic proposals, q one-hot at the draft
-    token); greedy [N] bool (rows that decode greedily; None: none)."""
+    token); greedy [N] bool (rows that decode greedily; None: none). A `seeded` row draws
+    its d uniforms and (d + 1) x V exponentials from its own generator, so its tokens do not
+    depend on the rest of the batch."""
     n, k1, vocab = target_probs.shape
     k = k1 - 1
     device = target_probs.device
@@ -57,6 +65,8 @@ def rejection_sample(target_probs: Tensor, draft_ids: Tensor, num_drafts: Tensor
     else:
         q_draft = draft_probs.gather(2, drafts.unsqueeze(-1)).squeeze(-1)  # [N, k]
     u = torch.rand((n, k), device=device, generator=generator)  # [N, k]
+    for i, d, gen in seeded:
+        u[i, :d] = torch.rand(d, device=device, generator=gen)
     keep = u * q_draft < p_draft  # u < p / q, without dividing by q = 0
     if greedy is not None:
         argmax = target_probs.argmax(dim=-1)  # [N, k + 1]
@@ -75,7 +85,7 @@ def rejection_sample(target_probs: Tensor, draft_ids: Tensor, num_drafts: Tensor
     at_draft = torch.cat([valid, torch.zeros((n, 1), dtype=torch.bool, device=device)], dim=1)  # [N, k + 1]
     empty = residual.sum(dim=-1) <= 0  # (p == q: a rejection there has probability 0)
     residual = torch.where((~at_draft | empty)[..., None], target_probs, residual)
-    own = _sample_rows(residual, generator)  # [N, k + 1]
+    own = _sample_rows(residual, generator, seeded)  # [N, k + 1]
     if greedy is not None:
         own = torch.where(greedy[:, None], argmax, own)
     recovered = own.gather(1, num_accepted.unsqueeze(1)).squeeze(1)  # [N]

@@ -5,9 +5,9 @@ target model kept.
 A request gets drafts only while its tokens are all on the host (the core runs speculative
 steps in sync) and it is decoding (one new token to compute). Its parameters apply at each
 verified position as at that point of the output (penalties count the drafts before it; a
-grammar's mask follows the drafts before it, `spec_decode/draft_grammar.py`); requests with
-a seed of their own decode one token a step as without speculation. Drafts never take a
-request past max_tokens or max_model_len.
+grammar's mask follows the drafts before it, `spec_decode/draft_grammar.py`; a seeded
+request draws from its own generator). Drafts never take a request past max_tokens or
+max_model_len.
 """
 
 from __future__ import annotations
@@ -15,14 +15,8 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable
 
 from pagedserve.engine.request import Request
-from pagedserve.sampling_params import SamplingParams
 from pagedserve.spec_decode.config import SpeculativeConfig
 from pagedserve.spec_decode.ngram import NgramProposer
-
-
-def can_speculate(params: SamplingParams) -> bool:
-    """Whether a request with these parameters may get draft tokens."""
-    return params.seed is None
 
 
 class Speculator:
@@ -45,18 +39,16 @@ class Speculator:
         self.num_accepted_tokens = 0  # cumulative: draft tokens the target kept
 
     def active(self, running: list[Request]) -> bool:
-        """Whether this step may speculate: at most `disable_by_batch_size` requests run and
-        one of them can take drafts (else its steps keep async scheduling)."""
-        return (0 < len(running) <= self.config.disable_by_batch_size
-                and any(can_speculate(r.sampling_params) for r in running))
+        """Whether this step may speculate: at most `disable_by_batch_size` requests run
+        (else its steps keep async scheduling)."""
+        return 0 < len(running) <= self.config.disable_by_batch_size
 
     def propose(self, running: Iterable[Request]) -> None:
         """Set `draft_token_ids` of each running request that can take drafts this step."""
         k = self.config.num_speculative_tokens
         model = []  # (request, its number of drafts) for the draft model
         for req in running:
-            if (req.num_pending or req.num_tokens - req.num_computed_tokens != 1
-                    or not can_speculate(req.sampling_params)):
+            if req.num_pending or req.num_tokens - req.num_computed_tokens != 1:
                 continue
             if self.config.force_accept and req.sampling_params.structured_outputs is not None:
                 continue  # (forced drafts, kept whatever they are, would break its grammar)

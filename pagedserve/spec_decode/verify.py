@@ -23,7 +23,7 @@ from torch import Tensor
 from pagedserve.engine.host_copy import to_device, to_device_views
 from pagedserve.layers.sampler import Sampler, SamplingBatch, check_finite
 from pagedserve.sampling_params import SamplingParams
-from pagedserve.spec_decode.rejection import rejection_sample
+from pagedserve.spec_decode.rejection import Seeded, rejection_sample
 
 
 @dataclass
@@ -43,13 +43,15 @@ class VerifyBatch:
     k: int
     counts: list[int]  # [N] rows of each request (its drafts + 1)
     max_logprobs: int | None  # the most top logprobs a request wants (None: none wants them)
+    seeded: Seeded  # (request, its drafts, its generator) of sampled requests with a seed
 
     @classmethod
     def build(cls, params: list[SamplingParams], drafts: list[list[int]], num_outputs: list[int],
               num_drafts_per_row: list[int], vocab_size: int, eos_token_ids: tuple[int, ...],
               device: torch.device | str,
               histories: list[tuple[list[int], list[int]]] | None = None,
-              usable: list[int] | None = None, allowed_token_mask: Tensor | None = None) -> VerifyBatch:
+              usable: list[int] | None = None, allowed_token_mask: Tensor | None = None,
+              generators: list[torch.Generator | None] | None = None) -> VerifyBatch:
         """`num_drafts_per_row`: the drafts of each sampling sequence of the step, in logits
         order (each has that many + 1 logits rows); `params`, `drafts` and `num_outputs`
         (outputs before the first verified position) of those with drafts; `histories`
@@ -57,7 +59,8 @@ class VerifyBatch:
         verified position): a position's penalties count the drafts before it too.
         `usable`: how many of each one's drafts may be kept (default all; the rows past them
         are computed and ignored); `allowed_token_mask`: [R, words] int32 on the host, each
-        verified row's grammar mask (`spec_decode/draft_grammar.py`)."""
+        verified row's grammar mask (`spec_decode/draft_grammar.py`); `generators`: each
+        one's seeded generator or None."""
         counts = np.asarray(num_drafts_per_row, dtype=np.int64) + 1
         ends = np.cumsum(counts) - 1  # each sequence's last logits row
         spec = counts > 1
@@ -84,9 +87,11 @@ class VerifyBatch:
         if allowed_token_mask is not None:
             batch.allowed_token_mask = to_device(allowed_token_mask, device)
         wanted = [p.logprobs for p in params if p.logprobs is not None]
+        seeded = [(i, int(d), gen) for i, (gen, d, g) in enumerate(zip(generators or [None] * n, num_drafts, greedy))
+                  if gen is not None and not g]
         return cls(views[0], views[1], views[2], views[3], views[4].view(n, k), views[5],
                    views[6].bool(), batch, bool(greedy.all()), k, mine.tolist(),
-                   max(wanted) if wanted else None)
+                   max(wanted) if wanted else None, seeded)
 
 
 def verify_drafts(sampler: Sampler, logits: Tensor, vb: VerifyBatch,
@@ -115,7 +120,8 @@ def verify_drafts(sampler: Sampler, logits: Tensor, vb: VerifyBatch,
         probs = sampler.target_probs(logits, vb.batch)  # [R, V]
         target = probs.new_zeros((n, k + 1, probs.shape[-1]))  # (zeros past a request's rows)
         target[vb.req_of, vb.pos_of] = probs
-        tokens = rejection_sample(target, vb.draft_ids, vb.num_drafts, None, vb.greedy).token_ids
+        tokens = rejection_sample(target, vb.draft_ids, vb.num_drafts, None, vb.greedy,
+                                  seeded=vb.seeded).token_ids
     if force_accept:
         forced = torch.cat([vb.draft_ids, vb.draft_ids[:, :1]], dim=1).masked_fill(cols > vb.num_drafts[:, None], -1)
         tokens = forced.scatter(1, vb.num_drafts[:, None], tokens[:, :1])
