@@ -8,8 +8,11 @@ from __future__ import annotations
 import pytest
 import torch
 
+from pagedserve.sampling_params import SamplingParams
+from pagedserve.spec_decode.config import SpeculativeConfig
 from pagedserve.spec_decode.ngram import NgramProposer
 from pagedserve.spec_decode.rejection import rejection_sample
+from pagedserve.spec_decode.speculator import PAUSE_STEPS, PAUSE_WINDOW, Speculator
 
 
 def test_ngram_proposes_what_followed_the_longest_most_recent_match():
@@ -102,3 +105,60 @@ def test_rows_with_fewer_drafts_and_no_drafts():
     one = rejection_sample(p.expand(n, k + 1, vocab), torch.full((n, k), 3), torch.ones(n, dtype=torch.int64),
                            generator=gen)
     assert (one.num_emitted <= 2).all() and (one.token_ids[:, 2:] == -1).all()  # padding never kept
+
+
+class _Req:
+    """What Speculator.propose reads of a running request."""
+
+    def __init__(self, rid: str, tokens: list[int]) -> None:
+        self.request_id, self.token_ids = rid, tokens
+        self.num_pending, self.num_computed_tokens, self.num_output_tokens = 0, len(tokens) - 1, 1
+        self.max_tokens, self.draft_token_ids = 100, []
+        self.sampling_params = SamplingParams()
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+
+class _Chunk:
+    def __init__(self, req: _Req) -> None:
+        self.request_id, self.draft_token_ids = req.request_id, list(req.draft_token_ids)
+
+
+def _steps(spec: Speculator, reqs: list[_Req], kept: int, n: int) -> list[bool]:
+    """n sync steps in which each request with drafts keeps `kept` of them; whether each step
+    was active."""
+    active = []
+    for _ in range(n):
+        active.append(spec.active(reqs))
+        for r in reqs:
+            r.draft_token_ids = []
+        if active[-1]:
+            spec.propose(reqs)
+        spec.record([_Chunk(r) for r in reqs], {r.request_id: [7] * (1 + min(kept, len(r.draft_token_ids)))
+                                                 for r in reqs})
+    return active
+
+
+def test_speculation_pauses_while_too_few_drafts_are_kept_then_tries_again():
+    config = SpeculativeConfig(num_speculative_tokens=4, min_accepted_per_step=0.5)
+    spec = Speculator(config, max_model_len=1000)
+    reqs = [_Req("a", [1, 2, 3, 1, 2, 3, 1, 2]), _Req("b", [5, 6, 7, 8])]  # (b finds no drafts)
+    # a keeps 1 draft a step: 1 for 2 requests (0.5 a request) is enough
+    assert all(_steps(spec, reqs, 1, 3 * PAUSE_WINDOW)) and spec.num_pauses == 0
+    # the window slides: one step with none kept takes it below 0.5 (15 for 32)
+    assert _steps(spec, reqs, 0, 2) == [True, False] and spec.num_pauses == 1
+    spec.reset_stats()
+    # none kept from the start: after a window of such steps, PAUSE_STEPS steps without, then again
+    active = _steps(spec, reqs, 0, PAUSE_WINDOW + PAUSE_STEPS + 2)
+    assert active[:PAUSE_WINDOW] == [True] * PAUSE_WINDOW and spec.num_pauses == 1
+    assert active[PAUSE_WINDOW:PAUSE_WINDOW + PAUSE_STEPS] == [False] * PAUSE_STEPS
+    assert active[-2:] == [True, True]
+    # min_accepted_per_step 0: never paused
+    never = Speculator(SpeculativeConfig(num_speculative_tokens=4, min_accepted_per_step=0), max_model_len=1000)
+    assert all(_steps(never, reqs, 0, 3 * PAUSE_WINDOW)) and never.num_pauses == 0
+    with pytest.raises(ValueError, match="min_accepted_per_step"):
+        SpeculativeConfig.parse({"method": "ngram", "min_accepted_per_step": "high"})
+    with pytest.raises(ValueError, match="min_accepted_per_step"):
+        SpeculativeConfig.parse({"method": "ngram", "num_speculative_tokens": 2, "min_accepted_per_step": 3})

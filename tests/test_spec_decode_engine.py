@@ -15,9 +15,11 @@ from pagedserve import LLM, SamplingParams
 from pagedserve.layers.sampler import Sampler, SamplingBatch
 from pagedserve.spec_decode.config import SpeculativeConfig
 from pagedserve.spec_decode.ngram import NgramProposer
+from pagedserve.spec_decode.speculator import PAUSE_WINDOW
 from pagedserve.spec_decode.verify import VerifyBatch, verify_drafts
 
-NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 3}
+# (never paused: these tests follow the drafts of every step)
+NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 3, "min_accepted_per_step": 0}
 # (raw prompts: SmolLM2 continues the list, and the code, copying from the prompt)
 QUOTE = "The list: apples, oranges, pears, plums, apples, oranges, pears, plums, apples, oranges,"
 COPY = "Copy the list. List: apples, oranges, pears, plums. Copy: apples,"
@@ -224,7 +226,8 @@ def test_a_draft_model_of_the_same_weights_is_right_and_the_outputs_unchanged(en
     params = SamplingParams(temperature=0, max_tokens=16)
     want = _tokens(base, PROMPTS[:2], params)
     spec = LLM(max_num_seqs=8, max_num_batched_tokens=64,
-               speculative_config={"method": "draft_model", "model": str(smollm2_dir), "num_speculative_tokens": 3})
+               speculative_config={"method": "draft_model", "model": str(smollm2_dir), "num_speculative_tokens": 3,
+                                  "min_accepted_per_step": 0})
     assert _tokens(spec, PROMPTS[:2], params) == want
     s = spec.engine.speculator
     assert s.num_drafts > 0 and s.num_accepted_tokens >= 0.9 * s.num_draft_tokens
@@ -235,12 +238,27 @@ def test_a_tiny_random_draft_model_leaves_the_outputs_unchanged(tiny_draft):
     kw = dict(max_num_seqs=8, max_num_batched_tokens=64, kv_cache_memory=14 * 16 * 30 * 2 * 3 * 64 * 4)
     params = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True)
     want = _tokens(LLM(**kw), PROMPTS, params)
-    spec = LLM(speculative_config={"method": "draft_model", "model": tiny_draft, "num_speculative_tokens": 3}, **kw)
+    spec = LLM(speculative_config={"method": "draft_model", "model": tiny_draft, "num_speculative_tokens": 3,
+                                  "min_accepted_per_step": 0}, **kw)
     assert spec.engine.kv.num_blocks < 14  # the draft's KV shares the budget
     assert _tokens(spec, PROMPTS, params) == want
     assert spec.engine.scheduler.num_preemptions > 0 and spec.engine.speculator.num_drafts > 0
     assert _tokens(spec, PROMPTS, params) == want
     assert spec.engine.kv.stats.hits > 0
+
+
+def test_speculation_pauses_where_its_drafts_are_not_kept(tiny_draft):
+    """With the default rule (`min_accepted_per_step` 0.5), a draft model whose drafts are
+    not kept is asked for a window of steps, then speculation pauses (those steps keep async
+    scheduling); the tokens are those without speculation."""
+    params = SamplingParams(temperature=0, max_tokens=64, ignore_eos=True)
+    want = _tokens(LLM(max_num_seqs=4), PROMPTS[3:4], params)
+    spec = LLM(speculative_config={"method": "draft_model", "model": tiny_draft, "num_speculative_tokens": 3},
+               max_num_seqs=4)
+    assert _tokens(spec, PROMPTS[3:4], params) == want
+    s = spec.engine.speculator
+    assert s.num_pauses >= 1 and s.num_accepted_tokens < 0.5 * PAUSE_WINDOW
+    assert PAUSE_WINDOW <= s.num_drafts < 64 - PAUSE_WINDOW  # (the pause's steps took none)
 
 
 def test_a_draft_model_that_does_not_fit_is_refused_before_loading(tmp_path):

@@ -18,7 +18,8 @@ from pagedserve.engine.cached_request import CachedRequest
 from pagedserve.spec_decode.draft_grammar import draft_masks
 from pagedserve.structured.params import StructuredOutputsParams as Constraint
 
-NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 3}
+# (never paused: these tests follow the drafts of every step)
+NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 3, "min_accepted_per_step": 0}
 ITEMS = {"type": "array", "minItems": 4, "maxItems": 6,
          "items": {"type": "object", "properties": {"name": {"type": "string", "maxLength": 12},
                                                     "kind": {"type": "string", "enum": ["fruit", "nut"]}},

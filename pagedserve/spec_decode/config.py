@@ -9,11 +9,15 @@ from typing import Any
 
 METHODS = ("ngram", "draft_model")
 _KEYS = {"method", "num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min",
-         "disable_by_batch_size", "model", "force_accept"}
+         "disable_by_batch_size", "model", "force_accept", "min_accepted_per_step"}
 # Running requests above which no step speculates (the verify pass then costs more than it
 # saves: a batch that large already reads the weights once for many tokens). The figure is
 # measured: docs/performance.md, "Speculative decoding".
 DEFAULT_DISABLE_BY_BATCH_SIZE = 32
+# Kept drafts per request and verify step below which speculation pauses: a verify step in
+# sync costs about 1.6x a decode step on the H200 at batch 1 (docs/performance.md), so fewer
+# than about 0.6 kept drafts a step lose time there.
+DEFAULT_MIN_ACCEPTED_PER_STEP = 0.5
 
 
 @dataclass(frozen=True)
@@ -28,7 +32,10 @@ class SpeculativeConfig:
     `force_accept` (pagedserve's own, for benchmarks only): every request gets k drafts
     (the n-gram's, filled up with its last token) and all of them are kept, so a verify
     step's cost and the best possible speed-up can be measured on dummy weights; the output
-    is then not the model's."""
+    is then not the model's.
+    `min_accepted_per_step` (pagedserve's own): when the requests that could take drafts kept
+    fewer drafts than this per request and step over the last speculative steps, speculation
+    pauses for a while (`spec_decode/speculator.py`); 0 never pauses."""
 
     method: str = "ngram"
     num_speculative_tokens: int = 4
@@ -37,6 +44,7 @@ class SpeculativeConfig:
     disable_by_batch_size: int = DEFAULT_DISABLE_BY_BATCH_SIZE
     force_accept: bool = False
     model: str | None = None
+    min_accepted_per_step: float = DEFAULT_MIN_ACCEPTED_PER_STEP
 
     def __post_init__(self) -> None:
         if self.method not in METHODS:
@@ -51,6 +59,9 @@ class SpeculativeConfig:
         if (self.method == "draft_model") != (self.model is not None):
             raise ValueError('speculative config: "model" names the draft model of method "draft_model" '
                              "(and only of it)")
+        if not 0 <= self.min_accepted_per_step <= self.num_speculative_tokens:
+            raise ValueError("speculative min_accepted_per_step must be in [0, num_speculative_tokens], got "
+                             f"{self.min_accepted_per_step}")
         if self.disable_by_batch_size < 1:
             raise ValueError(f"speculative disable_by_batch_size must be at least 1, got "
                              f"{self.disable_by_batch_size}")
@@ -85,7 +96,10 @@ class SpeculativeConfig:
         if not isinstance(value.get("force_accept", False), bool):
             raise ValueError(f"speculative config: force_accept must be true or false, got "
                              f"{value['force_accept']!r}")
-        for key in value.keys() - {"method", "force_accept", "model"}:
+        rate = value.get("min_accepted_per_step", 0)
+        if not isinstance(rate, int | float) or isinstance(rate, bool):
+            raise ValueError(f"speculative config: min_accepted_per_step must be a number, got {rate!r}")
+        for key in value.keys() - {"method", "force_accept", "model", "min_accepted_per_step"}:
             if not isinstance(value[key], int) or isinstance(value[key], bool):
                 raise ValueError(f"speculative config: {key} must be a whole number, got {value[key]!r}")
         return cls(**value)
