@@ -98,3 +98,32 @@ def test_a_draft_model_gives_the_plain_tokens():
     _free(llm)
     print(f"draft model: drafts, draft tokens, accepted = {counts}")
     assert spec == plain and counts[0] > 0
+
+
+def test_constrained_and_seeded_requests_take_drafts_on_the_gpu():
+    """fp32, graphs: a regex-constrained greedy request (whose repeats the n-gram drafts) gives
+    the tokens it gives without speculation, and its grammar's masks reach the device for
+    every verified position; a seeded sampled request repeats its tokens alone and in a batch."""
+    from pagedserve.structured.params import StructuredOutputsParams
+
+    never_pause = {**NGRAM, "min_accepted_per_step": 0}
+    regex = SamplingParams(temperature=0, max_tokens=40,
+                           structured_outputs=StructuredOutputsParams(regex=r"(red, ){4,12}blue"))
+    prompt = [[100, 200, 300, 400] * 8]
+    plain_llm = _llm("float32", False, None)
+    want = plain_llm.generate(prompt, regex, use_tqdm=False)[0].outputs[0]
+    _free(plain_llm)
+    spec_llm = _llm("float32", False, never_pause)
+    s = spec_llm.engine.speculator
+    got = spec_llm.generate(prompt, regex, use_tqdm=False)[0].outputs[0]
+    print(f"regex: {got.text!r}; drafts, draft tokens, accepted = "
+          f"{(s.num_drafts, s.num_draft_tokens, s.num_accepted_tokens)}")
+    assert got.token_ids == want.token_ids and got.finish_reason == "stop"
+    assert s.num_accepted_tokens > 0
+    seeded = SamplingParams(temperature=1.0, seed=3, max_tokens=32, ignore_eos=True, logit_bias=BIAS)
+    alone = spec_llm.generate(PROMPTS[:1], seeded, use_tqdm=False)[0].outputs[0].token_ids
+    others = SamplingParams(temperature=1.0, max_tokens=16, ignore_eos=True, logit_bias=BIAS)
+    batch = spec_llm.generate(PROMPTS[:3], [seeded, others, others], use_tqdm=False)
+    assert batch[0].outputs[0].token_ids == alone
+    spec_llm.engine.kv.check_integrity(expect_all_free=True)
+    _free(spec_llm)
