@@ -10,10 +10,12 @@ from pagedserve.attention import AttentionContext, AttentionMetadata, TorchRefer
 
 
 def run_prefill(model, seqs: list[list[int]]) -> list[torch.Tensor]:
-    """Logits [len(seq), vocab] for each whole sequence, all in one flattened batch."""
+    """Logits [len(seq), vocab] for each whole sequence, all in one flattened batch (a
+    tensor-parallel rank's model: over its own heads, the logits whole)."""
     cfg = model.config
     device = model.embed_tokens.weight.device
-    backend = TorchReferenceBackend(cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.head_dim**-0.5)
+    attn = model.layers[0].self_attn
+    backend = TorchReferenceBackend(attn.num_heads, attn.num_kv_heads, cfg.head_dim, cfg.head_dim**-0.5)
     meta = AttentionMetadata.for_prefill([len(s) for s in seqs], device)
     ids = torch.tensor([t for s in seqs for t in s], device=device)
     positions = torch.cat([torch.arange(len(s), device=device) for s in seqs])

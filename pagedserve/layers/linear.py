@@ -17,6 +17,7 @@ from types import MappingProxyType
 import torch
 from torch import nn
 
+from pagedserve.distributed.tensor_parallel import SINGLE, TensorParallel
 from pagedserve.layers.linear_method import LinearMethod, UnquantizedLinearMethod
 from pagedserve.layers.skinny import (
     SkinnyPlan,
@@ -25,7 +26,7 @@ from pagedserve.layers.skinny import (
     compile_skinny_candidates,
     plan_skinny_matmuls,
 )
-from pagedserve.layers.weight_utils import ParamAttrsModule
+from pagedserve.layers.weight_utils import ParamAttrsModule, set_weight_attrs
 
 _NO_SHARDS: MappingProxyType = MappingProxyType({})
 
@@ -33,15 +34,33 @@ _NO_SHARDS: MappingProxyType = MappingProxyType({})
 class Linear(ParamAttrsModule):
     """y [T, out_features] = x [T, in_features] W^T (+ b), W [out_features, in_features] as
     `linear_method` keeps it (default: unquantized). Bias-free layers follow `skinny_plan`
-    (row bucket -> kernel setting, see `plan_model_matmuls`) for small batches."""
+    (row bucket -> kernel setting, see `plan_model_matmuls`) for small batches.
+
+    Across tensor-parallel ranks (`tp`, `parallel`): "column" keeps this rank's share of
+    every output (of each shard of a fused layer), "row" its share of the input, and sums
+    the ranks' partial products (the bias added once, after the sum). The weight loaders
+    take the full checkpoint tensors and copy the rank's slice (`weight_utils`)."""
 
     def __init__(self, in_features: int, out_features: int, bias: bool = False,
-                 linear_method: LinearMethod | None = None, dtype: torch.dtype | None = None) -> None:
+                 linear_method: LinearMethod | None = None, dtype: torch.dtype | None = None,
+                 tp: TensorParallel = SINGLE, parallel: str | None = None) -> None:
         super().__init__()
-        self._init_linear(in_features, [out_features], (), bias, linear_method, dtype)
+        self._init_linear(in_features, [out_features], (), bias, linear_method, dtype, tp, parallel)
 
     def _init_linear(self, in_features: int, output_sizes: Sequence[int], shard_names: Sequence[str],
-                     bias: bool, linear_method: LinearMethod | None, dtype: torch.dtype | None) -> None:
+                     bias: bool, linear_method: LinearMethod | None, dtype: torch.dtype | None,
+                     tp: TensorParallel = SINGLE, parallel: str | None = None) -> None:
+        if parallel not in (None, "column", "row"):
+            raise ValueError(f"parallel must be None, 'column' or 'row', got {parallel!r}")
+        if tp.size > 1 and parallel is not None:
+            if linear_method is not None and not isinstance(linear_method, UnquantizedLinearMethod):
+                raise ValueError("tensor parallelism runs unquantized weights only for now "
+                                 f"({type(linear_method).__name__} was asked for)")
+            if parallel == "column":
+                output_sizes = [tp.split(n, "each output of a column-parallel projection") for n in output_sizes]
+            else:
+                in_features = tp.split(in_features, "the input of a row-parallel projection")
+        self.tp, self.parallel = tp, parallel if tp.size > 1 else None
         self.in_features, self.out_features = in_features, sum(output_sizes)
         self.output_sizes = list(output_sizes)
         self.shard_names = tuple(shard_names)
@@ -53,9 +72,18 @@ class Linear(ParamAttrsModule):
         self.skinny_plan: SkinnyPlan | None = None
         self.linear_method = linear_method if linear_method is not None else UnquantizedLinearMethod()
         self.linear_method.create_weights(self, in_features, self.output_sizes, bias, dtype)
+        if self.parallel is not None:  # which dimension of each parameter the loaders slice
+            set_weight_attrs(self, "weight", tp_rank=tp.rank, tp_size=tp.size,
+                             tp_dim=self.weight.output_dim if parallel == "column" else self.weight.input_dim)
+            if self.bias is not None:
+                set_weight_attrs(self, "bias", tp_rank=tp.rank, tp_size=tp.size,
+                                 tp_dim=0 if parallel == "column" else None)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.linear_method.apply(self, x, self.bias)  # [T, in] -> [T, out]
+        if self.parallel != "row":
+            return self.linear_method.apply(self, x, self.bias)  # [T, in] -> [T, out]
+        y = self.tp.all_reduce(self.linear_method.apply(self, x, None))  # [T, in / size] -> [T, out]
+        return y if self.bias is None else y + self.bias
 
     def extra_repr(self) -> str:
         shards = f", shards={dict(self.shard_offsets)}" if self.shard_names else ""
@@ -72,12 +100,13 @@ class MergedLinear(Linear):
 
     def __init__(self, input_size: int, output_sizes: Sequence[int], shard_names: Sequence[str],
                  bias: bool = False, linear_method: LinearMethod | None = None,
-                 dtype: torch.dtype | None = None) -> None:
+                 dtype: torch.dtype | None = None, tp: TensorParallel = SINGLE,
+                 parallel: str | None = None) -> None:
         if len(output_sizes) != len(shard_names) or len(set(shard_names)) != len(shard_names):
             raise ValueError(f"MergedLinear needs one distinct shard name per output size, "
                              f"got {list(shard_names)} for {list(output_sizes)}")
         ParamAttrsModule.__init__(self)
-        self._init_linear(input_size, output_sizes, shard_names, bias, linear_method, dtype)
+        self._init_linear(input_size, output_sizes, shard_names, bias, linear_method, dtype, tp, parallel)
 
 
 # ---- small-batch plans for a whole model ------------------------------------------------

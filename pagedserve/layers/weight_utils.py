@@ -4,8 +4,9 @@ Every parameter can carry a `weight_loader(param, loaded, shard_id=None)` that c
 checkpoint tensor into it (`LlamaForCausalLM.load_weights` calls it), plus the facts that
 loader needs: `output_dim` / `input_dim` (which dimension of the parameter is the layer's
 output / input) and, for a fused layer such as qkv_proj, `shard_offsets` (shard id -> (offset,
-size) along `output_dim`). A tensor-parallel rank's slice or a quantization scale would be
-added in these loaders and attributes; parameters without a loader get `default_weight_loader`.
+size) along `output_dim`), and for a tensor-parallel rank `tp_dim`, `tp_rank`, `tp_size` (the
+slice of each full checkpoint tensor it keeps). Parameters without a loader get
+`default_weight_loader`.
 """
 
 from __future__ import annotations
@@ -86,12 +87,22 @@ def shard_view(param: nn.Parameter, shard_id: Hashable | None) -> torch.Tensor:
     return param.data.narrow(param.output_dim, offset, size)
 
 
+def rank_slice(param: nn.Parameter, loaded: torch.Tensor, local: torch.Tensor) -> torch.Tensor:
+    """A tensor-parallel rank's part of a full checkpoint tensor: along the parameter's
+    `tp_dim`, the `tp_rank`-th of `tp_size` equal slices, as long as `local` (the rank's own
+    destination) is there; `loaded` itself when the parameter is not split or the shapes
+    already differ elsewhere (the copy then names the mismatch)."""
+    dim, size = getattr(param, "tp_dim", None), getattr(param, "tp_size", 1)
+    if dim is None or size == 1 or loaded.dim() != local.dim() or loaded.shape[dim] != local.shape[dim] * size:
+        return loaded
+    return loaded.narrow(dim, param.tp_rank * local.shape[dim], local.shape[dim])
+
+
 def linear_weight_loader(param: nn.Parameter, loaded: torch.Tensor,
                          shard_id: Hashable | None = None) -> None:
     """A linear layer's weight or bias: `loaded` fills output shard `shard_id` (e.g. "k" of
-    qkv_proj) or, for None, the whole parameter. The one place a tensor-parallel rank would
-    narrow `loaded` to its slice along `output_dim` (column-parallel) or `input_dim`
-    (row-parallel) before the copy."""
+    qkv_proj) or, for None, the whole parameter; a tensor-parallel rank copies its slice
+    (`rank_slice`: along the output for column-parallel layers, the input for row-parallel)."""
     dst = shard_view(param, shard_id)
     what = "parameter" if shard_id is None else f"shard {shard_id!r} of parameter"
-    copy_checked(dst, loaded, f"{what} of shape {tuple(param.shape)}")
+    copy_checked(dst, rank_slice(param, loaded, dst), f"{what} of shape {tuple(param.shape)}")

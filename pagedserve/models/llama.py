@@ -15,7 +15,9 @@ from torch import nn
 
 from pagedserve.attention.backend import AttentionContext
 from pagedserve.config import ModelConfig
+from pagedserve.distributed.tensor_parallel import SINGLE, TensorParallel
 from pagedserve.layers.activation import silu_and_mul
+from pagedserve.layers.embedding import VocabEmbedding
 from pagedserve.layers.linear import Linear, MergedLinear
 from pagedserve.layers.linear_method import LinearMethod
 from pagedserve.layers.lm_head import LMHead
@@ -36,18 +38,25 @@ STACKED_PARAMS: dict[str, tuple[str, str]] = {
 
 
 class Attention(nn.Module):
-    def __init__(self, cfg: ModelConfig, layer_idx: int, linear_method: LinearMethod | None = None) -> None:
+    """This rank's attention heads (all of them at one rank): q/k/v column-parallel by head,
+    o_proj row-parallel."""
+
+    def __init__(self, cfg: ModelConfig, layer_idx: int, linear_method: LinearMethod | None = None,
+                 tp: TensorParallel = SINGLE) -> None:
         super().__init__()
         self.layer_idx = layer_idx
-        self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
-        self.q_size, self.kv_size = cfg.q_size, cfg.kv_size
+        self.num_heads = tp.split(cfg.num_heads, "the attention heads")
+        self.num_kv_heads = tp.split(cfg.num_kv_heads, "the KV heads")
+        self.head_dim = cfg.head_dim
+        self.q_size, self.kv_size = self.num_heads * cfg.head_dim, self.num_kv_heads * cfg.head_dim
         prefix = f"model.layers.{layer_idx}.self_attn"
         # q, k and v projections fused into one matmul: rows [q | k | v].
-        self.qkv_proj = MergedLinear(cfg.hidden_size, [self.q_size, self.kv_size, self.kv_size],
+        self.qkv_proj = MergedLinear(cfg.hidden_size, [cfg.q_size, cfg.kv_size, cfg.kv_size],
                                      ("q", "k", "v"), bias=cfg.attention_bias,
-                                     linear_method=_method_for(linear_method, prefix, "q_proj", "k_proj", "v_proj"))
-        self.o_proj = Linear(self.q_size, cfg.hidden_size, bias=False,
-                             linear_method=_method_for(linear_method, prefix, "o_proj"))
+                                     linear_method=_method_for(linear_method, prefix, "q_proj", "k_proj", "v_proj"),
+                                     tp=tp, parallel="column")
+        self.o_proj = Linear(cfg.q_size, cfg.hidden_size, bias=False,
+                             linear_method=_method_for(linear_method, prefix, "o_proj"), tp=tp, parallel="row")
         self.qk_norm = cfg.qk_norm
         if cfg.qk_norm:
             self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
@@ -89,26 +98,29 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
-    def __init__(self, cfg: ModelConfig, linear_method: LinearMethod | None = None, layer_idx: int = 0) -> None:
+    def __init__(self, cfg: ModelConfig, linear_method: LinearMethod | None = None, layer_idx: int = 0,
+                 tp: TensorParallel = SINGLE) -> None:
         super().__init__()
         prefix = f"model.layers.{layer_idx}.mlp"
-        # gate and up projections fused: rows [gate | up].
+        # gate and up projections fused: rows [gate | up] (this rank's share of each).
         self.gate_up_proj = MergedLinear(cfg.hidden_size, [cfg.intermediate_size] * 2, ("gate", "up"), bias=False,
-                                         linear_method=_method_for(linear_method, prefix, "gate_proj", "up_proj"))
+                                         linear_method=_method_for(linear_method, prefix, "gate_proj", "up_proj"),
+                                         tp=tp, parallel="column")
         self.down_proj = Linear(cfg.intermediate_size, cfg.hidden_size, bias=False,
-                                linear_method=_method_for(linear_method, prefix, "down_proj"))
+                                linear_method=_method_for(linear_method, prefix, "down_proj"), tp=tp, parallel="row")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(silu_and_mul(self.gate_up_proj(x)))
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig, layer_idx: int, linear_method: LinearMethod | None = None) -> None:
+    def __init__(self, cfg: ModelConfig, layer_idx: int, linear_method: LinearMethod | None = None,
+                 tp: TensorParallel = SINGLE) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.self_attn = Attention(cfg, layer_idx, linear_method)
+        self.self_attn = Attention(cfg, layer_idx, linear_method, tp)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.mlp = MLP(cfg, linear_method, layer_idx)
+        self.mlp = MLP(cfg, linear_method, layer_idx, tp)
 
     def forward(
         self,
@@ -133,18 +145,21 @@ class LlamaForCausalLM(nn.Module):
     forward(input_ids [T], positions [T], attn) -> hidden states [T, hidden];
     compute_logits(hidden [N, hidden]) -> float32 logits [N, vocab].
     `linear_method` sets the weight format of every decoder projection (default: unquantized).
+    `tp`: this process's place among tensor-parallel ranks (`distributed/tensor_parallel.py`;
+    each holds its share of the heads, features and vocabulary, the logits come out whole).
     """
 
-    def __init__(self, cfg: ModelConfig, linear_method: LinearMethod | None = None) -> None:
+    def __init__(self, cfg: ModelConfig, linear_method: LinearMethod | None = None,
+                 tp: TensorParallel = SINGLE) -> None:
         super().__init__()
-        self.config = cfg
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(cfg, i, linear_method) for i in range(cfg.num_layers))
+        self.config, self.tp = cfg, tp
+        self.embed_tokens = VocabEmbedding(cfg.vocab_size, cfg.hidden_size, tp)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, i, linear_method, tp) for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.rotary = RotaryEmbedding(cfg.head_dim, cfg.rope_theta)
         # tied: no parameter of its own (no `lm_head.weight`); it multiplies by embed_tokens'
         self.lm_head = LMHead(cfg.vocab_size, cfg.hidden_size,
-                              tie_to=self.embed_tokens if cfg.tie_word_embeddings else None)
+                              tie_to=self.embed_tokens if cfg.tie_word_embeddings else None, tp=tp)
 
     def forward(
         self, input_ids: torch.Tensor, positions: torch.Tensor, attn: AttentionContext

@@ -13,6 +13,7 @@ from pathlib import Path
 import torch
 
 from pagedserve.config import ModelConfig, resolve_dtype
+from pagedserve.distributed.tensor_parallel import SINGLE, TensorParallel
 from pagedserve.layers.linear_method import LinearMethod
 from pagedserve.models.llama import LlamaForCausalLM
 from pagedserve.models.source import ModelSource
@@ -30,12 +31,14 @@ def build_model(
     load_format: str = "auto",
     seed: int = 0,
     quantization: str | None = None,
+    tp: TensorParallel = SINGLE,
 ) -> LlamaForCausalLM:
     """Create the decoder on `device` in `dtype` and fill its weights; `quantization` (as
     `--quantization`: None, or a method `resolve_quantization` accepts for this checkpoint)
     sets the decoder projections' weight format (`pagedserve/quantization/`), read from the
     checkpoint's quantization_config if it has one (a pre-quantized checkpoint runs its own
-    method when `quantization` is None)."""
+    method when `quantization` is None). `tp`: this process's tensor-parallel rank (it keeps
+    its share of the weights)."""
     if load_format not in LOAD_FORMATS:
         raise ValueError(f"load_format {load_format!r} is not one of {', '.join(LOAD_FORMATS)}")
     device = torch.device(device)
@@ -43,7 +46,7 @@ def build_model(
     cfg = ModelConfig.from_hf_config(source.hf_config)
     quantization = resolve_quantization(quantization, source.hf_config)
     method = linear_method_for(quantization, checkpoint_quant_config(source.hf_config))
-    model = _materialise(cfg, torch_dtype, device, method)
+    model = _materialise(cfg, torch_dtype, device, method, tp)
     if load_format == "dummy":
         _fill_dummy(model, seed)
         model.process_weights_after_loading()
@@ -64,13 +67,13 @@ def build_model(
 
 
 def _materialise(cfg: ModelConfig, dtype: torch.dtype, device: torch.device,
-                 linear_method: LinearMethod | None = None) -> LlamaForCausalLM:
+                 linear_method: LinearMethod | None = None, tp: TensorParallel = SINGLE) -> LlamaForCausalLM:
     """Build the module on the meta device, then allocate (uninitialised) on `device`."""
     old = torch.get_default_dtype()
     torch.set_default_dtype(dtype)
     try:
         with torch.device("meta"):
-            model = LlamaForCausalLM(cfg, linear_method)
+            model = LlamaForCausalLM(cfg, linear_method, tp)
     finally:
         torch.set_default_dtype(old)
     model = model.to_empty(device=device)

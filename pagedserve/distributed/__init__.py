@@ -1,0 +1,1 @@
+"""Running one model across several processes (tensor parallelism)."""

@@ -1,0 +1,75 @@
+"""Tensor parallelism on the CPU (issue 28, first slice: the model's layers): the decoder split
+over gloo ranks in separate processes gives the logits of the one-process decoder (fp32) for
+tiny Llama and Qwen3 checkpoints made with Transformers (2 ranks) and the embedded SmolLM2 (3
+ranks: its 9 heads and 3 KV heads); each rank holds only its share of the weights; splits a
+model cannot make are refused naming the dimension."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.multiprocessing as mp
+
+from conftest import make_hf_checkpoint
+from helpers import run_prefill
+from pagedserve.distributed.tensor_parallel import TensorParallel, check_model_split
+from pagedserve.models.loader import build_model
+from pagedserve.models.source import resolve_model
+
+SEQS = [[5, 77, 3, 190, 42, 7, 7, 100], [9], [200, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11]]
+
+
+def _rank(rank: int, size: int, store: str, folder: str, out: str) -> None:
+    """One rank: join the gloo group, build and load its share of the model, run SEQS."""
+    torch.distributed.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=size)
+    try:
+        torch.set_num_threads(1)
+        model = build_model(resolve_model(folder), dtype="float32", tp=TensorParallel(rank, size))
+        params = sum(p.numel() for p in model.parameters())
+        logits = run_prefill(model, SEQS)
+        torch.save({"logits": logits, "params": params}, f"{out}.{rank}")
+    finally:
+        torch.distributed.destroy_process_group()
+
+
+def _split_run(tmp_path, folder, size: int) -> list[dict]:
+    out = tmp_path / "out"
+    mp.start_processes(_rank, args=(size, str(tmp_path / "store"), str(folder), str(out)), nprocs=size,
+                       start_method="spawn")
+    return [torch.load(f"{out}.{r}") for r in range(size)]
+
+
+def _check(tmp_path, folder, size: int) -> None:
+    whole = build_model(resolve_model(str(folder)), dtype="float32")
+    want = run_prefill(whole, SEQS)
+    ranks = _split_run(tmp_path, folder, size)
+    for r in ranks:  # every rank gets the whole logits, equal to the one-process model's
+        for got, ref in zip(r["logits"], want, strict=True):
+            torch.testing.assert_close(got, ref, rtol=1e-4, atol=1e-4)
+    total = sum(p.numel() for p in whole.parameters())
+    norms = sum(p.numel() for n, p in whole.named_parameters() if "norm" in n)
+    assert all(r["params"] < total / size + norms + 1 for r in ranks)  # (norms are replicated)
+
+
+@pytest.mark.parametrize("kind", ["llama", "qwen3"])
+def test_two_ranks_give_the_one_process_logits(tmp_path, kind):
+    make_hf_checkpoint(kind, tmp_path / "ckpt")
+    _check(tmp_path, tmp_path / "ckpt", 2)
+
+
+def test_smollm2_over_three_ranks_gives_its_logits(tmp_path, smollm2_dir):
+    _check(tmp_path, smollm2_dir, 3)
+
+
+def test_splits_a_model_cannot_make_are_refused():
+    with pytest.raises(ValueError, match=r"the attention heads \(9\).*multiple of 2.*the KV heads \(3\)"):
+        check_model_split(9, 3, 1536, 49152, 2)  # SmolLM2 over 2 ranks
+    check_model_split(32, 8, 9728, 151936, 8)  # Qwen3-4B over 8
+    with pytest.raises(ValueError, match=r"the KV heads \(4\) to be a multiple of 8"):
+        check_model_split(20, 4, 10496, 166144, 8)  # Nanbeige4.1-3B: 4 KV heads
+    from pagedserve.quantization.methods import linear_method_for
+
+    with pytest.raises(ValueError, match="unquantized weights only"):
+        from pagedserve.layers.linear import Linear
+
+        Linear(64, 64, linear_method=linear_method_for("fp8", None), tp=TensorParallel(0, 2), parallel="row")
