@@ -209,6 +209,22 @@ class ObservabilityConfig:
     step_trace: str | None = None  # append each step's make-up and GPU times to this JSONL file
 
 
+def _check_tensor_parallel(size: int, model_cfg: ModelConfig, kw: dict[str, Any]) -> None:
+    """ValueError where `size` ranks cannot run this model with these settings."""
+    if not isinstance(size, int) or size < 1:
+        raise ValueError(f"tensor_parallel_size must be a whole number >= 1, got {size!r}")
+    if size == 1:
+        return
+    from pagedserve.distributed.tensor_parallel import check_model_split
+
+    check_model_split(model_cfg.num_heads, model_cfg.num_kv_heads, model_cfg.intermediate_size,
+                      model_cfg.vocab_size, size)
+    for key, what in (("quantization", "quantized weights"), ("speculative", "speculative decoding")):
+        if kw.get(key) is not None:
+            raise ValueError(f"tensor parallelism does not run {what} yet: use tensor_parallel_size 1 "
+                             "(--tensor-parallel-size 1) or leave them off")
+
+
 def _checked_draft(spec: SpeculativeConfig, model_cfg: ModelConfig, load_format: str) -> SpeculativeConfig:
     """The draft model resolved (a Hub id: its local folder) and its vocabulary checked."""
     from dataclasses import replace
@@ -249,6 +265,7 @@ class EngineConfig:
     kernels: KernelConfig = field(default_factory=KernelConfig)
     observability: ObservabilityConfig = field(default_factory=ObservabilityConfig)
     speculative: SpeculativeConfig | None = None  # speculative decoding (spec_decode/); None = off
+    tensor_parallel_size: int = 1  # worker processes the model is split across (engine/tp_executor.py)
 
     @classmethod
     def from_args(cls, model: str | None = None, *, max_model_len: int | None = None,
@@ -287,6 +304,7 @@ class EngineConfig:
         kw["speculative"] = spec = SpeculativeConfig.parse(kw.pop("speculative_config", None))
         if spec is not None and spec.method == "draft_model":
             kw["speculative"] = _checked_draft(spec, model_cfg, load_format)
+        _check_tensor_parallel(kw.get("tensor_parallel_size", 1), model_cfg, kw)
         kw.setdefault("kernels", envs.kernel_config())
         kw.setdefault("observability", envs.observability_config())
         config = cls(

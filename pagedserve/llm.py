@@ -32,7 +32,8 @@ class LLM:
     or, on a GPU, `gpu_memory_utilization` after profiling a forward pass; `kv_cache_dtype="fp8"`
     (or "fp8_e4m3") stores it as float8 e4m3, twice the tokens in the same memory ("auto": the
     model's dtype). `speculative_config` (vLLM's JSON or a dict, e.g. `{"method": "ngram",
-    "num_speculative_tokens": 4}`) turns on speculative decoding.
+    "num_speculative_tokens": 4}`) turns on speculative decoding. `tensor_parallel_size` splits
+    the model across that many worker processes (`engine/tp_executor.py`; `close()` ends them).
     """
 
     def __init__(
@@ -60,6 +61,7 @@ class LLM:
         quantization: str | None = None,
         kv_cache_dtype: str = "auto",
         speculative_config: dict | str | None = None,
+        tensor_parallel_size: int = 1,
     ) -> None:
         config, source, model_cfg = EngineConfig.from_args(
             model, max_model_len=max_model_len, max_num_seqs=max_num_seqs,
@@ -70,11 +72,18 @@ class LLM:
             enforce_eager=enforce_eager, async_scheduling=async_scheduling, tokenizer=tokenizer,
             revision=revision, download_dir=download_dir, quantization=quantization,
             kv_cache_dtype=kv_cache_dtype, speculative_config=speculative_config,
+            tensor_parallel_size=tensor_parallel_size,
         )
         self._defaults = sampling_defaults(source, generation_config)
         self.engine = EngineCore(config, source)
         self.tokenizer = load_tokenizer(source, model_cfg, tokenizer)
         self._ids = itertools.count()
+
+    def close(self) -> None:
+        """End the engine's worker processes, if it has any (tensor parallelism)."""
+        close = getattr(self.engine.executor, "close", None)
+        if close is not None:
+            close()
 
     def get_tokenizer(self):
         return self.tokenizer

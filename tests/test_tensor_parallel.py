@@ -73,3 +73,47 @@ def test_splits_a_model_cannot_make_are_refused():
         from pagedserve.layers.linear import Linear
 
         Linear(64, 64, linear_method=linear_method_for("fp8", None), tp=TensorParallel(0, 2), parallel="row")
+
+
+def test_the_engine_over_two_ranks_gives_the_one_process_tokens(tmp_path):
+    """LLM(tensor_parallel_size=2): two gloo worker processes; greedy, seeded and unseeded
+    sampled tokens equal the one-process engine's across chunked prefill, preemption (a small
+    cache) and prefix-cache hits; every block comes back; close() ends the ranks."""
+    from pagedserve import LLM, SamplingParams
+
+    make_hf_checkpoint("llama", tmp_path / "ckpt")
+    kw = dict(dtype="float32", device="cpu", max_num_seqs=4, max_num_batched_tokens=32, block_size=4)
+    memory = 32 * 4 * 3 * 2 * 2 * 16 * 4  # 32 blocks of 4 tokens (3 layers, K and V, 2 KV heads of 16)
+    prompts = [[(7 * i + j) % 250 + 3 for j in range(10 + 9 * i)] for i in range(6)]
+    params = [SamplingParams(temperature=0, max_tokens=24, ignore_eos=True),
+              SamplingParams(temperature=0.9, seed=5, max_tokens=24, ignore_eos=True),
+              # (unseeded: from the engine's random state, the same on every rank, so the ranks
+              # keep the same tokens; and the same as the one-process engine's, both seeded 0)
+              SamplingParams(temperature=0.9, max_tokens=24, ignore_eos=True)]
+    one = LLM(str(tmp_path / "ckpt"), kv_cache_memory=memory, **kw)
+    # (kv_cache_memory is each rank's: a rank keeps one of the 2 KV heads)
+    split = LLM(str(tmp_path / "ckpt"), tensor_parallel_size=2, kv_cache_memory=memory // 2, **kw)
+    try:
+        assert split.engine.kv.num_blocks == one.engine.kv.num_blocks == 32
+        for batch, p in ((prompts, params[0]), (prompts, params[1]), (prompts, params[2]),
+                         (prompts[3:4], params[0]), (prompts[3:4], params[0])):  # (the last: prefix hits)
+            want = [o.outputs[0].token_ids for o in one.generate(batch, p, use_tqdm=False)]
+            got = [o.outputs[0].token_ids for o in split.generate(batch, p, use_tqdm=False)]
+            assert got == want
+        assert split.engine.scheduler.num_preemptions > 0 and split.engine.kv.stats.hits > 0
+        split.engine.kv.check_integrity(expect_all_free=True)
+        procs = split.engine.executor._procs
+    finally:
+        split.close()
+    assert not any(p.is_alive() for p in procs)
+
+
+def test_tensor_parallel_settings_it_cannot_run_are_refused(tmp_path, smollm2_dir):
+    from pagedserve import LLM
+
+    with pytest.raises(ValueError, match=r"the attention heads \(9\) to be a multiple of 2"):
+        LLM(str(smollm2_dir), device="cpu", tensor_parallel_size=2)
+    make_hf_checkpoint("llama", tmp_path / "ckpt")
+    with pytest.raises(ValueError, match="speculative decoding"):
+        LLM(str(tmp_path / "ckpt"), device="cpu", tensor_parallel_size=2,
+            speculative_config={"method": "ngram"})

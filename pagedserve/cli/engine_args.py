@@ -60,6 +60,11 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                         "\"qwen3-0.6b\", \"num_speculative_tokens\": 4}' drafts with a smaller "
                         "model of the same vocabulary; \"disable_by_batch_size\": N turns it off "
                         "while more than N requests run (default 32)")
+    p.add_argument("--tensor-parallel-size", "-tp", type=types.int_at_least(1), default=1,
+                   help="split the model across this many worker processes (one GPU each; gloo "
+                        "on the CPU): its heads, KV heads, MLP features and vocabulary must "
+                        "divide by it; unquantized weights, no speculative decoding or "
+                        "structured output yet")
     p.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
     p.add_argument("--attention-backend", default="auto", choices=["auto", "triton", "torch"],
                    help="auto: triton on CUDA, torch on the CPU")
@@ -97,5 +102,5 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
         tokenizer=args.tokenizer, seed=args.seed, revision=args.revision,
         download_dir=args.download_dir, generation_config=args.generation_config,
         quantization=args.quantization, kv_cache_dtype=args.kv_cache_dtype,
-        speculative_config=args.speculative_config,
+        speculative_config=args.speculative_config, tensor_parallel_size=args.tensor_parallel_size,
     )

@@ -14,7 +14,7 @@ import time
 
 from pagedserve import faults
 from pagedserve.config import EngineConfig
-from pagedserve.engine.executor import Executor, UniprocExecutor
+from pagedserve.engine.executor import Executor, make_executor
 from pagedserve.engine.kv_cache_manager import KVCacheManager
 from pagedserve.engine.limits import check_logit_bias, check_prompt
 from pagedserve.engine.messages import EngineRequest, TokenOutput
@@ -44,7 +44,7 @@ class EngineCore:
         t0 = time.perf_counter()
         self.config = config
         self.source = source or resolve_model(config.model, load_format=config.load_format)
-        self.executor = ex = executor or UniprocExecutor(config, self.source)
+        self.executor = ex = executor or make_executor(config, self.source)
         self.model_config = ex.model_config
         self.scheduler_config = sched = ex.scheduler_config
         self.kv = KVCacheManager(ex.num_blocks, ex.block_size, config.cache.enable_prefix_caching)
@@ -133,6 +133,8 @@ class EngineCore:
         if er.arrival_time is not None:
             req.arrival_time = er.arrival_time
         if p.structured_outputs is not None:
+            if self.config.tensor_parallel_size > 1:
+                raise ValueError("structured output does not run with tensor parallelism yet")
             req.grammar = self._grammar_compiler().submit(p.structured_outputs)
             self._compiling[req.request_id] = req
         self.scheduler.add_request(req)

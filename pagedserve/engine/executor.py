@@ -1,9 +1,9 @@
 """Executors: how the engine core's steps reach the worker(s) that run the model.
 
 The core speaks only to an `Executor`: it launches a scheduled step and later collects its
-sampled tokens. `UniprocExecutor` drives one in-process `Worker`; a tensor-parallel executor
-(one worker process per GPU, the step broadcast to all, rank 0's tokens returned) implements
-the same interface without touching the core.
+sampled tokens. `UniprocExecutor` drives one in-process `Worker`; `TensorParallelExecutor`
+(`engine/tp_executor.py`: one worker process per rank, each call sent to all, rank 0's
+results returned) implements the same interface without touching the core.
 """
 
 from __future__ import annotations
@@ -141,3 +141,13 @@ class UniprocExecutor(Executor):
 
     def propose_drafts(self, requests):
         return self.worker.runner.drafter.propose(requests)
+
+
+def make_executor(config: EngineConfig, source: ModelSource) -> Executor:
+    """The executor `config` asks for: one in-process worker, or a process per
+    tensor-parallel rank (`engine/tp_executor.py`)."""
+    if config.tensor_parallel_size > 1:
+        from pagedserve.engine.tp_executor import TensorParallelExecutor
+
+        return TensorParallelExecutor(config, source)
+    return UniprocExecutor(config, source)

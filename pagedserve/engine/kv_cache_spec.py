@@ -33,15 +33,16 @@ class KVCacheSpec:
 
     @classmethod
     def for_model(cls, cfg: ModelConfig, block_size: int, dtype: torch.dtype | str,
-                  kv_cache_dtype: str = "auto") -> KVCacheSpec:
+                  kv_cache_dtype: str = "auto", tp_size: int = 1) -> KVCacheSpec:
         """The cache of `cfg` for a model running in `dtype`, stored as `kv_cache_dtype`
-        (a --kv-cache-dtype name; auto: `dtype` itself)."""
+        (a --kv-cache-dtype name; auto: `dtype` itself); across `tp_size` ranks, one rank's
+        share of the KV heads."""
         name = str(dtype).removeprefix("torch.")
         if kv_cache_dtype not in KV_CACHE_DTYPES:
             raise ValueError(f"kv_cache_dtype {kv_cache_dtype!r} is not supported; choose one "
                              f"of {', '.join(KV_CACHE_DTYPES)}")
         stored = KV_CACHE_DTYPES[kv_cache_dtype] or DTYPE_NAMES[name]
-        return cls(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, block_size, stored)
+        return cls(cfg.num_layers, cfg.num_kv_heads // tp_size, cfg.head_dim, block_size, stored)
 
     @property
     def is_fp8(self) -> bool:

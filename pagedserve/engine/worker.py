@@ -18,6 +18,7 @@ import torch
 
 from pagedserve.attention.backend import AttentionBackend, AttentionContext, get_backend_class
 from pagedserve.config import EngineConfig, ModelConfig, resolve_dtype
+from pagedserve.distributed.tensor_parallel import SINGLE, TensorParallel
 from pagedserve.engine.cache_sizing import determine_num_blocks
 from pagedserve.engine.kv_cache_spec import KVCacheSpec, check_kv_cache_device
 from pagedserve.engine.messages import StepResult
@@ -32,17 +33,20 @@ from pagedserve.quantization.methods import check_quantization_device
 logger = logging.getLogger("pagedserve")
 
 
-def make_backend(name: str, device: torch.device, cfg: ModelConfig) -> AttentionBackend:
-    """The attention backend `name` ("auto": triton on CUDA, torch elsewhere) for `cfg`."""
+def make_backend(name: str, device: torch.device, cfg: ModelConfig, tp: TensorParallel = SINGLE) -> AttentionBackend:
+    """The attention backend `name` ("auto": triton on CUDA, torch elsewhere) for `cfg`'s
+    heads (a tensor-parallel rank's share of them)."""
     if name == "auto":
         name = "triton" if device.type == "cuda" else "torch"
-    return get_backend_class(name)(cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.head_dim**-0.5)
+    return get_backend_class(name)(tp.split(cfg.num_heads, "the attention heads"),
+                                   tp.split(cfg.num_kv_heads, "the KV heads"), cfg.head_dim, cfg.head_dim**-0.5)
 
 
 class Worker:
-    """Runs the model on one device; `execute` launches a step, `collect` reads it back."""
+    """Runs the model on one device; `execute` launches a step, `collect` reads it back.
+    `tp`: its tensor-parallel rank (its share of the model; `engine/tp_executor.py`)."""
 
-    def __init__(self, config: EngineConfig, source: ModelSource) -> None:
+    def __init__(self, config: EngineConfig, source: ModelSource, tp: TensorParallel = SINGLE) -> None:
         t0 = time.perf_counter()
         # vLLM's --seed: the engine's random state (sampling of requests without a seed of
         # their own) starts from it, so a run is reproducible
@@ -61,13 +65,13 @@ class Worker:
         check_quantization_device(config.quantization, device)
         model = build_model(source, dtype=config.dtype, device=device,
                             load_format=config.load_format, seed=config.seed,
-                            quantization=config.quantization)
+                            quantization=config.quantization, tp=tp)
         self.model_config = cfg = model.config
         self.dtype = dtype = resolve_dtype(config.dtype, device)
         self.scheduler_config = sched = config.scheduler_for(cfg)
-        backend = make_backend(config.attention_backend, device, cfg)
+        backend = make_backend(config.attention_backend, device, cfg, tp)
         self.kv_spec = spec = KVCacheSpec.for_model(cfg, config.cache.block_size, dtype,
-                                                    config.cache.kv_cache_dtype)
+                                                    config.cache.kv_cache_dtype, tp.size)
         self._compile_ahead = self.cuda and kernels.compile_ahead
         self.compile_ahead_seconds = 0.0
         self.model = model
@@ -79,6 +83,9 @@ class Worker:
             spec, config.cache, sched, device,
             profile=lambda: self.rehearsed(lambda: profile_forward(model, backend, sched, spec), "memory profile"),
             extra_bytes_per_block=draft[2].bytes_per_block if draft else 0)
+        if tp.size > 1:  # the core keeps one block table for all ranks: the smallest one's
+            blocks = torch.tensor([num_blocks], device=device)
+            num_blocks = int(tp.all_reduce_min(blocks))
         drafter = None
         if draft is not None:
             from pagedserve.spec_decode.draft_model import DraftRunner

@@ -1,0 +1,217 @@
+"""`TensorParallelExecutor`: one worker process per tensor-parallel rank.
+
+Each rank is a process of its own (started with "spawn", all at once): it joins the process
+group (NCCL on GPUs, one GPU a rank; gloo on the CPU), builds a `Worker` with its
+`TensorParallel` (its share of the weights and heads, `distributed/tensor_parallel.py`), and
+serves the executor's calls from a pipe. Every call goes to every rank, which runs it in step
+with the others (the all-reduces inside the model meet there); every rank samples from the
+same gathered logits with the same random state, so all keep the same tokens, and rank 0's
+results come back. The KV cache holds what the smallest rank's memory allows.
+
+A rank that raises answers with its error, which the call raises here; a rank that dies
+closes its pipe, and the call raises `WorkerDied`: the engine core then fails (the server
+starts a new one), and `close` ends the other ranks.
+"""
+
+from __future__ import annotations
+
+import logging
+import multiprocessing as mp
+import os
+import tempfile
+from contextlib import contextmanager, suppress
+from typing import Any
+
+from pagedserve.config import EngineConfig
+from pagedserve.engine.executor import Executor
+from pagedserve.models.source import ModelSource
+
+logger = logging.getLogger("pagedserve")
+
+
+class WorkerDied(RuntimeError):
+    """A tensor-parallel rank's process ended."""
+
+
+class TensorParallelExecutor(Executor):
+    """`config.tensor_parallel_size` worker processes; the `Executor` interface over them."""
+
+    def __init__(self, config: EngineConfig, source: ModelSource) -> None:
+        self.size = size = config.tensor_parallel_size
+        ctx = mp.get_context("spawn")
+        self._dir = tempfile.mkdtemp(prefix="pagedserve-tp-")
+        store = os.path.join(self._dir, "store")
+        self._conns, self._procs = [], []
+        for rank in range(size):  # (all start at once: their loading overlaps)
+            parent, child = ctx.Pipe()
+            proc = ctx.Process(target=_serve_rank, args=(rank, size, store, config, source, child),
+                               name=f"pagedserve-tp{rank}", daemon=True)
+            proc.start()
+            child.close()
+            self._conns.append(parent)
+            self._procs.append(proc)
+        try:
+            facts = self._answers()[0]
+        except BaseException:
+            self.close()
+            raise
+        for key, value in facts.items():
+            setattr(self, key, value)
+        self._steps = 0
+
+    # ---- calls to every rank ----------------------------------------------------------
+
+    def _answers(self) -> list[Any]:
+        """Every rank's answer to the call just sent (rank order)."""
+        out = []
+        for rank, conn in enumerate(self._conns):
+            try:
+                ok, value = conn.recv()
+            except (EOFError, OSError):
+                raise WorkerDied(f"tensor-parallel rank {rank} ended (exit code "
+                                 f"{self._procs[rank].exitcode})") from None
+            if not ok:
+                raise RuntimeError(f"tensor-parallel rank {rank}: {value}")
+            out.append(value)
+        return out
+
+    def _call(self, method: str, *args: Any) -> Any:
+        """Run `method` on every rank's worker side (`_RankServer`); rank 0's answer."""
+        for rank, conn in enumerate(self._conns):
+            try:
+                conn.send((method, args))
+            except (BrokenPipeError, OSError):
+                raise WorkerDied(f"tensor-parallel rank {rank} ended") from None
+        return self._answers()[0]
+
+    def close(self) -> None:
+        """End the rank processes (at once if one is stuck)."""
+        for conn in self._conns:
+            with suppress(BrokenPipeError, OSError):
+                conn.send(("stop", ()))
+        for proc in self._procs:
+            proc.join(timeout=10)
+            if proc.is_alive():
+                proc.kill()
+                proc.join()
+        for conn in self._conns:
+            conn.close()
+        self._conns = []
+
+    # ---- the Executor interface ----------------------------------------------------------
+
+    def execute(self, out):
+        self._steps += 1
+        self._call("execute", self._steps, out)
+        return self._steps
+
+    def collect(self, handle):
+        return self._call("collect", handle)
+
+    def release(self, request_ids: list[str]) -> None:
+        self._call("release", request_ids)
+
+    def graph_counts(self) -> tuple[int, int]:
+        return self._call("graph_counts")
+
+    def last_launch_ms(self) -> tuple[float, float, float]:
+        return self._call("last_launch_ms")
+
+    def grammar_seconds(self) -> tuple[float, float]:
+        return (0.0, 0.0)  # (structured output does not run across ranks yet)
+
+    def rehearsed(self, fn, what: str) -> None:
+        fn()  # (the ranks compile their kernels as they go: no rehearsal across processes yet)
+
+    @contextmanager
+    def eager_mixed_steps(self):
+        self._call("set_eager_mixed", True)
+        try:
+            yield
+        finally:
+            self._call("set_eager_mixed", False)
+
+    def warm_up_kernels(self) -> None:
+        self._call("warm_up_kernels", self.scheduler_config.max_num_seqs)
+
+    def report_late_compiles(self) -> None:
+        self._call("report_late_compiles")
+
+    def reset_stats(self) -> None:
+        self._call("reset_stats")
+
+
+def _serve_rank(rank: int, size: int, store: str, config: EngineConfig, source: ModelSource, conn) -> None:
+    """A rank's process: join the group, build the worker, answer calls until "stop"."""
+    import torch
+    import torch.distributed as dist
+
+    from pagedserve.distributed.tensor_parallel import TensorParallel
+    from pagedserve.engine.worker import Worker
+
+    try:
+        cuda = config.resolved_device().type == "cuda"
+        if cuda:
+            torch.cuda.set_device(rank)
+        dist.init_process_group("nccl" if cuda else "gloo", init_method=f"file://{store}", rank=rank,
+                                world_size=size)
+        worker = Worker(config, source, TensorParallel(rank, size))
+        conn.send((True, {
+            "model_config": worker.model_config, "scheduler_config": worker.scheduler_config,
+            "num_blocks": worker.num_blocks, "block_size": worker.kv_spec.block_size,
+            "load_seconds": worker.load_seconds, "graph_capture_seconds": worker.graph_capture_seconds,
+            "matmul_plan_seconds": worker.matmul_plan_seconds,
+            "compile_ahead_seconds": worker.compile_ahead_seconds, "is_cuda": worker.cuda}))
+    except BaseException as e:  # (start-up failed: say why, then end)
+        conn.send((False, f"start-up failed: {type(e).__name__}: {e}"))
+        return
+    server = _RankServer(worker)
+    while True:
+        try:
+            method, args = conn.recv()
+        except (EOFError, OSError):  # the executor is gone
+            break
+        if method == "stop":
+            break
+        try:
+            conn.send((True, getattr(server, method)(*args)))
+        except BaseException as e:
+            logger.exception("tensor-parallel rank %d: %s failed", rank, method)
+            conn.send((False, f"{type(e).__name__}: {e}"))
+    dist.destroy_process_group()
+
+
+class _RankServer:
+    """What a rank does for each call (its worker's methods; step handles kept by number)."""
+
+    def __init__(self, worker) -> None:
+        self.worker, self.handles = worker, {}
+
+    def execute(self, step: int, out) -> None:
+        self.handles[step] = self.worker.execute(out)
+
+    def collect(self, step: int):
+        return self.worker.collect(self.handles.pop(step))
+
+    def release(self, request_ids: list[str]) -> None:
+        self.worker.runner.release(request_ids)
+
+    def graph_counts(self) -> tuple[int, int]:
+        return self.worker.runner.num_graph_steps, self.worker.runner.num_eager_steps
+
+    def last_launch_ms(self) -> tuple[float, float, float]:
+        return self.worker.runner.last_launch_ms
+
+    def set_eager_mixed(self, on: bool) -> None:
+        graphs = self.worker.runner.graphs
+        if graphs is not None:
+            graphs.use_mixed = not on
+
+    def warm_up_kernels(self, max_num_seqs: int) -> None:
+        self.worker.warm_up_kernels(max_num_seqs)
+
+    def report_late_compiles(self) -> None:
+        self.worker.report_late_compiles()
+
+    def reset_stats(self) -> None:
+        self.worker.reset_stats()
