@@ -215,7 +215,7 @@ def _check_tensor_parallel(size: int, model_cfg: ModelConfig, kw: dict[str, Any]
         raise ValueError(f"tensor_parallel_size must be a whole number >= 1, got {size!r}")
     if size == 1:
         return
-    from pagedserve.distributed.tensor_parallel import check_model_split
+    from pagedserve.distributed.split import check_model_split
 
     check_model_split(model_cfg.num_heads, model_cfg.num_kv_heads, model_cfg.intermediate_size,
                       model_cfg.vocab_size, size)

@@ -40,6 +40,8 @@ BAD_VALUES = [
     (["serve", "--speculative-config", "ngram"], "--speculative-config"),
     (["serve", "--speculative-config", '{"method": "ngram", "num_speculative_tokens": 0}'], "num_speculative_tokens"),
     (["serve", "--speculative-config", '{"method": "draft_model"}'], '"model"'),
+    (["serve", "--tensor-parallel-size", "0"], "--tensor-parallel-size"),
+    (["serve", "-tp", "2"], "the attention heads (9) to be a multiple of 2"),
 ]
 
 

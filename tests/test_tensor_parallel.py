@@ -12,7 +12,8 @@ import torch.multiprocessing as mp
 
 from conftest import make_hf_checkpoint
 from helpers import run_prefill
-from pagedserve.distributed.tensor_parallel import TensorParallel, check_model_split
+from pagedserve.distributed.split import check_model_split
+from pagedserve.distributed.tensor_parallel import TensorParallel
 from pagedserve.models.loader import build_model
 from pagedserve.models.source import resolve_model
 

@@ -16,6 +16,8 @@ from typing import Any
 
 import torch
 
+from pagedserve.distributed.split import share
+
 
 @dataclass(frozen=True)
 class TensorParallel:
@@ -25,10 +27,7 @@ class TensorParallel:
 
     def split(self, n: int, what: str) -> int:
         """n / size: this rank's share of n (ValueError naming `what` if it does not divide)."""
-        if n % self.size:
-            raise ValueError(f"tensor parallelism over {self.size} ranks needs {what} ({n}) to be a "
-                             f"multiple of {self.size}")
-        return n // self.size
+        return share(n, self.size, what)
 
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
         """The sum of x over the ranks (in place)."""
@@ -52,18 +51,3 @@ class TensorParallel:
 
 
 SINGLE = TensorParallel()
-
-
-def check_model_split(num_heads: int, num_kv_heads: int, intermediate_size: int, vocab_size: int,
-                      size: int) -> None:
-    """ValueError naming every model dimension `size` ranks cannot share evenly."""
-    tp = TensorParallel(size=size)
-    problems = []
-    for n, what in ((num_heads, "the attention heads"), (num_kv_heads, "the KV heads"),
-                    (intermediate_size, "the MLP's intermediate size"), (vocab_size, "the vocabulary")):
-        try:
-            tp.split(n, what)
-        except ValueError as e:
-            problems.append(str(e))
-    if problems:
-        raise ValueError("; ".join(problems))

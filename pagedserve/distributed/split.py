@@ -1,0 +1,26 @@
+"""How a model's dimensions divide among tensor-parallel ranks (torch-free: the HTTP process
+checks `--tensor-parallel-size` before any engine starts)."""
+
+from __future__ import annotations
+
+
+def share(n: int, size: int, what: str) -> int:
+    """n / size: one rank's share of n (ValueError naming `what` if it does not divide)."""
+    if n % size:
+        raise ValueError(f"tensor parallelism over {size} ranks needs {what} ({n}) to be a "
+                         f"multiple of {size}")
+    return n // size
+
+
+def check_model_split(num_heads: int, num_kv_heads: int, intermediate_size: int, vocab_size: int,
+                      size: int) -> None:
+    """ValueError naming every model dimension `size` ranks cannot share evenly."""
+    problems = []
+    for n, what in ((num_heads, "the attention heads"), (num_kv_heads, "the KV heads"),
+                    (intermediate_size, "the MLP's intermediate size"), (vocab_size, "the vocabulary")):
+        try:
+            share(n, size, what)
+        except ValueError as e:
+            problems.append(str(e))
+    if problems:
+        raise ValueError("; ".join(problems))
