@@ -18,8 +18,10 @@ from __future__ import annotations
 import logging
 import multiprocessing as mp
 import os
+import shutil
 import tempfile
 from contextlib import contextmanager, suppress
+from datetime import timedelta
 from typing import Any
 
 from pagedserve.config import EngineConfig
@@ -27,6 +29,7 @@ from pagedserve.engine.executor import Executor
 from pagedserve.models.source import ModelSource
 
 logger = logging.getLogger("pagedserve")
+JOIN_TIMEOUT = timedelta(minutes=5)  # for the ranks to meet (model loading comes after)
 
 
 class WorkerDied(RuntimeError):
@@ -97,6 +100,7 @@ class TensorParallelExecutor(Executor):
         for conn in self._conns:
             conn.close()
         self._conns = []
+        shutil.rmtree(self._dir, ignore_errors=True)
 
     # ---- the Executor interface ----------------------------------------------------------
 
@@ -153,8 +157,9 @@ def _serve_rank(rank: int, size: int, store: str, config: EngineConfig, source: 
         cuda = config.resolved_device().type == "cuda"
         if cuda:
             torch.cuda.set_device(rank)
+        # (a rank that never joins fails the others' start-up after JOIN_TIMEOUT, not never)
         dist.init_process_group("nccl" if cuda else "gloo", init_method=f"file://{store}", rank=rank,
-                                world_size=size)
+                                world_size=size, timeout=JOIN_TIMEOUT)
         worker = Worker(config, source, TensorParallel(rank, size))
         conn.send((True, {
             "model_config": worker.model_config, "scheduler_config": worker.scheduler_config,
