@@ -1,8 +1,9 @@
-"""Tensor parallelism on the CPU (issue 28, first slice: the model's layers): the decoder split
-over gloo ranks in separate processes gives the logits of the one-process decoder (fp32) for
-tiny Llama and Qwen3 checkpoints made with Transformers (2 ranks) and the embedded SmolLM2 (3
-ranks: its 9 heads and 3 KV heads); each rank holds only its share of the weights; splits a
-model cannot make are refused naming the dimension."""
+"""Tensor parallelism on the CPU (issue 28): the decoder split over gloo ranks in separate
+processes gives the logits of the one-process decoder (fp32) for tiny Llama and Qwen3
+checkpoints made with Transformers (2 ranks) and the embedded SmolLM2 (3 ranks: its 9 heads
+and 3 KV heads), each rank holding only its share of the weights; the engine over 2 ranks
+(`LLM(tensor_parallel_size=2)`) gives the one-process tokens; splits a model cannot make, and
+settings tensor parallelism does not run yet, are refused naming them."""
 
 from __future__ import annotations
 
