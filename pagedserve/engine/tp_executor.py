@@ -176,7 +176,8 @@ def _serve_rank(rank: int, size: int, store: str, config: EngineConfig, source: 
             method, args = conn.recv()
         except (EOFError, OSError):  # the executor is gone
             break
-        if method == "stop":
+        if method == "stop":  # (every rank got it: they leave the group together)
+            dist.barrier()
             break
         try:
             conn.send((True, getattr(server, method)(*args)))
