@@ -5,8 +5,8 @@ group (NCCL on GPUs, one GPU a rank; gloo on the CPU), builds a `Worker` with it
 `TensorParallel` (its share of the weights and heads, `distributed/tensor_parallel.py`), and
 serves the executor's calls from a pipe. Every call goes to every rank, which runs it in step
 with the others (the all-reduces inside the model meet there); every rank samples from the
-same gathered logits with the same random state, so all keep the same tokens, and rank 0's
-results come back. The KV cache holds what the smallest rank's memory allows.
+same gathered logits with the same random state, so all keep the same tokens, and only rank
+0 sends its results back. The KV cache holds what the smallest rank's memory allows.
 
 A rank that raises answers with its error, which the call raises here; a rank that dies
 closes its pipe, and the call raises `WorkerDied`: the engine core then fails (the server
@@ -20,7 +20,7 @@ import multiprocessing as mp
 import os
 import shutil
 import tempfile
-from contextlib import contextmanager, suppress
+from contextlib import ExitStack, contextmanager, suppress
 from datetime import timedelta
 from typing import Any
 
@@ -161,7 +161,7 @@ def _serve_rank(rank: int, size: int, store: str, config: EngineConfig, source: 
         dist.init_process_group("nccl" if cuda else "gloo", init_method=f"file://{store}", rank=rank,
                                 world_size=size, timeout=JOIN_TIMEOUT)
         worker = Worker(config, source, TensorParallel(rank, size))
-        conn.send((True, {
+        conn.send((True, None if rank else {
             "model_config": worker.model_config, "scheduler_config": worker.scheduler_config,
             "num_blocks": worker.num_blocks, "block_size": worker.kv_spec.block_size,
             "load_seconds": worker.load_seconds, "graph_capture_seconds": worker.graph_capture_seconds,
@@ -180,7 +180,8 @@ def _serve_rank(rank: int, size: int, store: str, config: EngineConfig, source: 
             dist.barrier()
             break
         try:
-            conn.send((True, getattr(server, method)(*args)))
+            answer = getattr(server, method)(*args)
+            conn.send((True, None if rank else answer))  # (only rank 0's answer is read)
         except BaseException as e:
             logger.exception("tensor-parallel rank %d: %s failed", rank, method)
             conn.send((False, f"{type(e).__name__}: {e}"))
@@ -192,6 +193,7 @@ class _RankServer:
 
     def __init__(self, worker) -> None:
         self.worker, self.handles = worker, {}
+        self._eager = ExitStack()  # the runner's eager_mixed_steps while the warm-up wants them
 
     def execute(self, step: int, out) -> None:
         self.handles[step] = self.worker.execute(out)
@@ -209,9 +211,10 @@ class _RankServer:
         return self.worker.runner.last_launch_ms
 
     def set_eager_mixed(self, on: bool) -> None:
-        graphs = self.worker.runner.graphs
-        if graphs is not None:
-            graphs.use_mixed = not on
+        if on:
+            self._eager.enter_context(self.worker.runner.eager_mixed_steps())
+        else:
+            self._eager.close()
 
     def warm_up_kernels(self, max_num_seqs: int) -> None:
         self.worker.warm_up_kernels(max_num_seqs)

@@ -45,7 +45,7 @@ def draft_masks(reqs: list[CachedRequest], drafts: list[list[int]], words: int,
 def _walk(req: CachedRequest, drafts: list[int], mask: torch.Tensor, row: int) -> int:
     """Fill rows row.. of `mask` for `req`'s positions; the number of drafts to verify."""
     matcher, after = req.matcher, req.grammar_after
-    recent = list(req.token_ids[len(req.token_ids) - len(after):]) if after else []
+    recent = req.token_ids[-len(after):] if after else []  # (the known tokens' tail)
     num_outputs = len(req.token_ids) - len(req.prompt_token_ids)
     accepted = 0
     try:
