@@ -8,7 +8,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from pagedserve.config import EngineConfig
-from pagedserve.engine.core import EngineCore
+from pagedserve.engine.core import EngineCore, FatalEngineError
 from pagedserve.engine.messages import EngineRequest
 from pagedserve.engine.output_processor import OutputProcessor, SampleState
 from pagedserve.models.generation_defaults import sampling_defaults
@@ -81,9 +81,7 @@ class LLM:
 
     def close(self) -> None:
         """End the engine's worker processes, if it has any (tensor parallelism)."""
-        close = getattr(self.engine.executor, "close", None)
-        if close is not None:
-            close()
+        self.engine.executor.close()
 
     def get_tokenizer(self):
         return self.tokenizer
@@ -155,6 +153,9 @@ class LLM:
                         del unfinished[ro.request_id]
                         bar.update(1)
         bar.close()
+        if self.engine.fatal_error:  # (a worker process died: this LLM is done)
+            self.close()
+            raise FatalEngineError(f"{self.engine.fatal_error}; create a new LLM to go on")
         for rid, (ro, _) in children.items():
             s = samples.get(rid)
             if s is not None and s.error:

@@ -27,8 +27,9 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def child_pids(pid: int) -> list[int]:
-    """Every descendant of `pid` (from /proc), children before grandchildren."""
+def child_pids(pid: int, depth: int | None = None) -> list[int]:
+    """Every descendant of `pid` (from /proc), children before grandchildren; with `depth`,
+    only that many generations."""
     parents: dict[int, list[int]] = {}
     for entry in Path("/proc").iterdir():
         if not entry.name.isdigit():
@@ -39,11 +40,11 @@ def child_pids(pid: int) -> list[int]:
             continue
         ppid = int(stat.rsplit(")", 1)[1].split()[1])
         parents.setdefault(ppid, []).append(int(entry.name))
-    out, todo = [], [pid]
-    while todo:
-        kids = parents.get(todo.pop(0), [])
-        out += kids
-        todo += kids
+    out, generation = [], [pid]
+    while generation and (depth is None or depth > 0):
+        generation = [kid for p in generation for kid in parents.get(p, [])]
+        out += generation
+        depth = None if depth is None else depth - 1
     return out
 
 
@@ -146,7 +147,7 @@ class ServerProcess(SubprocessUnderTest):
 
     def engine_core_pid(self) -> int:
         """The engine-core child (a multiprocessing 'spawn' child, not the resource tracker)."""
-        pids = [p for p in child_pids(self.proc.pid) if "multiprocessing.spawn" in cmdline(p)]
+        pids = [p for p in child_pids(self.proc.pid, depth=1) if "multiprocessing.spawn" in cmdline(p)]
         assert len(pids) == 1, f"expected one engine-core child, found {pids}"
         return pids[0]
 

@@ -29,8 +29,9 @@ class FakeCore:
     """A core whose steps fail (their requests come back failed) `fail_times` times in a row,
     then succeed; each round a new request is added."""
 
-    def __init__(self, fail_times: int):
+    def __init__(self, fail_times: int, fatal_at: int | None = None):
         self.fail_times, self.requests, self.consecutive_failed_steps = fail_times, {}, 0
+        self.fatal_at, self.fatal_error, self.steps = fatal_at, None, 0
         self.kv = type("KV", (), {"usage": 0.0, "stats": type("S", (), {"queries": 0, "hits": 0})()})()
         self.scheduler = type("Sch", (), {"running": [], "waiting": [], "num_preemptions": 0})()
         self.num_prefill_tokens = self.num_generation_tokens = 0
@@ -45,6 +46,10 @@ class FakeCore:
 
     def step(self):
         ids, self.requests = list(self.requests), {}
+        self.steps += 1
+        if self.steps == self.fatal_at:  # (as a dead worker: every request fails)
+            self.fatal_error = "the engine cannot go on: a worker died"
+            return [("failed", rid) for rid in ids]
         if self.fail_times:
             self.fail_times -= 1
             self.consecutive_failed_steps += 1
@@ -87,6 +92,16 @@ def test_repeated_step_failures_end_the_process_after_reporting_them():
         _loop(core, _inputs(core, MAX_CONSECUTIVE_FAILURES + 1), out)
     sent = [m.outputs for m in out.sent if isinstance(m, StepOutputs)]
     assert sent == [[("failed", f"r{i}")] for i in range(MAX_CONSECUTIVE_FAILURES)]
+
+
+def test_a_fatal_step_ends_the_process_after_reporting_its_failures():
+    """A step after which the engine cannot go on (a worker process died): the loop sends its
+    failed requests, then raises FatalEngineError with the reason, however few steps failed."""
+    out, core = FakeSockets([]), FakeCore(fail_times=0, fatal_at=2)
+    with pytest.raises(FatalEngineError, match="a worker died"):
+        _loop(core, _inputs(core, 3), out)
+    sent = [m.outputs for m in out.sent if isinstance(m, StepOutputs)]
+    assert sent == [[("done", "r0")], [("failed", "r1")]]
 
 
 def test_warm_up_leaves_no_trace():

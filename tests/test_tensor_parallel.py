@@ -2,10 +2,15 @@
 processes gives the logits of the one-process decoder (fp32) for tiny Llama and Qwen3
 checkpoints made with Transformers (2 ranks) and the embedded SmolLM2 (3 ranks: its 9 heads
 and 3 KV heads), each rank holding only its share of the weights; the engine over 2 ranks
-(`LLM(tensor_parallel_size=2)`) gives the one-process tokens; splits a model cannot make, and
+(`LLM(tensor_parallel_size=2)`) gives the one-process tokens, and a killed rank fails every
+request and frees everything; splits a model cannot make, and
 settings tensor parallelism does not run yet, are refused naming them."""
 
 from __future__ import annotations
+
+import os
+import signal
+import time
 
 import pytest
 import torch
@@ -122,3 +127,39 @@ def test_tensor_parallel_settings_it_cannot_run_are_refused(tmp_path, smollm2_di
     with pytest.raises(ValueError, match="speculative decoding"):
         LLM(str(tmp_path / "ckpt"), device="cpu", tensor_parallel_size=2,
             speculative_config={"method": "ngram"})
+
+
+def test_a_killed_rank_fails_every_request_and_frees_everything(tmp_path):
+    """SIGKILL one rank mid-stream: within seconds every request (running and waiting) ends
+    with an error naming the rank, every block is free, the engine refuses new work with a
+    clear error, and close() ends the other rank (which may be stuck in an all-reduce)."""
+    from pagedserve import LLM, SamplingParams
+    from pagedserve.engine.core import FatalEngineError
+    from pagedserve.engine.messages import EngineRequest
+
+    make_hf_checkpoint("llama", tmp_path / "ckpt")
+    llm = LLM(str(tmp_path / "ckpt"), dtype="float32", device="cpu", max_num_seqs=2,
+              tensor_parallel_size=2, kv_cache_memory=1 << 20)
+    engine, procs = llm.engine, llm.engine.executor._procs
+    try:
+        for i in range(4):  # (2 run, 2 wait)
+            engine.add_request(EngineRequest(str(i), [5 + i, 6, 7, 8],
+                                             SamplingParams(max_tokens=500, ignore_eos=True)))
+        outputs = [o for _ in range(3) for o in engine.step()]
+        assert not any(o.finished for o in outputs) and len(engine.scheduler.running) == 2
+        os.kill(procs[1].pid, signal.SIGKILL)
+        t0 = time.monotonic()
+        while engine.has_unfinished_requests():
+            outputs += engine.step()
+        assert time.monotonic() - t0 < 10
+        ended = {o.request_id: o for o in outputs if o.finished}
+        assert sorted(ended) == ["0", "1", "2", "3"]
+        for o in ended.values():
+            assert o.finish_reason == "error" and "tensor-parallel rank 1 ended" in o.error, o
+        engine.kv.check_integrity(expect_all_free=True)
+        with pytest.raises(FatalEngineError, match="cannot go on: tensor-parallel rank 1 ended"):
+            llm.generate([[1, 2, 3]], use_tqdm=False)
+    finally:
+        t0 = time.monotonic()
+        llm.close()
+    assert not any(p.is_alive() for p in procs) and time.monotonic() - t0 < 5

@@ -14,13 +14,19 @@ import time
 
 from pagedserve import faults
 from pagedserve.config import EngineConfig
-from pagedserve.engine.executor import Executor, make_executor
+from pagedserve.engine.executor import Executor, ExecutorDied, make_executor
 from pagedserve.engine.kv_cache_manager import KVCacheManager
 from pagedserve.engine.limits import check_logit_bias, check_prompt
 from pagedserve.engine.messages import EngineRequest, TokenOutput
 from pagedserve.engine.request import Request
 from pagedserve.engine.scheduler import Scheduler
-from pagedserve.engine.step_timer import GC_CLOCK, StepTimer, allocator_counts, log_slow_step
+from pagedserve.engine.step_timer import (
+    GC_CLOCK,
+    PeriodicStepLog,
+    StepTimer,
+    allocator_counts,
+    log_slow_step,
+)
 from pagedserve.engine.step_trace import StepTrace
 from pagedserve.engine.stopping import check_stop
 from pagedserve.engine.warm_up import warm_up
@@ -59,6 +65,7 @@ class EngineCore:
         self.num_failed_steps = 0  # cumulative: steps that raised (their requests failed)
         self.num_failed_requests = 0  # cumulative: requests failed by a step or on their own
         self.consecutive_failed_steps = 0
+        self.fatal_error: str | None = None  # set when the engine cannot go on (a worker died)
         self._faults: dict[str, frozenset[str]] = {}  # request id -> injected-fault places
         self._grammars: GrammarCompiler | None = None  # built by the first constrained request
         self._compiling: dict[str, Request] = {}  # constrained requests whose grammar is not ready
@@ -66,10 +73,7 @@ class EngineCore:
         self._trace: StepTrace | None = None  # set once ready (only real steps are traced)
         self.timer = StepTimer()  # host-side phase timings; off unless enabled
         self._slow_step_ms = obs.slow_step_ms
-        self._log_times_every = obs.step_times_every
-        self._timed_steps = 0
-        self._timed_counts = (0, 0)  # the executor's (graph, eager) step counts at the last log
-        self._timed_grammar = (0.0, 0.0)  # the executor's grammar_seconds at the last log
+        self._step_log = PeriodicStepLog(obs.step_times_every, self.timer, self.executor)
         self.num_prefill_tokens = 0  # cumulative tokens computed other than decodes
         self.num_generation_tokens = 0  # cumulative sampled tokens
         if ex.is_cuda:
@@ -79,7 +83,7 @@ class EngineCore:
             ex.report_late_compiles()
         self.startup_seconds = time.perf_counter() - t0
         logger.info("engine ready in %.1f s", self.startup_seconds)
-        if self._log_times_every:
+        if obs.step_times_every:
             self.timer.enable()
         if obs.step_trace and ex.is_cuda:
             self._trace = StepTrace(obs.step_trace)
@@ -119,6 +123,8 @@ class EngineCore:
 
     def add_request(self, er: EngineRequest) -> None:
         """Admit a request to the waiting queue; ValueError if it can never run."""
+        if self.fatal_error:
+            raise FatalEngineError(self.fatal_error)
         if er.request_id in self.requests:
             raise ValueError(f"request id {er.request_id!r} is already in use")
         p = er.sampling_params
@@ -248,8 +254,7 @@ class EngineCore:
         if self._slow_step_ms and ms > self._slow_step_ms:
             log_slow_step(ms, out.chunks, (t_scheduled - t0) * 1e3, (t_launched - t_scheduled) * 1e3,
                           self.executor.last_launch_ms(), (GC_CLOCK.seconds - gc0) * 1e3, allocs0)
-        if self._log_times_every:
-            self._log_step_times()
+        self._step_log.tick()
 
     # ---- failures ---------------------------------------------------------------------
 
@@ -266,6 +271,9 @@ class EngineCore:
             for req in self.scheduler.drop(out) if out is not None else ():
                 reqs[id(req)] = req
         self._inflight = self._launching = None
+        if isinstance(error, ExecutorDied):  # nothing can run any more: every request fails
+            self.fatal_error = f"the engine cannot go on: {error}"
+            reqs.update((id(r), r) for r in self.requests.values())
         for req in reqs.values():
             if self.requests.get(req.request_id) is req:
                 self._step_outputs.append(self._fail_request(req, message[:500]))
@@ -293,25 +301,6 @@ class EngineCore:
         for chunk in out.chunks:
             if "step" in self._faults.get(chunk.request_id, ()):
                 faults.fail("step", chunk.request_id)
-
-    def _log_step_times(self) -> None:
-        """Every N steps: host milliseconds per step by phase, and how many steps were graphs."""
-        self._timed_steps += 1
-        if self._timed_steps < self._log_times_every:
-            return
-        n, (graphs, eager) = self._timed_steps, self.executor.graph_counts()
-        phases = ", ".join(f"{k} {v:.2f}" for k, v in self.timer.summary(n).items())
-        wait, fill = self.executor.grammar_seconds()
-        if fill > self._timed_grammar[1]:  # (inside prepare+launch)
-            phases += (f"; of which structured output: waiting for the previous step "
-                       f"{(wait - self._timed_grammar[0]) * 1e3 / n:.2f}, "
-                       f"grammar masks {(fill - self._timed_grammar[1]) * 1e3 / n:.2f}")
-        self._timed_grammar = (wait, fill)
-        logger.info("last %d steps (%d from CUDA graphs, %d eager), host ms per step: %s", n,
-                    graphs - self._timed_counts[0], eager - self._timed_counts[1], phases)
-        self._timed_counts = (graphs, eager)
-        self._timed_steps = 0
-        self.timer.enable()  # clears the phase totals
 
     def _needs_sync(self) -> bool:
         """Penalties read every output token on the host: while such a request runs, each

@@ -81,9 +81,11 @@ def run_engine_core(config: EngineConfig, in_addr: str, out_addr: str, log_level
         _loop(core, inp, out)
     except FatalEngineError as e:
         logger.error("%s", e)
+        core.executor.close()  # (worker processes, if any, end now rather than with this one)
         out.close(linger=2000)  # the failed requests' outputs go out first
         # No interpreter clean-up: with a broken device it could hang instead of exiting.
         os._exit(1)
+    core.executor.close()
     out.close(linger=1000)
     inp.close(linger=0)
 
@@ -110,11 +112,12 @@ def _loop(core, inp, out) -> None:
         if core.has_unfinished_requests():
             outputs = core.step()  # (failed requests are in outputs, with their errors)
             out.send_pyobj(StepOutputs(outputs, core_stats(core)))
-            if core.consecutive_failed_steps >= MAX_CONSECUTIVE_FAILURES:
+            if core.fatal_error or core.consecutive_failed_steps >= MAX_CONSECUTIVE_FAILURES:
                 from pagedserve.engine.core import FatalEngineError
 
-                raise FatalEngineError(f"{core.consecutive_failed_steps} engine steps failed in a "
-                                       "row; ending the engine core so that a new one starts")
+                raise FatalEngineError(core.fatal_error or (
+                    f"{core.consecutive_failed_steps} engine steps failed in a row; ending the "
+                    "engine core so that a new one starts"))
         elif changed:  # e.g. an abort emptied the engine: report the new state
             out.send_pyobj(StepOutputs([], core_stats(core)))
 

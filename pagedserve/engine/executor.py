@@ -19,6 +19,11 @@ from pagedserve.engine.scheduler import SchedulerOutput
 from pagedserve.models.source import ModelSource
 
 
+class ExecutorDied(RuntimeError):
+    """A worker process of the executor ended: the engine cannot go on (the core fails every
+    request and ends; the server starts a new one)."""
+
+
 class Executor(ABC):
     """Runs steps on the model. Facts the core needs after start-up are attributes:
     `model_config`, `scheduler_config` (max_model_len clamped to the model), `num_blocks`,
@@ -80,6 +85,10 @@ class Executor(ABC):
     @abstractmethod
     def reset_stats(self) -> None:
         """Zero the step counters (after the warm-up)."""
+
+    def close(self) -> None:
+        """End the executor's worker processes, if it has any (at once if they are stuck)."""
+        return None  # (an in-process worker ends with its process)
 
     def propose_drafts(self, requests: list[tuple[str, list[int], list[int], int]]) -> dict[str, list[int]]:
         """Speculative drafts from the draft model: (request id, verified tokens, block ids,

@@ -13,6 +13,38 @@ import torch
 logger = logging.getLogger("pagedserve")
 
 
+class PeriodicStepLog:
+    """Every `every` steps (0: never), a log line: host milliseconds per step by phase (from
+    the `StepTimer`), and how many steps were CUDA graphs (from the executor)."""
+
+    def __init__(self, every: int, timer: StepTimer, executor) -> None:
+        self.every, self.timer, self.executor = every, timer, executor
+        self._steps = 0
+        self._counts = (0, 0)  # the executor's (graph, eager) step counts at the last log
+        self._grammar = (0.0, 0.0)  # the executor's grammar_seconds at the last log
+
+    def tick(self) -> None:
+        """One step done."""
+        if not self.every:
+            return
+        self._steps += 1
+        if self._steps < self.every:
+            return
+        n, (graphs, eager) = self._steps, self.executor.graph_counts()
+        phases = ", ".join(f"{k} {v:.2f}" for k, v in self.timer.summary(n).items())
+        wait, fill = self.executor.grammar_seconds()
+        if fill > self._grammar[1]:  # (inside prepare+launch)
+            phases += (f"; of which structured output: waiting for the previous step "
+                       f"{(wait - self._grammar[0]) * 1e3 / n:.2f}, "
+                       f"grammar masks {(fill - self._grammar[1]) * 1e3 / n:.2f}")
+        self._grammar = (wait, fill)
+        logger.info("last %d steps (%d from CUDA graphs, %d eager), host ms per step: %s", n,
+                    graphs - self._counts[0], eager - self._counts[1], phases)
+        self._counts = (graphs, eager)
+        self._steps = 0
+        self.timer.enable()  # clears the phase totals
+
+
 class StepTimer:
     """`mark(name)` adds the time since the previous mark to `name`; no-op while disabled."""
 

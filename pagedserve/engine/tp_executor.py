@@ -8,9 +8,11 @@ with the others (the all-reduces inside the model meet there); every rank sample
 same gathered logits with the same random state, so all keep the same tokens, and only rank
 0 sends its results back. The KV cache holds what the smallest rank's memory allows.
 
-A rank that raises answers with its error, which the call raises here; a rank that dies
-closes its pipe, and the call raises `WorkerDied`: the engine core then fails (the server
-starts a new one), and `close` ends the other ranks.
+A rank that raises answers with its error; a rank that dies is seen at once (the executor
+watches each process, not only its pipe: the others may be stuck in a collective waiting for
+it). Either way the ranks are out of step, and the call raises `WorkerDied`: the engine core
+fails every request and ends, the ranks end with it (each watches its parent), and the
+server starts a new core.
 """
 
 from __future__ import annotations
@@ -20,19 +22,21 @@ import multiprocessing as mp
 import os
 import shutil
 import tempfile
+import threading
 from contextlib import ExitStack, contextmanager, suppress
 from datetime import timedelta
+from multiprocessing.connection import wait
 from typing import Any
 
 from pagedserve.config import EngineConfig
-from pagedserve.engine.executor import Executor
+from pagedserve.engine.executor import Executor, ExecutorDied
 from pagedserve.models.source import ModelSource
 
 logger = logging.getLogger("pagedserve")
 JOIN_TIMEOUT = timedelta(minutes=5)  # for the ranks to meet (model loading comes after)
 
 
-class WorkerDied(RuntimeError):
+class WorkerDied(ExecutorDied):
     """A tensor-parallel rank's process ended."""
 
 
@@ -45,9 +49,15 @@ class TensorParallelExecutor(Executor):
         self._dir = tempfile.mkdtemp(prefix="pagedserve-tp-")
         store = os.path.join(self._dir, "store")
         self._conns, self._procs = [], []
+        self._broken = False  # a rank died or failed: the ranks are out of step
+        # (the kernel's parent-death signal is tied to the starting thread: main thread only)
+        lifeline = (os.getpid(), threading.current_thread() is threading.main_thread())
+        # The server runs the engine core as a daemon process, which multiprocessing keeps from
+        # starting children, lest they outlive it; each rank ends with its parent (lifeline).
+        mp.current_process().daemon = False
         for rank in range(size):  # (all start at once: their loading overlaps)
             parent, child = ctx.Pipe()
-            proc = ctx.Process(target=_serve_rank, args=(rank, size, store, config, source, child),
+            proc = ctx.Process(target=_serve_rank, args=(rank, size, store, config, source, child, lifeline),
                                name=f"pagedserve-tp{rank}", daemon=True)
             proc.start()
             child.close()
@@ -65,18 +75,32 @@ class TensorParallelExecutor(Executor):
     # ---- calls to every rank ----------------------------------------------------------
 
     def _answers(self) -> list[Any]:
-        """Every rank's answer to the call just sent (rank order)."""
-        out = []
-        for rank, conn in enumerate(self._conns):
-            try:
-                ok, value = conn.recv()
-            except (EOFError, OSError):
-                raise WorkerDied(f"tensor-parallel rank {rank} ended (exit code "
-                                 f"{self._procs[rank].exitcode})") from None
-            if not ok:
-                raise RuntimeError(f"tensor-parallel rank {rank}: {value}")
-            out.append(value)
+        """Every rank's answer to the call just sent (rank order). A rank's death raises
+        `WorkerDied` at once, whether or not the others can still answer."""
+        out: list[Any] = [None] * self.size
+        pending = list(range(self.size))
+        while pending:
+            ready = wait([self._conns[r] for r in pending] + [p.sentinel for p in self._procs])
+            for rank in [r for r in pending if self._conns[r] in ready]:
+                try:
+                    ok, value = self._conns[rank].recv()
+                except (EOFError, OSError):
+                    raise self._died(rank) from None
+                if not ok:  # (the others may wait in a collective it never reached)
+                    self._broken = True
+                    raise WorkerDied(f"tensor-parallel rank {rank} failed: {value}")
+                out[rank] = value
+                pending.remove(rank)
+            for rank, proc in enumerate(self._procs):
+                if proc.sentinel in ready:
+                    raise self._died(rank)
         return out
+
+    def _died(self, rank: int) -> WorkerDied:
+        self._broken = True
+        proc = self._procs[rank]
+        proc.join(timeout=1)
+        return WorkerDied(f"tensor-parallel rank {rank} ended (exit code {proc.exitcode})")
 
     def _call(self, method: str, *args: Any) -> Any:
         """Run `method` on every rank's worker side (`_RankServer`); rank 0's answer."""
@@ -84,16 +108,18 @@ class TensorParallelExecutor(Executor):
             try:
                 conn.send((method, args))
             except (BrokenPipeError, OSError):
-                raise WorkerDied(f"tensor-parallel rank {rank} ended") from None
+                raise self._died(rank) from None
         return self._answers()[0]
 
     def close(self) -> None:
-        """End the rank processes (at once if one is stuck)."""
+        """End the rank processes: each is asked to stop and killed if it has not within 10
+        seconds (at once after a rank died or failed: the others may be stuck in a collective)."""
+        wait_s = 0.0 if self._broken else 10.0
         for conn in self._conns:
             with suppress(BrokenPipeError, OSError):
                 conn.send(("stop", ()))
         for proc in self._procs:
-            proc.join(timeout=10)
+            proc.join(timeout=wait_s)
             if proc.is_alive():
                 proc.kill()
                 proc.join()
@@ -113,7 +139,8 @@ class TensorParallelExecutor(Executor):
         return self._call("collect", handle)
 
     def release(self, request_ids: list[str]) -> None:
-        self._call("release", request_ids)
+        if not self._broken:  # (once broken, the ranks forget everything with their processes)
+            self._call("release", request_ids)
 
     def graph_counts(self) -> tuple[int, int]:
         return self._call("graph_counts")
@@ -145,8 +172,13 @@ class TensorParallelExecutor(Executor):
         self._call("reset_stats")
 
 
-def _serve_rank(rank: int, size: int, store: str, config: EngineConfig, source: ModelSource, conn) -> None:
-    """A rank's process: join the group, build the worker, answer calls until "stop"."""
+def _serve_rank(rank: int, size: int, store: str, config: EngineConfig, source: ModelSource, conn,
+                lifeline: tuple[int, bool]) -> None:
+    """A rank's process: join the group, build the worker, answer calls until "stop". It
+    ends as soon as the process that started it does."""
+    from pagedserve.lifeline import die_with_parent
+
+    die_with_parent(lifeline[0], use_signal=lifeline[1])
     import torch
     import torch.distributed as dist
 

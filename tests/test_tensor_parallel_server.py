@@ -1,0 +1,102 @@
+"""A tensor-parallel server survives a dead rank (issue 28): `pagedserve serve` with two gloo
+ranks on the CPU; SIGKILL one rank under running streams: every stream ends with an error
+naming the rank within seconds, the engine core ends with the other rank, the server's
+supervisor starts a new core (with new ranks) and serves again."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import shutil
+import signal
+import time
+
+import httpx
+import pytest
+import torch
+from server_helpers import ServerProcess, alive, child_pids, cmdline, metrics, wait_idle
+
+from conftest import TINY_LLAMA
+
+
+@pytest.fixture(scope="module")
+def tiny_with_tokenizer(tmp_path_factory, smollm2_dir):
+    """A tiny random Llama with SmolLM2's vocabulary and tokenizer (SmolLM2's own 9 heads do
+    not split over 2 ranks)."""
+    import transformers
+
+    folder = tmp_path_factory.mktemp("tiny-tp")
+    torch.manual_seed(0)
+    cfg = transformers.LlamaConfig(**{**TINY_LLAMA, "vocab_size": 49152, "max_position_embeddings": 2048})
+    transformers.LlamaForCausalLM(cfg).float().save_pretrained(folder)
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(smollm2_dir / name, folder / name)
+    return folder
+
+
+def _ranks(server: ServerProcess) -> list[int]:
+    core = server.engine_core_pid()
+    return [p for p in child_pids(core) if "multiprocessing.spawn" in cmdline(p)]
+
+
+def _restarts(url: str) -> float:
+    text = httpx.get(url + "/metrics", timeout=10).text
+    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+               if line.startswith("pagedserve_engine_restarts_total"))
+
+
+async def _stream(client: httpx.AsyncClient, url: str, i: int) -> dict:
+    seen: dict = {"tokens": 0, "error": None, "done": False}
+    body = {"prompt": [1, 300 + i, 700 + i], "max_tokens": 1000, "ignore_eos": True, "stream": True}
+    async with client.stream("POST", url + "/v1/completions", json=body) as r:
+        async for line in r.aiter_lines():
+            if line == "data: [DONE]":
+                seen["done"] = True
+            elif line.startswith("data: "):
+                event = json.loads(line[6:])
+                if "error" in event:
+                    seen["error"] = event["error"]
+                else:
+                    seen["tokens"] += 1
+    seen["ended_at"] = time.monotonic()
+    return seen
+
+
+def test_a_killed_rank_ends_its_streams_and_a_new_engine_serves(tiny_with_tokenizer):
+    server = ServerProcess(str(tiny_with_tokenizer), "--tensor-parallel-size", "2",
+                           "--max-num-seqs", "4").wait_ready()
+    try:
+        url = server.url
+        ranks, core = _ranks(server), server.engine_core_pid()
+        assert len(ranks) == 2
+        killed: dict = {}
+
+        async def run():
+            async with httpx.AsyncClient(timeout=120) as c:
+                tasks = [asyncio.create_task(_stream(c, url, i)) for i in range(4)]
+                while metrics(url).get("vllm:num_requests_running", 0) < 4:
+                    await asyncio.sleep(0.1)
+                await asyncio.sleep(0.3)
+                os.kill(ranks[1], signal.SIGKILL)
+                killed["at"] = time.monotonic()
+                return await asyncio.gather(*tasks)
+
+        for s in asyncio.run(run()):
+            assert s["done"] and s["tokens"] > 0 and s["error"], s
+            assert "tensor-parallel rank 1 ended" in s["error"]["message"], s
+            assert s["ended_at"] - killed["at"] < 5
+        deadline = killed["at"] + 90
+        while _restarts(url) < 1 or httpx.get(url + "/health").status_code != 200:
+            assert time.monotonic() < deadline, "not serving 90 s after a rank died\n" + server.log_tail()
+            time.sleep(0.2)
+        assert not any(alive(p) for p in ranks)  # (the old core took its other rank along)
+        assert len(_ranks(server)) == 2
+        r = httpx.post(url + "/v1/completions", json={"prompt": [1, 2, 3], "max_tokens": 5,
+                                                      "ignore_eos": True}, timeout=60)
+        assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 5
+        m = wait_idle(url, timeout=10)
+        assert _restarts(url) == 1 and m["vllm:kv_cache_usage_perc"] == 0 and not alive(core)
+    finally:
+        leftovers = server.stop()
+    assert not leftovers, leftovers
