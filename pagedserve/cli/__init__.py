@@ -40,6 +40,15 @@ def build_parser() -> argparse.ArgumentParser:
     add_serve_args(srv)
     srv.set_defaults(func=_cmd_serve)
 
+    ray = sub.add_parser("serve-ray", help="replicas of the server on Ray Serve, behind one "
+                         "OpenAI-compatible endpoint (needs pagedserve[ray])")
+    add_engine_args(ray)
+    add_serve_args(ray)
+    from pagedserve.replicas.launch import add_replica_args  # (imports no Ray)
+
+    add_replica_args(ray)
+    ray.set_defaults(func=_cmd_serve_ray)
+
     bench = sub.add_parser("bench", help="benchmarks").add_subparsers(dest="bench", required=True)
     from pagedserve.bench.cli import add_bench_parsers  # (bench/cli.py uses this package's types)
 
@@ -61,6 +70,12 @@ def _cmd_serve(args: argparse.Namespace) -> int:
 
     check_serve_args(args)
     return serve(args, {**engine_kwargs(args), "inject_faults": args.inject_faults})
+
+
+def _cmd_serve_ray(args: argparse.Namespace) -> int:
+    from pagedserve.replicas.launch import serve_ray
+
+    return serve_ray(args)
 
 
 def _cmd_generate(args: argparse.Namespace) -> int:

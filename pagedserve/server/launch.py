@@ -24,11 +24,18 @@ def engine_config(kw: dict) -> tuple[EngineConfig, ModelSource, ModelConfig]:
                                   **{name: kw[name] for name in names})
 
 
-def serve(args: argparse.Namespace, kw: dict) -> int:
+def server_settings(args: argparse.Namespace, kw: dict, on_fatal=None):
+    """The app's settings from `serve`'s flags, and the engine-core process, started first:
+    its imports, model and CUDA graphs take most of the start-up, and they overlap with the
+    tokenizer loaded here. `on_fatal(reason)`: the engine cannot be restarted any more."""
     from pagedserve.models.generation_defaults import sampling_defaults
+    from pagedserve.models.source import load_tokenizer
+    from pagedserve.server.app import ServerSettings
     from pagedserve.server.chat_template import read_chat_template
     from pagedserve.server.engine_client import spawn_engine_core
     from pagedserve.server.reasoning import get_reasoning_parser
+    from pagedserve.server.supervisor import RestartPolicy
+    from pagedserve.server.tools import ToolSettings
 
     chat_template = read_chat_template(args.chat_template) if args.chat_template else None
     config, source, model_cfg = engine_config(kw)
@@ -36,23 +43,7 @@ def serve(args: argparse.Namespace, kw: dict) -> int:
         get_reasoning_parser(args.reasoning_parser)  # fail fast on a bad name
     defaults = sampling_defaults(source, kw["generation_config"])
     engine_kind = getattr(args, "engine", "pagedserve")
-    # The engine core starts first: its imports, model and CUDA graphs take most of the
-    # start-up, and they now overlap with the tokenizer and the app built below.
     core = spawn_engine_core(config, args.log_level.upper()) if engine_kind == "pagedserve" else None
-
-    import uvicorn
-
-    from pagedserve.models.source import load_tokenizer
-    from pagedserve.server.app import ServerSettings, create_app
-    from pagedserve.server.http_server import (
-        HideStartErrorTraceback,
-        Server,
-        header_timeout_protocol,
-        raise_open_files_limit,
-    )
-    from pagedserve.server.supervisor import RestartPolicy
-    from pagedserve.server.tools import ToolSettings
-
     names = args.served_model_name or [kw["model"] or source.name]  # type: ignore[attr-defined]
     tokenizer = load_tokenizer(source, model_cfg, kw["tokenizer"])
     if chat_template is not None:
@@ -75,9 +66,24 @@ def serve(args: argparse.Namespace, kw: dict) -> int:
         restart_policy=RestartPolicy(max_restarts=args.max_engine_restarts),
         allowed_origins=args.allowed_origins, allowed_methods=args.allowed_methods,
         allowed_headers=args.allowed_headers, allow_credentials=args.allow_credentials,
-        root_path=args.root_path or "",
-        on_fatal=lambda reason: server.stop_fatal(reason),
+        root_path=args.root_path or "", on_fatal=on_fatal,
     )
+    return settings, core
+
+
+def serve(args: argparse.Namespace, kw: dict) -> int:
+    settings, core = server_settings(args, kw, on_fatal=lambda reason: server.stop_fatal(reason))
+    import uvicorn
+
+    from pagedserve.server.app import create_app
+    from pagedserve.server.http_server import (
+        HideStartErrorTraceback,
+        Server,
+        header_timeout_protocol,
+        raise_open_files_limit,
+    )
+
+    names = settings.served_names
     app = create_app(settings, core)
     raise_open_files_limit()
     scheme = "https" if args.ssl_certfile else "http"
