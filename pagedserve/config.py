@@ -209,11 +209,25 @@ class ObservabilityConfig:
     step_trace: str | None = None  # append each step's make-up and GPU times to this JSONL file
 
 
+EXECUTOR_BACKENDS = ("mp", "uni")
+
+
 def _check_tensor_parallel(size: int, model_cfg: ModelConfig, kw: dict[str, Any]) -> None:
-    """ValueError where `size` ranks cannot run this model with these settings."""
+    """ValueError where `size` ranks (or the executor backend asked for) cannot run this
+    model with these settings."""
     if not isinstance(size, int) or size < 1:
         raise ValueError(f"tensor_parallel_size must be a whole number >= 1, got {size!r}")
-    if size == 1:
+    backend = kw.get("distributed_executor_backend")
+    if backend == "ray":
+        raise ValueError("distributed_executor_backend 'ray' is not supported: tensor parallelism "
+                         "runs on the GPUs of one host ('mp'); for replicas on many hosts, use "
+                         "`pagedserve serve-ray`")
+    if backend not in (None, *EXECUTOR_BACKENDS):
+        raise ValueError(f"distributed_executor_backend must be one of {EXECUTOR_BACKENDS}, got {backend!r}")
+    if backend == "uni" and size > 1:
+        raise ValueError(f"distributed_executor_backend 'uni' runs one in-process worker; "
+                         f"tensor_parallel_size {size} needs 'mp' (the default for it)")
+    if size == 1 and backend != "mp":
         return
     from pagedserve.distributed.split import check_model_split
 
@@ -221,8 +235,9 @@ def _check_tensor_parallel(size: int, model_cfg: ModelConfig, kw: dict[str, Any]
                       model_cfg.vocab_size, size)
     for key, what in (("quantization", "quantized weights"), ("speculative", "speculative decoding")):
         if kw.get(key) is not None:
-            raise ValueError(f"tensor parallelism does not run {what} yet: use tensor_parallel_size 1 "
-                             "(--tensor-parallel-size 1) or leave them off")
+            raise ValueError(f"the multi-process executor (tensor parallelism) does not run {what} "
+                             "yet: use tensor_parallel_size 1 (--tensor-parallel-size 1) without "
+                             "--distributed-executor-backend mp, or leave them off")
 
 
 def _checked_draft(spec: SpeculativeConfig, model_cfg: ModelConfig, load_format: str) -> SpeculativeConfig:
@@ -266,6 +281,13 @@ class EngineConfig:
     observability: ObservabilityConfig = field(default_factory=ObservabilityConfig)
     speculative: SpeculativeConfig | None = None  # speculative decoding (spec_decode/); None = off
     tensor_parallel_size: int = 1  # worker processes the model is split across (engine/tp_executor.py)
+    # "mp": a worker process per rank (engine/tp_executor.py); "uni": one in-process worker;
+    # None: "mp" when tensor_parallel_size > 1, else "uni" (vLLM's names)
+    distributed_executor_backend: str | None = None
+
+    @property
+    def multiprocess_executor(self) -> bool:
+        return self.tensor_parallel_size > 1 or self.distributed_executor_backend == "mp"
 
     @classmethod
     def from_args(cls, model: str | None = None, *, max_model_len: int | None = None,

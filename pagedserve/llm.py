@@ -33,7 +33,8 @@ class LLM:
     (or "fp8_e4m3") stores it as float8 e4m3, twice the tokens in the same memory ("auto": the
     model's dtype). `speculative_config` (vLLM's JSON or a dict, e.g. `{"method": "ngram",
     "num_speculative_tokens": 4}`) turns on speculative decoding. `tensor_parallel_size` splits
-    the model across that many worker processes (`engine/tp_executor.py`; `close()` ends them).
+    the model across that many worker processes (`engine/tp_executor.py`; `close()` ends them);
+    `distributed_executor_backend="mp"` runs even one rank in a worker process of its own.
     """
 
     def __init__(
@@ -62,6 +63,7 @@ class LLM:
         kv_cache_dtype: str = "auto",
         speculative_config: dict | str | None = None,
         tensor_parallel_size: int = 1,
+        distributed_executor_backend: str | None = None,
     ) -> None:
         config, source, model_cfg = EngineConfig.from_args(
             model, max_model_len=max_model_len, max_num_seqs=max_num_seqs,
@@ -73,6 +75,7 @@ class LLM:
             revision=revision, download_dir=download_dir, quantization=quantization,
             kv_cache_dtype=kv_cache_dtype, speculative_config=speculative_config,
             tensor_parallel_size=tensor_parallel_size,
+            distributed_executor_backend=distributed_executor_backend,
         )
         self._defaults = sampling_defaults(source, generation_config)
         self.engine = EngineCore(config, source)

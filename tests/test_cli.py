@@ -42,6 +42,9 @@ BAD_VALUES = [
     (["serve", "--speculative-config", '{"method": "draft_model"}'], '"model"'),
     (["serve", "--tensor-parallel-size", "0"], "--tensor-parallel-size"),
     (["serve", "-tp", "2"], "the attention heads (9) to be a multiple of 2"),
+    (["serve", "--distributed-executor-backend", "ray"], "pagedserve serve-ray"),
+    (["serve-ray", "--timeout-keep-alive", "9"], "--timeout-keep-alive configures"),
+    (["serve-ray", "--min-replicas", "2"], "--min-replicas needs --max-replicas"),
 ]
 
 
@@ -69,7 +72,7 @@ def _options(parser: argparse.ArgumentParser, command: str) -> list[argparse.Act
             if a.option_strings and not isinstance(a, argparse._HelpAction)]
 
 
-@pytest.mark.parametrize("command", ["serve", "generate", "up", "ui", "top"])
+@pytest.mark.parametrize("command", ["serve", "serve-ray", "generate", "up", "ui", "top"])
 def test_every_flag_has_help_and_help_shows_defaults(command):
     parser = build_parser()
     for action in _options(parser, command):

@@ -106,3 +106,17 @@ def test_serve_ray_refuses_what_it_cannot_do(flags, message, smollm2_dir):
 
     with pytest.raises(ValueError, match=message):
         parse_replica_args(_serve_ray_args(*flags), gpus_available=0)
+
+
+def test_ray_serve_can_import_the_application(smollm2_dir):
+    """`serve run pagedserve.replicas.app:app_builder model=... num-replicas=2` builds the
+    application from serve-ray's flags (Ray's own CLI passes them as key=value)."""
+    from ray.serve import Application
+
+    from pagedserve.replicas.app import app_builder
+
+    app = app_builder({"model": str(smollm2_dir), "device": "cpu", "num-replicas": "2",
+                       "enforce-eager": "true", "max-imbalance": "3"})
+    assert isinstance(app, Application)
+    with pytest.raises(SystemExit):  # (argparse's one-line error for an unknown flag)
+        app_builder({"model": str(smollm2_dir), "no-such-flag": "1"})

@@ -163,3 +163,40 @@ def test_a_killed_rank_fails_every_request_and_frees_everything(tmp_path):
         t0 = time.monotonic()
         llm.close()
     assert not any(p.is_alive() for p in procs) and time.monotonic() - t0 < 5
+
+
+def test_one_rank_in_a_worker_process_gives_the_in_process_tokens(tmp_path):
+    """distributed_executor_backend="mp" at one rank: the multi-process executor with a
+    single worker process gives the in-process engine's tokens (greedy and seeded)."""
+    from pagedserve import LLM, SamplingParams
+    from pagedserve.engine.tp_executor import TensorParallelExecutor
+
+    make_hf_checkpoint("llama", tmp_path / "ckpt")
+    kw = dict(dtype="float32", device="cpu", kv_cache_memory=1 << 20)
+    prompts = [[(5 * i + j) % 250 + 3 for j in range(6 + 5 * i)] for i in range(4)]
+    params = [SamplingParams(temperature=0, max_tokens=12, ignore_eos=True),
+              SamplingParams(temperature=0.8, seed=3, max_tokens=12, ignore_eos=True)]
+    one = LLM(str(tmp_path / "ckpt"), **kw)
+    mp_one = LLM(str(tmp_path / "ckpt"), distributed_executor_backend="mp", **kw)
+    try:
+        assert isinstance(mp_one.engine.executor, TensorParallelExecutor)
+        assert len(mp_one.engine.executor._procs) == 1
+        for p in params:
+            want = [o.outputs[0].token_ids for o in one.generate(prompts, p, use_tqdm=False)]
+            assert [o.outputs[0].token_ids for o in mp_one.generate(prompts, p, use_tqdm=False)] == want
+    finally:
+        mp_one.close()
+
+
+@pytest.mark.parametrize(("kw", "message"), [
+    ({"distributed_executor_backend": "ray"}, "use `pagedserve serve-ray`"),
+    ({"distributed_executor_backend": "uni", "tensor_parallel_size": 2}, "needs 'mp'"),
+    ({"distributed_executor_backend": "mp", "speculative_config": {"method": "ngram"}},
+     "multi-process executor .* does not run speculative decoding"),
+])
+def test_executor_backends_it_cannot_run_are_refused(tmp_path, kw, message):
+    from pagedserve import LLM
+
+    make_hf_checkpoint("llama", tmp_path / "ckpt")
+    with pytest.raises(ValueError, match=message):
+        LLM(str(tmp_path / "ckpt"), device="cpu", **kw)

@@ -65,6 +65,10 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                         "on the CPU): its heads, KV heads, MLP features and vocabulary must "
                         "divide by it; unquantized weights, no speculative decoding or "
                         "structured output yet")
+    p.add_argument("--distributed-executor-backend", default=None, choices=["mp", "uni", "ray"],
+                   help="mp: a worker process per tensor-parallel rank (the default above 1 "
+                        "rank); uni: the model in the engine's own process (the default at 1); "
+                        "ray is refused (replicas on Ray: `pagedserve serve-ray`)")
     p.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
     p.add_argument("--attention-backend", default="auto", choices=["auto", "triton", "torch"],
                    help="auto: triton on CUDA, torch on the CPU")
@@ -103,4 +107,5 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
         download_dir=args.download_dir, generation_config=args.generation_config,
         quantization=args.quantization, kv_cache_dtype=args.kv_cache_dtype,
         speculative_config=args.speculative_config, tensor_parallel_size=args.tensor_parallel_size,
+        distributed_executor_backend=args.distributed_executor_backend,
     )

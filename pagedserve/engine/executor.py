@@ -154,8 +154,9 @@ class UniprocExecutor(Executor):
 
 def make_executor(config: EngineConfig, source: ModelSource) -> Executor:
     """The executor `config` asks for: one in-process worker, or a process per
-    tensor-parallel rank (`engine/tp_executor.py`)."""
-    if config.tensor_parallel_size > 1:
+    tensor-parallel rank (`engine/tp_executor.py`; also at one rank, with
+    distributed_executor_backend "mp")."""
+    if config.multiprocess_executor:
         from pagedserve.engine.tp_executor import TensorParallelExecutor
 
         return TensorParallelExecutor(config, source)

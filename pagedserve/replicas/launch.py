@@ -49,7 +49,7 @@ def parse_replica_args(args: argparse.Namespace, gpus_available: float | None):
     `gpus_available`: the cluster's GPUs (None: ask Ray, if it is connected)."""
     from pagedserve.cli import engine_kwargs
     from pagedserve.cli.serve_args import add_serve_args, check_serve_args
-    from pagedserve.replicas.app import ReplicaSettings
+    from pagedserve.replicas.settings import ReplicaSettings
     from pagedserve.server.launch import engine_config
 
     serve_flags = argparse.ArgumentParser()
@@ -84,6 +84,7 @@ def parse_replica_args(args: argparse.Namespace, gpus_available: float | None):
 
 def serve_ray(args: argparse.Namespace) -> int:
     """Start (or join) Ray, run the application, wait for Ctrl-C or SIGTERM, then stop."""
+    parse_replica_args(args, gpus_available=0)  # (checks the flags before Ray starts)
     try:
         import ray
         from ray import serve
@@ -91,7 +92,6 @@ def serve_ray(args: argparse.Namespace) -> int:
         raise ValueError("serve-ray needs Ray Serve: pip install 'pagedserve[ray]'") from None
     from pagedserve.replicas.app import APP_NAME, build_app
 
-    parse_replica_args(args, gpus_available=0)  # (checks the flags before Ray starts)
     ray.init(address=args.ray_address, include_dashboard=False, logging_level=logging.WARNING)
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):  # (after ray.init, which sets its own)

@@ -19,7 +19,8 @@ def engine_config(kw: dict) -> tuple[EngineConfig, ModelSource, ModelConfig]:
     names = ("max_model_len", "max_num_seqs", "max_num_batched_tokens", "block_size",
              "enable_prefix_caching", "kv_cache_memory", "gpu_memory_utilization", "dtype", "device",
              "load_format", "enforce_eager", "attention_backend", "seed", "tokenizer", "revision",
-             "download_dir", "quantization", "kv_cache_dtype", "speculative_config", "tensor_parallel_size")
+             "download_dir", "quantization", "kv_cache_dtype", "speculative_config", "tensor_parallel_size",
+             "distributed_executor_backend")
     return EngineConfig.from_args(kw["model"], faults=FaultPlan.parse(kw.get("inject_faults")),
                                   **{name: kw[name] for name in names})
 
