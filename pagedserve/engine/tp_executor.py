@@ -6,7 +6,9 @@ group (NCCL on GPUs, one GPU a rank; gloo on the CPU), builds a `Worker` with it
 serves the executor's calls from a pipe. Every call goes to every rank, which runs it in step
 with the others (the all-reduces inside the model meet there); every rank samples from the
 same gathered logits with the same random state, so all keep the same tokens, and only rank
-0 sends its results back. The KV cache holds what the smallest rank's memory allows.
+0 sends its results back. A step's launch is not waited for: the core schedules the next
+step while the ranks launch this one, and the launch's answer is read with the next call.
+The KV cache holds what the smallest rank's memory allows.
 
 A rank that raises answers with its error; a rank that dies is seen at once (the executor
 watches each process, not only its pipe: the others may be stuck in a collective waiting for
@@ -50,6 +52,7 @@ class TensorParallelExecutor(Executor):
         store = os.path.join(self._dir, "store")
         self._conns, self._procs = [], []
         self._broken = False  # a rank died or failed: the ranks are out of step
+        self._unread = 0  # calls sent whose answers are not read yet (launched steps)
         # (the kernel's parent-death signal is tied to the starting thread: main thread only)
         lifeline = (os.getpid(), threading.current_thread() is threading.main_thread())
         # The server runs the engine core as a daemon process, which multiprocessing keeps from
@@ -102,14 +105,24 @@ class TensorParallelExecutor(Executor):
         proc.join(timeout=1)
         return WorkerDied(f"tensor-parallel rank {rank} ended (exit code {proc.exitcode})")
 
-    def _call(self, method: str, *args: Any) -> Any:
-        """Run `method` on every rank's worker side (`_RankServer`); rank 0's answer."""
+    def _send(self, method: str, *args: Any) -> None:
+        """Send a call to every rank's worker side (`_RankServer`); its answer is read later."""
         for rank, conn in enumerate(self._conns):
             try:
                 conn.send((method, args))
             except (BrokenPipeError, OSError):
                 raise self._died(rank) from None
-        return self._answers()[0]
+        self._unread += 1
+
+    def _call(self, method: str, *args: Any) -> Any:
+        """Send a call and read the answers of every call not yet read, in order (a failed
+        one raises); rank 0's answer to this one."""
+        self._send(method, *args)
+        answer = None
+        while self._unread:
+            answer = self._answers()[0]
+            self._unread -= 1
+        return answer
 
     def close(self) -> None:
         """End the rank processes: each is asked to stop and killed if it has not within 10
@@ -131,8 +144,10 @@ class TensorParallelExecutor(Executor):
     # ---- the Executor interface ----------------------------------------------------------
 
     def execute(self, out):
+        # (not waited for: the core schedules the next step while the ranks launch this one;
+        # the launch's answer, or its error, is read with the next call, `collect` at the latest)
         self._steps += 1
-        self._call("execute", self._steps, out)
+        self._send("execute", self._steps, out)
         return self._steps
 
     def collect(self, handle):
