@@ -3,6 +3,8 @@ written quantized and read dequantized to q's dtype (`kv_quant.py`): the kernels
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 import torch.nn.functional as F
 
@@ -12,7 +14,10 @@ from pagedserve.attention.kv_quant import E4M3, dequantize_kv, is_fp8, quantize_
 
 @register_backend
 class TorchReferenceBackend(AttentionBackend):
-    """Loops over the sequences of a step; gathers each one's context from its blocks."""
+    """Plain PyTorch. Decodes (one new token of a cached sequence) are attended together:
+    each layer gathers all their context at once through a per-step slot index and runs
+    one batched product per side, GQA by grouping the query heads (no repeated K/V).
+    Prompts and chunks loop over their sequences with `scaled_dot_product_attention`."""
 
     name = "torch"
 
@@ -24,10 +29,13 @@ class TorchReferenceBackend(AttentionBackend):
             if not kv_stored:
                 write_kv_cache(cache, k, v, meta.slot_mapping, kv_scale)
         out = torch.empty_like(q)
+        plan = _decode_plan(meta, cache.shape[2]) if has_cache else None
+        if plan is not None and plan.rows.numel():
+            out[plan.rows] = self._decode(q[plan.rows], cache, plan, kv_scale)
         starts = meta.query_start_loc_cpu
         for i, seq_len in enumerate(meta.seq_lens_cpu):
             s, e = starts[i], starts[i + 1]
-            if e == s:
+            if e == s or (plan is not None and i in plan.seqs):
                 continue
             if has_cache:
                 k_ctx, v_ctx = gather_context(cache, meta.block_tables[i], seq_len, kv_scale, q.dtype)
@@ -36,13 +44,21 @@ class TorchReferenceBackend(AttentionBackend):
             out[s:e] = self._attend(q[s:e], k_ctx, v_ctx)
         return out
 
+    def _decode(self, q: torch.Tensor, cache: torch.Tensor, plan: _DecodePlan,
+                kv_scale: torch.Tensor | None) -> torch.Tensor:
+        # q: [B, H, D] (one token per sequence) -> [B, H, D]
+        b, t = plan.slots.shape
+        hkv, d = self.num_kv_heads, self.head_dim
+        k_ctx, v_ctx = (gather_slots(cache, side, plan.slots.view(-1), kv_scale, q.dtype).view(b, t, hkv, d)
+                        for side in (0, 1))
+        qg = q.view(b, hkv, -1, d)  # [B, Hkv, G, D]: a KV head's query heads together
+        scores = torch.matmul(qg, k_ctx.permute(0, 2, 3, 1)) * self.scale  # [B, Hkv, G, T]
+        probs = torch.softmax(scores.masked_fill_(plan.padding, float("-inf")), dim=-1)
+        return torch.matmul(probs, v_ctx.transpose(1, 2)).view(b, self.num_heads, d)
+
     def _attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         # q: [q_len, H, D]; k, v: [ctx_len, Hkv, D]; query j sits at position ctx_len - q_len + j
         q_len, ctx_len = q.shape[0], k.shape[0]
-        group = self.num_heads // self.num_kv_heads
-        if group > 1:
-            k = k.repeat_interleave(group, dim=1)
-            v = v.repeat_interleave(group, dim=1)
         mask, causal = None, False
         if q_len == ctx_len:
             causal = q_len > 1
@@ -52,8 +68,41 @@ class TorchReferenceBackend(AttentionBackend):
         out = F.scaled_dot_product_attention(
             q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1),
             attn_mask=mask, is_causal=causal, scale=self.scale,
+            enable_gqa=self.num_heads != self.num_kv_heads,
         )  # [H, q_len, D]
         return out.transpose(0, 1)
+
+
+class _DecodePlan(NamedTuple):
+    """A step's decodes, for every layer: which sequences and token rows, and where their
+    context lies in the cache."""
+
+    seqs: frozenset[int]
+    rows: torch.Tensor  # [B] int64: their token rows
+    slots: torch.Tensor  # [B, T] int64: the cache slot of each context position (T: the
+    # longest context; a shorter one repeats its first slot, a real token, past its end)
+    padding: torch.Tensor  # [B, 1, 1, T] bool: positions past a sequence's end
+
+
+def _decode_plan(meta: AttentionMetadata, block_size: int) -> _DecodePlan:
+    """The step's `_DecodePlan`, made by the first layer and kept in `meta.backend_data`."""
+    if isinstance(meta.backend_data, _DecodePlan):
+        return meta.backend_data
+    starts, lens = meta.query_start_loc_cpu, meta.seq_lens_cpu
+    seqs = [i for i in range(len(lens)) if starts[i + 1] - starts[i] == 1]
+    t = max((lens[i] for i in seqs), default=0)
+    pos = torch.arange(t)
+    seq_lens = torch.tensor([lens[i] for i in seqs], dtype=torch.int64)
+    inside = pos[None, :] < seq_lens[:, None]  # [B, T]
+    pos = torch.where(inside, pos[None, :], 0)
+    tables = meta.block_tables.cpu()[seqs].long()  # [B, max_blocks]
+    slots = tables.gather(1, pos // block_size) * block_size + pos % block_size
+    device = meta.block_tables.device
+    plan = _DecodePlan(frozenset(seqs), torch.tensor([starts[i] for i in seqs], dtype=torch.int64, device=device),
+                       slots.to(device), (~inside).view(len(seqs), 1, 1, t).to(device))
+    if meta.backend_data is None:
+        meta.backend_data = plan
+    return plan
 
 
 def write_kv_cache(
@@ -72,6 +121,16 @@ def write_kv_cache(
     flat = cache.view(2, -1, cache.shape[-2], cache.shape[-1])  # [2, slots, kv_heads, head_dim]
     flat[0].index_copy_(0, slots, k)
     flat[1].index_copy_(0, slots, v)
+
+
+def gather_slots(cache: torch.Tensor, side: int, slots: torch.Tensor, kv_scale: torch.Tensor | None,
+                 dtype: torch.dtype) -> torch.Tensor:
+    """K (side 0) or V (side 1) at cache `slots` [N]: [N, kv_heads, head_dim] in `dtype` (an
+    FP8 cache's dequantized with kv_scale [2])."""
+    fp8 = is_fp8(cache)
+    flat = (cache.view(torch.uint8) if fp8 else cache)[side].flatten(0, 1)  # [slots, kv_heads, head_dim]
+    out = flat.index_select(0, slots)
+    return dequantize_kv(out.view(E4M3), kv_scale[side], dtype) if fp8 else out
 
 
 def gather_context(
