@@ -40,6 +40,9 @@ def _rank(rank: int, size: int, store: str, folder: str, out: str) -> None:
         torch.distributed.barrier()
     finally:
         torch.distributed.destroy_process_group()
+    # (no interpreter clean-up: gloo objects left to it abort the process now and then,
+    # "terminate called without an active exception", after the results are saved)
+    os._exit(0)
 
 
 def _split_run(tmp_path, folder, size: int) -> list[dict]:

@@ -96,6 +96,12 @@ class Worker:
         self.num_blocks = num_blocks
 
         self.matmul_plan_seconds = 0.0
+        if device.type == "cpu":
+            from pagedserve.layers.cpu_matmul import pack_model_weights
+
+            rows = min(sched.max_num_seqs, 64)
+            packed = sum(pack_model_weights(m, rows) for m in (model, *(draft[:1] if draft else ())))
+            logger.info("%d weights packed for oneDNN", packed)
         if self.cuda and dtype in (torch.bfloat16, torch.float16) and kernels.skinny_matmul:
             from pagedserve.layers.linear import compile_plan_candidates, plan_model_matmuls
 

@@ -70,6 +70,7 @@ class Linear(ParamAttrsModule):
             {name: (start, size) for name, start, size in zip(self.shard_names, starts, self.output_sizes)}
         ) if self.shard_names else _NO_SHARDS
         self.skinny_plan: SkinnyPlan | None = None
+        self.packed_weight: torch.Tensor | None = None  # on the CPU, for oneDNN (layers/cpu_matmul.py)
         self.linear_method = linear_method if linear_method is not None else UnquantizedLinearMethod()
         self.linear_method.create_weights(self, in_features, self.output_sizes, bias, dtype)
         if self.parallel is not None:  # which dimension of each parameter the loaders slice

@@ -4,7 +4,8 @@ A `LinearMethod` is handed to each linear layer (`layers/linear.py`). It registe
 layer's parameters (their shapes, dtypes and weight loaders), may convert them once the
 checkpoint is in (repacking, scales), and computes the layer's product.
 `UnquantizedLinearMethod` keeps a plain weight, multiplied on the skinny Triton kernel where the
-layer's `skinny_plan` says so, else by cuBLAS. Quantized methods live in
+layer's `skinny_plan` says so, else by cuBLAS; on the CPU by oneDNN, packed once
+(`layers/cpu_matmul.py`). Quantized methods live in
 `pagedserve/quantization/`.
 """
 
@@ -17,6 +18,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from pagedserve.layers.cpu_matmul import packed_linear
 from pagedserve.layers.skinny import matmul
 from pagedserve.layers.weight_utils import linear_weight_loader, set_weight_attrs
 
@@ -87,6 +89,8 @@ class UnquantizedLinearMethod(LinearMethod):
         return layer.bias is None
 
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        if layer.packed_weight is not None:  # the CPU (layers/cpu_matmul.py)
+            return packed_linear(x, layer.packed_weight, bias)
         if bias is None:  # the skinny kernel takes no bias
             return matmul(x, layer.weight, layer.skinny_plan)
         return F.linear(x, layer.weight, bias)

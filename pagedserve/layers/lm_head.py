@@ -8,6 +8,7 @@ import torch
 from torch import nn
 
 from pagedserve.distributed.tensor_parallel import SINGLE, TensorParallel
+from pagedserve.layers.cpu_matmul import packed_linear
 from pagedserve.layers.embedding import vocab_weight_loader
 from pagedserve.layers.skinny import SkinnyPlan, matmul
 from pagedserve.layers.weight_utils import ParamAttrsModule, set_weight_attrs
@@ -25,6 +26,7 @@ class LMHead(ParamAttrsModule):
         super().__init__()
         self.vocab_size, self.hidden_size, self.tp = vocab_size, hidden_size, tp
         self.skinny_plan: SkinnyPlan | None = None
+        self.packed_weight: torch.Tensor | None = None  # on the CPU, for oneDNN (layers/cpu_matmul.py)
         # not a submodule (so not a second name for its weight): only read at call time
         self.__dict__["tied_to"] = tie_to
         if tie_to is None:
@@ -41,8 +43,11 @@ class LMHead(ParamAttrsModule):
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [N, hidden] -> float32 logits [N, vocab] (a plain method: no module-call cost)."""
-        tied = self.tied_to
-        logits = matmul(hidden, self.weight if tied is None else tied.weight, self.skinny_plan).float()
+        if self.packed_weight is not None:
+            logits = packed_linear(hidden, self.packed_weight).float()
+        else:
+            tied = self.tied_to
+            logits = matmul(hidden, self.weight if tied is None else tied.weight, self.skinny_plan).float()
         return self.tp.all_gather(logits)  # [N, vocab / size] -> [N, vocab]
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
