@@ -70,7 +70,9 @@ class ModelConfig:
     max_position_embeddings: int
     tie_word_embeddings: bool
     qk_norm: bool
-    attention_bias: bool = False
+    attention_bias: bool = False  # q/k/v biases
+    o_proj_bias: bool = False
+    rope_scaling: RopeScaling | None = None
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
     hf_config: dict[str, Any] = field(default_factory=dict, compare=False, repr=False)
@@ -100,6 +102,8 @@ class ModelConfig:
         attn = h * self.q_size + 2 * h * self.kv_size + self.q_size * h
         if self.attention_bias:
             attn += self.q_size + 2 * self.kv_size
+        if self.o_proj_bias:
+            attn += h
         if self.qk_norm:
             attn += 2 * self.head_dim
         per_layer = attn + 3 * h * i + 2 * h
@@ -121,9 +125,11 @@ class ModelConfig:
         # Transformers 5 nests RoPE settings under rope_parameters; older configs are flat.
         rope = cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}
         rope_theta = cfg.get("rope_theta", rope.get("rope_theta", 10000.0))
-        rope_type = rope.get("rope_type", rope.get("type", "default"))
-        if rope_type not in ("default", None):
-            raise ValueError(f"RoPE type {rope_type!r} is not supported yet (only default RoPE)")
+        # Qwen2 has q/k/v biases (no flag in its config) and none on o_proj; Llama and Qwen3
+        # have both or neither, as attention_bias says
+        qkv_bias = arch == "Qwen2ForCausalLM" or bool(cfg.get("attention_bias", False))
+        if cfg.get("use_sliding_window"):
+            raise ValueError("sliding-window attention (use_sliding_window) is not supported yet")
         return cls(
             architecture=arch,
             vocab_size=int(cfg["vocab_size"]),
@@ -138,11 +144,45 @@ class ModelConfig:
             max_position_embeddings=int(cfg.get("max_position_embeddings", 4096)),
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
             qk_norm=arch == "Qwen3ForCausalLM",
-            attention_bias=bool(cfg.get("attention_bias", False)),
+            attention_bias=qkv_bias,
+            o_proj_bias=arch != "Qwen2ForCausalLM" and bool(cfg.get("attention_bias", False)),
+            rope_scaling=RopeScaling.from_hf(rope, int(cfg.get("max_position_embeddings", 4096))),
             bos_token_id=cfg.get("bos_token_id"),
             eos_token_ids=tuple(int(t) for t in eos_ids),
             hf_config=dict(cfg),
         )
+
+
+@dataclass(frozen=True)
+class RopeScaling:
+    """How a checkpoint stretches RoPE beyond the context it was trained at (HF's
+    `rope_scaling` / `rope_parameters`), as a rescaling of the inverse frequencies
+    (`layers/rotary.py`): "linear" divides every one by `factor`; "llama3" (Llama 3.1/3.2)
+    divides the low frequencies (wavelengths beyond original / low_freq_factor) by
+    `factor`, keeps the high ones (below original / high_freq_factor) and blends between."""
+
+    kind: str  # "linear" | "llama3"
+    factor: float
+    low_freq_factor: float = 1.0
+    high_freq_factor: float = 4.0
+    original_max_position_embeddings: int = 8192
+
+    SUPPORTED = ("default", "linear", "llama3")
+
+    @classmethod
+    def from_hf(cls, rope: dict[str, Any], max_position_embeddings: int) -> RopeScaling | None:
+        """None for plain RoPE; ValueError naming a type not supported yet."""
+        kind = rope.get("rope_type", rope.get("type", "default"))
+        if kind in ("default", None):
+            return None
+        if kind not in cls.SUPPORTED:
+            raise ValueError(f"RoPE type {kind!r} is not supported yet (supported: "
+                             f"{', '.join(cls.SUPPORTED)})")
+        factor = float(rope["factor"])
+        if kind == "linear":
+            return cls(kind, factor)
+        return cls(kind, factor, float(rope.get("low_freq_factor", 1.0)), float(rope.get("high_freq_factor", 4.0)),
+                   int(rope.get("original_max_position_embeddings", max_position_embeddings)))
 
 
 @dataclass(frozen=True)

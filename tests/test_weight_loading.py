@@ -34,6 +34,8 @@ def hf_checkpoint(tie: bool, bias: bool = False, ship_lm_head: bool = False) -> 
             if bias:
                 sd[p + f"self_attn.{name}_proj.bias"] = torch.randn(rows, generator=g)  # [rows]
         sd[p + "self_attn.o_proj.weight"] = torch.randn(H, Q, generator=g)
+        if bias:  # (Llama's attention_bias: o_proj has one too, as in Transformers)
+            sd[p + "self_attn.o_proj.bias"] = torch.randn(H, generator=g)
         sd[p + "mlp.gate_proj.weight"] = torch.randn(INTER, H, generator=g)
         sd[p + "mlp.up_proj.weight"] = torch.randn(INTER, H, generator=g)
         sd[p + "mlp.down_proj.weight"] = torch.randn(H, INTER, generator=g)
@@ -65,8 +67,9 @@ def test_shards_land_at_their_offsets(bias):
         if bias:
             b = layer.self_attn.qkv_proj.bias
             assert torch.equal(b, torch.cat([sd[p + f"self_attn.{s}_proj.bias"] for s in "qkv"]))
+            assert torch.equal(layer.self_attn.o_proj.bias, sd[p + "self_attn.o_proj.bias"])
         else:
-            assert layer.self_attn.qkv_proj.bias is None
+            assert layer.self_attn.qkv_proj.bias is None and layer.self_attn.o_proj.bias is None
         gate_up = layer.mlp.gate_up_proj.weight  # [2 INTER, H]: rows [gate | up]
         assert torch.equal(gate_up[:INTER], sd[p + "mlp.gate_proj.weight"])
         assert torch.equal(gate_up[INTER:], sd[p + "mlp.up_proj.weight"])

@@ -55,7 +55,7 @@ class Attention(nn.Module):
                                      ("q", "k", "v"), bias=cfg.attention_bias,
                                      linear_method=_method_for(linear_method, prefix, "q_proj", "k_proj", "v_proj"),
                                      tp=tp, parallel="column")
-        self.o_proj = Linear(cfg.q_size, cfg.hidden_size, bias=False,
+        self.o_proj = Linear(cfg.q_size, cfg.hidden_size, bias=cfg.o_proj_bias,
                              linear_method=_method_for(linear_method, prefix, "o_proj"), tp=tp, parallel="row")
         self.qk_norm = cfg.qk_norm
         if cfg.qk_norm:
@@ -156,7 +156,7 @@ class LlamaForCausalLM(nn.Module):
         self.embed_tokens = VocabEmbedding(cfg.vocab_size, cfg.hidden_size, tp)
         self.layers = nn.ModuleList(DecoderLayer(cfg, i, linear_method, tp) for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.rotary = RotaryEmbedding(cfg.head_dim, cfg.rope_theta)
+        self.rotary = RotaryEmbedding(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling)
         # tied: no parameter of its own (no `lm_head.weight`); it multiplies by embed_tokens'
         self.lm_head = LMHead(cfg.vocab_size, cfg.hidden_size,
                               tie_to=self.embed_tokens if cfg.tie_word_embeddings else None, tp=tp)

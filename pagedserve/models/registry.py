@@ -5,6 +5,7 @@ from __future__ import annotations
 # HF architecture name -> does the decoder use per-head q/k RMSNorm (Qwen3)?
 SUPPORTED_ARCHITECTURES: dict[str, bool] = {
     "LlamaForCausalLM": False,
+    "Qwen2ForCausalLM": False,  # Llama plus q/k/v biases
     "Qwen3ForCausalLM": True,
 }
 
