@@ -99,6 +99,8 @@ class Ingress:
                 if sse:
                     body = json.dumps(_body(503, _DIED, "replica_unavailable"))
                     yield f"data: {body}\n\ndata: [DONE]\n\n".encode()
+            finally:  # (a client that went away: the replica's app sees it leave and aborts)
+                stream.cancel()
 
         response = StreamingResponse(rest(), status_code=start.status)
         response.raw_headers = [(k.lower().encode("latin-1"), v.encode("latin-1"))
