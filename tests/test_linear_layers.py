@@ -95,11 +95,11 @@ def test_parameter_names_are_unchanged():
     for tie in (True, False):
         names = [n for n, _ in LlamaForCausalLM(tiny_cfg(tie, bias=True)).named_parameters()]
         assert names[0] == "embed_tokens.weight"
-        assert names[1:8] == [
+        assert names[1:9] == [  # (Llama's attention_bias biases o_proj too, as Transformers)
             "layers.0.input_layernorm.weight", "layers.0.self_attn.qkv_proj.weight",
             "layers.0.self_attn.qkv_proj.bias", "layers.0.self_attn.o_proj.weight",
-            "layers.0.post_attention_layernorm.weight", "layers.0.mlp.gate_up_proj.weight",
-            "layers.0.mlp.down_proj.weight"]
+            "layers.0.self_attn.o_proj.bias", "layers.0.post_attention_layernorm.weight",
+            "layers.0.mlp.gate_up_proj.weight", "layers.0.mlp.down_proj.weight"]
         assert names[-1] == ("norm.weight" if tie else "lm_head.weight")
         assert ("lm_head.weight" in names) is not tie
 
