@@ -32,13 +32,13 @@ class TorchReferenceBackend(AttentionBackend):
         plan = _decode_plan(meta, cache.shape[2]) if has_cache else None
         if plan is not None and plan.rows.numel():
             out[plan.rows] = self._decode(q[plan.rows], cache, plan, kv_scale)
-        starts = meta.query_start_loc_cpu
-        for i, seq_len in enumerate(meta.seq_lens_cpu):
+        starts, lens = meta.query_start_loc_cpu, meta.seq_lens_cpu
+        for i in plan.others if plan is not None else range(len(lens)):
             s, e = starts[i], starts[i + 1]
-            if e == s or (plan is not None and i in plan.seqs):
+            if e == s:
                 continue
             if has_cache:
-                k_ctx, v_ctx = gather_context(cache, meta.block_tables[i], seq_len, kv_scale, q.dtype)
+                k_ctx, v_ctx = gather_context(cache, meta.block_tables[i], lens[i], kv_scale, q.dtype)
             else:
                 k_ctx, v_ctx = k[s:e], v[s:e]  # the whole prompt is in this step
             out[s:e] = self._attend(q[s:e], k_ctx, v_ctx)
@@ -77,7 +77,7 @@ class _DecodePlan(NamedTuple):
     """A step's decodes, for every layer: which sequences and token rows, and where their
     context lies in the cache."""
 
-    seqs: frozenset[int]
+    others: tuple[int, ...]  # the step's other sequences (prompts, chunks), looped over
     rows: torch.Tensor  # [B] int64: their token rows
     slots: torch.Tensor  # [B, T] int64: the cache slot of each context position (T: the
     # longest context; a shorter one repeats its first slot, a real token, past its end)
@@ -98,7 +98,8 @@ def _decode_plan(meta: AttentionMetadata, block_size: int) -> _DecodePlan:
     tables = meta.block_tables.cpu()[seqs].long()  # [B, max_blocks]
     slots = tables.gather(1, pos // block_size) * block_size + pos % block_size
     device = meta.block_tables.device
-    plan = _DecodePlan(frozenset(seqs), torch.tensor([starts[i] for i in seqs], dtype=torch.int64, device=device),
+    others = tuple(i for i in range(len(lens)) if starts[i + 1] - starts[i] != 1)
+    plan = _DecodePlan(others, torch.tensor([starts[i] for i in seqs], dtype=torch.int64, device=device),
                        slots.to(device), (~inside).view(len(seqs), 1, 1, t).to(device))
     if meta.backend_data is None:
         meta.backend_data = plan
