@@ -5,6 +5,7 @@ running past the original context."""
 
 from __future__ import annotations
 
+import os
 import sys
 from pathlib import Path
 
@@ -25,7 +26,9 @@ def test_the_engine_on_the_gpu_generates_transformers_tokens(tmp_path, kind):
     hf = _checkpoint(tmp_path, kind)  # (Transformers' tokens, in float32 on the CPU)
     g = torch.Generator().manual_seed(2)
     prompts = [torch.randint(0, 256, (n,), generator=g).tolist() for n in (90, 5, 150)]
-    llm = LLM(str(tmp_path), dtype="float32", device="cuda", kv_cache_memory=64 << 20, max_model_len=1024)
+    # (the checkpoint has no tokenizer, nor the GPU machine the embedded one: PS_TOKENIZER)
+    llm = LLM(str(tmp_path), dtype="float32", device="cuda", kv_cache_memory=64 << 20, max_model_len=1024,
+              tokenizer=os.environ.get("PS_TOKENIZER"))
     params = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True)
     got = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
     assert llm.engine.executor.graph_counts()[0] > 0
