@@ -55,7 +55,7 @@ def logits_of(model, ids: list[int], kv_cache_dtype: str = "auto") -> torch.Tens
     cfg, n, bs = model.config, len(ids), 16
     dev = model.embed_tokens.weight.device
     spec = KVCacheSpec.for_model(cfg, bs, model.embed_tokens.weight.dtype, kv_cache_dtype)
-    backend = TorchReferenceBackend(cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.head_dim**-0.5)
+    backend = TorchReferenceBackend(cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.attention_scale)
     nb = -(-n // bs)
     backend.bind_kv_caches(spec.allocate(nb, dev), spec.allocate_scales(dev))
     meta = AttentionMetadata.for_prefill([n], dev)

@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from pagedserve.faults import FaultPlan
+from pagedserve.models.rope_scaling import RopeScaling
 from pagedserve.spec_decode.config import SpeculativeConfig
 
 if TYPE_CHECKING:
@@ -73,6 +74,9 @@ class ModelConfig:
     attention_bias: bool = False  # q/k/v biases
     o_proj_bias: bool = False
     rope_scaling: RopeScaling | None = None
+    rotary_dim: int = 0  # dimensions of each head RoPE rotates (0: all, Phi-4-mini: 3/4)
+    no_rope_layers: tuple[int, ...] = ()  # layers without RoPE (SmolLM3)
+    sliding_windows: tuple[int | None, ...] = ()  # per layer: keys a query sees (None: all; empty: no window)
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
     hf_config: dict[str, Any] = field(default_factory=dict, compare=False, repr=False)
@@ -87,6 +91,24 @@ class ModelConfig:
                 f"num_attention_heads ({self.num_heads}) must be a multiple of "
                 f"num_key_value_heads ({self.num_kv_heads})"
             )
+
+        if self.no_rope_layers and self.rope_scaling and self.rope_scaling.attention_factor != 1.0:
+            raise ValueError(f"RoPE scaling {self.rope_scaling.kind!r} with layers without RoPE "
+                             "(no_rope_layers) is not supported yet")
+
+    @property
+    def partial_rotation(self) -> bool:
+        """RoPE rotates only the first rotary_dim dimensions of each head (Phi-4-mini)."""
+        return 0 < self.rotary_dim < self.head_dim
+
+    @property
+    def attention_scale(self) -> float:
+        """The softmax scale of q.k: 1/sqrt(head_dim), times the square of YaRN's or
+        LongRoPE's attention factor (Transformers multiplies cos and sin, so q and k, by it).
+        With a partial rotation the factor scales the rotated dimensions only: the loader
+        folds it into those rows of q's and k's weights instead (`LlamaForCausalLM`)."""
+        factor = self.rope_scaling.attention_factor if self.rope_scaling and not self.partial_rotation else 1.0
+        return self.head_dim**-0.5 * factor * factor
 
     @property
     def q_size(self) -> int:
@@ -112,77 +134,11 @@ class ModelConfig:
 
     @classmethod
     def from_hf_config(cls, cfg: dict[str, Any]) -> ModelConfig:
-        """Build from a HF config dict; raise ValueError naming an unsupported architecture."""
-        from pagedserve.models.registry import resolve_architecture
+        """Build from a HF config dict (`models/hf_config.py`); raise ValueError naming an
+        unsupported architecture or setting."""
+        from pagedserve.models.hf_config import model_config_from_hf
 
-        arch = resolve_architecture(cfg.get("architectures"))
-        num_heads = int(cfg["num_attention_heads"])
-        hidden = int(cfg["hidden_size"])
-        eos = cfg.get("eos_token_id")
-        eos_ids = [eos] if isinstance(eos, int) else list(eos or [])
-        extra = cfg.get("_pagedserve", {}).get("extra_eos_token_ids", [])
-        eos_ids += [t for t in extra if t not in eos_ids]
-        # Transformers 5 nests RoPE settings under rope_parameters; older configs are flat.
-        rope = cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}
-        rope_theta = cfg.get("rope_theta", rope.get("rope_theta", 10000.0))
-        # Qwen2 has q/k/v biases (no flag in its config) and none on o_proj; Llama and Qwen3
-        # have both or neither, as attention_bias says
-        qkv_bias = arch == "Qwen2ForCausalLM" or bool(cfg.get("attention_bias", False))
-        if cfg.get("use_sliding_window"):
-            raise ValueError("sliding-window attention (use_sliding_window) is not supported yet")
-        return cls(
-            architecture=arch,
-            vocab_size=int(cfg["vocab_size"]),
-            hidden_size=hidden,
-            intermediate_size=int(cfg["intermediate_size"]),
-            num_layers=int(cfg["num_hidden_layers"]),
-            num_heads=num_heads,
-            num_kv_heads=int(cfg.get("num_key_value_heads") or num_heads),
-            head_dim=int(cfg.get("head_dim") or hidden // num_heads),
-            rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
-            rope_theta=float(rope_theta),
-            max_position_embeddings=int(cfg.get("max_position_embeddings", 4096)),
-            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
-            qk_norm=arch == "Qwen3ForCausalLM",
-            attention_bias=qkv_bias,
-            o_proj_bias=arch != "Qwen2ForCausalLM" and bool(cfg.get("attention_bias", False)),
-            rope_scaling=RopeScaling.from_hf(rope, int(cfg.get("max_position_embeddings", 4096))),
-            bos_token_id=cfg.get("bos_token_id"),
-            eos_token_ids=tuple(int(t) for t in eos_ids),
-            hf_config=dict(cfg),
-        )
-
-
-@dataclass(frozen=True)
-class RopeScaling:
-    """How a checkpoint stretches RoPE beyond the context it was trained at (HF's
-    `rope_scaling` / `rope_parameters`), as a rescaling of the inverse frequencies
-    (`layers/rotary.py`): "linear" divides every one by `factor`; "llama3" (Llama 3.1/3.2)
-    divides the low frequencies (wavelengths beyond original / low_freq_factor) by
-    `factor`, keeps the high ones (below original / high_freq_factor) and blends between."""
-
-    kind: str  # "linear" | "llama3"
-    factor: float
-    low_freq_factor: float = 1.0
-    high_freq_factor: float = 4.0
-    original_max_position_embeddings: int = 8192
-
-    SUPPORTED = ("default", "linear", "llama3")
-
-    @classmethod
-    def from_hf(cls, rope: dict[str, Any], max_position_embeddings: int) -> RopeScaling | None:
-        """None for plain RoPE; ValueError naming a type not supported yet."""
-        kind = rope.get("rope_type", rope.get("type", "default"))
-        if kind in ("default", None):
-            return None
-        if kind not in cls.SUPPORTED:
-            raise ValueError(f"RoPE type {kind!r} is not supported yet (supported: "
-                             f"{', '.join(cls.SUPPORTED)})")
-        factor = float(rope["factor"])
-        if kind == "linear":
-            return cls(kind, factor)
-        return cls(kind, factor, float(rope.get("low_freq_factor", 1.0)), float(rope.get("high_freq_factor", 4.0)),
-                   int(rope.get("original_max_position_embeddings", max_position_embeddings)))
+        return model_config_from_hf(cfg)
 
 
 @dataclass(frozen=True)

@@ -1,8 +1,10 @@
-"""More model families against Transformers (issue 31, first slice; fp32, CPU): tiny random
-Qwen2 checkpoints (q/k/v biases) and Llamas with RoPE scaling ("linear", Llama 3.1's
-"llama3"), made with Transformers' own classes: logits equal Transformers' at positions far
-beyond the original context, and the engine's greedy tokens (paged KV, batching, chunked
-prefill) equal Transformers' generation; a RoPE type not supported yet is refused by name."""
+"""More model families against Transformers (issue 31; fp32, CPU): tiny random checkpoints
+made with Transformers' own classes: Qwen2 (q/k/v biases), Llamas with each RoPE scaling
+("linear", Llama 3.1's "llama3", "yarn", "dynamic"), Phi-3/Phi-4-mini (fused checkpoint
+tensors, partial rotation, LongRoPE), SmolLM3 (layers without RoPE) and Mistral: logits equal
+Transformers' at positions far beyond the original context, and the engine's greedy tokens
+(paged KV, batching, chunked prefill) equal Transformers' generation; an unknown RoPE type is
+refused by name."""
 
 from __future__ import annotations
 
@@ -21,10 +23,26 @@ ROPES = {
     "linear": {"rope_type": "linear", "factor": 4.0},
     "llama3": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
                "original_max_position_embeddings": 64},
+    "yarn": {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64},
+    "dynamic": {"rope_type": "dynamic", "factor": 2.0},
 }
+# Phi-4-mini's shape in small: a partial rotation (3/4 of each head), LongRoPE over an original
+# context of 64, tied embeddings; its checkpoint ships qkv_proj and gate_up_proj fused
+PHI3 = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=3, num_attention_heads=4,
+            num_key_value_heads=2, max_position_embeddings=256, original_max_position_embeddings=64,
+            partial_rotary_factor=0.75, rms_norm_eps=1e-5, tie_word_embeddings=True, rope_theta=10000.0,
+            pad_token_id=0, bos_token_id=1, eos_token_id=2,
+            rope_scaling={"rope_type": "longrope", "short_factor": [1.0, 1.1, 1.3, 1.7, 2.2, 3.0],
+                          "long_factor": [1.0, 1.5, 2.5, 4.0, 6.0, 9.0]})
+# SmolLM3: every third layer here without RoPE
+SMOLLM3 = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=3, num_attention_heads=4,
+               num_key_value_heads=2, max_position_embeddings=1024, rms_norm_eps=1e-6, tie_word_embeddings=True,
+               rope_theta=10000.0, no_rope_layers=[1, 1, 0], pad_token_id=0, bos_token_id=1, eos_token_id=2)
 
 
 def _checkpoint(folder, kind: str):
+    """A tiny random checkpoint of family/RoPE `kind`, saved by Transformers into `folder`;
+    returns the Transformers model (float32, eval)."""
     import transformers
 
     torch.manual_seed(0)
@@ -34,8 +52,14 @@ def _checkpoint(folder, kind: str):
             for name, p in model.named_parameters():
                 if name.endswith("bias"):
                     p.uniform_(-0.5, 0.5)
+    elif kind == "phi3":
+        model = transformers.Phi3ForCausalLM(transformers.Phi3Config(**PHI3))
+    elif kind == "smollm3":
+        model = transformers.SmolLM3ForCausalLM(transformers.SmolLM3Config(**SMOLLM3))
+    elif kind == "mistral":
+        model = transformers.MistralForCausalLM(transformers.MistralConfig(**{**TINY_LLAMA, "sliding_window": None}))
     else:
-        cfg = transformers.LlamaConfig(**{**TINY_LLAMA, "max_position_embeddings": 1024,
+        cfg = transformers.LlamaConfig(**{**TINY_LLAMA, "max_position_embeddings": 1024 if kind != "dynamic" else 64,
                                           "rope_scaling": {**ROPES[kind], "rope_theta": TINY_LLAMA["rope_theta"]}})
         model = transformers.LlamaForCausalLM(cfg)
     model = model.float().eval()
@@ -43,49 +67,132 @@ def _checkpoint(folder, kind: str):
     return model
 
 
-@pytest.mark.parametrize("kind", ["qwen2", "linear", "llama3"])
-def test_logits_match_transformers_beyond_the_original_context(tmp_path, kind):
-    hf = _checkpoint(tmp_path, kind)
-    ours = build_model(resolve_model(str(tmp_path)), dtype="float32")
-    assert ours.config.attention_bias == (kind == "qwen2") and not ours.config.o_proj_bias
-    if kind != "qwen2":
-        assert ours.config.rope_scaling.kind == kind
-    g = torch.Generator().manual_seed(1)
-    seqs = [torch.randint(0, 256, (n,), generator=g).tolist() for n in (300, 1, 70)]  # (original: 64)
+def _random_prompts(lengths, seed):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(0, 256, (n,), generator=g).tolist() for n in lengths]
+
+
+def _assert_logits_match(hf, ours, seqs):
     for seq, logits in zip(seqs, run_prefill(ours, seqs), strict=True):
         with torch.no_grad():
             ref = hf(torch.tensor([seq])).logits[0]
         torch.testing.assert_close(logits, ref, rtol=1e-4, atol=1e-4)
 
 
-@pytest.mark.parametrize("kind", ["qwen2", "llama3"])
+@pytest.mark.parametrize("kind", ["qwen2", "linear", "llama3", "yarn", "phi3", "smollm3", "mistral"])
+def test_logits_match_transformers_beyond_the_original_context(tmp_path, kind):
+    hf = _checkpoint(tmp_path, kind)
+    ours = build_model(resolve_model(str(tmp_path)), dtype="float32")
+    assert ours.config.attention_bias == (kind == "qwen2") and not ours.config.o_proj_bias
+    if kind in ROPES:
+        assert ours.config.rope_scaling.kind == kind
+    # (original context: 64; Phi-3 here serves 256 and so takes LongRoPE's long factors)
+    _assert_logits_match(hf, ours, _random_prompts((300, 1, 70) if kind != "phi3" else (256, 65, 200), 1))
+
+
+def test_the_family_features_change_the_logits(tmp_path, monkeypatch):
+    """The checks above can fail: without YaRN's attention factor, SmolLM3's layers without
+    RoPE, Phi-3's reordered rows for its partial rotation or its LongRoPE attention factor
+    (folded into q's and k's rotated rows), the logits differ."""
+    import json
+    from dataclasses import replace
+
+    import pagedserve.models.llama as llama
+
+    seqs = _random_prompts((200,), 1)
+    for kind, change in [("yarn", {"rope_scaling": None}), ("smollm3", {"no_rope_layers": ()})]:
+        hf = _checkpoint(tmp_path / kind, kind)
+        ours = build_model(resolve_model(str(tmp_path / kind)), dtype="float32")
+        other = llama.LlamaForCausalLM(replace(ours.config, **change))
+        other.load_state_dict(ours.state_dict())
+        with pytest.raises(AssertionError):
+            _assert_logits_match(hf, other.float().eval(), seqs)
+    hf = _checkpoint(tmp_path / "phi3", "phi3")
+    config = json.loads((tmp_path / "phi3" / "config.json").read_text())
+    config["rope_parameters"]["attention_factor"] = 1.0
+    (tmp_path / "phi3" / "config.json").write_text(json.dumps(config))
+    with pytest.raises(AssertionError):
+        _assert_logits_match(hf, build_model(resolve_model(str(tmp_path / "phi3")), dtype="float32"), seqs)
+    hf = _checkpoint(tmp_path / "phi3b", "phi3")
+    monkeypatch.setattr(llama, "partial_rotary_order", lambda head_dim, rotary_dim: torch.arange(head_dim))
+    with pytest.raises(AssertionError):
+        _assert_logits_match(hf, build_model(resolve_model(str(tmp_path / "phi3b")), dtype="float32"), seqs)
+
+
+def test_dynamic_ntk_matches_transformers_at_its_scaled_length(tmp_path):
+    """Dynamic NTK's base is fixed (as vLLM's) for factor x max_position_embeddings tokens;
+    Transformers grows it with the sequence, so the two agree on a sequence of that length."""
+    hf = _checkpoint(tmp_path, "dynamic")
+    ours = build_model(resolve_model(str(tmp_path)), dtype="float32")
+    _assert_logits_match(hf, ours, _random_prompts((128,), 1))  # 2 x 64
+
+
+def test_longrope_serving_the_original_context_takes_the_short_factors(tmp_path):
+    hf = _checkpoint(tmp_path, "phi3")
+    short = build_model(resolve_model(str(tmp_path)), dtype="float32", max_model_len=64)
+    _assert_logits_match(hf, short, _random_prompts((64, 10), 3))  # (Transformers: short up to 64)
+    long = build_model(resolve_model(str(tmp_path)), dtype="float32", max_model_len=65)
+    with pytest.raises(AssertionError):
+        _assert_logits_match(hf, long, _random_prompts((64,), 3))
+
+
+@pytest.mark.parametrize("kind", ["qwen2", "llama3", "yarn", "phi3", "smollm3"])
 def test_the_engine_generates_transformers_tokens(tmp_path, kind):
     from pagedserve import LLM, SamplingParams
 
     hf = _checkpoint(tmp_path, kind)
-    g = torch.Generator().manual_seed(2)
-    prompts = [torch.randint(0, 256, (n,), generator=g).tolist() for n in (90, 5, 150)]
+    # (Phi-3: prompts past the original context, where Transformers too takes the long factors)
+    prompts = _random_prompts((90, 5, 150) if kind != "phi3" else (90, 65, 150), 2)
     llm = LLM(str(tmp_path), dtype="float32", device="cpu", max_num_batched_tokens=64, block_size=16,
               kv_cache_memory=4 << 20)
-    params = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True)
-    got = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
-    assert got == [hf_greedy(hf, p, 32) for p in prompts]
+    params = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True, logprobs=0)
+    outs = [o.outputs[0] for o in llm.generate(prompts, params, use_tqdm=False)]
+    assert [o.token_ids for o in outs] == [hf_greedy(hf, p, 32) for p in prompts]
+    for prompt, out in zip(prompts, outs, strict=True):  # (and the chosen tokens' log-probabilities)
+        with torch.no_grad():
+            logits = hf(torch.tensor([prompt + out.token_ids[:-1]])).logits[0, len(prompt) - 1:]
+        ref = logits.log_softmax(-1).gather(1, torch.tensor(out.token_ids)[:, None])[:, 0]
+        ours = torch.tensor([lp[t] for lp, t in zip(out.logprobs, out.token_ids, strict=True)])
+        torch.testing.assert_close(ours, ref, rtol=1e-4, atol=1e-4)
 
 
-def test_rope_types_not_supported_yet_are_refused(tmp_path):
+def test_unknown_rope_types_and_missing_fields_are_refused_by_name():
     from pagedserve.config import ModelConfig
 
     cfg = {"architectures": ["LlamaForCausalLM"], "vocab_size": 8, "hidden_size": 8, "intermediate_size": 8,
-           "num_hidden_layers": 1, "num_attention_heads": 1, "rope_scaling": {"rope_type": "yarn", "factor": 4.0}}
-    with pytest.raises(ValueError, match=r"RoPE type 'yarn' is not supported yet \(supported: default, linear, llama3\)"):
-        ModelConfig.from_hf_config(cfg)
+           "num_hidden_layers": 1, "num_attention_heads": 1}
+    with pytest.raises(ValueError, match=r"RoPE type 'mrope' is not supported \(supported: default, linear"):
+        ModelConfig.from_hf_config({**cfg, "rope_scaling": {"rope_type": "mrope", "factor": 4.0}})
+    with pytest.raises(ValueError, match="RoPE scaling 'linear' needs a 'factor'"):
+        ModelConfig.from_hf_config({**cfg, "rope_scaling": {"rope_type": "linear"}})
+    with pytest.raises(ValueError, match="'longrope' needs 'short_factor'"):
+        ModelConfig.from_hf_config({**cfg, "rope_scaling": {"rope_type": "longrope", "factor": 2.0}})
+    with pytest.raises(ValueError, match="with layers without RoPE"):
+        ModelConfig.from_hf_config({**cfg, "architectures": ["SmolLM3ForCausalLM"], "no_rope_layers": [0],
+                                    "rope_scaling": {"rope_type": "yarn", "factor": 4.0}})
+
+
+def test_older_config_spellings_are_read():
+    """Phi-3's first configs call LongRoPE "su" and keep the original context at the top level;
+    SmolLM3's without `no_rope_layers` drop RoPE every `no_rope_layer_interval`-th layer."""
+    from pagedserve.config import ModelConfig
+
+    base = {"vocab_size": 8, "hidden_size": 16, "intermediate_size": 8, "num_hidden_layers": 4,
+            "num_attention_heads": 2, "max_position_embeddings": 128}
+    phi = ModelConfig.from_hf_config({**base, "architectures": ["Phi3ForCausalLM"], "original_max_position_embeddings": 32,
+                                      "rope_scaling": {"type": "su", "short_factor": [1] * 4, "long_factor": [2] * 4}})
+    assert phi.rope_scaling.kind == "longrope" and phi.rope_scaling.original_max_position_embeddings == 32
+    assert phi.rope_scaling.factor == 4.0 and phi.rope_scaling.long_factor == (2.0,) * 4
+    smol = ModelConfig.from_hf_config({**base, "architectures": ["SmolLM3ForCausalLM"], "no_rope_layer_interval": 2})
+    assert smol.no_rope_layers == (1, 3)
 
 
 def test_a_qwen2_with_sliding_window_attention_is_refused():
     from pagedserve.config import ModelConfig
 
     cfg = {"architectures": ["Qwen2ForCausalLM"], "vocab_size": 8, "hidden_size": 8, "intermediate_size": 8,
-           "num_hidden_layers": 1, "num_attention_heads": 1, "use_sliding_window": True, "sliding_window": 4}
+           "num_hidden_layers": 1, "num_attention_heads": 1, "use_sliding_window": True, "sliding_window": 4,
+           "max_window_layers": 0}
     with pytest.raises(ValueError, match="sliding-window attention"):
         ModelConfig.from_hf_config(cfg)
     ModelConfig.from_hf_config({**cfg, "use_sliding_window": False})  # (Qwen2.5's own configs)

@@ -39,7 +39,7 @@ def make_backend(name: str, device: torch.device, cfg: ModelConfig, tp: TensorPa
     if name == "auto":
         name = "triton" if device.type == "cuda" else "torch"
     return get_backend_class(name)(tp.split(cfg.num_heads, "the attention heads"),
-                                   tp.split(cfg.num_kv_heads, "the KV heads"), cfg.head_dim, cfg.head_dim**-0.5)
+                                   tp.split(cfg.num_kv_heads, "the KV heads"), cfg.head_dim, cfg.attention_scale)
 
 
 class Worker:
@@ -65,7 +65,7 @@ class Worker:
         check_quantization_device(config.quantization, device)
         model = build_model(source, dtype=config.dtype, device=device,
                             load_format=config.load_format, seed=config.seed,
-                            quantization=config.quantization, tp=tp)
+                            quantization=config.quantization, tp=tp, max_model_len=config.scheduler.max_model_len)
         self.model_config = cfg = model.config
         self.dtype = dtype = resolve_dtype(config.dtype, device)
         self.scheduler_config = sched = config.scheduler_for(cfg)
@@ -137,7 +137,7 @@ class Worker:
         spec = config.speculative
         source = resolve_model(spec.model, load_format=config.load_format)
         model = build_model(source, dtype=config.dtype, device=device, load_format=config.load_format,
-                            seed=config.seed)
+                            seed=config.seed, max_model_len=config.scheduler.max_model_len)
         if model.config.vocab_size != cfg.vocab_size:
             raise ValueError(f"the draft model {spec.model} has a vocabulary of {model.config.vocab_size} "
                              f"tokens, the model {cfg.vocab_size}: they must be the same")

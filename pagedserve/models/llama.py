@@ -22,7 +22,7 @@ from pagedserve.layers.linear import Linear, MergedLinear
 from pagedserve.layers.linear_method import LinearMethod
 from pagedserve.layers.lm_head import LMHead
 from pagedserve.layers.norm import RMSNorm
-from pagedserve.layers.rotary import RotaryEmbedding
+from pagedserve.layers.rotary import RotaryEmbedding, partial_rotary_order
 from pagedserve.layers.skinny import SkinnyPlan
 from pagedserve.layers.weight_utils import ShapeMismatchError, default_weight_loader, param_shards
 
@@ -35,6 +35,8 @@ STACKED_PARAMS: dict[str, tuple[str, str]] = {
     "mlp.gate_proj": ("mlp.gate_up_proj", "gate"),
     "mlp.up_proj": ("mlp.gate_up_proj", "up"),
 }
+# A checkpoint that ships them fused (Phi-3/Phi-4): its tensor's rows split into these shards.
+FUSED_CHECKPOINT_PARAMS = ("self_attn.qkv_proj", "mlp.gate_up_proj")
 
 
 class Attention(nn.Module):
@@ -150,13 +152,20 @@ class LlamaForCausalLM(nn.Module):
     """
 
     def __init__(self, cfg: ModelConfig, linear_method: LinearMethod | None = None,
-                 tp: TensorParallel = SINGLE) -> None:
+                 tp: TensorParallel = SINGLE, max_model_len: int | None = None) -> None:
         super().__init__()
         self.config, self.tp = cfg, tp
         self.embed_tokens = VocabEmbedding(cfg.vocab_size, cfg.hidden_size, tp)
         self.layers = nn.ModuleList(DecoderLayer(cfg, i, linear_method, tp) for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.rotary = RotaryEmbedding(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling)
+        # max_model_len: the served context (LongRoPE's choice of factors); the model's own by default
+        served = min(max_model_len or cfg.max_position_embeddings, cfg.max_position_embeddings)
+        self.rotary = RotaryEmbedding(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling, rotary_dim=cfg.rotary_dim,
+                                      max_model_len=served)
+        # layers without RoPE (SmolLM3) rotate by zero frequencies, on every path alike
+        self.no_rope = RotaryEmbedding(cfg.head_dim, cfg.rope_theta, enabled=False) if cfg.no_rope_layers else None
+        self.layer_rotary = [self.no_rope if i in cfg.no_rope_layers else self.rotary
+                             for i in range(cfg.num_layers)]
         # tied: no parameter of its own (no `lm_head.weight`); it multiplies by embed_tokens'
         self.lm_head = LMHead(cfg.vocab_size, cfg.hidden_size,
                               tie_to=self.embed_tokens if cfg.tie_word_embeddings else None, tp=tp)
@@ -166,8 +175,8 @@ class LlamaForCausalLM(nn.Module):
     ) -> torch.Tensor:
         h = self.embed_tokens(input_ids)  # [T, hidden]
         residual = None
-        for layer in self.layers:
-            h, residual = layer(h, residual, positions, self.rotary, attn)
+        for layer, rotary in zip(self.layers, self.layer_rotary, strict=False):  # (fewer: first_layers_only)
+            h, residual = layer(h, residual, positions, rotary, attn)
         h, _ = self.norm(h, residual)
         return h
 
@@ -212,7 +221,7 @@ class LlamaForCausalLM(nn.Module):
         """
         params = dict(self.named_parameters())
         filled: dict[str, set[Hashable | None]] = {}  # param name -> shard ids written
-        for hf_name, tensor in weights:
+        for hf_name, tensor in self._checkpoint_layout(weights):
             if "rotary_emb" in hf_name:
                 continue
             name, shard_id = _param_name(hf_name)
@@ -247,11 +256,47 @@ class LlamaForCausalLM(nn.Module):
             )
         self.process_weights_after_loading()
 
+    def _checkpoint_layout(self, weights: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
+        """The checkpoint's tensors as `load_weights` places them: a fused qkv_proj or
+        gate_up_proj (Phi-3/Phi-4) split into its q/k/v or gate/up parts; with a partial
+        rotation, q's and k's rows reordered within each head (`partial_rotary_order`)."""
+        cfg = self.config
+        order = rows_scale = None
+        if cfg.partial_rotation:
+            order = partial_rotary_order(cfg.head_dim, cfg.rotary_dim)
+            factor = cfg.rope_scaling.attention_factor if cfg.rope_scaling else 1.0
+            rows_scale = torch.ones(cfg.head_dim)  # [D]: the rotated dimensions (reordered: each half's first) get it
+            rows_scale.view(2, -1)[:, : cfg.rotary_dim // 2] = factor
+        for hf_name, tensor in weights:
+            fused = next((f for f in FUSED_CHECKPOINT_PARAMS if f".{f}." in hf_name), None)
+            if fused is None:
+                parts = [(hf_name, tensor)]
+            else:
+                _plain_tensor(hf_name, tensor, "a fused projection")
+                names = [p for p, (f, _) in STACKED_PARAMS.items() if f == fused]
+                sizes = [cfg.q_size, cfg.kv_size, cfg.kv_size] if "qkv" in fused else [cfg.intermediate_size] * 2
+                if tensor.shape[0] != sum(sizes):
+                    raise ValueError(f"checkpoint tensor {hf_name!r} has {tensor.shape[0]} rows, expected {sum(sizes)}")
+                parts = [(hf_name.replace(fused, p), t) for p, t in zip(names, tensor.split(sizes), strict=True)]
+            for name, t in parts:
+                if order is not None and (".self_attn.q_proj." in name or ".self_attn.k_proj." in name):
+                    _plain_tensor(name, t, "a partial rotation")
+                    heads = t.reshape(-1, cfg.head_dim, *t.shape[1:])[:, order]  # [heads, D, ...]
+                    scale = rows_scale.view(1, -1, *[1] * (t.dim() - 1)).to(t.dtype)
+                    t = (heads.float() * scale.float()).to(t.dtype).reshape(t.shape)
+                yield name, t
+
     def process_weights_after_loading(self) -> None:
         """Once the weights are in (from a checkpoint or dummy): each linear method's pass."""
         for mod in self.modules():
             if isinstance(mod, Linear):
                 mod.linear_method.process_weights_after_loading(mod)
+
+
+def _plain_tensor(hf_name: str, tensor: torch.Tensor, what: str) -> None:
+    """Only an unquantized weight or bias can be cut into rows or reordered here."""
+    if not hf_name.endswith((".weight", ".bias")) or tensor.dtype not in (torch.float32, torch.float16, torch.bfloat16):
+        raise ValueError(f"checkpoint tensor {hf_name!r}: {what} is only supported for unquantized weights")
 
 
 def _method_for(linear_method: LinearMethod | None, prefix: str, *parts: str) -> LinearMethod | None:

@@ -15,6 +15,7 @@ import torch
 from pagedserve.config import ModelConfig, resolve_dtype
 from pagedserve.distributed.tensor_parallel import SINGLE, TensorParallel
 from pagedserve.layers.linear_method import LinearMethod
+from pagedserve.layers.rotary import RotaryEmbedding
 from pagedserve.models.llama import LlamaForCausalLM
 from pagedserve.models.source import ModelSource
 from pagedserve.quantization import checkpoint_quant_config, resolve_quantization
@@ -32,13 +33,15 @@ def build_model(
     seed: int = 0,
     quantization: str | None = None,
     tp: TensorParallel = SINGLE,
+    max_model_len: int | None = None,
 ) -> LlamaForCausalLM:
     """Create the decoder on `device` in `dtype` and fill its weights; `quantization` (as
     `--quantization`: None, or a method `resolve_quantization` accepts for this checkpoint)
     sets the decoder projections' weight format (`pagedserve/quantization/`), read from the
     checkpoint's quantization_config if it has one (a pre-quantized checkpoint runs its own
     method when `quantization` is None). `tp`: this process's tensor-parallel rank (it keeps
-    its share of the weights)."""
+    its share of the weights). `max_model_len`: the context served (LongRoPE's factors depend on
+    it; default: the model's own)."""
     if load_format not in LOAD_FORMATS:
         raise ValueError(f"load_format {load_format!r} is not one of {', '.join(LOAD_FORMATS)}")
     device = torch.device(device)
@@ -46,7 +49,7 @@ def build_model(
     cfg = ModelConfig.from_hf_config(source.hf_config)
     quantization = resolve_quantization(quantization, source.hf_config)
     method = linear_method_for(quantization, checkpoint_quant_config(source.hf_config))
-    model = _materialise(cfg, torch_dtype, device, method, tp)
+    model = _materialise(cfg, torch_dtype, device, method, tp, max_model_len)
     if load_format == "dummy":
         _fill_dummy(model, seed)
         model.process_weights_after_loading()
@@ -67,17 +70,20 @@ def build_model(
 
 
 def _materialise(cfg: ModelConfig, dtype: torch.dtype, device: torch.device,
-                 linear_method: LinearMethod | None = None, tp: TensorParallel = SINGLE) -> LlamaForCausalLM:
+                 linear_method: LinearMethod | None = None, tp: TensorParallel = SINGLE,
+                 max_model_len: int | None = None) -> LlamaForCausalLM:
     """Build the module on the meta device, then allocate (uninitialised) on `device`."""
     old = torch.get_default_dtype()
     torch.set_default_dtype(dtype)
     try:
         with torch.device("meta"):
-            model = LlamaForCausalLM(cfg, linear_method, tp)
+            model = LlamaForCausalLM(cfg, linear_method, tp, max_model_len)
     finally:
         torch.set_default_dtype(old)
     model = model.to_empty(device=device)
-    model.rotary.reset_parameters()
+    for module in model.modules():
+        if isinstance(module, RotaryEmbedding):
+            module.reset_parameters()
     return model
 
 

@@ -5,8 +5,11 @@ from __future__ import annotations
 # HF architecture name -> does the decoder use per-head q/k RMSNorm (Qwen3)?
 SUPPORTED_ARCHITECTURES: dict[str, bool] = {
     "LlamaForCausalLM": False,
+    "MistralForCausalLM": False,  # Llama (sliding windows in some)
+    "Phi3ForCausalLM": False,  # Llama with fused qkv and gate_up tensors, LongRoPE, partial rotation
     "Qwen2ForCausalLM": False,  # Llama plus q/k/v biases
     "Qwen3ForCausalLM": True,
+    "SmolLM3ForCausalLM": False,  # Llama with some layers without RoPE
 }
 
 

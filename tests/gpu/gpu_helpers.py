@@ -55,7 +55,7 @@ def teacher_forced_logits(cfg, state_dict: dict, dtype: torch.dtype, ids: list[i
     assert 256 < n <= 1024, n
     model = _materialise(cfg, dtype, torch.device(DEV))
     model.load_weights(state_dict.items())
-    backend = TritonBackend(cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.head_dim**-0.5)
+    backend = TritonBackend(cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.attention_scale)
     runner = ModelRunner(model, backend, KVCacheSpec.for_model(cfg, 16, dtype), 64, Sampler(),
                          SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=256, max_model_len=1024))
     runner.enable_cuda_graphs(8, 256, 1024)

@@ -1,5 +1,6 @@
-"""New model families on the GPU (issue 31): tiny random Qwen2 (q/k/v biases) and Llama with
-Llama 3.1's RoPE scaling, in float32 through the engine's GPU path (Triton kernels, the fused
+"""New model families on the GPU (issue 31): tiny random Qwen2 (q/k/v biases), Llamas with
+Llama 3.1's and YaRN's RoPE scaling, Phi-3 (partial rotation, LongRoPE) and SmolLM3 (layers
+without RoPE), in float32 through the engine's GPU path (Triton kernels, the fused
 q/k RoPE kernel, CUDA graphs): greedy tokens equal Transformers' (float32, CPU), prompts
 running past the original context."""
 
@@ -16,7 +17,7 @@ pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a C
 sys.path.insert(0, str(Path(__file__).parents[1]))  # (the CPU tests' checkpoint makers)
 
 
-@pytest.mark.parametrize("kind", ["qwen2", "llama3"])
+@pytest.mark.parametrize("kind", ["qwen2", "llama3", "yarn", "phi3", "smollm3"])
 def test_the_engine_on_the_gpu_generates_transformers_tokens(tmp_path, kind):
     from test_model_families import _checkpoint
 
@@ -25,7 +26,8 @@ def test_the_engine_on_the_gpu_generates_transformers_tokens(tmp_path, kind):
 
     hf = _checkpoint(tmp_path, kind)  # (Transformers' tokens, in float32 on the CPU)
     g = torch.Generator().manual_seed(2)
-    prompts = [torch.randint(0, 256, (n,), generator=g).tolist() for n in (90, 5, 150)]
+    # (Phi-3: prompts past its original context, where Transformers too takes the long factors)
+    prompts = [torch.randint(0, 256, (n,), generator=g).tolist() for n in ((90, 5, 150) if kind != "phi3" else (90, 65, 150))]
     # (the checkpoint has no tokenizer, nor the GPU machine the embedded one: PS_TOKENIZER)
     llm = LLM(str(tmp_path), dtype="float32", device="cuda", kv_cache_memory=64 << 20, max_model_len=1024,
               tokenizer=os.environ.get("PS_TOKENIZER"))
