@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import re
 import signal
@@ -11,6 +12,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import AsyncIterator
 from pathlib import Path
 
 import httpx
@@ -67,7 +69,11 @@ def alive(pid: int) -> bool:
 def metrics(url: str) -> dict[str, float]:
     """The labelled engine gauges and counters of a server's /metrics (`vllm:*`, `pagedserve_*`),
     by metric name; of a series with several label sets, the first."""
-    text = httpx.get(url + "/metrics", timeout=10).text
+    return parse_metrics(httpx.get(url + "/metrics", timeout=10).text)
+
+
+def parse_metrics(text: str) -> dict[str, float]:
+    """`metrics`, from the text of a /metrics answer."""
     out = {}
     for m in re.finditer(r"^((?:vllm:|pagedserve_)\w+)\{[^}]*\} (\S+)$", text, re.M):
         out.setdefault(m.group(1), float(m.group(2)))
@@ -85,6 +91,59 @@ def wait_idle(url: str, timeout: float = 15.0) -> dict[str, float]:
         if idle or time.monotonic() > deadline:
             return m
         time.sleep(0.2)
+
+
+class SseStream:
+    """What a client saw of one streamed completion (chat or not): its server-sent events
+    `data: {...}`, an error event's error, and whether `data: [DONE]` ended it."""
+
+    def __init__(self) -> None:
+        self.status: int | None = None
+        self.headers: httpx.Headers | None = None
+        self.events: list[dict] = []  # every JSON event but an error event
+        self.error: dict | None = None  # an error event's error ({"transport": ...}: see below)
+        self.done = False  # got data: [DONE]
+        self.first_event_at: float | None = None  # (time.monotonic())
+        self.ended_at: float | None = None
+
+    @property
+    def finish_reasons(self) -> list[str]:
+        return [c["finish_reason"] for e in self.events for c in e.get("choices", []) if c.get("finish_reason")]
+
+
+async def sse_events(response: httpx.Response) -> AsyncIterator[dict | None]:
+    """The JSON of each `data: ...` line of a streamed response; None for `data: [DONE]`."""
+    async for line in response.aiter_lines():
+        if line == "data: [DONE]":
+            yield None
+        elif line.startswith("data: "):
+            yield json.loads(line[6:])
+
+
+async def stream_completion(client: httpx.AsyncClient, url: str, body: dict, *,
+                            path: str = "/v1/completions", transport_errors: bool = False) -> SseStream:
+    """POST `body` with `"stream": true` to `url + path` and read the stream to its end. With
+    `transport_errors`, a connection that breaks ends it with error {"transport": ...} instead
+    of raising."""
+    s = SseStream()
+    try:
+        async with client.stream("POST", url + path, json={**body, "stream": True}) as r:
+            s.status, s.headers = r.status_code, r.headers
+            async for event in sse_events(r):
+                if s.first_event_at is None:
+                    s.first_event_at = time.monotonic()
+                if event is None:
+                    s.done = True
+                elif "error" in event:
+                    s.error = event["error"]
+                else:
+                    s.events.append(event)
+    except httpx.HTTPError as e:
+        if not transport_errors:
+            raise
+        s.error = {"transport": repr(e)}
+    s.ended_at = time.monotonic()
+    return s
 
 
 class SubprocessUnderTest:
@@ -114,8 +173,32 @@ class SubprocessUnderTest:
         self.stop()
         raise RuntimeError(f"the {self.WHAT} was not ready after {timeout} s:\n{self.log_tail()}")
 
-    def stop(self) -> object:
-        raise NotImplementedError
+    # stop(): how long SIGTERM has before SIGKILL, whether SIGKILL goes to the whole process
+    # group (the session it leads), and how long its descendants have to end after it
+    STOP_TIMEOUT_S, KILL_GROUP, LINGER_S = 20.0, False, 10.0
+
+    def stop(self) -> list[int]:
+        """SIGTERM the process and wait; kill it (or its process group) if it is still there.
+        Then wait for its descendants; SIGKILL those that outlived it, and return them."""
+        kids = child_pids(self.proc.pid)
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(self.STOP_TIMEOUT_S)
+            except subprocess.TimeoutExpired:
+                if self.KILL_GROUP:
+                    os.killpg(self.proc.pid, signal.SIGKILL)
+                else:
+                    self.proc.kill()
+                self.proc.wait(10)
+        deadline = time.monotonic() + self.LINGER_S
+        while any(alive(p) for p in kids) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        leftovers = [p for p in kids if alive(p)]
+        for p in leftovers:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(p, signal.SIGKILL)
+        return leftovers
 
 
 class ServerProcess(SubprocessUnderTest):
@@ -150,22 +233,3 @@ class ServerProcess(SubprocessUnderTest):
         pids = [p for p in child_pids(self.proc.pid, depth=1) if "multiprocessing.spawn" in cmdline(p)]
         assert len(pids) == 1, f"expected one engine-core child, found {pids}"
         return pids[0]
-
-    def stop(self, timeout: float = 20.0) -> list[int]:
-        """SIGTERM the server and wait; kill what is left. Returns descendants that outlived it."""
-        kids = child_pids(self.proc.pid)
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(timeout)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(10)
-        deadline = time.monotonic() + 10
-        while any(alive(p) for p in kids) and time.monotonic() < deadline:
-            time.sleep(0.1)
-        leftovers = [p for p in kids if alive(p)]
-        for p in leftovers:
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(p, signal.SIGKILL)
-        return leftovers

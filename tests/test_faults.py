@@ -10,7 +10,6 @@ The `chaos` server is used in file order: its last test spends its restart budge
 from __future__ import annotations
 
 import asyncio
-import json
 import os
 import signal
 import socket
@@ -18,7 +17,15 @@ import time
 
 import httpx
 import pytest
-from server_helpers import ServerProcess, alive, child_pids, cmdline, wait_idle
+from server_helpers import (
+    ServerProcess,
+    SseStream,
+    alive,
+    child_pids,
+    cmdline,
+    stream_completion,
+    wait_idle,
+)
 
 OUTPUT_FAULT, REQUEST_FAULT, STEP_FAULT = 4242, 4243, 4244
 
@@ -34,44 +41,8 @@ def chaos():
     proc.stop()
 
 
-class Stream:
-    """What one streaming client saw."""
-
-    def __init__(self) -> None:
-        self.events: list[dict] = []
-        self.done = False  # got data: [DONE]
-        self.error: dict | None = None
-        self.first_event_at: float | None = None
-        self.ended_at: float | None = None
-        self.status: int | None = None
-
-    @property
-    def finish_reasons(self) -> list[str]:
-        return [c["finish_reason"] for e in self.events for c in e.get("choices", []) if c.get("finish_reason")]
-
-
-async def stream(client: httpx.AsyncClient, url: str, body: dict) -> Stream:
-    s = Stream()
-    try:
-        async with client.stream("POST", url + "/v1/completions", json={**body, "stream": True}) as r:
-            s.status = r.status_code
-            async for line in r.aiter_lines():
-                if not line.startswith("data: "):
-                    continue
-                if s.first_event_at is None:
-                    s.first_event_at = time.monotonic()
-                if line == "data: [DONE]":
-                    s.done = True
-                    continue
-                event = json.loads(line[6:])
-                if "error" in event:
-                    s.error = event["error"]
-                else:
-                    s.events.append(event)
-    except httpx.HTTPError as e:
-        s.error = {"transport": repr(e)}
-    s.ended_at = time.monotonic()
-    return s
+async def stream(client: httpx.AsyncClient, url: str, body: dict) -> SseStream:
+    return await stream_completion(client, url, body, transport_errors=True)
 
 
 def prompt(i: int, trigger: int | None = None) -> list[int]:

@@ -1,16 +1,16 @@
 """Replicas on a local Ray cluster (issue 28): `pagedserve serve-ray` with 2 CPU replicas of
 SmolLM2 on a real port. The openai client gets answers from both replicas; each conversation
 stays on one replica over its turns, and its later turns find their prefix in that replica's
-KV cache; a killed replica's streams end with a clear error while the other replica's finish,
-and Ray Serve replaces it; SIGTERM stops everything, Ray's own processes included."""
+KV cache; a client that leaves mid-stream has its request aborted on the replica; a killed
+replica's streams end with a clear error while the other replica's finish, and Ray Serve
+replaces it; SIGTERM stops everything, Ray's own processes included."""
 
 from __future__ import annotations
 
 import asyncio
-import json
+import contextlib
 import os
 import signal
-import subprocess
 import sys
 import time
 
@@ -19,11 +19,15 @@ import openai
 import pytest
 from server_helpers import (
     KV_CACHE_BYTES,
+    SseStream,
     SubprocessUnderTest,
     alive,
     child_pids,
     cmdline,
     free_port,
+    parse_metrics,
+    sse_events,
+    stream_completion,
 )
 
 REPLICA = "x-pagedserve-replica"
@@ -31,6 +35,7 @@ REPLICA = "x-pagedserve-replica"
 
 class RayServeProcess(SubprocessUnderTest):
     WHAT, READY_PATH = "serve-ray", "/v1/models"
+    STOP_TIMEOUT_S, KILL_GROUP, LINGER_S = 90.0, True, 15.0
 
     def __init__(self, *args: str) -> None:
         self.port = free_port()
@@ -46,23 +51,6 @@ class RayServeProcess(SubprocessUnderTest):
 
     def replica_pids(self) -> list[int]:
         return [p for p in child_pids(self.proc.pid) if "ServeReplica:pagedserve:EngineReplica" in cmdline(p)]
-
-    def stop(self, timeout: float = 90.0) -> list[int]:
-        kids = child_pids(self.proc.pid)
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(timeout)
-            except subprocess.TimeoutExpired:
-                os.killpg(self.proc.pid, signal.SIGKILL)
-                self.proc.wait(10)
-        deadline = time.monotonic() + 15
-        while any(alive(p) for p in kids) and time.monotonic() < deadline:
-            time.sleep(0.2)
-        leftovers = [p for p in kids if alive(p)]
-        for p in leftovers:
-            os.kill(p, signal.SIGKILL)
-        return leftovers
 
 
 @pytest.fixture(scope="module")
@@ -136,28 +124,75 @@ def test_a_conversation_stays_on_its_replica_and_hits_its_prefix_cache(cluster):
     assert len(set(replicas)) == 1 and cached[1] >= cached[0] + 16 and cached[2] >= cached[1] + 16, cached
 
 
+def _replica_metrics(url: str) -> tuple[str, dict[str, float]]:
+    """The /metrics of the replica the ingress sent the request to, and that replica's id."""
+    r = httpx.get(url + "/metrics", timeout=10)
+    assert r.status_code == 200, r.text
+    return r.headers[REPLICA], parse_metrics(r.text)
+
+
+def test_a_client_that_leaves_mid_stream_has_its_request_aborted_on_the_replica(cluster):
+    """A client that closes its connection a few tokens into a stream of 2,000: the ingress
+    cancels the replica's stream and the replica's app aborts the request, so within seconds
+    that replica runs nothing, holds no KV block, and generated far fewer than 2,000 tokens.
+    (/metrics carries no conversation key, so it goes to the least loaded replica and, of
+    equally loaded ones, always to the same one, `home`: the test streams from `home`, which
+    /metrics reaches again only once `home` is as idle as the other replica.)"""
+    url = cluster.url
+    deadline = time.monotonic() + 10
+    while True:  # (the earlier tests' requests are over)
+        home, before = _replica_metrics(url)
+        if before["vllm:num_requests_running"] == 0 and before["vllm:kv_cache_usage_perc"] == 0:
+            break
+        assert time.monotonic() < deadline, (home, before)
+        time.sleep(0.2)
+    for i in range(32):  # a conversation the router keeps on `home`: its first request went there
+        body = {"prompt": f"Tell me a very long story, number {i}.", "max_tokens": 1}
+        if httpx.post(url + "/v1/completions", json=body, timeout=60).headers[REPLICA] == home:
+            break
+    else:
+        pytest.fail(f"32 new conversations, none on {home}")
+
+    long = {**body, "max_tokens": 2000, "ignore_eos": True, "stream": True}
+
+    async def leave_after(n: int) -> tuple[str, int]:
+        received = 0
+        async with (httpx.AsyncClient(timeout=60) as client,
+                    client.stream("POST", url + "/v1/completions", json=long) as r,
+                    contextlib.aclosing(sse_events(r)) as events):
+            assert r.status_code == 200
+            async for event in events:
+                assert event is not None and "error" not in event, event
+                received += 1
+                if received == n:
+                    break
+        return r.headers[REPLICA], received  # (left: the connection is closed)
+
+    replica, received = asyncio.run(leave_after(5))
+    left_at = time.monotonic()
+    assert replica == home and received == 5
+    readings = []
+    while True:
+        replica, m = _replica_metrics(url)
+        readings.append((replica, m["vllm:num_requests_running"], m["vllm:kv_cache_usage_perc"]))
+        if replica == home and m["vllm:num_requests_running"] == 0 and m["vllm:kv_cache_usage_perc"] == 0:
+            break
+        assert time.monotonic() - left_at < 10, f"not aborted 10 s after the client left: {readings[-5:]}"
+        time.sleep(0.2)
+    generated = m["vllm:generation_tokens_total"] - before["vllm:generation_tokens_total"]
+    assert received <= generated < 1000, generated
+    print(f"aborted on the replica {time.monotonic() - left_at:.2f} s after the client left, "
+          f"{generated:.0f} tokens generated")
+
+
 def test_a_killed_replica_fails_only_its_streams_and_is_replaced(cluster):
     url = cluster.url
     pids = cluster.replica_pids()
     assert len(pids) == 2
 
-    async def stream(client: httpx.AsyncClient, i: int) -> dict:
-        seen = {"replica": None, "tokens": 0, "error": None, "finish": None, "done": False}
-        body = {"prompt": f"Story {i}: once upon a time", "max_tokens": 400, "ignore_eos": True,
-                "stream": True}
-        async with client.stream("POST", url + "/v1/completions", json=body) as r:
-            seen["replica"] = r.headers[REPLICA]
-            async for line in r.aiter_lines():
-                if line == "data: [DONE]":
-                    seen["done"] = True
-                elif line.startswith("data: "):
-                    event = json.loads(line[6:])
-                    if "error" in event:
-                        seen["error"] = event["error"]
-                    else:
-                        seen["tokens"] += 1
-                        seen["finish"] = event["choices"][0]["finish_reason"] or seen["finish"]
-        return seen
+    async def stream(client: httpx.AsyncClient, i: int) -> SseStream:
+        body = {"prompt": f"Story {i}: once upon a time", "max_tokens": 400, "ignore_eos": True}
+        return await stream_completion(client, url, body)
 
     async def run():
         async with httpx.AsyncClient(timeout=180) as client:
@@ -167,16 +202,17 @@ def test_a_killed_replica_fails_only_its_streams_and_is_replaced(cluster):
             return await asyncio.gather(*tasks)
 
     results = asyncio.run(run())
-    failed = [s for s in results if s["error"]]
-    finished = [s for s in results if not s["error"]]
-    assert failed and finished, results  # (least load spread the four over both replicas)
-    assert len({s["replica"] for s in failed}) == 1 and not {s["replica"] for s in finished} & {failed[0]["replica"]}
+    failed = [s for s in results if s.error]
+    finished = [s for s in results if not s.error]
+    assert failed and finished, [vars(s) for s in results]  # (least load spread the four over both replicas)
+    dead = failed[0].headers[REPLICA]
+    assert {s.headers[REPLICA] for s in failed} == {dead} and dead not in {s.headers[REPLICA] for s in finished}
     for s in failed:
-        assert s["done"] and s["error"]["code"] == "replica_unavailable" and "retry" in s["error"]["message"], s
+        assert s.done and s.error["code"] == "replica_unavailable" and "retry" in s.error["message"], vars(s)
     for s in finished:
-        assert s["done"] and s["finish"] == "length" and s["tokens"] == 400, s
+        assert s.done and s.finish_reasons == ["length"] and len(s.events) == 400, vars(s)
     # Ray Serve starts a new replica: soon two answer again, one of them new
-    dead, deadline, seen = failed[0]["replica"], time.monotonic() + 150, set()
+    deadline, seen = time.monotonic() + 150, set()
     while len(seen - {dead}) < 2:
         assert time.monotonic() < deadline, f"not replaced: {seen}\n{cluster.log_tail()}"
         r = httpx.post(url + "/v1/completions", json={"prompt": f"Hi {time.monotonic()}", "max_tokens": 2},

@@ -1,4 +1,5 @@
-"""The scaling simulation (benchmarks/scaling_sim.py): replicas for a load, routers' prefix hits."""
+"""The scaling simulation (benchmarks/scaling_sim.py): replicas for a load, and routers' prefix
+hits (benchmarks/routing_sim.py)."""
 
 from __future__ import annotations
 
@@ -10,10 +11,18 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).parents[1]
-_spec = importlib.util.spec_from_file_location("scaling_sim", ROOT / "benchmarks" / "scaling_sim.py")
-sim = importlib.util.module_from_spec(_spec)
-sys.modules["scaling_sim"] = sim  # its dataclasses look their module up
-_spec.loader.exec_module(sim)
+
+
+def _load(name: str):
+    spec = importlib.util.spec_from_file_location(name, ROOT / "benchmarks" / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module  # its dataclasses look their module up (and scaling_sim imports it)
+    spec.loader.exec_module(module)
+    return module
+
+
+routing_sim = _load("routing_sim")
+sim = _load("scaling_sim")
 
 
 def test_embedded_curves_are_the_result_files() -> None:
@@ -70,7 +79,7 @@ def test_a_tighter_slo_needs_more_replicas() -> None:
 
 
 def test_lru_keeps_the_most_recent_within_capacity() -> None:
-    lru = sim._Lru(100)
+    lru = routing_sim._Lru(100)
     lru.put("a", 40)
     lru.put("b", 40)
     lru.put("a", 50)  # a grows and becomes the most recent
@@ -80,10 +89,12 @@ def test_lru_keeps_the_most_recent_within_capacity() -> None:
 
 @pytest.fixture(scope="module")
 def routing() -> dict:
-    cfg = sim.TraceConfig(conversations=2_000, conv_rate=10.0, think_s=10.0)
-    trace = sim.make_trace(cfg)
-    return {name: sim.simulate_routing(trace, name, 4, cfg, kv_tokens=400_000, warmup_s=60)
-            for name in sim.ROUTERS}
+    cfg = routing_sim.TraceConfig(conversations=2_000, conv_rate=10.0, think_s=10.0)
+    trace = routing_sim.make_trace(cfg)
+    curves = sim.Curves.measured()
+    return {name: routing_sim.simulate_routing(trace, name, 4, cfg, kv_tokens=400_000, curves=curves,
+                                               warmup_s=60)
+            for name in routing_sim.ROUTERS}
 
 
 def test_affinity_router_finds_more_of_the_prefix_than_random(routing: dict) -> None:

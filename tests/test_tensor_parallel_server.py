@@ -6,7 +6,6 @@ supervisor starts a new core (with new ranks) and serves again."""
 from __future__ import annotations
 
 import asyncio
-import json
 import os
 import shutil
 import signal
@@ -15,7 +14,16 @@ import time
 import httpx
 import pytest
 import torch
-from server_helpers import ServerProcess, alive, child_pids, cmdline, metrics, wait_idle
+from server_helpers import (
+    ServerProcess,
+    SseStream,
+    alive,
+    child_pids,
+    cmdline,
+    metrics,
+    stream_completion,
+    wait_idle,
+)
 
 from conftest import TINY_LLAMA
 
@@ -46,21 +54,9 @@ def _restarts(url: str) -> float:
                if line.startswith("pagedserve_engine_restarts_total"))
 
 
-async def _stream(client: httpx.AsyncClient, url: str, i: int) -> dict:
-    seen: dict = {"tokens": 0, "error": None, "done": False}
-    body = {"prompt": [1, 300 + i, 700 + i], "max_tokens": 1000, "ignore_eos": True, "stream": True}
-    async with client.stream("POST", url + "/v1/completions", json=body) as r:
-        async for line in r.aiter_lines():
-            if line == "data: [DONE]":
-                seen["done"] = True
-            elif line.startswith("data: "):
-                event = json.loads(line[6:])
-                if "error" in event:
-                    seen["error"] = event["error"]
-                else:
-                    seen["tokens"] += 1
-    seen["ended_at"] = time.monotonic()
-    return seen
+async def _stream(client: httpx.AsyncClient, url: str, i: int) -> SseStream:
+    body = {"prompt": [1, 300 + i, 700 + i], "max_tokens": 1000, "ignore_eos": True}
+    return await stream_completion(client, url, body)
 
 
 def test_a_killed_rank_ends_its_streams_and_a_new_engine_serves(tiny_with_tokenizer):
@@ -83,9 +79,9 @@ def test_a_killed_rank_ends_its_streams_and_a_new_engine_serves(tiny_with_tokeni
                 return await asyncio.gather(*tasks)
 
         for s in asyncio.run(run()):
-            assert s["done"] and s["tokens"] > 0 and s["error"], s
-            assert "tensor-parallel rank 1 ended" in s["error"]["message"], s
-            assert s["ended_at"] - killed["at"] < 5
+            assert s.done and s.events and s.error, vars(s)
+            assert "tensor-parallel rank 1 ended" in s.error["message"], vars(s)
+            assert s.ended_at - killed["at"] < 5
         deadline = killed["at"] + 90
         while _restarts(url) < 1 or httpx.get(url + "/health").status_code != 200:
             assert time.monotonic() < deadline, "not serving 90 s after a rank died\n" + server.log_tail()
