@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from pagedserve.faults import FaultPlan
+from pagedserve.models.moe_config import MoeConfig
 from pagedserve.models.rope_scaling import RopeScaling
 from pagedserve.spec_decode.config import SpeculativeConfig
 
@@ -77,6 +78,12 @@ class ModelConfig:
     rotary_dim: int = 0  # dimensions of each head RoPE rotates (0: all, Phi-4-mini: 3/4)
     no_rope_layers: tuple[int, ...] = ()  # layers without RoPE (SmolLM3)
     sliding_windows: tuple[int | None, ...] = ()  # per layer: keys a query sees (None: all; empty: no window)
+    sliding_rope_theta: float | None = None  # the sliding layers' own RoPE base (Gemma 3), unscaled
+    hidden_act: str = "silu"  # the gated MLP's activation: silu | gelu_pytorch_tanh (Gemma)
+    embedding_multiplier: float = 1.0  # embeddings scaled by it (Gemma: sqrt(hidden_size))
+    query_pre_attn_scalar: float | None = None  # softmax scale 1/sqrt(it) instead of 1/sqrt(head_dim) (Gemma)
+    final_logit_softcapping: float | None = None  # logits = cap * tanh(logits / cap)
+    moe: MoeConfig | None = None  # a mixture-of-experts model's sparse layers (Qwen3-MoE)
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
     hf_config: dict[str, Any] = field(default_factory=dict, compare=False, repr=False)
@@ -103,12 +110,12 @@ class ModelConfig:
 
     @property
     def attention_scale(self) -> float:
-        """The softmax scale of q.k: 1/sqrt(head_dim), times the square of YaRN's or
+        """The softmax scale of q.k: 1/sqrt(head_dim) (Gemma: 1/sqrt(query_pre_attn_scalar)), times the square of YaRN's or
         LongRoPE's attention factor (Transformers multiplies cos and sin, so q and k, by it).
         With a partial rotation the factor scales the rotated dimensions only: the loader
         folds it into those rows of q's and k's weights instead (`LlamaForCausalLM`)."""
         factor = self.rope_scaling.attention_factor if self.rope_scaling and not self.partial_rotation else 1.0
-        return self.head_dim**-0.5 * factor * factor
+        return (self.query_pre_attn_scalar or self.head_dim) ** -0.5 * factor * factor
 
     @property
     def q_size(self) -> int:
@@ -130,7 +137,21 @@ class ModelConfig:
             attn += 2 * self.head_dim
         per_layer = attn + 3 * h * i + 2 * h
         embeddings = v * h * (1 if self.tie_word_embeddings else 2)
-        return self.num_layers * per_layer + embeddings + h
+        total = self.num_layers * per_layer + embeddings + h
+        if self.moe:  # sparse layers: the router and every expert in place of the dense MLP
+            sparse = self.moe.num_experts * (h + 3 * h * self.moe.intermediate_size) - 3 * h * i
+            total += len(self.moe.layers) * sparse
+        return total
+
+    def expert_parameters(self) -> int:
+        """Parameters of one expert in every sparse layer (0 without experts)."""
+        return 3 * self.hidden_size * self.moe.intermediate_size * len(self.moe.layers) if self.moe else 0
+
+    def active_parameters(self) -> int:
+        """Parameters a token runs through: all but the experts it is not routed to."""
+        if not self.moe:
+            return self.num_parameters()
+        return self.num_parameters() - (self.moe.num_experts - self.moe.top_k) * self.expert_parameters()
 
     @classmethod
     def from_hf_config(cls, cfg: dict[str, Any]) -> ModelConfig:

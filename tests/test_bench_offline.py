@@ -92,3 +92,24 @@ def test_the_roofline_counts_the_bytes_a_quantized_model_reads():
     assert 1.0e-3 < fp8.decode_step_seconds(1024, 1) < 1.1e-3
     assert Roofline.for_model(cfg, kv_cache_dtype="fp8").kv_bytes_per_token * 2 == bf16.kv_bytes_per_token
     assert fp8.flops == 2 * bf16.flops and awq.flops == bf16.flops
+
+
+def test_the_roofline_of_a_mixture_of_experts_reads_the_experts_its_tokens_reach():
+    """Qwen3-30B-A3B (30.5B parameters, 3.35B active): one token computes with the active
+    parameters and reads 8 experts a layer; a step of n tokens reads the experts n uniformly
+    routed tokens reach, all 128 at large n."""
+    from pagedserve.bench.roofline import Roofline
+    from pagedserve.config import ModelConfig
+    from pagedserve.models.presets import load_preset
+
+    cfg = ModelConfig.from_hf_config(load_preset("qwen3-30b-a3b"))
+    assert round(cfg.num_parameters() / 1e9, 1) == 30.5 and round(cfg.active_parameters() / 1e9, 2) == 3.35
+    roof = Roofline.for_model(cfg)
+    expert = 3 * cfg.hidden_size * 768 * 48 * 2  # bytes of one expert over the 48 layers
+    assert roof.expert_bytes == expert and roof.params == cfg.active_parameters()
+    embed = cfg.vocab_size * cfg.hidden_size * 2  # (untied: gathered, not read)
+    assert roof.weight_bytes + 8 * expert == cfg.active_parameters() * 2 - embed
+    one = roof.decode_step_seconds(0, 1) * roof.bandwidth
+    assert abs(one - (roof.weight_bytes + 8 * expert)) < 1
+    many = roof.decode_step_seconds(0, 256) * roof.bandwidth  # (still memory-bound)
+    assert abs(many - (roof.weight_bytes + 128 * expert)) / many < 1e-6

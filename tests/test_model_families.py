@@ -39,6 +39,23 @@ SMOLLM3 = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden
                num_key_value_heads=2, max_position_embeddings=1024, rms_norm_eps=1e-6, tie_word_embeddings=True,
                rope_theta=10000.0, no_rope_layers=[1, 1, 0], pad_token_id=0, bos_token_id=1, eos_token_id=2)
 
+# Gemma 3 in small: sliding layers (window 32, RoPE base 10,000) around a global one (base 1e6,
+# linear scaling 8), softmax scale from query_pre_attn_scalar, logit soft-capping (Gemma 2's;
+# Gemma 3 ships without) to cover it
+GEMMA3 = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
+              num_key_value_heads=2, head_dim=16, query_pre_attn_scalar=24, sliding_window=32,
+              layer_types=["sliding_attention", "sliding_attention", "full_attention", "sliding_attention"],
+              max_position_embeddings=1024, rms_norm_eps=1e-6, final_logit_softcapping=30.0,
+              rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+                               "full_attention": {"rope_type": "linear", "factor": 8.0, "rope_theta": 1e6}},
+              pad_token_id=0, bos_token_id=2, eos_token_id=1)
+
+# Qwen3-MoE in small: 8 experts, 2 a token, layer 1 dense (mlp_only_layers)
+QWEN3_MOE = dict(vocab_size=256, hidden_size=64, intermediate_size=96, moe_intermediate_size=32, num_experts=8,
+                 num_experts_per_tok=2, norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[1],
+                 num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                 max_position_embeddings=1024, rms_norm_eps=1e-6, tie_word_embeddings=False, rope_theta=10000.0)
+
 
 def _checkpoint(folder, kind: str):
     """A tiny random checkpoint of family/RoPE `kind`, saved by Transformers into `folder`;
@@ -56,6 +73,14 @@ def _checkpoint(folder, kind: str):
         model = transformers.Phi3ForCausalLM(transformers.Phi3Config(**PHI3))
     elif kind == "smollm3":
         model = transformers.SmolLM3ForCausalLM(transformers.SmolLM3Config(**SMOLLM3))
+    elif kind == "gemma3":
+        model = transformers.Gemma3ForCausalLM(transformers.Gemma3TextConfig(**GEMMA3))
+        with torch.no_grad():  # (norm weights start at zero, stored as offsets from 1: make them count)
+            for name, p in model.named_parameters():
+                if name.endswith("norm.weight"):
+                    p.uniform_(-0.5, 0.5)
+    elif kind == "qwen3_moe":
+        model = transformers.Qwen3MoeForCausalLM(transformers.Qwen3MoeConfig(**QWEN3_MOE))
     elif kind == "mistral":
         model = transformers.MistralForCausalLM(transformers.MistralConfig(**{**TINY_LLAMA, "sliding_window": None}))
     else:
@@ -79,7 +104,7 @@ def _assert_logits_match(hf, ours, seqs):
         torch.testing.assert_close(logits, ref, rtol=1e-4, atol=1e-4)
 
 
-@pytest.mark.parametrize("kind", ["qwen2", "linear", "llama3", "yarn", "phi3", "smollm3", "mistral"])
+@pytest.mark.parametrize("kind", ["qwen2", "linear", "llama3", "yarn", "phi3", "smollm3", "mistral", "qwen3_moe"])
 def test_logits_match_transformers_beyond_the_original_context(tmp_path, kind):
     hf = _checkpoint(tmp_path, kind)
     ours = build_model(resolve_model(str(tmp_path)), dtype="float32")
@@ -119,6 +144,18 @@ def test_the_family_features_change_the_logits(tmp_path, monkeypatch):
         _assert_logits_match(hf, build_model(resolve_model(str(tmp_path / "phi3b")), dtype="float32"), seqs)
 
 
+def test_a_qwen3_moe_checkpoint_missing_an_expert_is_refused_naming_it(tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    _checkpoint(tmp_path, "qwen3_moe")
+    path = str(tmp_path / "model.safetensors")
+    tensors = load_file(path)
+    del tensors["model.layers.2.mlp.experts.5.up_proj.weight"]
+    save_file(tensors, path)
+    with pytest.raises(ValueError, match=r"missing weight tensors for: model\.layers\.2\.mlp\.experts\.5\.up_proj\.weight"):
+        build_model(resolve_model(str(tmp_path)), dtype="float32")
+
+
 def test_dynamic_ntk_matches_transformers_at_its_scaled_length(tmp_path):
     """Dynamic NTK's base is fixed (as vLLM's) for factor x max_position_embeddings tokens;
     Transformers grows it with the sequence, so the two agree on a sequence of that length."""
@@ -136,7 +173,7 @@ def test_longrope_serving_the_original_context_takes_the_short_factors(tmp_path)
         _assert_logits_match(hf, long, _random_prompts((64,), 3))
 
 
-@pytest.mark.parametrize("kind", ["qwen2", "llama3", "yarn", "phi3", "smollm3"])
+@pytest.mark.parametrize("kind", ["qwen2", "llama3", "yarn", "phi3", "smollm3", "qwen3_moe"])
 def test_the_engine_generates_transformers_tokens(tmp_path, kind):
     from pagedserve import LLM, SamplingParams
 

@@ -6,7 +6,9 @@ max(bytes / bandwidth, FLOPs / peak); summed over a workload it gives the ideal 
 ideal / measured is the roofline efficiency. A quantized model is judged on the bytes it
 really reads: its decoder projections at their stored size (FP8: 1 byte a weight; 4-bit: half
 a byte plus a 16-bit scale and zero per group of 128), an FP8 KV cache at 1 byte an element;
-W8A8 FP8 products have twice the bf16 FLOP/s (Hopper's FP8 tensor cores).
+W8A8 FP8 products have twice the bf16 FLOP/s (Hopper's FP8 tensor cores). A mixture of
+experts computes with its active parameters and reads, in a step of n tokens, the experts that
+n tokens routed uniformly at random would reach (`MoeConfig.expected_experts_read`).
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from pagedserve.config import ModelConfig
+from pagedserve.models.moe_config import MoeConfig
 
 H200_BANDWIDTH = 4.25e12  # bytes/s, measured copy bandwidth (read + write)
 H200_BF16_FLOPS = 790e12  # FLOP/s, measured bf16 matmul
@@ -25,11 +28,13 @@ FLOPS_FACTOR = {"fp8": 2.0, "compressed-tensors": 2.0}
 
 @dataclass(frozen=True)
 class Roofline:
-    params: int
-    weight_bytes: int  # bytes a decode step must read (an untied input embedding is only gathered)
+    params: int  # parameters a token runs through (a mixture of experts: its active ones)
+    weight_bytes: int  # bytes a decode step must read (an untied input embedding is only gathered; no experts)
     kv_bytes_per_token: int
     bandwidth: float = H200_BANDWIDTH
     flops: float = H200_BF16_FLOPS
+    expert_bytes: int = 0  # a mixture of experts: one expert's bytes over all its sparse layers
+    moe: MoeConfig | None = None  # ... and its routing: a step of n tokens reads expected_experts_read(n)
 
     @classmethod
     def for_model(cls, cfg: ModelConfig, dtype_bytes: int = 2, quantization: str | None = None,
@@ -38,7 +43,8 @@ class Roofline:
         `quantization` keeps them and its KV cache in `kv_cache_dtype` ("auto": the dtype)."""
         params = cfg.num_parameters()
         gathered = 0 if cfg.tie_word_embeddings else cfg.vocab_size * cfg.hidden_size
-        weight_bytes = (params - gathered) * dtype_bytes
+        experts = cfg.expert_parameters() * (cfg.moe.num_experts if cfg.moe else 0)
+        weight_bytes = (params - gathered - experts) * dtype_bytes
         per_weight = WEIGHT_BYTES.get(quantization)
         if per_weight is not None:
             h, i = cfg.hidden_size, cfg.intermediate_size
@@ -47,7 +53,8 @@ class Roofline:
         kv_bytes = 1 if kv_cache_dtype.startswith("fp8") else dtype_bytes
         kv = cfg.num_layers * 2 * cfg.num_kv_heads * cfg.head_dim * kv_bytes
         flops = H200_BF16_FLOPS * FLOPS_FACTOR.get(quantization, 1.0)
-        return cls(params, weight_bytes, kv, flops=flops)
+        return cls(cfg.active_parameters(), weight_bytes, kv, flops=flops,
+                   expert_bytes=cfg.expert_parameters() * dtype_bytes, moe=cfg.moe)
 
     def decode_step_seconds(self, context_lens: list[int] | int, batch: int | None = None) -> float:
         """Ideal time of one decode step over sequences with these context lengths."""
@@ -56,6 +63,8 @@ class Roofline:
         else:
             total_ctx, n = sum(context_lens), len(context_lens)
         bytes_moved = self.weight_bytes + total_ctx * self.kv_bytes_per_token
+        if self.moe is not None:
+            bytes_moved += self.moe.expected_experts_read(n) * self.expert_bytes
         return max(bytes_moved / self.bandwidth, 2 * self.params * n / self.flops)
 
     def prefill_seconds(self, num_tokens: int) -> float:

@@ -1,4 +1,5 @@
-"""SiLU-and-multiply for the gated MLP; Triton on CUDA, plain torch elsewhere."""
+"""The gated MLP's activation-and-multiply: SiLU (Triton on CUDA, plain torch elsewhere) and
+GELU with the tanh approximation (Gemma's GeGLU; torch)."""
 
 from __future__ import annotations
 
@@ -14,3 +15,12 @@ def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
         return fused(gate_up)
     gate, up = gate_up.chunk(2, dim=-1)
     return F.silu(gate) * up
+
+
+def gelu_tanh_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    # gate_up: [T, 2 * intermediate] -> [T, intermediate]
+    gate, up = gate_up.chunk(2, dim=-1)
+    return F.gelu(gate, approximate="tanh") * up
+
+
+ACTIVATIONS = {"silu": silu_and_mul, "gelu_pytorch_tanh": gelu_tanh_and_mul}

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
+from pagedserve.models.moe_config import MoeConfig
 from pagedserve.models.registry import resolve_architecture
 from pagedserve.models.rope_scaling import RopeScaling
 
@@ -21,6 +22,11 @@ def model_config_from_hf(cfg: dict[str, Any]) -> ModelConfig:
     from pagedserve.config import ModelConfig
 
     arch = resolve_architecture(cfg.get("architectures"))
+    if arch == "Gemma3ForConditionalGeneration":  # (Gemma 3 4B and up: the text model inside)
+        cfg = {**cfg["text_config"], "architectures": ["Gemma3ForCausalLM"],
+               **{k: cfg[k] for k in ("eos_token_id", "bos_token_id", "_pagedserve") if k in cfg}}
+        arch = "Gemma3ForCausalLM"
+    gemma = arch == "Gemma3ForCausalLM"
     num_heads = int(cfg["num_attention_heads"])
     hidden = int(cfg["hidden_size"])
     head_dim = int(cfg.get("head_dim") or hidden // num_heads)
@@ -31,7 +37,17 @@ def model_config_from_hf(cfg: dict[str, Any]) -> ModelConfig:
     extra = cfg.get("_pagedserve", {}).get("extra_eos_token_ids", [])
     eos_ids += [t for t in extra if t not in eos_ids]
     rope = _rope_dict(cfg, arch)
-    rope_theta = cfg.get("rope_theta", rope.get("rope_theta", 10000.0))
+    sliding_rope = rope.pop("sliding_attention", None)  # Gemma 3 (Transformers 5): per layer type
+    rope = rope.pop("full_attention", rope)
+    rope_theta = cfg.get("rope_theta", rope.get("rope_theta", 1e6 if gemma else 10000.0))
+    if sliding_rope and sliding_rope.get("rope_type", "default") != "default":
+        raise ValueError("RoPE scaling of the sliding-window layers is not supported yet")
+    sliding_theta = (sliding_rope or {}).get("rope_theta", cfg.get("rope_local_base_freq", 10000.0 if gemma else None))
+    act = cfg.get("hidden_activation") or cfg.get("hidden_act") or "silu"
+    if act not in ("silu", "gelu_pytorch_tanh"):
+        raise ValueError(f"MLP activation {act!r} is not supported (silu, gelu_pytorch_tanh)")
+    if cfg.get("attn_logit_softcapping"):
+        raise ValueError("attention logit soft-capping (attn_logit_softcapping) is not supported yet")
     partial = float(cfg.get("partial_rotary_factor") or rope.get("partial_rotary_factor") or 1.0)
     # Qwen2 has q/k/v biases (no flag in its config) and none on o_proj; Llama and Qwen3
     # have both or neither, as attention_bias says
@@ -40,7 +56,7 @@ def model_config_from_hf(cfg: dict[str, Any]) -> ModelConfig:
         architecture=arch,
         vocab_size=int(cfg["vocab_size"]),
         hidden_size=hidden,
-        intermediate_size=int(cfg["intermediate_size"]),
+        intermediate_size=int(cfg.get("intermediate_size") or cfg.get("moe_intermediate_size")),
         num_layers=num_layers,
         num_heads=num_heads,
         num_kv_heads=int(cfg.get("num_key_value_heads") or num_heads),
@@ -49,13 +65,19 @@ def model_config_from_hf(cfg: dict[str, Any]) -> ModelConfig:
         rope_theta=float(rope_theta),
         max_position_embeddings=max_pos,
         tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
-        qk_norm=arch == "Qwen3ForCausalLM",
+        qk_norm=arch in ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM", "Gemma3ForCausalLM"),
         attention_bias=qkv_bias,
         o_proj_bias=arch != "Qwen2ForCausalLM" and bool(cfg.get("attention_bias", False)),
         rope_scaling=RopeScaling.from_hf(rope, max_pos),
         rotary_dim=int(head_dim * partial),
         no_rope_layers=_no_rope_layers(cfg, num_layers),
         sliding_windows=_sliding_windows(cfg, arch, num_layers, max_pos),
+        sliding_rope_theta=None if sliding_theta is None else float(sliding_theta),
+        hidden_act=act,
+        embedding_multiplier=hidden**0.5 if gemma else 1.0,
+        query_pre_attn_scalar=cfg.get("query_pre_attn_scalar") if gemma else None,
+        final_logit_softcapping=cfg.get("final_logit_softcapping"),
+        moe=MoeConfig.from_hf(cfg, num_layers) if arch == "Qwen3MoeForCausalLM" else None,
         bos_token_id=cfg.get("bos_token_id"),
         eos_token_ids=tuple(int(t) for t in eos_ids),
         hf_config=dict(cfg),
@@ -94,7 +116,8 @@ def _sliding_windows(cfg: dict[str, Any], arch: str, num_layers: int, max_pos: i
     `layer_types` where the config has them, else the family's convention. A window as wide as
     the model's context is no window. Empty when no layer slides."""
     window = cfg.get("sliding_window")
-    if not window or int(window) >= max_pos:
+    # (Gemma 3's sliding layers keep their own RoPE base, so they stay marked whatever the width)
+    if not window or (int(window) >= max_pos and arch != "Gemma3ForCausalLM"):
         return ()
     window = int(window)
     layer_types = cfg.get("layer_types")
@@ -109,6 +132,9 @@ def _sliding_windows(cfg: dict[str, Any], arch: str, num_layers: int, max_pos: i
         return ()
     if cfg.get("use_sliding_window") is False:  # (Qwen2, SmolLM3: the flag rules)
         return ()
+    if arch == "Gemma3ForCausalLM" and not layer_types:  # (configs before layer_types: every 6th global)
+        pattern = int(cfg.get("sliding_window_pattern", 6))
+        kinds = ["sliding_attention" if (i + 1) % pattern else "full_attention" for i in range(num_layers)]
     windows = tuple(window if kind == "sliding_attention" else None for kind in kinds)
     if any(windows):
         raise ValueError(f"sliding-window attention (sliding_window={window}) is not supported yet")

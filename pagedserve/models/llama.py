@@ -16,7 +16,7 @@ from torch import nn
 from pagedserve.attention.backend import AttentionContext
 from pagedserve.config import ModelConfig
 from pagedserve.distributed.tensor_parallel import SINGLE, TensorParallel
-from pagedserve.layers.activation import silu_and_mul
+from pagedserve.layers.activation import ACTIVATIONS
 from pagedserve.layers.embedding import VocabEmbedding
 from pagedserve.layers.linear import Linear, MergedLinear
 from pagedserve.layers.linear_method import LinearMethod
@@ -110,9 +110,10 @@ class MLP(nn.Module):
                                          tp=tp, parallel="column")
         self.down_proj = Linear(cfg.intermediate_size, cfg.hidden_size, bias=False,
                                 linear_method=_method_for(linear_method, prefix, "down_proj"), tp=tp, parallel="row")
+        self.act_and_mul = ACTIVATIONS[cfg.hidden_act]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(silu_and_mul(self.gate_up_proj(x)))
+        return self.down_proj(self.act_and_mul(self.gate_up_proj(x)))
 
 
 class DecoderLayer(nn.Module):
@@ -151,12 +152,14 @@ class LlamaForCausalLM(nn.Module):
     each holds its share of the heads, features and vocabulary, the logits come out whole).
     """
 
+    layer_class: type[nn.Module] = DecoderLayer  # (a family with another layer structure overrides it)
+
     def __init__(self, cfg: ModelConfig, linear_method: LinearMethod | None = None,
                  tp: TensorParallel = SINGLE, max_model_len: int | None = None) -> None:
         super().__init__()
         self.config, self.tp = cfg, tp
         self.embed_tokens = VocabEmbedding(cfg.vocab_size, cfg.hidden_size, tp)
-        self.layers = nn.ModuleList(DecoderLayer(cfg, i, linear_method, tp) for i in range(cfg.num_layers))
+        self.layers = nn.ModuleList(self.layer_class(cfg, i, linear_method, tp) for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         # max_model_len: the served context (LongRoPE's choice of factors); the model's own by default
         served = min(max_model_len or cfg.max_position_embeddings, cfg.max_position_embeddings)
@@ -164,8 +167,14 @@ class LlamaForCausalLM(nn.Module):
                                       max_model_len=served)
         # layers without RoPE (SmolLM3) rotate by zero frequencies, on every path alike
         self.no_rope = RotaryEmbedding(cfg.head_dim, cfg.rope_theta, enabled=False) if cfg.no_rope_layers else None
-        self.layer_rotary = [self.no_rope if i in cfg.no_rope_layers else self.rotary
+        # sliding-window layers with a RoPE base of their own (Gemma 3)
+        local = cfg.sliding_rope_theta is not None and any(cfg.sliding_windows)
+        self.sliding_rotary = RotaryEmbedding(cfg.head_dim, cfg.sliding_rope_theta, rotary_dim=cfg.rotary_dim) if local else None
+        self.layer_rotary = [self.no_rope if i in cfg.no_rope_layers
+                             else self.sliding_rotary if local and cfg.sliding_windows[i] else self.rotary
                              for i in range(cfg.num_layers)]
+        # Gemma scales its embeddings by sqrt(hidden), rounded to the model's dtype (as Transformers)
+        self.embedding_multiplier = float(torch.tensor(cfg.embedding_multiplier, dtype=torch.get_default_dtype(), device="cpu"))
         # tied: no parameter of its own (no `lm_head.weight`); it multiplies by embed_tokens'
         self.lm_head = LMHead(cfg.vocab_size, cfg.hidden_size,
                               tie_to=self.embed_tokens if cfg.tie_word_embeddings else None, tp=tp)
@@ -174,6 +183,8 @@ class LlamaForCausalLM(nn.Module):
         self, input_ids: torch.Tensor, positions: torch.Tensor, attn: AttentionContext
     ) -> torch.Tensor:
         h = self.embed_tokens(input_ids)  # [T, hidden]
+        if self.embedding_multiplier != 1.0:
+            h = h * self.embedding_multiplier
         residual = None
         for layer, rotary in zip(self.layers, self.layer_rotary, strict=False):  # (fewer: first_layers_only)
             h, residual = layer(h, residual, positions, rotary, attn)
@@ -207,7 +218,9 @@ class LlamaForCausalLM(nn.Module):
         return self.lm_head.logits_weight()
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.lm_head.logits(hidden)  # [N, hidden] -> float32 [N, vocab]
+        logits = self.lm_head.logits(hidden)  # [N, hidden] -> float32 [N, vocab]
+        cap = self.config.final_logit_softcapping
+        return logits if not cap else torch.tanh(logits / cap) * cap
 
     # ---- weight loading -------------------------------------------------------------
 
@@ -219,10 +232,18 @@ class LlamaForCausalLM(nn.Module):
         Raises ValueError naming a checkpoint tensor with no place in the model or of the
         wrong shape, or the HF tensors of any parameter (or shard) that none filled.
         """
-        params = dict(self.named_parameters())
+        own = self.self_loading_modules()  # (HF name prefix -> module that places its tensors)
+        params = {n: p for n, p in self.named_parameters() if not any(("model." + n).startswith(o) for o in own)}
         filled: dict[str, set[Hashable | None]] = {}  # param name -> shard ids written
         for hf_name, tensor in self._checkpoint_layout(weights):
             if "rotary_emb" in hf_name:
+                continue
+            prefix = next((o for o in own if hf_name.startswith(o)), None)
+            if prefix is not None:
+                try:
+                    own[prefix].load_checkpoint_tensor(hf_name.removeprefix(prefix), tensor)
+                except ValueError as e:
+                    raise ValueError(f"checkpoint tensor {hf_name!r}: {e}") from e
                 continue
             name, shard_id = _param_name(hf_name)
             param = params.get(name)
@@ -249,12 +270,19 @@ class LlamaForCausalLM(nn.Module):
                 lacking = [s for s in want if s not in got]
                 partly = f" (no {', '.join(map(str, lacking))})" if got else ""
                 missing.append(_hf_names(name) + partly)
+        missing += [prefix + m for prefix, module in own.items() for m in module.missing_weights()]
         if missing:
             raise ValueError(
                 f"checkpoint is missing weight tensors for: {', '.join(missing[:8])}"
                 + (f" (and {len(missing) - 8} more)" if len(missing) > 8 else "")
             )
         self.process_weights_after_loading()
+
+    def self_loading_modules(self) -> dict[str, nn.Module]:
+        """Modules that place their own checkpoint tensors, by HF name prefix (ending in "."):
+        each has load_checkpoint_tensor(name after the prefix, tensor) and missing_weights()
+        (names after the prefix none filled). None here; a family with such parts overrides it."""
+        return {}
 
     def _checkpoint_layout(self, weights: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
         """The checkpoint's tensors as `load_weights` places them: a fused qkv_proj or

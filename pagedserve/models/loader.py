@@ -17,6 +17,7 @@ from pagedserve.distributed.tensor_parallel import SINGLE, TensorParallel
 from pagedserve.layers.linear_method import LinearMethod
 from pagedserve.layers.rotary import RotaryEmbedding
 from pagedserve.models.llama import LlamaForCausalLM
+from pagedserve.models.registry import model_class
 from pagedserve.models.source import ModelSource
 from pagedserve.quantization import checkpoint_quant_config, resolve_quantization
 from pagedserve.quantization.methods import linear_method_for
@@ -77,7 +78,7 @@ def _materialise(cfg: ModelConfig, dtype: torch.dtype, device: torch.device,
     torch.set_default_dtype(dtype)
     try:
         with torch.device("meta"):
-            model = LlamaForCausalLM(cfg, linear_method, tp, max_model_len)
+            model = model_class(cfg.architecture)(cfg, linear_method, tp, max_model_len)
     finally:
         torch.set_default_dtype(old)
     model = model.to_empty(device=device)

@@ -2,14 +2,21 @@
 
 from __future__ import annotations
 
-# HF architecture name -> does the decoder use per-head q/k RMSNorm (Qwen3)?
-SUPPORTED_ARCHITECTURES: dict[str, bool] = {
-    "LlamaForCausalLM": False,
-    "MistralForCausalLM": False,  # Llama (sliding windows in some)
-    "Phi3ForCausalLM": False,  # Llama with fused qkv and gate_up tensors, LongRoPE, partial rotation
-    "Qwen2ForCausalLM": False,  # Llama plus q/k/v biases
-    "Qwen3ForCausalLM": True,
-    "SmolLM3ForCausalLM": False,  # Llama with some layers without RoPE
+import importlib
+from typing import Any
+
+# HF architecture name -> "module:class" under pagedserve.models that runs it
+SUPPORTED_ARCHITECTURES: dict[str, str] = {
+    # sandwich norms, GeGLU, sliding/global layers, scaled embeddings
+    "Gemma3ForCausalLM": "gemma3:Gemma3ForCausalLM",
+    "Gemma3ForConditionalGeneration": "gemma3:Gemma3ForCausalLM",  # (its text model; images are not served)
+    "LlamaForCausalLM": "llama:LlamaForCausalLM",
+    "MistralForCausalLM": "llama:LlamaForCausalLM",  # Llama (sliding windows in some)
+    "Phi3ForCausalLM": "llama:LlamaForCausalLM",  # fused qkv/gate_up tensors, LongRoPE, partial rotation
+    "Qwen2ForCausalLM": "llama:LlamaForCausalLM",  # Llama plus q/k/v biases
+    "Qwen3ForCausalLM": "llama:LlamaForCausalLM",  # Llama plus q/k RMSNorm
+    "Qwen3MoeForCausalLM": "qwen3_moe:Qwen3MoeForCausalLM",  # Qwen3 with sparse expert MLPs
+    "SmolLM3ForCausalLM": "llama:LlamaForCausalLM",  # Llama with some layers without RoPE
 }
 
 
@@ -25,3 +32,9 @@ def resolve_architecture(architectures: list[str] | None) -> str:
     raise ValueError(
         f"unsupported model architecture {architectures!r}; pagedserve supports: {supported}"
     )
+
+
+def model_class(architecture: str) -> Any:
+    """The nn.Module class that runs `architecture` (imports torch: not for the HTTP process)."""
+    module, name = SUPPORTED_ARCHITECTURES[architecture].split(":")
+    return getattr(importlib.import_module(f"pagedserve.models.{module}"), name)

@@ -1,0 +1,202 @@
+"""Fused mixture-of-experts on Triton: a grouped GEMM over experts, tokens sorted by expert.
+
+Each token t picks K experts (`topk_ids` [T, K]); the flat pair index p = t * K + k names one
+(token, slot). `moe_align` sorts the T*K pairs by expert and pads each expert's group to a
+multiple of BLOCK_M with the value T*K (one past the last pair), so every BLOCK_M block of the
+sorted list belongs to one expert (`expert_ids`, one per block). It is plain torch, sized by a
+host-known bound (T*K + min(E, T*K) * (BLOCK_M - 1) rows): no host synchronisation, so it runs
+inside CUDA graphs; blocks past the real padded count (`num_padded`, on the device) exit at once.
+
+`_moe_gemm_kernel`: each program owns a [BLOCK_M, BLOCK_N] tile of one block: it gathers the
+block's input rows (x's row p // K for gate_up, the intermediate's row p for down), multiplies
+them by its expert's weight tile ([N, K_in] rows, as nn.Linear keeps them) in float32,
+optionally scales each row by the pair's routing weight, and writes output row p. `fused_moe`
+runs it twice (gate_up, then down with the routing weights) around the SiLU-and-mul kernel
+and sums the K slots of each token.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+import triton
+import triton.language as tl
+
+from pagedserve.kernels import pdl
+from pagedserve.kernels._utils import check_dtype, interpreting
+from pagedserve.kernels.activation import silu_and_mul
+
+
+class MoeTiles(NamedTuple):
+    """Tile sizes and launch settings of `_moe_gemm_kernel`."""
+
+    block_m: int
+    block_n: int
+    block_k: int
+    group_m: int  # block rows walked together (the A tiles stay in L2 across N tiles)
+    num_warps: int
+    num_stages: int
+
+
+class MoeAlignment(NamedTuple):
+    """The (token, slot) pairs sorted by expert, each expert's group padded to BLOCK_M."""
+
+    sorted_ids: torch.Tensor  # [P] int32: pair index t * K + k, or T * K for padding
+    expert_ids: torch.Tensor  # [P / BLOCK_M] int32: each block's expert, -1 past num_padded
+    num_padded: torch.Tensor  # [1] int32: rows in use (a multiple of BLOCK_M), on the device
+    block_m: int
+
+
+def moe_tiles(num_tokens: int, top_k: int, num_experts: int, dtype: torch.dtype) -> MoeTiles:
+    """Default tiles for T = `num_tokens` on Hopper: BLOCK_M 16 while experts see few rows
+    each (decode), 32 in between, 64 for prefill; float32 halves BLOCK_K (shared memory)."""
+    per_expert = num_tokens * top_k / max(1, num_experts)  # rows an expert sees on average
+    if per_expert <= 16:
+        tiles = MoeTiles(16, 64, 128, 1, 4, 4)
+    elif per_expert <= 64:
+        tiles = MoeTiles(32, 64, 128, 4, 4, 4)
+    else:
+        tiles = MoeTiles(64, 128, 64, 8, 8, 3)
+    if dtype == torch.float32:
+        tiles = tiles._replace(block_k=tiles.block_k // 2)
+    return tiles
+
+
+def moe_align(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> MoeAlignment:
+    """Sort the pairs of `topk_ids` [T, K] (ints in [0, num_experts)) by expert, stably, and
+    pad each expert's group to a multiple of `block_m` (an expert with no pair gets no block)."""
+    device = topk_ids.device
+    ids = topk_ids.reshape(-1).long()  # [N], N = T * K
+    n = ids.numel()
+    counts = torch.zeros(num_experts, dtype=torch.long, device=device)
+    counts.scatter_add_(0, ids, torch.ones_like(ids))  # [E] (bincount would sync on CUDA)
+    padded = (counts + block_m - 1) // block_m * block_m  # [E]
+    padded_end = padded.cumsum(0)  # [E]
+    bound = n + min(num_experts, n) * (block_m - 1)  # no expert pads more than block_m - 1
+    num_blocks = triton.cdiv(bound, block_m)
+    expert_sorted, order = torch.sort(ids, stable=True)  # [N], [N]
+    group_start = counts.cumsum(0) - counts  # [E]: unpadded start of each expert's pairs
+    rank = torch.arange(n, device=device) - group_start[expert_sorted]  # [N]: place in its group
+    dest = padded_end[expert_sorted] - padded[expert_sorted] + rank  # [N]: padded position
+    sorted_ids = torch.full((num_blocks * block_m,), n, dtype=torch.int32, device=device)
+    sorted_ids[dest] = order.to(torch.int32)
+    starts = torch.arange(num_blocks, device=device) * block_m  # [B]
+    owner = torch.searchsorted(padded_end, starts, right=True)  # [B]: expert holding each start
+    expert_ids = torch.where(owner < num_experts, owner, -1).to(torch.int32)  # [B]
+    num_padded = padded_end[-1:].to(torch.int32)  # [1]
+    return MoeAlignment(sorted_ids, expert_ids, num_padded, block_m)
+
+
+@triton.jit(do_not_specialize=["num_pairs"])
+def _moe_gemm_kernel(
+    A, W, OUT, WEIGHTS,  # a [rows, K] (row stride stride_am), w [E, N, K], out [num_pairs, N],
+    # weights [num_pairs] routing weight per pair (MUL_WEIGHT)
+    SORTED_IDS, EXPERT_IDS, NUM_PADDED,  # moe_align's [P] int32, [P / BLOCK_M] int32, [1] int32
+    num_pairs, N, K, stride_am, stride_we, stride_wn, stride_wk, stride_om,
+    ROW_DIV: tl.constexpr,  # pair p reads a's row p // ROW_DIV (K for gate_up, 1 for down)
+    MUL_WEIGHT: tl.constexpr, EVEN_K: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+    PRECISION: tl.constexpr, DOT_FP32: tl.constexpr,  # DOT_FP32: the interpreter's bf16 dot is wrong
+    PDL: tl.constexpr,
+):
+    pdl.wait_and_release(PDL)
+    pid = tl.program_id(0)
+    num_n = tl.cdiv(N, BLOCK_N)
+    num_m = tl.num_programs(0) // num_n
+    # grouped order: GROUP_M block rows share each weight column tile while it is in L2
+    per_group = GROUP_M * num_n
+    first_m = (pid // per_group) * GROUP_M
+    group_rows = tl.minimum(num_m - first_m, GROUP_M)
+    pid_m = first_m + (pid % per_group) % group_rows
+    pid_n = (pid % per_group) // group_rows
+    if pid_m * BLOCK_M >= tl.load(NUM_PADDED):
+        return
+    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)  # [BLOCK_M]
+    pair = tl.load(SORTED_IDS + rows).to(tl.int64)  # [BLOCK_M]
+    valid = pair < num_pairs  # [BLOCK_M]
+    expert = tl.load(EXPERT_IDS + pid_m).to(tl.int64)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)  # [BLOCK_N]
+    offs_nw = offs_n % N  # wrapped: weight loads need no mask, the store drops the extra columns
+    offs_k = tl.arange(0, BLOCK_K)  # [BLOCK_K]
+    a_ptrs = A + (pair // ROW_DIV)[:, None] * stride_am + offs_k[None, :]  # [BLOCK_M, BLOCK_K]
+    w_ptrs = W + expert * stride_we + offs_nw[None, :] * stride_wn + offs_k[:, None] * stride_wk  # [BLOCK_K, BLOCK_N]
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k in range(0, tl.cdiv(K, BLOCK_K)):
+        if EVEN_K:
+            a = tl.load(a_ptrs, mask=valid[:, None], other=0.0)
+            w = tl.load(w_ptrs)
+        else:
+            k_left = K - k * BLOCK_K
+            a = tl.load(a_ptrs, mask=valid[:, None] & (offs_k[None, :] < k_left), other=0.0)
+            w = tl.load(w_ptrs, mask=offs_k[:, None] < k_left, other=0.0)
+        if DOT_FP32:
+            a, w = a.to(tl.float32), w.to(tl.float32)
+        acc = tl.dot(a, w, acc, input_precision=PRECISION)  # [BLOCK_M, BLOCK_N]
+        a_ptrs += BLOCK_K
+        w_ptrs += BLOCK_K * stride_wk
+    if MUL_WEIGHT:
+        weight = tl.load(WEIGHTS + pair, mask=valid, other=0.0).to(tl.float32)  # [BLOCK_M]
+        acc = acc * weight[:, None]
+    out_ptrs = OUT + pair[:, None] * stride_om + offs_n[None, :]
+    tl.store(out_ptrs, acc.to(OUT.dtype.element_ty), mask=valid[:, None] & (offs_n[None, :] < N))
+
+
+def moe_gemm(a: torch.Tensor, w: torch.Tensor, out: torch.Tensor, align: MoeAlignment,
+             row_div: int, tiles: MoeTiles, weights: torch.Tensor | None = None) -> torch.Tensor:
+    """out[p] = a[p // row_div] @ w[expert of p]^T (* weights[p]) for every pair p of `align`.
+
+    a: [rows, K] (columns contiguous); w: [E, N, K]; out: [num_pairs, N], columns contiguous;
+    weights: [num_pairs] routing weights or None. Returns `out`."""
+    num_pairs, n = out.shape
+    k = a.shape[1]
+    if w.shape[2] != k or w.shape[1] != n:
+        raise ValueError(f"moe_gemm: weight {tuple(w.shape)} does not map {k} inputs to {n} outputs")
+    if num_pairs == 0:
+        return out
+    grid = (align.expert_ids.numel() * triton.cdiv(n, tiles.block_n),)
+    _moe_gemm_kernel[grid](
+        a, w, out, weights if weights is not None else out,
+        align.sorted_ids, align.expert_ids, align.num_padded,
+        num_pairs, n, k, a.stride(0), w.stride(0), w.stride(1), w.stride(2), out.stride(0),
+        ROW_DIV=row_div, MUL_WEIGHT=weights is not None, EVEN_K=k % tiles.block_k == 0,
+        BLOCK_M=align.block_m, BLOCK_N=tiles.block_n, BLOCK_K=tiles.block_k, GROUP_M=tiles.group_m,
+        PRECISION="ieee" if a.dtype == torch.float32 else "tf32",
+        DOT_FP32=interpreting() and a.dtype == torch.bfloat16,
+        num_warps=tiles.num_warps, num_stages=tiles.num_stages, **pdl.launch_options(out),
+    )
+    return out
+
+
+def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
+              topk_ids: torch.Tensor, tiles: MoeTiles | None = None) -> torch.Tensor:
+    """A SiLU-gated mixture-of-experts layer on the Triton kernels.
+
+    out[t] = sum_k topk_weights[t, k] * w2[e] @ (silu(g) * u), [g | u] = w13[e] @ x[t],
+    e = topk_ids[t, k].
+
+    x: [T, H] float32/float16/bfloat16; w13: [E, 2I, H] (rows [gate | up]); w2: [E, H, I], both
+    in x's dtype with contiguous last dimensions; topk_weights: [T, K] float (applied in float32
+    to the down projection's accumulator); topk_ids: [T, K] int in [0, E). `tiles`: `moe_tiles`'
+    default for T. Returns [T, H] in x's dtype.
+    """
+    num_tokens, hidden = x.shape
+    num_experts, two_inter, _ = w13.shape
+    top_k = topk_ids.shape[1]
+    if w13.shape[2] != hidden or w2.shape != (num_experts, hidden, two_inter // 2):
+        raise ValueError(f"fused_moe: x {tuple(x.shape)}, w13 {tuple(w13.shape)} and "
+                         f"w2 {tuple(w2.shape)} do not fit together")
+    if topk_weights.shape != topk_ids.shape or topk_ids.shape[0] != num_tokens:
+        raise ValueError(f"fused_moe: topk_weights {tuple(topk_weights.shape)} and topk_ids "
+                         f"{tuple(topk_ids.shape)} must both be [{num_tokens}, K]")
+    check_dtype(x, w13, w2)
+    x = x.contiguous() if x.stride(-1) != 1 else x
+    tiles = tiles or moe_tiles(num_tokens, top_k, num_experts, x.dtype)
+    pairs = num_tokens * top_k
+    align = moe_align(topk_ids, num_experts, tiles.block_m)
+    gate_up = torch.empty((pairs, two_inter), dtype=x.dtype, device=x.device)  # [T*K, 2I]
+    moe_gemm(x, w13, gate_up, align, top_k, tiles)
+    inter = silu_and_mul(gate_up)  # [T*K, I]
+    down = torch.empty((pairs, hidden), dtype=x.dtype, device=x.device)  # [T*K, H]
+    moe_gemm(inter, w2, down, align, 1, tiles, topk_weights.reshape(-1).contiguous())
+    return down.view(num_tokens, top_k, hidden).sum(dim=1)  # [T, H]

@@ -1,0 +1,165 @@
+"""Qwen3-MoE's sparse mixture-of-experts block: router, top-k routing and SiLU-gated experts.
+
+`FusedMoE` holds the router `gate` (weight [E, H]) and all experts' weights stacked: `w13`
+[E, 2I, H] (each expert's rows [gate_proj | up_proj]) and `w2` [E, H, I] (down_proj). Its
+forward runs the Triton kernels (`kernels/fused_moe.py`) on CUDA and the torch reference
+(`layers/moe_reference.py`) elsewhere.
+
+Checkpoint names, relative to the layer's `mlp.` (`map_moe_weight_name`), in both layouts:
+  Hub (Qwen/Qwen3-30B-A3B; also what Transformers 5.x `save_pretrained` writes):
+    gate.weight [E, H], experts.{e}.gate_proj.weight / up_proj.weight [I, H],
+    experts.{e}.down_proj.weight [H, I]
+  Transformers 5.x in memory (`Qwen3MoeExperts`' state_dict): experts.gate_up_proj [E, 2I, H]
+    (rows [gate | up], not transposed), experts.down_proj [E, H, I]
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Hashable
+
+import torch
+from torch import nn
+
+from pagedserve.distributed.tensor_parallel import SINGLE, TensorParallel
+from pagedserve.layers.linear import Linear
+from pagedserve.layers.moe_reference import moe_reference
+from pagedserve.layers.weight_utils import (
+    ParamAttrsModule,
+    ShapeMismatchError,
+    copy_checked,
+    set_weight_attrs,
+)
+
+_PER_EXPERT = re.compile(r"experts\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight")
+_FUSED = {"experts.gate_up_proj": "w13", "experts.down_proj": "w2"}
+_SHARD = {"gate_proj": "gate", "up_proj": "up", "down_proj": "down"}
+_HF_NAME = {"gate": "gate_proj", "up": "up_proj", "down": "down_proj"}
+
+
+def select_experts(router_logits: torch.Tensor, top_k: int,
+                   renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """Top-k routing as Qwen3-MoE's router: softmax over all experts in float32, the k largest,
+    and with `renormalize` (the config's norm_topk_prob) each row divided by its k weights' sum.
+
+    router_logits: [T, E] any float dtype. Returns (topk_weights [T, K] float32, topk_ids
+    [T, K] int32). Transformers then rounds the weights to the logits' dtype before they scale
+    the experts' outputs; `FusedMoE.forward` does the same."""
+    probs = torch.softmax(router_logits, dim=-1, dtype=torch.float32)  # [T, E]
+    weights, ids = torch.topk(probs, top_k, dim=-1)  # [T, K], [T, K]
+    if renormalize:
+        weights = weights / weights.sum(dim=-1, keepdim=True)
+    return weights, ids.to(torch.int32)
+
+
+def map_moe_weight_name(name: str) -> tuple[str, Hashable | None]:
+    """A checkpoint tensor name relative to the layer's `mlp.` -> (FusedMoE parameter name,
+    shard id for its weight_loader): "gate.weight" -> ("gate.weight", None),
+    "experts.3.up_proj.weight" -> ("w13", (3, "up")), "experts.down_proj" -> ("w2", None).
+    ValueError for a name the layer has no place for."""
+    if name == "gate.weight":
+        return name, None
+    if name in _FUSED:
+        return _FUSED[name], None
+    match = _PER_EXPERT.fullmatch(name)
+    if match is None:
+        raise ValueError(f"{name!r} is no weight of a Qwen3-MoE sparse block")
+    shard = _SHARD[match.group(2)]
+    return ("w2" if shard == "down" else "w13"), (int(match.group(1)), shard)
+
+
+def expert_weight_loader(param: nn.Parameter, loaded: torch.Tensor,
+                         shard_id: Hashable | None = None) -> None:
+    """Fill stacked expert weights: shard None takes all experts at once ([E, 2I, H] for w13,
+    [E, H, I] for w2); (e, "gate" | "up" | "down") one expert's nn.Linear weight ([I, H] into
+    rows [0, I) or [I, 2I) of w13[e]; [H, I] into w2[e]). ShapeMismatchError (a ValueError)
+    naming both shapes when they differ."""
+    if shard_id is None:
+        copy_checked(param.data, loaded, f"stacked expert weight of shape {tuple(param.shape)}")
+        return
+    expert, shard = shard_id
+    if not 0 <= expert < param.shape[0] or shard not in param.expert_shards:
+        raise ValueError(f"a stacked expert weight of shape {tuple(param.shape)} has no shard "
+                         f"{shard_id!r} ({param.shape[0]} experts, shards {list(param.expert_shards)})")
+    offset, size = param.expert_shards[shard]
+    copy_checked(param.data[expert].narrow(0, offset, size), loaded,
+                 f"expert {expert}'s {_HF_NAME[shard]}")
+
+
+class FusedMoE(ParamAttrsModule):
+    """Qwen3-MoE's sparse block: out [T, H] = sum over the top-k experts of routing weight *
+    expert(x), experts SiLU-gated MLPs (down(silu(gate(x)) * up(x))).
+
+    num_experts E, top_k K, hidden_size H, intermediate_size I (the config's
+    moe_intermediate_size), renormalize (norm_topk_prob). Tensor parallelism is not supported
+    yet (ValueError for `tp.size` > 1). Load weights with `load_checkpoint_tensor` (it records what it
+    filled; `missing_weights` lists the rest)."""
+
+    def __init__(self, num_experts: int, top_k: int, hidden_size: int, intermediate_size: int,
+                 renormalize: bool = True, dtype: torch.dtype | None = None,
+                 tp: TensorParallel = SINGLE) -> None:
+        super().__init__()
+        if tp.size > 1:
+            raise ValueError(f"MoE under tensor parallelism is not supported yet "
+                             f"(tensor-parallel size {tp.size} was asked for)")
+        if not 0 < top_k <= num_experts:
+            raise ValueError(f"top_k must be in [1, {num_experts}], got {top_k}")
+        self.num_experts, self.top_k, self.renormalize = num_experts, top_k, renormalize
+        self.hidden_size, self.intermediate_size = hidden_size, intermediate_size
+        self.gate = Linear(hidden_size, num_experts, bias=False, dtype=dtype)  # router, weight [E, H]
+        inter = intermediate_size
+        self.w13 = nn.Parameter(torch.empty(num_experts, 2 * inter, hidden_size, dtype=dtype))  # [E, 2I, H]
+        self.w2 = nn.Parameter(torch.empty(num_experts, hidden_size, inter, dtype=dtype))  # [E, H, I]
+        set_weight_attrs(self, "w13", weight_loader=expert_weight_loader,
+                         expert_shards={"gate": (0, inter), "up": (inter, inter)})
+        set_weight_attrs(self, "w2", weight_loader=expert_weight_loader,
+                         expert_shards={"down": (0, hidden_size)})
+        for w in (self.w13, self.w2):
+            nn.init.normal_(w, std=0.02)  # as Transformers' init (a no-op on meta)
+        self.loaded: set[tuple[str, Hashable | None]] = set()  # (parameter, shard) pairs filled
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        shape = x.shape
+        x = x.reshape(-1, self.hidden_size)  # [T, H]
+        logits = self.gate(x)  # [T, E]
+        weights, ids = select_experts(logits, self.top_k, self.renormalize)  # [T, K] each
+        weights = weights.to(logits.dtype)  # Transformers' rounding before the product
+        if x.is_cuda:
+            from pagedserve.kernels.fused_moe import fused_moe
+
+            out = fused_moe(x, self.w13, self.w2, weights, ids)  # [T, H]
+        else:
+            out = moe_reference(x, self.w13, self.w2, weights, ids)  # [T, H]
+        return out.reshape(shape)
+
+    def load_checkpoint_tensor(self, name: str, tensor: torch.Tensor) -> None:
+        """Copy checkpoint tensor `name` (relative to the layer's `mlp.`, either layout of
+        `map_moe_weight_name`) into its place and record it. ValueError for an unknown name;
+        ShapeMismatchError (a ValueError) naming the tensor, the expected and the got shape."""
+        param_name, shard_id = map_moe_weight_name(name)
+        param = self.get_parameter(param_name)
+        try:
+            param.weight_loader(param, tensor, shard_id)
+        except ShapeMismatchError as e:
+            raise ShapeMismatchError(f"checkpoint tensor {name!r}", e.got, e.expected) from e
+        if shard_id is None and param_name != "gate.weight":
+            self.loaded.update((param_name, s) for s in self._shards(param_name))
+        else:
+            self.loaded.add((param_name, shard_id))
+
+    def missing_weights(self) -> list[str]:
+        """Checkpoint names (relative to `mlp.`, the Hub's per-expert layout) that no
+        `load_checkpoint_tensor` filled: empty once every expert and the router are in."""
+        missing = [] if ("gate.weight", None) in self.loaded else ["gate.weight"]
+        for param_name in ("w13", "w2"):
+            missing += [f"experts.{e}.{_HF_NAME[shard]}.weight" for e, shard in self._shards(param_name)
+                        if (param_name, (e, shard)) not in self.loaded]
+        return missing
+
+    def _shards(self, param_name: str) -> list[tuple[int, str]]:
+        shards = self.get_parameter(param_name).expert_shards
+        return [(e, s) for e in range(self.num_experts) for s in shards]
+
+    def extra_repr(self) -> str:
+        return (f"num_experts={self.num_experts}, top_k={self.top_k}, hidden_size={self.hidden_size}, "
+                f"intermediate_size={self.intermediate_size}, renormalize={self.renormalize}")

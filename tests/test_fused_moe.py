@@ -1,0 +1,249 @@
+"""Qwen3-MoE's sparse block: the Triton fused-MoE kernel (interpreter, CPU) against the torch
+reference, the align step's invariants, routing and the whole layer against Transformers'
+`Qwen3MoeSparseMoeBlock`, and the weight loaders in both checkpoint layouts."""
+
+from __future__ import annotations
+
+import os
+
+os.environ["TRITON_INTERPRET"] = "1"  # before triton is imported
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+pytest.importorskip("triton")
+transformers = pytest.importorskip("transformers")
+
+from safetensors.torch import load_file  # noqa: E402
+
+from pagedserve.distributed.tensor_parallel import TensorParallel  # noqa: E402
+from pagedserve.kernels.fused_moe import MoeTiles, fused_moe, moe_align, moe_tiles  # noqa: E402
+from pagedserve.layers.fused_moe import FusedMoE, map_moe_weight_name, select_experts  # noqa: E402
+from pagedserve.layers.moe_reference import moe_reference  # noqa: E402
+from pagedserve.layers.weight_utils import ShapeMismatchError  # noqa: E402
+
+E, K, H, INTER = 8, 2, 64, 32
+SMALL_TILES = MoeTiles(block_m=16, block_n=32, block_k=32, group_m=2, num_warps=4, num_stages=2)
+
+
+def routing(T: int, gen: torch.Generator, skip_expert: int = 0):
+    """Random top-K routing over E experts that never picks `skip_expert`: ([T, K] float32, int32)."""
+    others = torch.tensor([e for e in range(E) if e != skip_expert])
+    ids = torch.stack([others[torch.randperm(E - 1, generator=gen)[:K]] for _ in range(T)]).int()
+    weights = torch.rand(T, K, generator=gen) + 0.1
+    return weights / weights.sum(-1, keepdim=True), ids
+
+
+def expert_weights(gen: torch.Generator, hidden: int = H):
+    w13 = torch.randn(E, 2 * INTER, hidden, generator=gen) * hidden**-0.5  # [E, 2I, H]
+    w2 = torch.randn(E, hidden, INTER, generator=gen) * INTER**-0.5  # [E, H, I]
+    return w13, w2
+
+
+# ---- the align step ------------------------------------------------------------------------
+
+@pytest.mark.parametrize("T", [1, 5, 33])
+@pytest.mark.parametrize("block_m", [4, 16])
+def test_align_invariants(T, block_m):
+    gen = torch.Generator().manual_seed(T)
+    _, ids = routing(T, gen, skip_expert=3)
+    n = T * K
+    align = moe_align(ids, E, block_m)
+    sorted_ids, expert_ids = align.sorted_ids.long(), align.expert_ids.long()
+    flat = ids.reshape(-1).long()
+    counts = torch.bincount(flat, minlength=E)
+    padded = int(((counts + block_m - 1) // block_m * block_m).sum())
+    assert int(align.num_padded) == padded and padded % block_m == 0
+    real = sorted_ids[sorted_ids < n]
+    assert sorted(real.tolist()) == list(range(n))  # each (token, k) pair once
+    assert (sorted_ids[sorted_ids >= n] == n).all()  # padding points one past the end
+    assert (sorted_ids[padded:] == n).all()
+    blocks = padded // block_m
+    assert (expert_ids[blocks:] == -1).all() and (expert_ids[:blocks] >= 0).all()
+    assert (expert_ids[:blocks].diff() >= 0).all()  # experts in order
+    for b in range(blocks):
+        rows = sorted_ids[b * block_m:(b + 1) * block_m]
+        rows = rows[rows < n]
+        assert rows.numel() > 0 and (flat[rows] == expert_ids[b]).all()
+    per_expert = torch.bincount(expert_ids[:blocks], minlength=E)
+    assert per_expert.tolist() == ((counts + block_m - 1) // block_m).tolist()
+    assert per_expert[3] == 0  # the expert without tokens has no block
+
+
+# ---- the kernel against the reference ------------------------------------------------------
+
+TOL = {torch.float32: 1e-5, torch.float16: 3e-3, torch.bfloat16: 2e-2}
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("T", [1, 5, 33])
+def test_kernel_matches_reference(T, dtype):
+    gen = torch.Generator().manual_seed(100 + T)
+    weights, ids = routing(T, gen, skip_expert=0)  # expert 0 gets no token
+    w13, w2 = (w.to(dtype) for w in expert_weights(gen))
+    x = torch.randn(T, H, generator=gen).to(dtype)
+    ref = moe_reference(x.float(), w13.float(), w2.float(), weights, ids)  # [T, H]
+    for tiles in (None, SMALL_TILES):  # default tiles; several N tiles and K steps
+        out = fused_moe(x, w13, w2, weights, ids, tiles)
+        assert out.shape == (T, H) and out.dtype == dtype
+        torch.testing.assert_close(out.float(), ref, atol=TOL[dtype], rtol=TOL[dtype])
+
+
+def test_kernel_uneven_hidden_and_wrong_routing():
+    """H = 48: the gate_up GEMM's K loop ends on a partial tile. The same comparison with one
+    token's experts swapped fails: the check sees routing."""
+    gen = torch.Generator().manual_seed(7)
+    weights, ids = routing(9, gen)
+    w13, w2 = expert_weights(gen, hidden=48)
+    x = torch.randn(9, 48, generator=gen)
+    out = fused_moe(x, w13, w2, weights, ids, SMALL_TILES)
+    torch.testing.assert_close(out, moe_reference(x, w13, w2, weights, ids), atol=1e-5, rtol=1e-5)
+    wrong = ids.clone()
+    wrong[4, 0] = (ids[4, 0] + 1) % E if (ids[4, 0] + 1) % E != ids[4, 1] else (ids[4, 0] + 2) % E
+    assert not torch.allclose(out, moe_reference(x, w13, w2, weights, wrong), atol=1e-3)
+
+
+def test_default_tiles():
+    assert moe_tiles(1, 8, 128, torch.bfloat16).block_m == 16  # decode
+    assert moe_tiles(8192, 8, 128, torch.bfloat16).block_m == 64  # prefill
+    assert moe_tiles(1, 8, 128, torch.float32).block_k == moe_tiles(1, 8, 128, torch.float16).block_k // 2
+
+
+# ---- routing and the layer against Transformers ----------------------------------------------
+
+def hf_config(norm_topk_prob: bool = True):
+    return transformers.Qwen3MoeConfig(
+        vocab_size=64, hidden_size=H, intermediate_size=128, moe_intermediate_size=INTER,
+        num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1, head_dim=32,
+        num_experts=E, num_experts_per_tok=K, norm_topk_prob=norm_topk_prob,
+        decoder_sparse_step=1, mlp_only_layers=[], experts_implementation="eager")
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("norm", [True, False])
+def test_select_experts_matches_transformers(norm, dtype):
+    torch.manual_seed(1)
+    router = transformers.models.qwen3_moe.modeling_qwen3_moe.Qwen3MoeTopKRouter(hf_config(norm))
+    torch.nn.init.normal_(router.weight)
+    router = router.to(dtype)
+    x = torch.randn(33, H).to(dtype)
+    logits, hf_weights, hf_ids = router(x)
+    weights, ids = select_experts(logits, K, renormalize=norm)
+    assert weights.dtype == torch.float32 and ids.dtype == torch.int32
+    assert torch.equal(ids.long(), hf_ids)
+    assert torch.equal(weights.to(dtype), hf_weights)  # Transformers rounds to the logits' dtype
+    other, _ = select_experts(logits, K, renormalize=not norm)
+    assert not torch.allclose(other.to(dtype), hf_weights)
+
+
+@pytest.fixture(scope="module")
+def hf_moe(tmp_path_factory):
+    """A one-layer Qwen3-MoE with random weights, saved by save_pretrained: (its sparse block,
+    the block's tensors as the checkpoint holds them, relative to `mlp.`)."""
+    torch.manual_seed(2)
+    model = transformers.Qwen3MoeForCausalLM(hf_config()).eval()
+    block = model.model.layers[0].mlp
+    torch.nn.init.normal_(block.gate.weight)  # spread the routing
+    torch.nn.init.normal_(block.experts.gate_up_proj, std=H**-0.5)
+    torch.nn.init.normal_(block.experts.down_proj, std=INTER**-0.5)
+    path = tmp_path_factory.mktemp("qwen3moe")
+    model.save_pretrained(path)
+    prefix = "model.layers.0.mlp."
+    saved = {k[len(prefix):]: v for k, v in load_file(path / "model.safetensors").items() if k.startswith(prefix)}
+    return block, saved
+
+
+def test_save_pretrained_writes_per_expert_tensors(hf_moe):
+    _, saved = hf_moe
+    names = {f"experts.{e}.{p}.weight" for e in range(E) for p in ("gate_proj", "up_proj", "down_proj")}
+    assert set(saved) == names | {"gate.weight"}
+    assert saved["experts.0.gate_proj.weight"].shape == (INTER, H) and saved["experts.0.down_proj.weight"].shape == (H, INTER)
+
+
+def loaded_layer(tensors: dict[str, torch.Tensor], **kw) -> FusedMoE:
+    layer = FusedMoE(E, K, H, INTER, **kw)
+    for name, tensor in tensors.items():
+        layer.load_checkpoint_tensor(name, tensor)
+    assert layer.missing_weights() == []
+    return layer
+
+
+@pytest.mark.parametrize("layout", ["state_dict", "per_expert"])
+def test_layer_matches_transformers(hf_moe, layout):
+    block, saved = hf_moe
+    tensors = dict(block.state_dict()) if layout == "state_dict" else saved
+    if layout == "state_dict":
+        assert set(tensors) == {"gate.weight", "experts.gate_up_proj", "experts.down_proj"}
+    layer = loaded_layer(tensors)
+    x = torch.randn(33, H, generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        want = block(x[None])[0]  # [T, H]
+        got = layer(x)
+        torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+        weights, ids = select_experts(layer.gate(x), K, renormalize=True)  # the kernel's path
+        torch.testing.assert_close(fused_moe(x, layer.w13, layer.w2, weights, ids), want, atol=1e-5, rtol=1e-5)
+        unnormalized = loaded_layer(tensors, renormalize=False)(x)
+        assert not torch.allclose(unnormalized, want, atol=1e-3)
+
+
+def test_layer_matches_transformers_bf16(hf_moe):
+    """In bf16 the layer rounds as Transformers does, the routing weights to bf16 before the
+    product included: (almost) every element is bitwise equal. Without that rounding about 15%
+    of them differ by an ulp."""
+    block, saved = hf_moe
+    block_bf16 = type(block)(block.experts.config).to(torch.bfloat16)
+    block_bf16.load_state_dict(block.state_dict())
+    layer = loaded_layer(saved, dtype=torch.bfloat16)
+    x = torch.randn(64, H, generator=torch.Generator().manual_seed(4)).bfloat16()
+    with torch.no_grad():
+        got, want = layer(x), block_bf16(x[None])[0]
+    torch.testing.assert_close(got, want, atol=2e-2, rtol=2e-2)
+    assert (got != want).float().mean() < 0.01
+
+
+# ---- loaders -------------------------------------------------------------------------------
+
+def test_loaders_reject_wrong_shapes_and_names():
+    layer = FusedMoE(E, K, H, INTER)
+    with pytest.raises(ShapeMismatchError, match=r"experts\.2\.up_proj.*\(33, 64\).*\(32, 64\)"):
+        layer.load_checkpoint_tensor("experts.2.up_proj.weight", torch.zeros(INTER + 1, H))
+    with pytest.raises(ValueError, match=r"\(8, 32, 64\).*\(8, 64, 32\)"):
+        layer.load_checkpoint_tensor("experts.down_proj", torch.zeros(E, INTER, H))  # transposed
+    with pytest.raises(ValueError, match=r"\(8, 64\).*\(8, 64, 64\)"):
+        layer.load_checkpoint_tensor("experts.gate_up_proj", torch.zeros(E, H))
+    with pytest.raises(ValueError, match="gate.weight"):
+        layer.load_checkpoint_tensor("gate.weight", torch.zeros(E + 1, H))
+    with pytest.raises(ValueError, match="no shard"):
+        layer.load_checkpoint_tensor(f"experts.{E}.gate_proj.weight", torch.zeros(INTER, H))
+    with pytest.raises(ValueError, match="no weight"):
+        layer.load_checkpoint_tensor("experts.0.fc1.weight", torch.zeros(INTER, H))
+    assert layer.loaded == set()
+
+
+def test_missing_weights_and_partial_load():
+    layer = FusedMoE(E, K, H, INTER)
+    assert len(layer.missing_weights()) == 1 + 3 * E
+    layer.load_checkpoint_tensor("experts.down_proj", torch.ones(E, H, INTER))
+    layer.load_checkpoint_tensor("gate.weight", torch.ones(E, H))
+    for e in range(E):
+        layer.load_checkpoint_tensor(f"experts.{e}.gate_proj.weight", torch.full((INTER, H), float(e)))
+        if e != 5:
+            layer.load_checkpoint_tensor(f"experts.{e}.up_proj.weight", torch.full((INTER, H), -float(e)))
+    assert layer.missing_weights() == ["experts.5.up_proj.weight"]
+    assert (layer.w13[3, :INTER] == 3).all() and (layer.w13[3, INTER:] == -3).all()  # rows [gate | up]
+    assert map_moe_weight_name("experts.7.down_proj.weight") == ("w2", (7, "down"))
+
+
+def test_tensor_parallel_is_rejected():
+    with pytest.raises(ValueError, match="tensor parallelism is not supported yet"):
+        FusedMoE(E, K, H, INTER, tp=TensorParallel(rank=0, size=2))
+
+
+def test_loaders_survive_meta_build():
+    """Built on the meta device and moved with to_empty (as the model loader does), the
+    stacked parameters keep their loaders."""
+    with torch.device("meta"):
+        layer = FusedMoE(E, K, H, INTER)
+    layer.to_empty(device="cpu")
+    layer.load_checkpoint_tensor("experts.1.down_proj.weight", torch.full((H, INTER), 2.0))
+    assert (layer.w2[1] == 2).all() and ("w2", (1, "down")) in layer.loaded
