@@ -5,13 +5,15 @@ from __future__ import annotations
 import json
 from importlib import resources
 
-PRESET_NAMES = ("qwen3-4b-instruct-2507", "nanbeige4.1-3b", "smollm2-135m-instruct", "qwen3-0.6b", "qwen3-30b-a3b")
+PRESET_NAMES = ("qwen3-4b-instruct-2507", "nanbeige4.1-3b", "smollm2-135m-instruct", "qwen3-0.6b", "qwen3-30b-a3b",
+                "llama-3.2-3b-instruct")
 
 _ALIASES = {
     "qwen/qwen3-4b-instruct-2507": "qwen3-4b-instruct-2507",
     "nanbeige/nanbeige4.1-3b": "nanbeige4.1-3b",
     "huggingfacetb/smollm2-135m-instruct": "smollm2-135m-instruct",
     "qwen/qwen3-30b-a3b-instruct-2507": "qwen3-30b-a3b",
+    "meta-llama/llama-3.2-3b-instruct": "llama-3.2-3b-instruct",
 }
 
 
