@@ -15,7 +15,8 @@ def run_prefill(model, seqs: list[list[int]]) -> list[torch.Tensor]:
     cfg = model.config
     device = model.embed_tokens.weight.device
     attn = model.layers[0].self_attn
-    backend = TorchReferenceBackend(attn.num_heads, attn.num_kv_heads, cfg.head_dim, cfg.attention_scale)
+    backend = TorchReferenceBackend(attn.num_heads, attn.num_kv_heads, cfg.head_dim, cfg.attention_scale,
+                                    sliding_windows=cfg.sliding_windows or None)
     meta = AttentionMetadata.for_prefill([len(s) for s in seqs], device)
     ids = torch.tensor([t for s in seqs for t in s], device=device)
     positions = torch.cat([torch.arange(len(s), device=device) for s in seqs])

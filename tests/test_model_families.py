@@ -81,8 +81,9 @@ def _checkpoint(folder, kind: str):
                     p.uniform_(-0.5, 0.5)
     elif kind == "qwen3_moe":
         model = transformers.Qwen3MoeForCausalLM(transformers.Qwen3MoeConfig(**QWEN3_MOE))
-    elif kind == "mistral":
-        model = transformers.MistralForCausalLM(transformers.MistralConfig(**{**TINY_LLAMA, "sliding_window": None}))
+    elif kind in ("mistral", "mistral_window"):  # (every layer slides over 32 keys, or none)
+        window = 32 if kind == "mistral_window" else None
+        model = transformers.MistralForCausalLM(transformers.MistralConfig(**{**TINY_LLAMA, "sliding_window": window}))
     else:
         cfg = transformers.LlamaConfig(**{**TINY_LLAMA, "max_position_embeddings": 1024 if kind != "dynamic" else 64,
                                           "rope_scaling": {**ROPES[kind], "rope_theta": TINY_LLAMA["rope_theta"]}})
@@ -104,7 +105,8 @@ def _assert_logits_match(hf, ours, seqs):
         torch.testing.assert_close(logits, ref, rtol=1e-4, atol=1e-4)
 
 
-@pytest.mark.parametrize("kind", ["qwen2", "linear", "llama3", "yarn", "phi3", "smollm3", "mistral", "qwen3_moe"])
+@pytest.mark.parametrize("kind", ["qwen2", "linear", "llama3", "yarn", "phi3", "smollm3", "mistral",
+                                  "mistral_window", "gemma3", "qwen3_moe"])
 def test_logits_match_transformers_beyond_the_original_context(tmp_path, kind):
     hf = _checkpoint(tmp_path, kind)
     ours = build_model(resolve_model(str(tmp_path)), dtype="float32")
@@ -144,6 +146,28 @@ def test_the_family_features_change_the_logits(tmp_path, monkeypatch):
         _assert_logits_match(hf, build_model(resolve_model(str(tmp_path / "phi3b")), dtype="float32"), seqs)
 
 
+def test_gemma3_inside_an_image_text_checkpoint_runs_as_its_text_model(tmp_path):
+    """Gemma 3 4B and up ship as Gemma3ForConditionalGeneration: the text model's tensors under
+    language_model.*, a vision tower beside them (skipped), the text config nested."""
+    import json
+
+    from safetensors.torch import load_file, save_file
+
+    hf = _checkpoint(tmp_path / "text", "gemma3")
+    tensors = load_file(str(tmp_path / "text" / "model.safetensors"))
+    tensors = {"language_model." + k: v for k, v in tensors.items()}
+    tensors["vision_tower.vision_model.embeddings.patch_embedding.weight"] = torch.zeros(4, 3, 2, 2)
+    (tmp_path / "mm").mkdir()
+    save_file(tensors, str(tmp_path / "mm" / "model.safetensors"))
+    text = json.loads((tmp_path / "text" / "config.json").read_text())
+    (tmp_path / "mm" / "config.json").write_text(json.dumps(
+        {"architectures": ["Gemma3ForConditionalGeneration"], "model_type": "gemma3", "text_config": text,
+         "eos_token_id": [1, 106]}))
+    ours = build_model(resolve_model(str(tmp_path / "mm")), dtype="float32")
+    assert ours.config.eos_token_ids == (1, 106)
+    _assert_logits_match(hf, ours, _random_prompts((100,), 4))
+
+
 def test_a_qwen3_moe_checkpoint_missing_an_expert_is_refused_naming_it(tmp_path):
     from safetensors.torch import load_file, save_file
 
@@ -173,7 +197,8 @@ def test_longrope_serving_the_original_context_takes_the_short_factors(tmp_path)
         _assert_logits_match(hf, long, _random_prompts((64,), 3))
 
 
-@pytest.mark.parametrize("kind", ["qwen2", "llama3", "yarn", "phi3", "smollm3", "qwen3_moe"])
+@pytest.mark.parametrize("kind", ["qwen2", "llama3", "yarn", "phi3", "smollm3", "gemma3", "qwen3_moe",
+                                  "mistral_window"])
 def test_the_engine_generates_transformers_tokens(tmp_path, kind):
     from pagedserve import LLM, SamplingParams
 
@@ -224,12 +249,23 @@ def test_older_config_spellings_are_read():
     assert smol.no_rope_layers == (1, 3)
 
 
-def test_a_qwen2_with_sliding_window_attention_is_refused():
+def test_each_family_s_sliding_windows_are_read_per_layer():
+    """Qwen2 slides from max_window_layers on when use_sliding_window says so; Mistral's every
+    layer when it has a window; Gemma 3 every layer but each sixth (configs before
+    layer_types); a window as wide as the context is none."""
     from pagedserve.config import ModelConfig
 
-    cfg = {"architectures": ["Qwen2ForCausalLM"], "vocab_size": 8, "hidden_size": 8, "intermediate_size": 8,
-           "num_hidden_layers": 1, "num_attention_heads": 1, "use_sliding_window": True, "sliding_window": 4,
-           "max_window_layers": 0}
-    with pytest.raises(ValueError, match="sliding-window attention"):
-        ModelConfig.from_hf_config(cfg)
-    ModelConfig.from_hf_config({**cfg, "use_sliding_window": False})  # (Qwen2.5's own configs)
+    base = {"vocab_size": 8, "hidden_size": 8, "intermediate_size": 8, "num_hidden_layers": 7,
+            "num_attention_heads": 1, "max_position_embeddings": 4096}
+    qwen2 = {**base, "architectures": ["Qwen2ForCausalLM"], "use_sliding_window": True, "sliding_window": 4,
+             "max_window_layers": 5}
+    assert ModelConfig.from_hf_config(qwen2).sliding_windows == (None,) * 5 + (4, 4)
+    assert ModelConfig.from_hf_config({**qwen2, "use_sliding_window": False}).sliding_windows == ()  # (Qwen2.5's)
+    mistral = {**base, "architectures": ["MistralForCausalLM"], "sliding_window": 64}
+    assert ModelConfig.from_hf_config(mistral).sliding_windows == (64,) * 7
+    assert ModelConfig.from_hf_config({**mistral, "sliding_window": None}).sliding_windows == ()
+    assert ModelConfig.from_hf_config({**mistral, "sliding_window": 4096}).sliding_windows == ()
+    gemma = {**base, "architectures": ["Gemma3ForCausalLM"], "sliding_window": 512, "head_dim": 8}
+    assert ModelConfig.from_hf_config(gemma).sliding_windows == (512,) * 5 + (None, 512)
+    with pytest.raises(ValueError, match="layer_types has 2 entries for 7 layers"):
+        ModelConfig.from_hf_config({**mistral, "layer_types": ["sliding_attention"] * 2})

@@ -62,17 +62,45 @@ class AttentionBackend(ABC):
     dtype is the model's, or float8_e4m3fn: then `kv_scales[layer]` ([2] float32: K, V) are
     the scales its elements are stored in (`engine/kv_cache_spec.py`, `attention/kv_quant.py`).
     Backends that support CUDA graphs override the capture hooks.
+
+    Sliding-window attention: `sliding_windows[layer]` is that layer's window W (None: full
+    attention; no tuple: every layer full). Transformers' convention (`masking_utils.py`,
+    `sliding_window_causal_mask_function` = `causal_mask_function` and
+    `sliding_window_overlay`): the query at absolute position i attends to the key at
+    position j iff j <= i and j > i - W, i.e. to the last W keys, its own included. The
+    blocks of a sequence wholly before the window of its first query in the step are not
+    read, nor their block-table entries (the Triton kernels: per layer; the torch backend:
+    those before the widest window, its decodes gathering once for all layers).
     """
 
     name: str = "abstract"
 
-    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float) -> None:
+    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float,
+                 sliding_windows: tuple[int | None, ...] | None = None) -> None:
         self.num_heads = num_heads
         self.num_kv_heads = num_kv_heads
         self.head_dim = head_dim
         self.scale = scale
+        if sliding_windows is not None:
+            sliding_windows = tuple(sliding_windows)
+            bad = [w for w in sliding_windows if w is not None and (not isinstance(w, int) or w < 1)]
+            if bad:
+                raise ValueError(f"sliding windows must be positive integers or None, not {bad}")
+        self.sliding_windows = sliding_windows
         self.kv_caches: list[torch.Tensor] = []
         self.kv_scales: torch.Tensor | None = None  # [num_layers, 2] float32 of an FP8 cache
+
+    def window(self, layer_idx: int) -> int | None:
+        """Layer `layer_idx`'s sliding window W (keys per query, its own included), or None
+        for full attention."""
+        return self.sliding_windows[layer_idx] if self.sliding_windows else None
+
+    @property
+    def max_window(self) -> int | None:
+        """The widest window of any layer; None if some layer attends to its whole context."""
+        if not self.sliding_windows or None in self.sliding_windows:
+            return None
+        return max(self.sliding_windows)
 
     def bind_kv_caches(self, kv_caches: list[torch.Tensor], kv_scales: torch.Tensor | None = None) -> None:
         """Attach the preallocated per-layer cache tensors, and an FP8 cache's scales

@@ -17,7 +17,9 @@ class TorchReferenceBackend(AttentionBackend):
     """Plain PyTorch. Decodes (one new token of a cached sequence) are attended together:
     each layer gathers all their context at once through a per-step slot index and runs
     one batched product per side, GQA by grouping the query heads (no repeated K/V).
-    Prompts and chunks loop over their sequences with `scaled_dot_product_attention`."""
+    Prompts and chunks loop over their sequences with `scaled_dot_product_attention`.
+    A layer's sliding window (`AttentionBackend`) masks the keys before it; neither path
+    gathers the blocks wholly before it (decodes: before the widest window of any layer)."""
 
     name = "torch"
 
@@ -29,23 +31,27 @@ class TorchReferenceBackend(AttentionBackend):
             if not kv_stored:
                 write_kv_cache(cache, k, v, meta.slot_mapping, kv_scale)
         out = torch.empty_like(q)
-        plan = _decode_plan(meta, cache.shape[2]) if has_cache else None
+        window = self.window(layer_idx)
+        plan = _decode_plan(meta, cache.shape[2], self.max_window) if has_cache else None
         if plan is not None and plan.rows.numel():
-            out[plan.rows] = self._decode(q[plan.rows], cache, plan, kv_scale)
+            out[plan.rows] = self._decode(q[plan.rows], cache, plan, kv_scale, window)
         starts, lens = meta.query_start_loc_cpu, meta.seq_lens_cpu
         for i in plan.others if plan is not None else range(len(lens)):
             s, e = starts[i], starts[i + 1]
             if e == s:
                 continue
+            # the first key any of the sequence's new tokens sees (its first token's window)
+            first = 0 if window is None else max(0, lens[i] - (e - s) - window + 1)
             if has_cache:
-                k_ctx, v_ctx = gather_context(cache, meta.block_tables[i], lens[i], kv_scale, q.dtype)
+                k_ctx, v_ctx = gather_context(cache, meta.block_tables[i], lens[i], kv_scale, q.dtype,
+                                              start=first)
             else:
-                k_ctx, v_ctx = k[s:e], v[s:e]  # the whole prompt is in this step
-            out[s:e] = self._attend(q[s:e], k_ctx, v_ctx)
+                k_ctx, v_ctx = k[s:e], v[s:e]  # the whole prompt is in this step (first = 0)
+            out[s:e] = self._attend(q[s:e], k_ctx, v_ctx, first, window)
         return out
 
     def _decode(self, q: torch.Tensor, cache: torch.Tensor, plan: _DecodePlan,
-                kv_scale: torch.Tensor | None) -> torch.Tensor:
+                kv_scale: torch.Tensor | None, window: int | None) -> torch.Tensor:
         # q: [B, H, D] (one token per sequence) -> [B, H, D]
         b, t = plan.slots.shape
         hkv, d = self.num_kv_heads, self.head_dim
@@ -53,14 +59,22 @@ class TorchReferenceBackend(AttentionBackend):
                         for side in (0, 1))
         qg = q.view(b, hkv, -1, d)  # [B, Hkv, G, D]: a KV head's query heads together
         scores = torch.matmul(qg, k_ctx.permute(0, 2, 3, 1)) * self.scale  # [B, Hkv, G, T]
-        probs = torch.softmax(scores.masked_fill_(plan.padding, float("-inf")), dim=-1)
+        masked = plan.padding if window is None else plan.padding | (plan.distance >= window)
+        probs = torch.softmax(scores.masked_fill_(masked, float("-inf")), dim=-1)
         return torch.matmul(probs, v_ctx.transpose(1, 2)).view(b, self.num_heads, d)
 
-    def _attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        # q: [q_len, H, D]; k, v: [ctx_len, Hkv, D]; query j sits at position ctx_len - q_len + j
+    def _attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, first: int = 0,
+                window: int | None = None) -> torch.Tensor:
+        # q: [q_len, H, D]; k, v: [n, Hkv, D], the keys at positions first ... seq_len - 1;
+        # query j sits at position seq_len - q_len + j
         q_len, ctx_len = q.shape[0], k.shape[0]
+        seq_len = first + ctx_len
         mask, causal = None, False
-        if q_len == ctx_len:
+        if window is not None and window < seq_len:  # (a wider window masks nothing)
+            q_pos = torch.arange(seq_len - q_len, seq_len, device=q.device)[:, None]  # [q_len, 1]
+            k_pos = torch.arange(first, seq_len, device=q.device)[None, :]  # [1, n]
+            mask = (k_pos <= q_pos) & (k_pos > q_pos - window)  # [q_len, n]
+        elif q_len == ctx_len:
             causal = q_len > 1
         elif q_len > 1:  # a chunk after cached context: causal with an offset
             q_pos = torch.arange(ctx_len - q_len, ctx_len, device=q.device)
@@ -79,28 +93,36 @@ class _DecodePlan(NamedTuple):
 
     others: tuple[int, ...]  # the step's other sequences (prompts, chunks), looped over
     rows: torch.Tensor  # [B] int64: their token rows
-    slots: torch.Tensor  # [B, T] int64: the cache slot of each context position (T: the
-    # longest context; a shorter one repeats its first slot, a real token, past its end)
+    slots: torch.Tensor  # [B, T] int64: the cache slot of each context position from the
+    # first one the widest window sees (T: the longest such span; a shorter one repeats its
+    # first slot, a real token, past its end)
     padding: torch.Tensor  # [B, 1, 1, T] bool: positions past a sequence's end
+    distance: torch.Tensor  # [B, 1, 1, T] int64: the query's position minus the key's
+    max_window: int | None  # the widest window it covers (None: whole contexts)
 
 
-def _decode_plan(meta: AttentionMetadata, block_size: int) -> _DecodePlan:
-    """The step's `_DecodePlan`, made by the first layer and kept in `meta.backend_data`."""
-    if isinstance(meta.backend_data, _DecodePlan):
+def _decode_plan(meta: AttentionMetadata, block_size: int, max_window: int | None = None) -> _DecodePlan:
+    """The step's `_DecodePlan`, made by the first layer and kept in `meta.backend_data`;
+    with `max_window` (every layer slides, none wider), from each context's last max_window
+    positions only."""
+    if isinstance(meta.backend_data, _DecodePlan) and meta.backend_data.max_window == max_window:
         return meta.backend_data
     starts, lens = meta.query_start_loc_cpu, meta.seq_lens_cpu
     seqs = [i for i in range(len(lens)) if starts[i + 1] - starts[i] == 1]
-    t = max((lens[i] for i in seqs), default=0)
-    pos = torch.arange(t)
-    seq_lens = torch.tensor([lens[i] for i in seqs], dtype=torch.int64)
-    inside = pos[None, :] < seq_lens[:, None]  # [B, T]
-    pos = torch.where(inside, pos[None, :], 0)
+    seq_lens = torch.tensor([lens[i] for i in seqs], dtype=torch.int64)  # [B]
+    first = (seq_lens - max_window).clamp(min=0) if max_window is not None else torch.zeros_like(seq_lens)
+    t = int((seq_lens - first).max()) if seqs else 0
+    pos = first[:, None] + torch.arange(t)[None, :]  # [B, T] absolute positions
+    inside = pos < seq_lens[:, None]  # [B, T]
+    distance = seq_lens[:, None] - 1 - pos  # [B, T]
+    pos = torch.where(inside, pos, first[:, None])
     tables = meta.block_tables.cpu()[seqs].long()  # [B, max_blocks]
     slots = tables.gather(1, pos // block_size) * block_size + pos % block_size
     device = meta.block_tables.device
     others = tuple(i for i in range(len(lens)) if starts[i + 1] - starts[i] != 1)
     plan = _DecodePlan(others, torch.tensor([starts[i] for i in seqs], dtype=torch.int64, device=device),
-                       slots.to(device), (~inside).view(len(seqs), 1, 1, t).to(device))
+                       slots.to(device), (~inside).view(len(seqs), 1, 1, t).to(device),
+                       distance.view(len(seqs), 1, 1, t).to(device), max_window)
     if meta.backend_data is None:
         meta.backend_data = plan
     return plan
@@ -136,18 +158,21 @@ def gather_slots(cache: torch.Tensor, side: int, slots: torch.Tensor, kv_scale: 
 
 def gather_context(
     cache: torch.Tensor, block_table: torch.Tensor, seq_len: int,
-    kv_scale: torch.Tensor | None = None, dtype: torch.dtype | None = None,
+    kv_scale: torch.Tensor | None = None, dtype: torch.dtype | None = None, start: int = 0,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Return one sequence's K and V, [seq_len, kv_heads, head_dim] each (an FP8 cache's
-    dequantized with kv_scale [2] to `dtype`)."""
+    """Return one sequence's K and V at positions start ... seq_len - 1, [seq_len - start,
+    kv_heads, head_dim] each (an FP8 cache's dequantized with kv_scale [2] to `dtype`). The
+    block-table entries of the blocks wholly before `start` are not read."""
     block_size = cache.shape[2]
     n_blocks = -(-seq_len // block_size)
-    blocks = block_table[:n_blocks].long()
+    first_block = start // block_size
+    blocks = block_table[first_block:n_blocks].long()
     fp8 = is_fp8(cache)
     if fp8:
         cache = cache.view(torch.uint8)  # (as bytes: torch's CPU indexing has no float8 kernels)
-    k = cache[0, blocks].flatten(0, 1)[:seq_len]
-    v = cache[1, blocks].flatten(0, 1)[:seq_len]
+    skip = start - first_block * block_size
+    k = cache[0, blocks].flatten(0, 1)[skip:seq_len - first_block * block_size]
+    v = cache[1, blocks].flatten(0, 1)[skip:seq_len - first_block * block_size]
     if fp8:
         k, v = (dequantize_kv(x.view(E4M3), s, dtype) for x, s in ((k, kv_scale[0]), (v, kv_scale[1])))
     return k, v

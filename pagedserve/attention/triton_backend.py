@@ -114,11 +114,21 @@ def tile_capacity(num_tokens: int, max_seqs: int, block_m: int, max_extend_seqs:
 
 @register_backend
 class TritonBackend(AttentionBackend):
+    """The Triton kernels (`kernels/paged_attention.py`); a sliding-window layer passes its
+    window to them."""
+
     name = "triton"
 
-    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float) -> None:
-        super().__init__(num_heads, num_kv_heads, head_dim, scale)
+    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float,
+                 sliding_windows: tuple[int | None, ...] | None = None) -> None:
+        super().__init__(num_heads, num_kv_heads, head_dim, scale, sliding_windows)
         self._partials: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = {}
+
+    def _splits(self, num_decodes: int, max_seq_len: int) -> int:
+        """choose_num_splits for the keys a decode reads: its context, or the widest window
+        when every layer slides."""
+        span = max_seq_len if self.max_window is None else min(max_seq_len, self.max_window)
+        return choose_num_splits(num_decodes, self.num_kv_heads, span)
 
     def supports_cuda_graphs(self) -> bool:
         return True
@@ -131,7 +141,7 @@ class TritonBackend(AttentionBackend):
             [dec.astype(np.int32), tile_seq.astype(np.int32), tile_start.astype(np.int32)],
             meta.query_start_loc.device)
         if num_splits is None:
-            num_splits = choose_num_splits(len(dec), self.num_kv_heads, meta.max_seq_len)
+            num_splits = self._splits(len(dec), meta.max_seq_len)
         meta.backend_data = TritonStepData(dec_t, tile_seq_t, tile_start_t, num_splits)
 
     def eager_variants(self) -> list[dict]:
@@ -159,7 +169,7 @@ class TritonBackend(AttentionBackend):
 
     def step_metadata(self, meta, noted, view) -> None:
         num_decodes, num_tiles = noted
-        splits = choose_num_splits(num_decodes, self.num_kv_heads, meta.max_seq_len)
+        splits = self._splits(num_decodes, meta.max_seq_len)
         meta.backend_data = TritonStepData(view("decodes", num_decodes), view("tile_seq", num_tiles),
                                            view("tile_start", num_tiles), splits)
 
@@ -178,7 +188,7 @@ class TritonBackend(AttentionBackend):
             rows = key.num_tokens
             meta.backend_data = TritonStepData(
                 view("decodes", rows), view("tile_seq", 0), view("tile_start", 0),
-                choose_num_splits(rows, self.num_kv_heads, meta.max_seq_len))
+                self._splits(rows, meta.max_seq_len))
         elif key.uniform_query_len == 0:  # any mix: grids for the capacity, counts on the device
             tiles = tile_capacity(key.num_tokens, max_seqs, EXTEND_BLOCK_M, MAX_EXTEND_SEQS)
             meta.backend_data = TritonStepData(
@@ -210,6 +220,7 @@ class TritonBackend(AttentionBackend):
         if not kv_stored:
             store_kv_cache(k, v, cache, meta.slot_mapping, kv_scale)
         data: TritonStepData = meta.backend_data
+        window = self.window(layer_idx)
         out = torch.empty_like(q)
         counts = data.counts
         nd = data.decode_seq_ids.shape[0]
@@ -217,9 +228,9 @@ class TritonBackend(AttentionBackend):
             parts = self.partials(nd, data.num_splits, q.device) if data.num_splits > 1 else None
             paged_decode(q, cache, out, data.decode_seq_ids, meta.query_start_loc, meta.seq_lens,
                          meta.block_tables, self.scale, data.num_splits, parts,
-                         count=None if counts is None else counts[0:1], kv_scale=kv_scale)
+                         count=None if counts is None else counts[0:1], kv_scale=kv_scale, window=window)
         if data.tile_seq.shape[0]:
             paged_extend(q, k, v, cache, out, data.tile_seq, data.tile_start, meta.query_start_loc,
                          meta.seq_lens, meta.block_tables, self.scale,
-                         count=None if counts is None else counts[1:2], kv_scale=kv_scale)
+                         count=None if counts is None else counts[1:2], kv_scale=kv_scale, window=window)
         return out

@@ -35,11 +35,12 @@ logger = logging.getLogger("pagedserve")
 
 def make_backend(name: str, device: torch.device, cfg: ModelConfig, tp: TensorParallel = SINGLE) -> AttentionBackend:
     """The attention backend `name` ("auto": triton on CUDA, torch elsewhere) for `cfg`'s
-    heads (a tensor-parallel rank's share of them)."""
+    heads (a tensor-parallel rank's share of them) and its layers' sliding windows, if any."""
     if name == "auto":
         name = "triton" if device.type == "cuda" else "torch"
     return get_backend_class(name)(tp.split(cfg.num_heads, "the attention heads"),
-                                   tp.split(cfg.num_kv_heads, "the KV heads"), cfg.head_dim, cfg.attention_scale)
+                                   tp.split(cfg.num_kv_heads, "the KV heads"), cfg.head_dim, cfg.attention_scale,
+                                   sliding_windows=cfg.sliding_windows or None)
 
 
 class Worker:

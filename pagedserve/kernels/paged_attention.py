@@ -9,7 +9,14 @@ Two kernels cover every step shape; the new tokens' K/V are in the cache before 
   sequence's whole context: earlier chunks and prefix-cached blocks from the paged cache,
   then the step's own keys straight from the new K/V tensors (contiguous, no page lookups),
   causally masked only in the blocks that straddle the tile's diagonal. Covers prefills,
-  prefill chunks and anything with more than one new token.
+  prefill chunks and anything with more than one new token. It lives in `paged_extend.py`
+  (imported here); the helpers both share in `paged_common.py`.
+
+Sliding-window layers (`window`: the query at position i sees keys i - W + 1 ... i, the
+convention `AttentionBackend` states) pass WINDOW with the constexpr HAS_WINDOW on (off: the
+full-attention code, unchanged). The decode kernel's splits then cover only the window's keys
+(from max(0, seq_len - W)), and neither kernel looks up the block-table entries of blocks
+wholly before the window (a later change may free them and leave a placeholder id there).
 
 Cache layout: [2, num_blocks, block_size, kv_heads, head_dim]; a sequence's token j lives at
 block_tables[seq, j // block_size], row j % block_size.
@@ -28,34 +35,22 @@ import triton
 import triton.language as tl
 
 from pagedserve.kernels import pdl
-from pagedserve.kernels._utils import check_kv_cache_dtype
 from pagedserve.kernels.kv_quant import kv_scales, load_kv
-
-LOG2E = 1.4426950408889634
-
-
-@triton.jit
-def _dot(a, b, IEEE: tl.constexpr):
-    # float32 inputs get true fp32 products (the default would be tf32 on the GPU)
-    if IEEE:
-        return tl.dot(a, b, input_precision="ieee")
-    return tl.dot(a, b)
-
-
-@triton.jit
-def _dot_acc(a, b, acc, IEEE: tl.constexpr):
-    # acc + a @ b, accumulated in place by the tensor cores
-    if IEEE:
-        return tl.dot(a, b, acc, input_precision="ieee")
-    return tl.dot(a, b, acc)
-
-
-@triton.jit
-def _page_offsets(block_tables, seq, stride_bt, n, nmask, kvh, stride_cb, stride_cs, stride_ch,
-                  PAGE: tl.constexpr):
-    """Cache offsets [BLOCK_N] of a sequence's tokens n (their kv head kvh's row)."""
-    page = tl.load(block_tables + seq * stride_bt + n // PAGE, mask=nmask, other=0)
-    return page.to(tl.int64) * stride_cb + (n % PAGE) * stride_cs + kvh * stride_ch
+from pagedserve.kernels.paged_common import (
+    LOG2E,
+    cache_strides,
+    dot,
+    dot_acc,
+    kv_scale_arg,
+    page_offsets,
+    window_args,
+)
+from pagedserve.kernels.paged_extend import (  # noqa: F401 (this module's names, as before)
+    EXTEND_BLOCK_M,
+    EXTEND_CONFIG,
+    EXTEND_FP8_CONFIG,
+    paged_extend,
+)
 
 
 @triton.jit
@@ -64,12 +59,14 @@ def _decode_kernel(
     seq_ids, query_start_loc, seq_lens, block_tables, num_rows,
     KVScale,  # [2] float32 (k_scale, v_scale) of an FP8 cache (read if KV_FP8)
     scale_log2,
+    WINDOW,  # the layer's sliding window (keys per query, its own included; read if HAS_WINDOW)
     stride_qt, stride_qh, stride_ot, stride_oh,
     stride_cb, stride_cs, stride_ch, stride_bt,
     GROUP: tl.constexpr, G_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, NUM_KV_HEADS: tl.constexpr,
     PAGE: tl.constexpr, BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr, IEEE: tl.constexpr,
     HAS_COUNT: tl.constexpr, HEADS_FAST: tl.constexpr, KV_FP8: tl.constexpr,
     F16_DOT: tl.constexpr,  # FP8 cache, 16-bit q: products in float16 (see DECODE_FP8_CONFIG)
+    HAS_WINDOW: tl.constexpr,  # sliding-window layer
     PDL: tl.constexpr,  # programmatic dependent launch (kernels/pdl.py)
 ):
     pdl.wait_and_release(PDL)
@@ -99,8 +96,12 @@ def _decode_kernel(
         q = q.to(tl.float16)
     scale_log2, v_scale = kv_scales(KVScale, scale_log2, KV_FP8)
 
-    per_split = tl.cdiv(tl.cdiv(seq_len, NUM_SPLITS), BLOCK_N) * BLOCK_N
-    start = split * per_split
+    # the keys [lo, seq_len) the query sees, cut into NUM_SPLITS runs of whole key blocks
+    lo = 0
+    if HAS_WINDOW:
+        lo = tl.maximum(seq_len - WINDOW, 0)
+    per_split = tl.cdiv(tl.cdiv(seq_len - lo, NUM_SPLITS), BLOCK_N) * BLOCK_N
+    start = lo + split * per_split
     end = tl.minimum(start + per_split, seq_len)
     m = tl.full([G_PAD], float("-inf"), tl.float32)
     lsum = tl.zeros([G_PAD], tl.float32)
@@ -108,16 +109,16 @@ def _decode_kernel(
     for n0 in range(start, end, BLOCK_N):
         n = n0 + tl.arange(0, BLOCK_N)
         nmask = n < end
-        off = _page_offsets(block_tables, seq, stride_bt, n, nmask, kvh, stride_cb, stride_cs,
-                            stride_ch, PAGE)
+        off = page_offsets(block_tables, seq, stride_bt, n, nmask, kvh, stride_cb, stride_cs,
+                           stride_ch, PAGE)
         k, v = load_kv(KC, VC, off, d, nmask, q)  # [BLOCK_N, D] each
-        s = _dot(q, tl.trans(k), IEEE)  # [G_PAD, BLOCK_N], unscaled
+        s = dot(q, tl.trans(k), IEEE)  # [G_PAD, BLOCK_N], unscaled
         s = tl.where(nmask[None, :], s, float("-inf"))
         m_new = tl.maximum(m, tl.max(s, 1) * scale_log2)  # log2 units
         p = tl.exp2(s * scale_log2 - m_new[:, None])
         alpha = tl.exp2(m - m_new)
         lsum = lsum * alpha + tl.sum(p, 1)
-        acc = _dot_acc(p.to(v.dtype), v, acc * alpha[:, None], IEEE)
+        acc = dot_acc(p.to(v.dtype), v, acc * alpha[:, None], IEEE)
         m = m_new
 
     acc = acc * v_scale
@@ -161,118 +162,6 @@ def _reduce_kernel(
     tl.store(Out + tok * stride_ot + h * stride_oh + d, out.to(Out.dtype.element_ty))
 
 
-@triton.jit
-def _attend_block(q, k, v, m, lsum, acc, scale_log2, keep, IEEE: tl.constexpr, MASKED: tl.constexpr):
-    """One online-softmax update with a key block: k, v [BLOCK_N, D]; keep [BLOCK_M, BLOCK_N]
-    (used only if MASKED; every row must keep at least one key of the first block it sees).
-    m is the running maximum in log2 units (scores times scale_log2)."""
-    s = _dot(q, tl.trans(k), IEEE)  # [BLOCK_M, BLOCK_N], unscaled
-    if MASKED:
-        s = tl.where(keep, s, float("-inf"))
-    m_new = tl.maximum(m, tl.max(s, 1) * scale_log2)
-    p = tl.exp2(s * scale_log2 - m_new[:, None])  # (one multiply-add per score)
-    alpha = tl.exp2(m - m_new)
-    lsum = lsum * alpha + tl.sum(p, 1)
-    acc = _dot_acc(p.to(v.dtype), v, acc * alpha[:, None], IEEE)
-    return m_new, lsum, acc
-
-
-@triton.jit
-def _extend_kernel(
-    Q, KC, VC, KN, VN, Out,
-    tile_seq, tile_start, query_start_loc, seq_lens, block_tables, num_tiles,
-    KVScale,  # [2] float32 (k_scale, v_scale) of an FP8 cache (read if KV_FP8)
-    scale_log2,
-    stride_qt, stride_qh, stride_ot, stride_oh, stride_kt, stride_kh, stride_vt, stride_vh,
-    stride_cb, stride_cs, stride_ch, stride_bt,
-    GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, IEEE: tl.constexpr, HAS_COUNT: tl.constexpr,
-    KV_FP8: tl.constexpr,  # FP8 cache: this step's keys are read from the cache as well
-    F16_DOT: tl.constexpr,  # FP8 cache, 16-bit q: products in float16 (see DECODE_FP8_CONFIG)
-    PDL: tl.constexpr,  # programmatic dependent launch (kernels/pdl.py)
-):
-    pdl.wait_and_release(PDL)
-    h = tl.program_id(0)  # all heads of a tile run side by side (they share its K/V in L2)
-    tile = tl.program_id(1)
-    if HAS_COUNT:  # noqa: SIM102 (fixed grid, CUDA graph: tiles past the device-side count do nothing)
-        if tile >= tl.load(num_tiles):
-            return
-    kvh = h // GROUP
-    seq = tl.load(tile_seq + tile)
-    q0 = tl.load(tile_start + tile)  # first flat token index of this tile
-    first = tl.load(query_start_loc + seq)
-    q_len = tl.load(query_start_loc + seq + 1) - first
-    ctx_before = tl.load(seq_lens + seq) - q_len  # tokens already in the cache before this step
-    i0 = q0 - first  # the tile's first query, counted within this step's tokens of the sequence
-    mi = i0 + tl.arange(0, BLOCK_M)  # [BLOCK_M]
-    mmask = mi < q_len
-    d = tl.arange(0, HEAD_DIM)
-    q = tl.load(Q + (first + mi)[:, None] * stride_qt + h * stride_qh + d[None, :],
-                mask=mmask[:, None], other=0.0)
-    if F16_DOT:
-        q = q.to(tl.float16)
-    m = tl.full([BLOCK_M], float("-inf"), tl.float32)
-    lsum = tl.zeros([BLOCK_M], tl.float32)
-    acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
-    scale_log2, v_scale = kv_scales(KVScale, scale_log2, KV_FP8)
-
-    # 1. Earlier context (prefix-cached blocks, earlier chunks) from the paged cache: every
-    #    query sees all of it, so only the last block's tail is masked.
-    for n0 in range(0, ctx_before, BLOCK_N):
-        n = n0 + tl.arange(0, BLOCK_N)
-        nmask = n < ctx_before
-        off = _page_offsets(block_tables, seq, stride_bt, n, nmask, kvh, stride_cb, stride_cs,
-                            stride_ch, PAGE)
-        k, v = load_kv(KC, VC, off, d, nmask, q)
-        m, lsum, acc = _attend_block(q, k, v, m, lsum, acc, scale_log2, nmask[None, :], IEEE, True)
-
-    # 2. This step's own keys, straight from the new K/V [T, Hkv, D] (contiguous per token).
-    #    Blocks wholly before the tile's first query need no mask; the rest are causal.
-    #    (FP8 cache: from the cache, at positions ctx_before + j.)
-    kn = KN + kvh * stride_kh + d[None, :]
-    vn = VN + kvh * stride_vh + d[None, :]
-    diag = i0 // BLOCK_N * BLOCK_N
-    for j0 in range(0, diag, BLOCK_N):
-        j = j0 + tl.arange(0, BLOCK_N)
-        if KV_FP8:
-            off = _page_offsets(block_tables, seq, stride_bt, ctx_before + j, j < q_len, kvh,
-                                stride_cb, stride_cs, stride_ch, PAGE)
-            k, v = load_kv(KC, VC, off, d, j < q_len, q)
-        else:
-            k = tl.load(kn + (first + j)[:, None] * stride_kt)
-            v = tl.load(vn + (first + j)[:, None] * stride_vt)
-        # (unmasked: the keep argument is ignored)
-        m, lsum, acc = _attend_block(q, k, v, m, lsum, acc, scale_log2, mmask[:, None], IEEE, False)
-    for j0 in range(diag, tl.minimum(q_len, i0 + BLOCK_M), BLOCK_N):
-        j = j0 + tl.arange(0, BLOCK_N)
-        jmask = j < q_len
-        if KV_FP8:
-            off = _page_offsets(block_tables, seq, stride_bt, ctx_before + j, jmask, kvh,
-                                stride_cb, stride_cs, stride_ch, PAGE)
-            k, v = load_kv(KC, VC, off, d, jmask, q)
-        else:
-            k = tl.load(kn + (first + j)[:, None] * stride_kt, mask=jmask[:, None], other=0.0)
-            v = tl.load(vn + (first + j)[:, None] * stride_vt, mask=jmask[:, None], other=0.0)
-        keep = (j[None, :] <= mi[:, None]) & jmask[None, :]
-        m, lsum, acc = _attend_block(q, k, v, m, lsum, acc, scale_log2, keep, IEEE, True)
-
-    out = acc * v_scale / lsum[:, None]
-    tl.store(Out + (first + mi)[:, None] * stride_ot + h * stride_oh + d[None, :],
-             out.to(Out.dtype.element_ty), mask=mmask[:, None])
-
-
-def _cache_strides(kv_cache: torch.Tensor) -> tuple[int, int, int]:
-    # kv_cache: [2, num_blocks, block_size, kv_heads, head_dim]; K = kv_cache[0], V = kv_cache[1]
-    assert kv_cache.stride(-1) == 1
-    return kv_cache.stride(1), kv_cache.stride(2), kv_cache.stride(3)
-
-
-def _kv_scale_arg(kv_cache: torch.Tensor, q: torch.Tensor, kv_scale: torch.Tensor | None):
-    """(the scale pointer to pass, whether the cache is FP8)."""
-    fp8 = check_kv_cache_dtype(kv_cache, q, kv_scale)
-    return (kv_scale if fp8 else q), fp8
-
-
 # Tile size, launch settings and program order of the decode kernel (benchmarks/gpu_check.py
 # --sections decode_tune measures the alternatives on the GPU).
 DECODE_CONFIG = {"BLOCK_N": 64, "num_warps": 4, "num_stages": 2, "HEADS_FAST": True}
@@ -298,8 +187,10 @@ def paged_decode(
     count: torch.Tensor | None = None,
     config: dict | None = None,
     kv_scale: torch.Tensor | None = None,
+    window: int | None = None,
 ) -> None:
     """Attention for sequences with one new token each (see the module docstring).
+    `window`: the layer's sliding window (None: full attention).
 
     With `count` ([1] int32 on the device), only the first count[0] entries of seq_ids are
     decodes: the grid stays sized for all of seq_ids, so a CUDA graph can replay it.
@@ -315,19 +206,21 @@ def paged_decode(
     if partials is None and num_splits > 1:
         partials = alloc_decode_partials(num_rows, num_splits, num_heads, head_dim, q.device)
     acc_buf, ml_buf = partials if num_splits > 1 else (out, out)
-    scb, scs, sch = _cache_strides(kv_cache)
-    scale_arg, fp8 = _kv_scale_arg(kv_cache, q, kv_scale)
+    scb, scs, sch = cache_strides(kv_cache)
+    scale_arg, fp8 = kv_scale_arg(kv_cache, q, kv_scale)
+    window_arg, has_window = window_args(window)
     config = dict(config or (DECODE_FP8_CONFIG if fp8 else DECODE_CONFIG))
     f16_dot = config.pop("F16_DOT", False) and fp8 and q.dtype != torch.float32
     _decode_kernel[(num_rows * num_kv_heads, num_splits)](
         q, kv_cache[0], kv_cache[1], out, acc_buf, ml_buf,
         seq_ids, query_start_loc, seq_lens, block_tables, seq_ids if count is None else count,
-        scale_arg, scale * LOG2E,
+        scale_arg, scale * LOG2E, window_arg,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         scb, scs, sch, block_tables.stride(0),
         GROUP=group, G_PAD=max(16, triton.next_power_of_2(group)), HEAD_DIM=head_dim,
         NUM_KV_HEADS=num_kv_heads, PAGE=page, NUM_SPLITS=num_splits, IEEE=q.dtype == torch.float32,
-        HAS_COUNT=count is not None, KV_FP8=fp8, F16_DOT=f16_dot, **config, **pdl.launch_options(q),
+        HAS_COUNT=count is not None, KV_FP8=fp8, F16_DOT=f16_dot, HAS_WINDOW=has_window, **config,
+        **pdl.launch_options(q),
     )
     if num_splits > 1:
         _reduce_kernel[(num_rows, num_heads)](
@@ -346,54 +239,3 @@ def alloc_decode_partials(num_rows: int, num_splits: int, num_heads: int, head_d
     return acc, ml
 
 
-# Tile sizes and launch settings of the extend kernel (benchmarks/gpu_check.py --sections
-# extend_tune measures the alternatives on the GPU).
-EXTEND_BLOCK_M = 64
-EXTEND_CONFIG = {"BLOCK_N": 64, "num_warps": 4, "num_stages": 3}
-EXTEND_FP8_CONFIG = {**EXTEND_CONFIG, "F16_DOT": True}  # (as the decode kernel's, so they agree)
-
-
-def paged_extend(
-    q: torch.Tensor,  # [T, Hq, D]
-    k: torch.Tensor,  # [T, Hkv, D] this step's keys (any token stride, head_dim contiguous)
-    v: torch.Tensor,  # [T, Hkv, D] this step's values (likewise)
-    kv_cache: torch.Tensor,
-    out: torch.Tensor,  # [T, Hq, D]
-    tile_seq: torch.Tensor,  # [num_tiles] int32: the sequence of each query tile
-    tile_start: torch.Tensor,  # [num_tiles] int32: the tile's first flat token index
-    query_start_loc: torch.Tensor,
-    seq_lens: torch.Tensor,
-    block_tables: torch.Tensor,
-    scale: float,
-    block_m: int = EXTEND_BLOCK_M,
-    config: dict | None = None,
-    count: torch.Tensor | None = None,
-    kv_scale: torch.Tensor | None = None,
-) -> None:
-    """Causal attention for query tiles of `block_m` tokens over the paged context (the tiles
-    must have been cut with the same block_m; `config` overrides EXTEND_CONFIG, or
-    EXTEND_FP8_CONFIG over an FP8 cache). With `count` ([1] int32 on the device), only the
-    first count[0] tiles are real (fixed grid for graphs).
-    An FP8 cache needs `kv_scale` ([2] float32: K, V) and this step's K/V already stored."""
-    num_tiles = tile_seq.shape[0]
-    if num_tiles == 0:
-        return
-    num_heads, head_dim = q.shape[1], q.shape[2]
-    num_kv_heads, page = kv_cache.shape[3], kv_cache.shape[2]
-    assert k.stride(-1) == 1 and v.stride(-1) == 1
-    scb, scs, sch = _cache_strides(kv_cache)
-    scale_arg, fp8 = _kv_scale_arg(kv_cache, q, kv_scale)
-    config = dict(config or (EXTEND_FP8_CONFIG if fp8 else EXTEND_CONFIG))
-    f16_dot = config.pop("F16_DOT", False) and fp8 and q.dtype != torch.float32
-    _extend_kernel[(num_heads, num_tiles)](
-        q, kv_cache[0], kv_cache[1], k, v, out,
-        tile_seq, tile_start, query_start_loc, seq_lens, block_tables,
-        tile_seq if count is None else count,
-        scale_arg, scale * LOG2E,
-        q.stride(0), q.stride(1), out.stride(0), out.stride(1),
-        k.stride(0), k.stride(1), v.stride(0), v.stride(1),
-        scb, scs, sch, block_tables.stride(0),
-        GROUP=num_heads // num_kv_heads, HEAD_DIM=head_dim, PAGE=page,
-        BLOCK_M=block_m, IEEE=q.dtype == torch.float32, HAS_COUNT=count is not None, KV_FP8=fp8,
-        F16_DOT=f16_dot, **config, **pdl.launch_options(q),
-    )

@@ -121,21 +121,21 @@ def _sliding_windows(cfg: dict[str, Any], arch: str, num_layers: int, max_pos: i
         return ()
     window = int(window)
     layer_types = cfg.get("layer_types")
+    if cfg.get("use_sliding_window") is False:  # (Qwen2, SmolLM3: the flag rules)
+        return ()
     if layer_types:
         kinds = list(layer_types)
     elif arch in _ALL_LAYERS_SLIDE:
         kinds = ["sliding_attention"] * num_layers
-    elif cfg.get("use_sliding_window"):  # Qwen2 before layer_types: layers from max_window_layers
-        first = int(cfg.get("max_window_layers", num_layers))
+    elif arch == "Gemma3ForCausalLM":  # (configs before layer_types: every 6th layer global)
+        pattern = int(cfg.get("sliding_window_pattern", 6))
+        kinds = ["sliding_attention" if (i + 1) % pattern else "full_attention" for i in range(num_layers)]
+    elif cfg.get("use_sliding_window"):  # Qwen2 before layer_types: layers from max_window_layers on
+        first = int(cfg.get("max_window_layers", 28))
         kinds = ["full_attention" if i < first else "sliding_attention" for i in range(num_layers)]
     else:
         return ()
-    if cfg.get("use_sliding_window") is False:  # (Qwen2, SmolLM3: the flag rules)
-        return ()
-    if arch == "Gemma3ForCausalLM" and not layer_types:  # (configs before layer_types: every 6th global)
-        pattern = int(cfg.get("sliding_window_pattern", 6))
-        kinds = ["sliding_attention" if (i + 1) % pattern else "full_attention" for i in range(num_layers)]
     windows = tuple(window if kind == "sliding_attention" else None for kind in kinds)
-    if any(windows):
-        raise ValueError(f"sliding-window attention (sliding_window={window}) is not supported yet")
-    return ()
+    if len(windows) != num_layers:
+        raise ValueError(f"layer_types has {len(windows)} entries for {num_layers} layers")
+    return windows if any(windows) else ()

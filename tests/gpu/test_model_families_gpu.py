@@ -1,6 +1,7 @@
 """New model families on the GPU (issue 31): tiny random Qwen2 (q/k/v biases), Llamas with
 Llama 3.1's and YaRN's RoPE scaling, Phi-3 (partial rotation, LongRoPE), SmolLM3 (layers
-without RoPE) and Qwen3-MoE (the fused-MoE kernel), in float32 through the engine's GPU path (Triton kernels, the fused
+without RoPE), Qwen3-MoE (the fused-MoE kernel), Gemma 3 and a Mistral with a 32-key sliding
+window (the windowed Triton kernels), in float32 through the engine's GPU path (Triton kernels, the fused
 q/k RoPE kernel, CUDA graphs): greedy tokens equal Transformers' (float32, CPU), prompts
 running past the original context."""
 
@@ -17,7 +18,8 @@ pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a C
 sys.path.insert(0, str(Path(__file__).parents[1]))  # (the CPU tests' checkpoint makers)
 
 
-@pytest.mark.parametrize("kind", ["qwen2", "llama3", "yarn", "phi3", "smollm3", "qwen3_moe"])
+@pytest.mark.parametrize("kind", ["qwen2", "llama3", "yarn", "phi3", "smollm3", "qwen3_moe", "gemma3",
+                                  "mistral_window"])
 def test_the_engine_on_the_gpu_generates_transformers_tokens(tmp_path, kind):
     from test_model_families import _checkpoint
 
