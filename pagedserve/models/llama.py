@@ -310,8 +310,7 @@ class LlamaForCausalLM(nn.Module):
                 if order is not None and (".self_attn.q_proj." in name or ".self_attn.k_proj." in name):
                     _plain_tensor(name, t, "a partial rotation")
                     heads = t.reshape(-1, cfg.head_dim, *t.shape[1:])[:, order]  # [heads, D, ...]
-                    scale = rows_scale.view(1, -1, *[1] * (t.dim() - 1)).to(t.dtype)
-                    t = (heads.float() * scale.float()).to(t.dtype).reshape(t.shape)
+                    t = (heads.float() * rows_scale.view(1, -1, *[1] * (t.dim() - 1))).to(t.dtype).reshape(t.shape)
                 yield name, t
 
     def process_weights_after_loading(self) -> None:
