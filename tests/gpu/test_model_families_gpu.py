@@ -31,7 +31,8 @@ def test_the_engine_on_the_gpu_generates_transformers_tokens(tmp_path, kind):
     # (Phi-3: prompts past its original context, where Transformers too takes the long factors)
     prompts = [torch.randint(0, 256, (n,), generator=g).tolist() for n in ((90, 5, 150) if kind != "phi3" else (90, 65, 150))]
     # (the checkpoint has no tokenizer, nor the GPU machine the embedded one: PS_TOKENIZER)
-    llm = LLM(str(tmp_path), dtype="float32", device="cuda", kv_cache_memory=64 << 20, max_model_len=1024,
+    llm = LLM(str(tmp_path), dtype="float32", device="cuda", kv_cache_memory=64 << 20,
+              max_model_len=min(1024, hf.config.max_position_embeddings),
               tokenizer=os.environ.get("PS_TOKENIZER"))
     params = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True)
     got = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
