@@ -32,7 +32,11 @@ def add_serve_args(srv: argparse.ArgumentParser) -> None:
            "request sends tools); needs --tool-call-parser")
     a("--tool-call-parser", default=None, choices=sorted(TOOL_PARSERS),
       help="how tool calls are read out of the model's text, with --enable-auto-tool-choice "
-           "(hermes: <tool_call>{...}</tool_call>, as Qwen3 and Nanbeige4.1 write them)")
+           "(vLLM's names): hermes (alias qwen3, nanbeige) for <tool_call>{...}</tool_call> "
+           "(Qwen3, Nanbeige4.1); llama3_json (alias llama4_json) for bare {\"name\": ..., "
+           "\"parameters\": {...}} calls joined by ';' (Llama 3.1/3.2/3.3); mistral for "
+           "[TOOL_CALLS][...] or [TOOL_CALLS]name[ARGS]{...} (Mistral, Ministral); phi4_mini_json "
+           "for <|tool_call|>[...]<|/tool_call|> or functools[...] (Phi-4-mini)")
     a("--max-request-body-bytes", type=types.positive_int, default=8 << 20,
       help="larger request bodies get 413")
     a("--engine", default="pagedserve", choices=["pagedserve", "hf", "hf-batched"],

@@ -33,6 +33,7 @@ from pagedserve.server.tools import (
     ToolPlan,
     new_tool_call_id,
     plan_tools,
+    tags_are_special_tokens,
     tool_call_object,
 )
 
@@ -69,6 +70,8 @@ async def prepare_chat(server: Server, body: ChatCompletionRequest) -> PreparedC
     body = body.with_defaults(server.sampling_defaults)
     structured, field = request_constraint(body)
     tools = plan_tools(body, server.tools)
+    if tags_are_special_tokens(tools, server.tokenizer) and "skip_special_tokens" not in body.model_fields_set:
+        body = body.model_copy(update={"skip_special_tokens": False})  # (as vLLM for Mistral's tags)
     if tools is not None and tools.constraint is not None:
         if structured is not None:
             raise APIError(400, f"tool_choice {tools.mode!r} constrains the output to tool calls; "

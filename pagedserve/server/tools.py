@@ -81,6 +81,19 @@ class ToolPlan:
         return None
 
 
+def tags_are_special_tokens(plan: ToolPlan | None, tokenizer: Any) -> bool:
+    """Whether this request's tool-call parser reads tags the tokenizer holds as special tokens
+    (Mistral's `[TOOL_CALLS]`, Phi-4-mini's `<|tool_call|>`), which decoding with
+    skip_special_tokens would drop before the parser saw them."""
+    if plan is None or plan.mode != "auto":
+        return False
+    for tag in get_tool_parser(plan.parser_name).format_tokens:
+        ids = tokenizer.encode(tag, add_special_tokens=False)
+        if len(ids) == 1 and ids[0] in tokenizer.special_ids:
+            return True
+    return False
+
+
 def _required_schema(tools: list[dict[str, Any]], one: bool) -> dict[str, Any]:
     calls = [{"type": "object",
               "properties": {"name": {"type": "string", "enum": [t["function"]["name"]]},

@@ -25,6 +25,10 @@ class ParsedToolCall:
 class ToolParser:
     """Interface of the tool-call parsers; one instance per generated output."""
 
+    # The tags this format writes. Tokenizers often make them special tokens, which decoding
+    # with skip_special_tokens drops: the text given to the parser must keep them.
+    format_tokens: tuple[str, ...] = ()
+
     def extract(self, text: str) -> tuple[str | None, list[ParsedToolCall]]:
         """Split a whole output into ``(content or None when empty, tool calls)``."""
         raise NotImplementedError

@@ -28,39 +28,69 @@ keeps it as a tool call at its index: the arguments already emitted stay (a vali
 prefix, maybe incomplete), nothing more is emitted for it, the rest of the block up to its
 closing tag is dropped, and it counts as a call for the whitespace rules. ``extract``
 reports that block as content, so its later calls have indices one lower.
+
+The stream runs on the block machinery of ``tagged.py`` (shared with the Mistral and
+Phi-4-mini parsers); ``extract`` is written on its own, and the tests check one against the
+other.
 """
 
 from __future__ import annotations
 
-from pagedserve.server.tool_parsers.base import (
-    ParsedToolCall,
-    ToolCallDelta,
-    ToolParser,
-    _coalesce,
-    _Event,
-)
-from pagedserve.server.tool_parsers.json_scan import (
-    _Call,
-    _JsonScanner,
-    _parse_call,
-    _partial_suffix,
-)
+from pagedserve.server.tool_parsers.base import ParsedToolCall, _Event
+from pagedserve.server.tool_parsers.json_scan import _Call, _JsonScanner, _parse_call
+from pagedserve.server.tool_parsers.tagged import _assemble, _Block, _EndTagBlock, _TaggedParser
 
 
-class HermesToolParser(ToolParser):
+class _CallBlock(_EndTagBlock):
+    """The inner text of one Hermes block: one call object."""
+
+    def __init__(self, index: int, end_tag: str) -> None:
+        """A block whose call has index ``index``, closed by ``end_tag``."""
+        super().__init__(index, end_tag)
+        self.call = _Call(_JsonScanner(), depth=1)
+        self._named = False  # the name delta was emitted: the block is a tool call
+        self._pending: list[str] = []  # arguments text written before the name
+
+    @property
+    def calls(self) -> list[ParsedToolCall]:
+        result = self.call.result()
+        return [] if result is None else [result]
+
+    @property
+    def named(self) -> bool:
+        return self._named
+
+    @property
+    def next_index(self) -> int:
+        return self.index + self._named
+
+    def _feed(self, ch: str, events: list[_Event]) -> None:
+        call = self.call
+        fragment = call.feed(ch)
+        if self._named:
+            if fragment:
+                events.append((self.index, None, fragment))
+            return
+        self._pending.append(fragment)
+        if call.ready:
+            events.append((self.index, call.name, "".join(self._pending)))
+            self._named, self._pending = True, []
+
+    def _close(self, events: list[_Event]) -> None:
+        if self._named and self.call.valid() and not self.call.has_args:
+            events.append((self.index, None, "{}"))
+
+
+class HermesToolParser(_TaggedParser):
     """``<tool_call>{"name": ..., "arguments": {...}}</tool_call>`` blocks (Qwen3, Nanbeige)."""
 
     start_tag: str = "<tool_call>"
     end_tag: str = "</tool_call>"
+    markers = (start_tag,)
+    format_tokens = (start_tag, end_tag)
 
-    def __init__(self) -> None:
-        """Create a parser for one generated output."""
-        self._buffer = ""  # text received but not yet decided
-        self._in_block = False
-        self._after_call = False  # drop whitespace at the start of the next content
-        self._index = 0  # index of the next tool call
-        self._open_block("")  # sets the per-block fields
-        self._in_block = False
+    def _new_block(self, marker: str, index: int) -> _Block:
+        return _CallBlock(index, self.end_tag)
 
     def extract(self, text: str) -> tuple[str | None, list[ParsedToolCall]]:
         """Split a whole output into ``(content or None, tool calls)``."""
@@ -75,24 +105,7 @@ class HermesToolParser(ToolParser):
             parts.append(text[start:end] if call is None else call)
             pos = end
         parts.append(text[pos:])
-        merged: list[str | ParsedToolCall] = []  # alternates text, call, text, ..., text
-        for part in parts:
-            if isinstance(part, str) and merged and isinstance(merged[-1], str):
-                merged[-1] += part
-            else:
-                merged.append(part)
-        content: list[str] = []
-        calls: list[ParsedToolCall] = []
-        for i, part in enumerate(merged):
-            if isinstance(part, ParsedToolCall):
-                calls.append(part)
-                continue
-            if i > 0:
-                part = part.lstrip()  # whitespace after a call
-            if i < len(merged) - 1:
-                part = part.rstrip()  # whitespace before a call
-            content.append(part)
-        return "".join(content) or None, calls
+        return _assemble(parts)
 
     def _find_close(self, text: str, start: int) -> tuple[int, int]:
         """Find the block end from ``start``: ``(closing tag index, inner end)``.
@@ -118,108 +131,3 @@ class HermesToolParser(ToolParser):
                 if self.end_tag.startswith(text[i:]):
                     return -1, i
         return -1, len(text)
-
-    def stream(self, delta_text: str) -> tuple[str, list[ToolCallDelta]]:
-        """Feed the next text delta; return ``(content delta, tool-call deltas)``."""
-        self._buffer += delta_text
-        content: list[str] = []
-        events: list[_Event] = []
-        progressed = True
-        while progressed:  # each step ends at a block boundary or when it must wait
-            if self._in_block:
-                progressed = self._block_step(content, events)
-            else:
-                progressed = self._text_step(content)
-        return "".join(content), _coalesce(events)
-
-    def finish(self) -> tuple[str, list[ToolCallDelta]]:
-        """Flush at the end of generation: held text, or the unclosed block's outcome."""
-        content: list[str] = []
-        events: list[_Event] = []
-        held, self._buffer = self._buffer, ""
-        if self._in_block:
-            self._close_block(held, content, events)  # held: a partial closing tag
-        else:
-            content.append(self._content(held))
-        return "".join(content), _coalesce(events)
-
-    def _text_step(self, content: list[str]) -> bool:
-        """Emit the decided content; True if a block opened (the buffer continues inside)."""
-        buf = self._buffer
-        start = buf.find(self.start_tag)
-        body = buf[:start] if start >= 0 else buf[: len(buf) - _partial_suffix(buf, self.start_tag)]
-        core = body.rstrip()  # trailing whitespace waits: it is dropped before a call
-        content.append(self._content(core))
-        if start < 0:
-            self._buffer = buf[len(core) :]
-            return False
-        self._open_block("" if self._after_call else body[len(core) :])
-        self._buffer = buf[start + len(self.start_tag) :]
-        return True
-
-    def _block_step(self, content: list[str], events: list[_Event]) -> bool:
-        """Feed the buffer into the open block; True if it closed (the buffer continues after)."""
-        buf = self._buffer
-        i = 0
-        while i < len(buf):
-            ch = buf[i]
-            if self._in_string:
-                if self._escape:
-                    self._escape = False
-                elif ch == "\\":
-                    self._escape = True
-                elif ch == '"':
-                    self._in_string = False
-            elif ch == '"':
-                self._in_string = True
-            elif ch == "<":
-                if buf.startswith(self.end_tag, i):
-                    self._buffer = buf[i + len(self.end_tag) :]
-                    self._close_block(self.end_tag, content, events)
-                    return True
-                if self.end_tag.startswith(buf[i:]):
-                    break  # a possible partial closing tag: wait
-            self._feed_call(ch, events)
-            i += 1
-        self._buffer = buf[i:]
-        return False
-
-    def _feed_call(self, ch: str, events: list[_Event]) -> None:
-        call = self._call
-        fragment = call.feed(ch)
-        if self._named:
-            if fragment:
-                events.append((self._index, None, fragment))
-            return
-        self._pending.append(fragment)  # arguments written before the name
-        if call.name is not None and not call.invalid:
-            events.append((self._index, call.name, "".join(self._pending)))
-            self._named, self._pending, self._held_ws = True, [], ""
-
-    def _open_block(self, held_ws: str) -> None:
-        self._in_block = True
-        self._held_ws = held_ws  # whitespace before the block: content if it is invalid
-        self._call = _Call(_JsonScanner(), depth=1)
-        self._named = False  # the name delta was emitted: the block is a tool call
-        self._pending: list[str] = []
-        self._in_string = self._escape = False
-
-    def _close_block(self, tail: str, content: list[str], events: list[_Event]) -> None:
-        """End the block (``tail``: its closing tag, or a partial one at the end)."""
-        call = self._call
-        if self._named:
-            if call.valid() and not call.has_args:
-                events.append((self._index, None, "{}"))
-            self._index += 1
-            self._after_call = True
-        else:
-            raw = self._held_ws + self.start_tag + "".join(call.raw) + tail
-            content.append(self._content(raw))
-        self._in_block = False
-
-    def _content(self, text: str) -> str:
-        """Content text to emit, without the whitespace right after a call."""
-        if self._after_call:
-            text = text.lstrip()
-            self._after_call = not text
-        return text

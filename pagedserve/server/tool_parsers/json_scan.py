@@ -180,11 +180,13 @@ class _Call:
 
     ``depth`` is the scanner depth inside the object (1 for a top-level object). Every
     character from the object's first (or whitespace before it) is passed to :meth:`feed`.
+    With ``require_args`` an object without an arguments key (either spelling) is invalid.
     """
 
-    def __init__(self, scanner: _JsonScanner, depth: int) -> None:
+    def __init__(self, scanner: _JsonScanner, depth: int, require_args: bool = False) -> None:
         self.scanner = scanner
         self.depth = depth
+        self.require_args = require_args
         self.raw: list[str] = []  # every character fed
         self.name: str | None = None  # set once the name value is complete
         self.arguments: list[str] = []  # the arguments value so far, raw
@@ -230,8 +232,16 @@ class _Call:
             self.name = json.loads(scanner.completed_string)
         elif len(scanner.stack) < self.depth:  # the object's closing brace
             self.closed = True
-            self.invalid = self.name is None
+            self.invalid = self.name is None or (self.require_args and not self.has_args)
         return ""
+
+    @property
+    def ready(self) -> bool:
+        """The call can be announced: its name is complete (and with ``require_args``, its
+        arguments value has started) and nothing invalid was seen yet."""
+        if self.invalid or self.name is None:
+            return False
+        return bool(self.arguments) or not self.require_args
 
     def valid(self) -> bool:
         """True if everything fed is one complete, valid call object (and whitespace)."""
@@ -251,9 +261,9 @@ class _Call:
         return ParsedToolCall(self.name, "".join(self.arguments) or "{}")
 
 
-def _parse_call(text: str) -> ParsedToolCall | None:
+def _parse_call(text: str, require_args: bool = False) -> ParsedToolCall | None:
     """Parse one call object (JSON whitespace around it allowed); None if it is not one."""
-    call = _Call(_JsonScanner(), depth=1)
+    call = _Call(_JsonScanner(), depth=1, require_args=require_args)
     for ch in text:
         call.feed(ch)
     return call.result()
@@ -274,5 +284,3 @@ def _skip_ws(text: str, pos: int) -> int:
 
 
 _DECODER = json.JSONDecoder(parse_constant=_reject_constant)
-
-
