@@ -97,3 +97,19 @@ def test_bad_dtype_and_load_format():
         build_model(src, dtype="int8", load_format="dummy")
     with pytest.raises(ValueError, match="load_format"):
         build_model(src, load_format="pickle")
+
+
+def test_the_generation_config_s_eos_ids_end_generation_too(tmp_path):
+    """Phi-4-mini's config.json names 199999 as EOS, its generation_config.json adds <|end|>
+    (200020): both end a reply, as in Transformers' generate and vLLM."""
+    import json
+
+    cfg = {"architectures": ["LlamaForCausalLM"], "vocab_size": 8, "hidden_size": 8, "intermediate_size": 8,
+           "num_hidden_layers": 1, "num_attention_heads": 1, "eos_token_id": 2}
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    assert ModelConfig.from_hf_config(resolve_model(str(tmp_path)).hf_config).eos_token_ids == (2,)
+    (tmp_path / "generation_config.json").write_text(json.dumps({"eos_token_id": [7, 2]}))
+    assert ModelConfig.from_hf_config(resolve_model(str(tmp_path)).hf_config).eos_token_ids == (2, 7)
+    (tmp_path / "generation_config.json").write_text("{not json")
+    with pytest.raises(ValueError, match="generation_config.json is not valid JSON"):
+        resolve_model(str(tmp_path))

@@ -71,10 +71,21 @@ def _read_config(folder: Path) -> dict:
             f"{folder} has no config.json; point the model at a Hugging Face checkpoint folder "
             "(config.json + *.safetensors + tokenizer files), a .gguf file, or a preset name"
         )
+    cfg = _read_json(cfg_path)
+    gen_path = folder / "generation_config.json"
+    if gen_path.is_file():  # (its EOS ids end generation too: Phi-4-mini's <|end|>, Qwen2.5's <|endoftext|>)
+        eos = _read_json(gen_path).get("eos_token_id")
+        eos = [eos] if isinstance(eos, int) else list(eos or [])
+        extra = cfg.setdefault("_pagedserve", {}).setdefault("extra_eos_token_ids", [])
+        extra += [t for t in eos if t not in extra]
+    return cfg
+
+
+def _read_json(path: Path) -> dict:
     try:
-        return json.loads(cfg_path.read_text())
+        return json.loads(path.read_text())
     except json.JSONDecodeError as e:
-        raise ValueError(f"{cfg_path} is not valid JSON: {e}") from None
+        raise ValueError(f"{path} is not valid JSON: {e}") from None
 
 
 def load_tokenizer(source: ModelSource, cfg: ModelConfig, path: str | None = None):
