@@ -15,7 +15,6 @@ from __future__ import annotations
 from collections.abc import Iterable, Iterator
 
 import torch
-from torch import nn
 
 from pagedserve.attention.backend import AttentionContext
 from pagedserve.config import ModelConfig
@@ -23,7 +22,7 @@ from pagedserve.distributed.tensor_parallel import SINGLE, TensorParallel
 from pagedserve.layers.linear_method import LinearMethod
 from pagedserve.layers.norm import RMSNorm
 from pagedserve.layers.rotary import RotaryEmbedding
-from pagedserve.models.llama import MLP, Attention, LlamaForCausalLM
+from pagedserve.models.llama import DecoderLayer, LlamaForCausalLM
 
 # an image-text checkpoint's prefix of its text model (Transformers 4, then 5) -> ours
 _TEXT_PREFIXES = {"language_model.model.": "model.", "model.language_model.": "model.",
@@ -31,19 +30,15 @@ _TEXT_PREFIXES = {"language_model.model.": "model.", "model.language_model.": "m
 _VISION_PARTS = ("vision_tower.", "multi_modal_projector.")
 
 
-class Gemma3DecoderLayer(nn.Module):
-    """x + post_ff_norm(mlp(pre_ff_norm(x + post_attn_norm(attn(input_norm(x)))))), with the
-    residual carried between layers as in `llama.DecoderLayer` (each returns its output and
-    the stream before it, so the next norm adds them in one kernel)."""
+class Gemma3DecoderLayer(DecoderLayer):
+    """x + post_ff_norm(mlp(pre_ff_norm(x + post_attn_norm(attn(input_norm(x)))))): Llama's
+    layer plus two norms, the residual carried between layers as in `llama.DecoderLayer` (each
+    returns its output and the stream before it, so the next norm adds them in one kernel)."""
 
     def __init__(self, cfg: ModelConfig, layer_idx: int, linear_method: LinearMethod | None = None,
                  tp: TensorParallel = SINGLE) -> None:
-        super().__init__()
-        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.self_attn = Attention(cfg, layer_idx, linear_method, tp)
-        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        super().__init__(cfg, layer_idx, linear_method, tp)
         self.pre_feedforward_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.mlp = MLP(cfg, linear_method, layer_idx, tp)
         self.post_feedforward_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
     def forward(

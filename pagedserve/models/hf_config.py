@@ -70,7 +70,7 @@ def model_config_from_hf(cfg: dict[str, Any]) -> ModelConfig:
         o_proj_bias=arch != "Qwen2ForCausalLM" and bool(cfg.get("attention_bias", False)),
         rope_scaling=RopeScaling.from_hf(rope, max_pos),
         rotary_dim=int(head_dim * partial),
-        no_rope_layers=_no_rope_layers(cfg, num_layers),
+        no_rope_layers=_no_rope_layers(cfg, arch, num_layers),
         sliding_windows=_sliding_windows(cfg, arch, num_layers, max_pos),
         sliding_rope_theta=None if sliding_theta is None else float(sliding_theta),
         hidden_act=act,
@@ -97,10 +97,10 @@ def _rope_dict(cfg: dict[str, Any], arch: str) -> dict[str, Any]:
     return rope
 
 
-def _no_rope_layers(cfg: dict[str, Any], num_layers: int) -> tuple[int, ...]:
+def _no_rope_layers(cfg: dict[str, Any], arch: str, num_layers: int) -> tuple[int, ...]:
     """Indices of the layers without RoPE: SmolLM3's `no_rope_layers` holds 1 for a layer with
     RoPE, 0 without (or, when absent there, every `no_rope_layer_interval`-th layer has none)."""
-    if cfg.get("architectures", [None])[0] != "SmolLM3ForCausalLM":
+    if arch != "SmolLM3ForCausalLM":
         return ()
     flags = cfg.get("no_rope_layers")
     if flags is None:

@@ -17,30 +17,24 @@ where it ends, the whitespace rules and the streaming contract).
 
 from __future__ import annotations
 
-from pagedserve.server.tool_parsers.base import ParsedToolCall, _Event
+from pagedserve.server.tool_parsers.base import _Event
 from pagedserve.server.tool_parsers.json_array import OPEN, _ArrayReader
-from pagedserve.server.tool_parsers.tagged import _Block, _EndTagBlock, _ReaderBlock, _TaggedParser
+from pagedserve.server.tool_parsers.tagged import (
+    _Block,
+    _EndTagBlock,
+    _ReaderBlock,
+    _ReaderCalls,
+    _TaggedParser,
+)
 
 
-class _ArrayTagBlock(_EndTagBlock):
+class _ArrayTagBlock(_ReaderCalls, _EndTagBlock):
     """A JSON array of calls up to an end tag; the text after the array is dropped."""
 
     def __init__(self, index: int, end_tag: str) -> None:
         """A block whose first call has index ``index``, closed by ``end_tag``."""
         super().__init__(index, end_tag)
         self.reader = _ArrayReader(index)
-
-    @property
-    def calls(self) -> list[ParsedToolCall]:
-        return self.reader.calls
-
-    @property
-    def named(self) -> bool:
-        return self.reader.emitted
-
-    @property
-    def next_index(self) -> int:
-        return self.reader.index
 
     def _feed(self, ch: str, events: list[_Event]) -> None:
         if self.reader.state == OPEN:

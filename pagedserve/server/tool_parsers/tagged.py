@@ -23,6 +23,8 @@ rest of it is dropped (with an end tag: up to the tag; without: the rest of the 
 
 from __future__ import annotations
 
+from typing import Any
+
 from pagedserve.server.tool_parsers.base import (
     ParsedToolCall,
     ToolCallDelta,
@@ -122,14 +124,10 @@ class _EndTagBlock(_Block):
         self._close(events)
 
 
-class _ReaderBlock(_Block):
-    """A block without an end tag: a reader (``_ArrayReader``'s interface: ``feed``,
-    ``stop``, ``state``, ``calls``, ``emitted``, ``index``) says where it ends."""
+class _ReaderCalls:
+    """A block's calls as its ``reader`` (``_ArrayReader``'s interface) counts them."""
 
-    def __init__(self, index: int, reader) -> None:
-        """A block read by ``reader`` (made for index ``index``)."""
-        super().__init__(index)
-        self.reader = reader
+    reader: Any
 
     @property
     def calls(self) -> list[ParsedToolCall]:
@@ -142,6 +140,16 @@ class _ReaderBlock(_Block):
     @property
     def next_index(self) -> int:
         return self.reader.index
+
+
+class _ReaderBlock(_ReaderCalls, _Block):
+    """A block without an end tag: a reader (``_ArrayReader``'s interface: ``feed``,
+    ``stop``, ``state``, ``calls``, ``emitted``, ``index``) says where it ends."""
+
+    def __init__(self, index: int, reader) -> None:
+        """A block read by ``reader`` (made for index ``index``)."""
+        super().__init__(index)
+        self.reader = reader
 
     def step(self, buf: str, events: list[_Event]) -> tuple[int, str]:
         """Feed characters until the reader closes or fails; see :meth:`_Block.step`."""
