@@ -129,6 +129,60 @@ def test_a_bad_constraint_fails_only_its_own_request(llm, constraint, message, c
     llm.engine.kv.check_integrity(expect_all_free=True)
 
 
+@pytest.mark.parametrize("fault, message", [
+    ("fill", "its grammar failed: RuntimeError: a broken grammar"),
+    ("accept", "its grammar refused the sampled token(s)"),
+])
+def test_a_grammar_that_breaks_mid_output_fails_only_its_own_request(llm, monkeypatch, caplog, fault, message):
+    """A grammar whose mask fill raises, or that refuses a token its own mask allowed (the
+    grammar thread's two calls), from its fourth step on: that request ends with an error
+    naming it, the free request beside it gives its solo tokens, and no block stays held."""
+    from pagedserve.structured import xgrammar_backend as xb
+
+    broken = "7[0-9]{30}"  # (this test's own regex: only its matchers break)
+    compile_, matcher_ = xb.XGrammarBackend.compile, xb.XGrammar.matcher
+    fill_, accept_ = xb.XGrammarMatcher.fill_bitmask, xb.XGrammarMatcher.accept_tokens.__func__
+
+    def compile(self, spec):
+        grammar = compile_(self, spec)
+        grammar.breaks = spec.kind == "regex" and spec.regex == broken
+        return grammar
+
+    def matcher(self):
+        m = matcher_(self)
+        m.breaks, m.calls = getattr(self, "breaks", False), 0
+        return m
+
+    def fill_bitmask(self, bitmask, row):
+        self.calls += 1
+        if fault == "fill" and self.breaks and self.calls > 3:
+            raise RuntimeError("a broken grammar")
+        fill_(self, bitmask, row)
+
+    def accept_tokens(cls, matchers, token_ids):
+        oks = accept_(cls, matchers, token_ids)
+        return [ok and not (fault == "accept" and m.breaks and m.calls > 3) for m, ok in zip(matchers, oks)]
+
+    monkeypatch.setattr(xb.XGrammarBackend, "compile", compile)
+    monkeypatch.setattr(xb.XGrammar, "matcher", matcher)
+    monkeypatch.setattr(xb.XGrammarMatcher, "fill_bitmask", fill_bitmask)
+    monkeypatch.setattr(xb.XGrammarMatcher, "fill_bitmasks",
+                        classmethod(lambda cls, ms, mask, rows: [m.fill_bitmask(mask, r) for m, r in zip(ms, rows)]))
+    monkeypatch.setattr(xb.XGrammarMatcher, "accept_tokens", classmethod(accept_tokens))
+    free = SamplingParams(temperature=0, max_tokens=24)
+    alone = llm.generate("The sky is", free, use_tqdm=False)[0].outputs[0].token_ids
+    outs = llm.generate(["A long number:", "The sky is"], [constrained(Constraint(regex=broken)), free],
+                        use_tqdm=False)
+    assert outs[0].outputs[0].finish_reason == "error" and len(outs[0].outputs[0].token_ids) < 8
+    assert message in caplog.text
+    assert outs[1].outputs[0].token_ids == alone
+    llm.engine.kv.check_integrity(expect_all_free=True)
+    # the same constraint, unbroken, runs its whole length
+    monkeypatch.undo()
+    whole = llm.generate("A long number:", constrained(Constraint(regex=broken)), use_tqdm=False)[0].outputs[0]
+    assert whole.finish_reason == "stop" and re.fullmatch(broken, whole.text)
+
+
 def test_grammar_state_survives_preemption_and_recompute():
     """A KV cache of 12 blocks of 16 tokens holds three 60-token prompts: as they grow past 64
     tokens, mid-way through their JSON, the newest are preempted and recomputed (their grammar
