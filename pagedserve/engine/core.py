@@ -15,7 +15,7 @@ import time
 from pagedserve import faults
 from pagedserve.config import EngineConfig
 from pagedserve.engine.executor import Executor, ExecutorDied, make_executor
-from pagedserve.engine.kv_cache_manager import KVCacheManager
+from pagedserve.engine.kv_cache_manager import KVCacheManager, window_to_free
 from pagedserve.engine.limits import check_logit_bias, check_prompt
 from pagedserve.engine.messages import EngineRequest, TokenOutput
 from pagedserve.engine.request import Request
@@ -53,7 +53,8 @@ class EngineCore:
         self.executor = ex = executor or make_executor(config, self.source)
         self.model_config = ex.model_config
         self.scheduler_config = sched = ex.scheduler_config
-        self.kv = KVCacheManager(ex.num_blocks, ex.block_size, config.cache.enable_prefix_caching)
+        self.kv = KVCacheManager(ex.num_blocks, ex.block_size, config.cache.enable_prefix_caching,
+                                 window_to_free(ex.model_config.sliding_windows, ex.draft_layer_windows))
         self.scheduler = Scheduler(sched, self.kv)
         self.requests: dict[str, Request] = {}
         spec = config.speculative

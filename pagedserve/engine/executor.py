@@ -27,9 +27,12 @@ class ExecutorDied(RuntimeError):
 class Executor(ABC):
     """Runs steps on the model. Facts the core needs after start-up are attributes:
     `model_config`, `scheduler_config` (max_model_len clamped to the model), `num_blocks`,
-    `block_size`, and the start-up timings (`load_seconds`, `graph_capture_seconds`,
-    `matmul_plan_seconds`, `compile_ahead_seconds`)."""
+    `block_size`, the draft model's per-layer sliding windows where one shares the blocks
+    (`draft_layer_windows`, `ModelConfig.sliding_windows`; None: no draft model), and the
+    start-up timings (`load_seconds`, `graph_capture_seconds`, `matmul_plan_seconds`,
+    `compile_ahead_seconds`)."""
 
+    draft_layer_windows: tuple[int | None, ...] | None = None
     model_config: ModelConfig
     scheduler_config: SchedulerConfig
     num_blocks: int
@@ -109,6 +112,8 @@ class UniprocExecutor(Executor):
         self.load_seconds, self.graph_capture_seconds = w.load_seconds, w.graph_capture_seconds
         self.matmul_plan_seconds = w.matmul_plan_seconds
         self.is_cuda = w.cuda
+        if w.runner.drafter is not None:
+            self.draft_layer_windows = w.runner.drafter.model.config.sliding_windows
 
     @property
     def compile_ahead_seconds(self) -> float:  # (grows while the warm-up is rehearsed)

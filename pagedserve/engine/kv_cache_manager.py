@@ -6,8 +6,17 @@ sequence. A *full* block whose tokens have been computed is registered in the pr
 cache under a chained hash (hash of the previous block's hash and this block's tokens),
 so a later request with the same prefix reuses it instead of recomputing it.
 
+Sliding windows: where every layer of the model (and of a draft model sharing the blocks)
+slides, `sliding_window` is the widest window W; a running request then gives back the blocks
+no query of its can see any more (`release_out_of_window`), so a long generation holds about
+W / block_size + 2 blocks. Their entries in its block table become NULL_BLOCK; positions
+keep their places (block i still stands for tokens i * block_size ...). Without a window
+(None) nothing is given back before the request ends.
+
 Invariants:
 - a block is either in use (ref_count > 0, not in `_free`) or free (ref_count == 0, in `_free`);
+- a request owns the entries of its block table from `num_slid` on; those before hold
+  NULL_BLOCK and are neither counted nor freed again;
 - free blocks that still carry a hash stay findable until they are evicted, least
   recently freed first (the order of `_free`);
 - a cache hit compares the stored tokens, so a hash collision can never return wrong KV.
@@ -15,14 +24,40 @@ Invariants:
 
 from __future__ import annotations
 
+import logging
 from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+
+logger = logging.getLogger("pagedserve")
+
+# What a released (slid-out) entry of a block table holds. The attention backends never read
+# the entries of blocks wholly before a query's window; a valid id keeps a stray read from
+# faulting all the same. The manager knows released entries by their count, not by this value.
+NULL_BLOCK = 0
 
 
 def block_hash(parent: int | None, tokens: tuple[int, ...]) -> int:
     """Chained hash of a full block: depends on every token before it, too."""
     return hash((parent, tokens))
+
+
+def window_to_free(layer_windows: Sequence[int | None],
+                   draft_layer_windows: Sequence[int | None] | None = None) -> int | None:
+    """The `sliding_window` of a KV manager for a model with these per-layer windows
+    (`ModelConfig.sliding_windows`: None = full attention, empty = no layer slides) and, with
+    a draft model writing the same blocks, the draft's: the widest window when every layer of
+    both slides, else None (a full-attention layer reads every block, so none may go)."""
+    models = [tuple(layer_windows)] + ([] if draft_layer_windows is None else [tuple(draft_layer_windows)])
+    if any(not windows or None in windows for windows in models):
+        if models[0] and None not in models[0]:
+            logger.info("every layer slides, but the draft model attends to whole contexts: blocks "
+                        "before the window are kept until a request ends")
+        return None
+    window = max(w for windows in models for w in windows)
+    logger.info("every layer slides (widest window %d tokens): a request gives back its blocks "
+                "once they are before every window", window)
+    return window
 
 
 @dataclass
@@ -52,6 +87,7 @@ class PrefixCacheStats:
 @dataclass
 class _ReqState:
     block_ids: list[int] = field(default_factory=list)
+    num_slid: int = 0  # leading entries given back (slid out of every window): NULL_BLOCK
     # For each full block handled so far: its chained hash and the reg_id of the cached
     # block holding that exact prefix (None once the chain could not be registered).
     block_hashes: list[int] = field(default_factory=list)
@@ -59,14 +95,19 @@ class _ReqState:
 
 
 class KVCacheManager:
-    """Owns `num_blocks` block ids and hands them to requests."""
+    """Owns `num_blocks` block ids and hands them to requests. `sliding_window`: the widest
+    window W of a model whose every layer slides (`window_to_free`), or None."""
 
-    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True) -> None:
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True,
+                 sliding_window: int | None = None) -> None:
         if num_blocks <= 0 or block_size <= 0:
             raise ValueError("num_blocks and block_size must be positive")
+        if sliding_window is not None and sliding_window < 1:
+            raise ValueError(f"a sliding window must be at least 1 token, not {sliding_window}")
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
+        self.sliding_window = sliding_window
         self.blocks = [Block(i) for i in range(num_blocks)]
         self._free: OrderedDict[int, None] = OrderedDict((i, None) for i in range(num_blocks))
         self._hash_to_block: dict[int, int] = {}
@@ -86,8 +127,13 @@ class KVCacheManager:
         return 1.0 - len(self._free) / self.num_blocks
 
     def block_ids(self, request_id: str) -> list[int]:
-        """The request's block table (shared list; do not mutate)."""
+        """The request's block table (shared list; do not mutate). Its first
+        `num_slid_out(request_id)` entries are NULL_BLOCK."""
         return self._reqs[request_id].block_ids
+
+    def num_slid_out(self, request_id: str) -> int:
+        """How many leading entries of the request's block table were given back."""
+        return self._reqs[request_id].num_slid
 
     def request_ids(self) -> list[str]:
         """The requests that hold blocks now."""
@@ -95,6 +141,15 @@ class KVCacheManager:
 
     def blocks_needed(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
+
+    def max_blocks_held(self, num_total_tokens: int, max_chunk: int) -> int:
+        """The most blocks a request of up to `num_total_tokens` tokens holds at once, its
+        chunks of up to `max_chunk` tokens: all of them, or with a sliding window, those of the
+        window before its chunk in flight (`Scheduler`), that chunk and the one scheduled."""
+        need = self.blocks_needed(num_total_tokens)
+        if self.sliding_window is None:
+            return need
+        return min(need, self.blocks_needed(self.sliding_window - 1 + 2 * max_chunk) + 1)
 
     # ---- prefix cache -----------------------------------------------------------------
 
@@ -140,27 +195,34 @@ class KVCacheManager:
         """Make the request own enough blocks for `num_total_tokens` tokens.
 
         `cached_block_ids` (from find_cached_prefix, only for a request with no blocks
-        yet) are shared first. Returns False, changing nothing, if blocks run out.
+        yet) are shared first; the request then computes from the end of them, so with a
+        sliding window those wholly before that token's window are not taken (their entries
+        are NULL_BLOCK from the start). Returns False, changing nothing, if blocks run out.
         """
         state = self._reqs.get(request_id)
         have = len(state.block_ids) if state else 0
         if cached_block_ids and have:
             raise ValueError("cached blocks can only start a request's block table")
         need = self.blocks_needed(num_total_tokens) - have - len(cached_block_ids)
+        skip = self._num_before_window(len(cached_block_ids) * self.block_size) if cached_block_ids else 0
         # Cached blocks that sit in the free pool are taken out of it, so count them.
-        reuse_free = sum(1 for b in cached_block_ids if self.blocks[b].ref_count == 0)
+        reuse_free = sum(1 for b in cached_block_ids[skip:] if self.blocks[b].ref_count == 0)
         if max(need, 0) + reuse_free > len(self._free):
             return False
         if state is None:
             state = self._reqs[request_id] = _ReqState()
-        for b in cached_block_ids:
+        for i, b in enumerate(cached_block_ids):
             block = self.blocks[b]
+            state.block_hashes.append(block.block_hash)  # type: ignore[arg-type]
+            state.reg_ids.append(block.reg_id)
+            if i < skip:
+                state.block_ids.append(NULL_BLOCK)
+                continue
             if block.ref_count == 0:
                 del self._free[b]
             block.ref_count += 1
             state.block_ids.append(b)
-            state.block_hashes.append(block.block_hash)  # type: ignore[arg-type]
-            state.reg_ids.append(block.reg_id)
+        state.num_slid += skip
         for _ in range(max(need, 0)):
             state.block_ids.append(self._pop_free())
         return True
@@ -174,6 +236,43 @@ class KVCacheManager:
             block.forget()
         block.ref_count = 1
         return block_id
+
+    def _num_before_window(self, first_query: int) -> int:
+        """How many blocks lie wholly before the window of the query at `first_query` (the
+        keys first_query - W + 1 ... first_query), 0 without a window."""
+        if self.sliding_window is None:
+            return 0
+        return max(0, (first_query - self.sliding_window + 1) // self.block_size)
+
+    def release_out_of_window(self, request_id: str, first_query: int, token_ids: Sequence[int] = ()) -> int:
+        """With a sliding window, give back the request's blocks wholly before the window of
+        the query at position `first_query`: the caller vouches that no step in flight, nor
+        any later one, has a query of this request before it. Their table entries become
+        NULL_BLOCK. Full ones among them are first registered in the prefix cache from
+        `token_ids` (when given), so they stay findable until evicted. Returns how many went."""
+        state = self._reqs.get(request_id)
+        if state is None:
+            return 0
+        n = min(self._num_before_window(first_query), len(state.block_ids))
+        if n <= state.num_slid:
+            return 0
+        if token_ids:
+            self.cache_computed_blocks(request_id, token_ids, min(n * self.block_size, len(token_ids)))
+        for i in range(state.num_slid, n):
+            self._unref(state.block_ids[i])
+            state.block_ids[i] = NULL_BLOCK
+        released, state.num_slid = n - state.num_slid, n
+        return released
+
+    def _unref(self, block_id: int) -> None:
+        """Drop one owner of a block given back before its request ends; unowned, it is free:
+        at the front of the pool (reused first) unless it holds a registered prefix."""
+        block = self.blocks[block_id]
+        block.ref_count -= 1
+        if block.ref_count == 0:
+            self._free[block_id] = None
+            if block.block_hash is None:
+                self._free.move_to_end(block_id, last=False)
 
     def cache_computed_blocks(self, request_id: str, token_ids: Sequence[int], num_computed: int) -> None:
         """Register the request's full blocks among its first `num_computed` tokens."""
@@ -189,7 +288,8 @@ class KVCacheManager:
             parent_reg = state.reg_ids[-1] if state.reg_ids else None
             state.block_hashes.append(h)
             parent = h
-            if i > 0 and parent_reg is None:  # the chain broke earlier: nothing to attach to
+            if (i > 0 and parent_reg is None) or i < state.num_slid:
+                # the chain broke earlier (nothing to attach to), or the block is gone already
                 state.reg_ids.append(None)
                 continue
             block = self.blocks[state.block_ids[i]]
@@ -213,8 +313,9 @@ class KVCacheManager:
         if state is None:
             return
         # Free the tail first so that, under pressure, the end of a prefix is evicted
-        # before its beginning (a shorter shared prefix stays useful).
-        for b in reversed(state.block_ids):
+        # before its beginning (a shorter shared prefix stays useful). Slid-out entries went
+        # back already.
+        for b in reversed(state.block_ids[state.num_slid:]):
             block = self.blocks[b]
             block.ref_count -= 1
             if block.ref_count == 0:
@@ -225,7 +326,7 @@ class KVCacheManager:
         rejected speculative tokens). They hold no registered prefix, so they go to the front
         of the free pool."""
         state = self._reqs[request_id]
-        keep = max(self.blocks_needed(num_tokens), len(state.block_hashes))
+        keep = max(self.blocks_needed(num_tokens), len(state.block_hashes), state.num_slid)
         while len(state.block_ids) > keep:
             b = state.block_ids.pop()
             block = self.blocks[b]
@@ -250,8 +351,13 @@ class KVCacheManager:
     def check_integrity(self, expect_all_free: bool = False) -> None:
         """Raise AssertionError if reference counts, free list and tables disagree."""
         counts = [0] * self.num_blocks
-        for state in self._reqs.values():
-            for b in state.block_ids:
+        for rid, state in self._reqs.items():
+            if state.num_slid and self.sliding_window is None:
+                raise AssertionError(f"request {rid}: blocks slid out without a sliding window")
+            if state.num_slid > len(state.block_ids) or any(
+                    b != NULL_BLOCK for b in state.block_ids[:state.num_slid]):
+                raise AssertionError(f"request {rid}: its slid-out entries are not NULL_BLOCK")
+            for b in state.block_ids[state.num_slid:]:
                 counts[b] += 1
         for block in self.blocks:
             if block.ref_count != counts[block.block_id]:

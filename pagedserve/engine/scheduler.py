@@ -7,6 +7,14 @@ priority, their prompts chunked to fit. One step therefore mixes decode tokens a
 prefill chunks. When the KV cache runs out of blocks, the newest running request of the
 lowest priority is preempted: its blocks are freed and it goes back to the front of the
 waiting queue, to be recomputed (prompt and output so far) later.
+
+Sliding windows (the KV manager's `sliding_window` W: every layer slides): before each step,
+every running request gives back the blocks wholly before the window of the lowest query it
+may still run. That is the first token of its chunk in the step still in flight (async
+scheduling: step k runs while step k + 1 is scheduled), else its next chunk's first token
+(`num_computed_tokens`); every later query sits at or past it, and a query at p reads keys
+p - W + 1 ... p only. So no block a launched step or the step being scheduled reads goes back,
+whatever order the device runs them in; the price is the keys of one chunk in flight.
 """
 
 from __future__ import annotations
@@ -82,6 +90,9 @@ class Scheduler:
         # The requests of each step scheduled and not yet resolved (`apply_results` or
         # `drop`): an id may be reused by a new request while the old one's step is in flight.
         self._in_flight: dict[int, list[Request]] = {}
+        # With a sliding window: the first token of each request's chunk in those steps
+        # (step id -> id(request) -> start), the lowest query a launched step runs
+        self._in_flight_starts: dict[int, dict[int, int]] = {}
         self._num_steps = 0
         self.num_preemptions = 0  # total, for metrics and tests
 
@@ -100,7 +111,10 @@ class Scheduler:
                 f"the prompt has {req.num_prompt_tokens} tokens; with at least one output token "
                 f"that exceeds max_model_len={limit}"
             )
-        most = req.num_prompt_tokens + req.max_tokens
+        # (with a sliding window, the most it holds at once: its window and two chunks)
+        most = min(req.num_prompt_tokens + req.max_tokens,
+                   self.kv.max_blocks_held(req.num_prompt_tokens + req.max_tokens,
+                                           self.config.max_num_batched_tokens) * self.kv.block_size)
         if self.kv.blocks_needed(most) > self.kv.num_blocks:
             raise ValueError(
                 f"the request needs up to {most} tokens of KV cache but the whole cache holds "
@@ -133,6 +147,8 @@ class Scheduler:
         reqs: list[Request] = []  # of out.chunks
         budget = self.config.max_num_batched_tokens
         scheduled: set[int] = set()
+        if self.kv.sliding_window is not None:
+            self._release_out_of_window()
 
         # 1. Running requests: decodes and unfinished prefills, oldest first.
         i = 0
@@ -207,7 +223,19 @@ class Scheduler:
         self._mark_scheduled(out, reqs)
         if reqs:
             self._in_flight[out.step_id] = reqs
+            if self.kv.sliding_window is not None:
+                self._in_flight_starts[out.step_id] = {id(r): c.start for c, r in zip(out.chunks, reqs)}
         return out
+
+    def _release_out_of_window(self) -> None:
+        """Each running request gives back its blocks before the window of the lowest query
+        it may still run (the module docstring says why that one)."""
+        in_flight = list(self._in_flight_starts.values())
+        for req in self.running:
+            first = req.num_computed_tokens
+            for starts in in_flight:
+                first = min(first, starts.get(id(req), first))
+            self.kv.release_out_of_window(req.request_id, first, req.token_ids)
 
     def _reached_length(self, req: Request) -> bool:
         """No more tokens may be generated (pending ones counted)."""
@@ -272,4 +300,5 @@ class Scheduler:
 
     def drop(self, out: SchedulerOutput) -> list[Request]:
         """Forget a scheduled step (applied, or failed); the requests of its chunks."""
+        self._in_flight_starts.pop(out.step_id, None)
         return self._in_flight.pop(out.step_id, [])

@@ -16,7 +16,8 @@ Sliding-window layers (`window`: the query at position i sees keys i - W + 1 ...
 convention `AttentionBackend` states) pass WINDOW with the constexpr HAS_WINDOW on (off: the
 full-attention code, unchanged). The decode kernel's splits then cover only the window's keys
 (from max(0, seq_len - W)), and neither kernel looks up the block-table entries of blocks
-wholly before the window (a later change may free them and leave a placeholder id there).
+wholly before the window (where every layer slides, the KV manager gives those blocks back and
+leaves NULL_BLOCK there: `engine/kv_cache_manager.py`).
 
 Cache layout: [2, num_blocks, block_size, kv_heads, head_dim]; a sequence's token j lives at
 block_tables[seq, j // block_size], row j % block_size.
