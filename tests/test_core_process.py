@@ -145,7 +145,7 @@ def test_step_times_are_logged_every_n_steps(monkeypatch, caplog):
         llm.generate(["A number:"], SamplingParams(max_tokens=7, temperature=0, ignore_eos=True,
                                                    structured_outputs=StructuredOutputsParams(regex=r"\d+")))
     lines = [r.getMessage() for r in caplog.records if "host ms per step" in r.getMessage()]
-    assert any("of which structured output: waiting for the previous step" in m and "for the grammar thread" in m
+    assert any("of which structured output: waiting for the previous step" in m and "grammar masks" in m
                for m in lines), lines
 
 

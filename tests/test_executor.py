@@ -66,7 +66,7 @@ class FakeExecutor(Executor):
         return 0.0, 0.0, 0.0
 
     def grammar_seconds(self):
-        return 0.0, 0.0, 0.0
+        return 0.0, 0.0
 
     def rehearsed(self, fn, what):
         fn()

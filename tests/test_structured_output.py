@@ -134,9 +134,9 @@ def test_a_bad_constraint_fails_only_its_own_request(llm, constraint, message, c
     ("accept", "its grammar refused the sampled token(s)"),
 ])
 def test_a_grammar_that_breaks_mid_output_fails_only_its_own_request(llm, monkeypatch, caplog, fault, message):
-    """A grammar whose mask fill raises, or that refuses a token its own mask allowed (the
-    grammar thread's two calls), from its fourth step on: that request ends with an error
-    naming it, the free request beside it gives its solo tokens, and no block stays held."""
+    """A grammar whose mask fill raises, or that refuses a token its own mask allowed, from
+    its fourth step on: that request ends with an error naming it, the free request beside it
+    gives its solo tokens, and no block stays held."""
     from pagedserve.structured import xgrammar_backend as xb
 
     broken = "7[0-9]{30}"  # (this test's own regex: only its matchers break)

@@ -36,19 +36,18 @@ class CachedRequest:
         """Its grammar decides its next token (it has one, and any reasoning before it ended)."""
         return self.matcher is not None and not self.grammar_after
 
-    def append(self, new: list[int]) -> list[int]:
-        """Append sampled tokens; returns those its grammar governs, in order, for the grammar
-        to accept (`GrammarSteps`). A governed stop token completes the grammar: its mask
-        allows a stop token only where the grammar can end."""
-        governed = []
-        for t in new:
-            if self.constrained:
-                governed.append(t)
+    def accept(self, new: list[int], grammar_took_first: bool = False) -> bool:
+        """Append sampled tokens, advancing the grammar past those it governs; False if the
+        grammar refuses one (the request then fails: the tokens after it are dropped).
+        `grammar_took_first`: the grammar has already accepted new[0] (in a batch call)."""
+        for i, t in enumerate(new):
+            if self.constrained and not (i == 0 and grammar_took_first) \
+                    and not self.matcher.accept_token(t):
+                return False
             self.token_ids.append(t)
             after = self.grammar_after
             if after and tuple(self.token_ids[-len(after):]) == after \
                     and len(self.token_ids) - len(self.prompt_token_ids) >= len(after):
                 self.grammar_after = ()  # the reasoning ended: the grammar applies from here
-        if governed and self.matcher.is_stop_token(governed[-1]):
-            self.grammar_done = True
-        return governed
+        self.grammar_done = self.constrained and self.matcher.is_terminated()
+        return True

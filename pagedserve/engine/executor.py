@@ -65,10 +65,9 @@ class Executor(ABC):
         """Host ms of the last launch: inputs, model, logits and sampling (for slow-step logs)."""
 
     @abstractmethod
-    def grammar_seconds(self) -> tuple[float, float, float]:
-        """Cumulative host seconds of structured output: the loop waiting for the previous
-        step's tokens before its grammars can advance, the loop waiting for the grammar
-        thread, and that thread's work (`engine/grammar_steps.py`)."""
+    def grammar_seconds(self) -> tuple[float, float]:
+        """Cumulative host seconds of structured output: waiting for the previous step's
+        tokens before building grammar masks, and building them."""
 
     @abstractmethod
     def rehearsed(self, fn: Callable[[], object], what: str) -> None:
@@ -135,9 +134,9 @@ class UniprocExecutor(Executor):
     def last_launch_ms(self) -> tuple[float, float, float]:
         return self.worker.runner.last_launch_ms
 
-    def grammar_seconds(self) -> tuple[float, float, float]:
-        wait, join, work = self.worker.runner.grammars.seconds
-        return wait, join, work
+    def grammar_seconds(self) -> tuple[float, float]:
+        wait, fill = self.worker.runner.grammar_seconds
+        return wait, fill
 
     def rehearsed(self, fn, what: str) -> None:
         self.worker.rehearsed(fn, what)

@@ -19,7 +19,6 @@ import torch
 from pagedserve.attention.backend import AttentionBackend, AttentionContext
 from pagedserve.config import SchedulerConfig
 from pagedserve.engine.cached_request import CachedRequest
-from pagedserve.engine.grammar_steps import GrammarSteps
 from pagedserve.engine.graphs import GraphRunner
 from pagedserve.engine.input_batch import StepArrays, StepBuffers, pack_step
 from pagedserve.engine.kv_cache_spec import KVCacheSpec
@@ -52,8 +51,6 @@ class StepHandle:
     spec_counts: list[int] = field(default_factory=list)  # their logits rows (drafts + 1)
     ready: torch.cuda.Event | None = None
     result: StepResult | None = None  # once read back (by collect, or by the next step's grammar)
-    # (logits [N, vocab], SamplingBatch, True): the sampling, launched once its masks are filled
-    deferred: tuple | None = None
 
 
 def _token_logprobs(lp: list[float], ids: list[int], k: int) -> tuple[float, list[tuple[int, float]]]:
@@ -97,8 +94,11 @@ class ModelRunner:
         self._prev_rows: dict[str, int] = {}  # request id -> row in _prev_tokens
         self._prev_handle: StepHandle | None = None  # the last launched step
         self.requests: dict[str, CachedRequest] = {}  # every request the engine holds, by id
-        self.grammars = GrammarSteps(self.vocab_size, self.device, self.requests)
-        self._deferred: StepHandle | None = None  # a launched step whose sampling waits for masks
+        self._mask_failed: dict[str, str] = {}  # request id -> why its grammar mask failed
+        # cumulative host seconds: waiting for the previous step's tokens, filling masks
+        self.grammar_seconds = [0.0, 0.0]
+        self._mask_host: torch.Tensor | None = None  # grammar bitmask buffer [rows, words] int32
+        self._mask_copied: torch.cuda.Event | None = None  # its last copy to the device is done
         self.num_graph_steps = 0  # steps replayed from CUDA graphs (decode or mixed)
         self.num_eager_steps = 0
 
@@ -122,7 +122,7 @@ class ModelRunner:
         """Forget requests that ended (their tokens, their seeded generators)."""
         for rid in request_ids:
             self.requests.pop(rid, None)
-            self.grammars.failed.pop(rid, None)
+            self._mask_failed.pop(rid, None)
 
     def _add_requests(self, new: list[NewRequestData]) -> None:
         for n in new:
@@ -164,7 +164,6 @@ class ModelRunner:
         states = [self.requests[c.request_id] for c in out.chunks]
         a = pack_step(out.chunks, [r.token_ids for r in states], self._prev_rows, self.block_size)
         reqs = [states[i] for i in a.sample_rows]
-        self._launch_deferred()  # the previous step's sampling goes first: this step reads it
         graphs = self.graphs
         key = None
         if graphs is not None:
@@ -210,45 +209,23 @@ class ModelRunner:
                 eos_token_ids=self.model.config.eos_token_ids,
                 num_outputs=num_outputs,
             )
-            handle.reqs = reqs
             if any(r.matcher is not None for r in reqs):
                 # The grammars must first accept the previous step's tokens. With async
                 # scheduling that step is still running: wait for it here, behind this step's
-                # forward pass (launched above), then hand the grammars' work to their thread
-                # (engine/grammar_steps.py); the sampling waits for it unless drafts are verified.
+                # forward pass (launched above), so the mask is built while the GPU works.
                 t_wait = time.perf_counter()
                 if self._prev_handle is not None:
                     self._read_back(self._prev_handle)
-                self.grammars.seconds[0] += time.perf_counter() - t_wait
+                t_fill = time.perf_counter()
                 if any(r.constrained for r in reqs):
-                    self.grammars.submit(reqs)
-                    handle.deferred = (logits, batch, True)
-            if handle.deferred is None or verify is not None:  # (verified drafts: sample now)
-                self._sample(handle, *(handle.deferred or (logits, batch, False)))
-        if handle.deferred is None:
-            self._to_host(handle)
-        else:
-            self._deferred = handle
-        self._prev_rows = {r.request_id: i for i, r in enumerate(reqs)}
-        self._prev_handle = handle
-        t_end = time.perf_counter()
-        # host ms of this launch: inputs, model, logits + sampling
-        self.last_launch_ms = ((t_prepared - t0) * 1e3, (t_forward - t_prepared) * 1e3, (t_end - t_forward) * 1e3)
-        return handle
-
-    def _sample(self, handle: StepHandle, logits: torch.Tensor, batch: SamplingBatch, masked: bool) -> None:
-        """Launch a step's sampling; `masked`: under the grammar masks submitted for it."""
-        handle.deferred = None
-        if masked:
-            batch.allowed_token_mask = self.grammars.mask()
-        result = self.sampler(logits, batch)
-        handle.token_ids = result.token_ids
-        # Rows with NaN or Inf logits reach the host as token -1; the device copy the next
-        # step reads keeps the sampled ids, which are always in range.
-        handle.host = (result.checked_token_ids, result.logprobs, result.logprob_token_ids)
-
-    def _to_host(self, handle: StepHandle) -> None:
-        """Start a launched step's results on their way to the host; it is the latest step."""
+                    batch.allowed_token_mask = self._grammar_mask(reqs)
+                self.grammar_seconds[0] += t_fill - t_wait
+                self.grammar_seconds[1] += time.perf_counter() - t_fill
+            result = self.sampler(logits, batch)
+            handle.reqs, handle.token_ids = reqs, result.token_ids
+            # Rows with NaN or Inf logits reach the host as token -1; the device copy the next
+            # step reads keeps the sampled ids, which are always in range.
+            handle.host = (result.checked_token_ids, result.logprobs, result.logprob_token_ids)
         if (handle.host is not None or handle.spec_reqs) and self.device.type == "cuda":
             handle.host = tuple(None if t is None else _to_pinned_async(t) for t in handle.host or ())
             handle.spec_host = (None if handle.spec_host is None else
@@ -256,13 +233,12 @@ class ModelRunner:
             handle.ready = torch.cuda.Event()
             handle.ready.record()
         self._prev_tokens = handle.token_ids
-
-    def _launch_deferred(self) -> None:
-        """Launch the sampling the last step left waiting for its grammar masks."""
-        handle, self._deferred = self._deferred, None
-        if handle is not None:
-            self._sample(handle, *handle.deferred)
-            self._to_host(handle)
+        self._prev_rows = {r.request_id: i for i, r in enumerate(reqs)}
+        self._prev_handle = handle
+        t_end = time.perf_counter()
+        # host ms of this launch: inputs, model, logits + sampling
+        self.last_launch_ms = ((t_prepared - t0) * 1e3, (t_forward - t_prepared) * 1e3, (t_end - t_forward) * 1e3)
+        return handle
 
     def _verify_batch(self, a: StepArrays, chunks: list[ScheduledChunk],
                       states: list[CachedRequest]) -> tuple[VerifyBatch, list[int], list[int]]:
@@ -273,9 +249,8 @@ class ModelRunner:
         drafts = [chunks[i].draft_token_ids for i in spec]
         usable = mask = None
         if any(states[i].matcher is not None for i in spec):  # masks from the drafts' grammar walks
-            self.grammars.flush()
-            usable, mask = draft_masks([states[i] for i in spec], drafts, self.grammars.words,
-                                       self.grammars.failed)
+            usable, mask = draft_masks([states[i] for i in spec], drafts, -(-self.vocab_size // 32),
+                                       self._mask_failed)
         vb = VerifyBatch.build(
             [states[i].sampling_params for i in spec], drafts,
             [chunks[i].start + 1 - len(states[i].prompt_token_ids) for i in spec], a.num_drafts,
@@ -293,8 +268,6 @@ class ModelRunner:
         """`collect`'s work, done once per step (the next step's grammar masks may need it
         first)."""
         if handle.result is None:
-            if handle is self._deferred:
-                self._launch_deferred()
             handle.result = self._results(handle)
         return handle.result
 
@@ -319,13 +292,22 @@ class ModelRunner:
         held = [r for r in reqs + handle.spec_reqs
                 if r.request_id in token_ids and self.requests.get(r.request_id) is r]
         failed: dict[str, str] = {r.request_id: why for r in held
-                  if (why := self.grammars.failed.pop(r.request_id, None)) is not None}
+                  if (why := self._mask_failed.pop(r.request_id, None)) is not None}
+        # Each grammar's first new token in one call (see XGrammarMatcher)
+        batch = [r for r in held if r.constrained and r.request_id not in failed]
+        took: dict[str, bool] = {}  # request id -> whether its grammar took its first new token
+        if batch:
+            firsts = [token_ids[r.request_id][0] for r in batch]
+            oks = type(batch[0].matcher).accept_tokens([r.matcher for r in batch], firsts)
+            took = {r.request_id: ok for r, ok in zip(batch, oks)}
         for r in held:
+            new = token_ids[r.request_id]
+            ok = took.get(r.request_id)
+            if r.request_id not in failed and (ok is False or not r.accept(new, ok is True)):
+                failed[r.request_id] = f"its grammar refused the sampled token(s) {new}"
             if r.request_id in failed:
                 del token_ids[r.request_id]
-                continue
-            self.grammars.to_accept(r, r.append(token_ids[r.request_id]))
-            if r.grammar_done:
+            elif r.grammar_done:
                 grammar_done.append(r.request_id)
         if logprobs_t is not None:
             lp, lp_ids = logprobs_t.tolist(), logprob_ids_t.tolist()
@@ -349,6 +331,43 @@ class ModelRunner:
                 if k is not None:
                     logprobs[r.request_id] = [_token_logprobs(lp[at + j], lp_ids[at + j], k) for j in range(len(new))]
             at += count
+
+    def _grammar_mask(self, reqs: list[CachedRequest]) -> torch.Tensor:
+        """[N, ceil(V / 32)] int32 allowed-token bitmask on the device: each constrained row
+        as its grammar allows next (its previous token already accepted), every other row
+        all ones. Filled in a host buffer kept between steps (pinned on CUDA)."""
+        words = -(-self.vocab_size // 32)
+        buf = self._mask_host
+        if buf is None or buf.shape[0] < len(reqs):
+            buf = torch.empty((max(len(reqs), 64), words), dtype=torch.int32,
+                              pin_memory=self.device.type == "cuda")
+            self._mask_host = buf
+        elif self._mask_copied is not None:
+            self._mask_copied.synchronize()  # the last step's copy out of it has finished
+        mask = buf[: len(reqs)]
+        # (a grammar complete with the previous token: that token ended its request, so its
+        # row's token here will be dropped)
+        rows = [i for i, r in enumerate(reqs) if r.constrained and not r.grammar_done]
+        if len(rows) < len(reqs):  # (a grammar's fill writes its whole row)
+            mask.fill_(-1)
+        matchers = [reqs[i].matcher for i in rows]
+        try:
+            if matchers:
+                type(matchers[0]).fill_bitmasks(matchers, mask, rows)
+        except Exception:  # find the rows that fail: each fails its own request alone
+            for row, m in zip(rows, matchers):
+                try:
+                    m.fill_bitmask(mask, row)
+                except Exception as e:
+                    mask[row] = -1
+                    self._mask_failed[reqs[row].request_id] = \
+                        f"its grammar failed: {type(e).__name__}: {e}"[:500]
+        if self.device.type != "cuda":
+            return mask.clone()
+        device_mask = mask.to(self.device, non_blocking=True)
+        self._mask_copied = torch.cuda.Event()
+        self._mask_copied.record()
+        return device_mask
 
     def decode_probe(self, num_seqs: int, length: int):
         """(ids [S], positions [S], metadata) of a decode step of `num_seqs` sequences at

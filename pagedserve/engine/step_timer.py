@@ -21,7 +21,7 @@ class PeriodicStepLog:
         self.every, self.timer, self.executor = every, timer, executor
         self._steps = 0
         self._counts = (0, 0)  # the executor's (graph, eager) step counts at the last log
-        self._grammar = (0.0, 0.0, 0.0)  # the executor's grammar_seconds at the last log
+        self._grammar = (0.0, 0.0)  # the executor's grammar_seconds at the last log
 
     def tick(self) -> None:
         """One step done."""
@@ -32,12 +32,12 @@ class PeriodicStepLog:
             return
         n, (graphs, eager) = self._steps, self.executor.graph_counts()
         phases = ", ".join(f"{k} {v:.2f}" for k, v in self.timer.summary(n).items())
-        seconds = self.executor.grammar_seconds()
-        if seconds[2] > self._grammar[2]:  # (the first two inside prepare+launch)
-            wait, join, work = ((now - before) * 1e3 / n for now, before in zip(seconds, self._grammar))
-            phases += (f"; of which structured output: waiting for the previous step {wait:.2f}, "
-                       f"for the grammar thread {join:.2f} (its work off the loop {work:.2f})")
-        self._grammar = seconds
+        wait, fill = self.executor.grammar_seconds()
+        if fill > self._grammar[1]:  # (inside prepare+launch)
+            phases += (f"; of which structured output: waiting for the previous step "
+                       f"{(wait - self._grammar[0]) * 1e3 / n:.2f}, "
+                       f"grammar masks {(fill - self._grammar[1]) * 1e3 / n:.2f}")
+        self._grammar = (wait, fill)
         logger.info("last %d steps (%d from CUDA graphs, %d eager), host ms per step: %s", n,
                     graphs - self._counts[0], eager - self._counts[1], phases)
         self._counts = (graphs, eager)

@@ -163,8 +163,8 @@ class TensorParallelExecutor(Executor):
     def last_launch_ms(self) -> tuple[float, float, float]:
         return self._call("last_launch_ms")
 
-    def grammar_seconds(self) -> tuple[float, float, float]:
-        return (0.0, 0.0, 0.0)  # (structured output does not run across ranks yet)
+    def grammar_seconds(self) -> tuple[float, float]:
+        return (0.0, 0.0)  # (structured output does not run across ranks yet)
 
     def rehearsed(self, fn, what: str) -> None:
         fn()  # (the ranks compile their kernels as they go: no rehearsal across processes yet)

@@ -46,10 +46,6 @@ class GrammarMatcher(ABC):
         """The grammar is complete and its stop token was accepted."""
 
     @abstractmethod
-    def is_stop_token(self, token_id: int) -> bool:
-        """Whether `token_id` is one of the grammar's stop tokens (accepting one completes it)."""
-
-    @abstractmethod
     def rollback(self, num_tokens: int) -> None:
         """Undo the last `num_tokens` accepted tokens (speculative decoding walks a request's
         drafts through its grammar, then goes back)."""

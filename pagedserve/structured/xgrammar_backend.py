@@ -22,9 +22,8 @@ class XGrammarMatcher(GrammarMatcher):
     # turn: a step's rows go through one call each way (one thread; more lost on the H200 host).
     _batch: xgr.BatchGrammarMatcher | None = None
 
-    def __init__(self, compiled: xgr.CompiledGrammar, stop_token_ids: frozenset[int]) -> None:
+    def __init__(self, compiled: xgr.CompiledGrammar) -> None:
         self._m = xgr.GrammarMatcher(compiled)
-        self._stop_token_ids = stop_token_ids
 
     def fill_bitmask(self, bitmask: Any, row: int) -> None:
         self._m.fill_next_token_bitmask(bitmask, row)
@@ -45,9 +44,6 @@ class XGrammarMatcher(GrammarMatcher):
     def is_terminated(self) -> bool:
         return self._m.is_terminated()
 
-    def is_stop_token(self, token_id: int) -> bool:
-        return token_id in self._stop_token_ids
-
     def rollback(self, num_tokens: int) -> None:
         self._m.rollback(num_tokens)
 
@@ -55,10 +51,9 @@ class XGrammarMatcher(GrammarMatcher):
 class XGrammar(Grammar):
     def __init__(self, compiled: xgr.CompiledGrammar) -> None:
         self.compiled = compiled
-        self.stop_token_ids = frozenset(compiled.tokenizer_info.stop_token_ids)
 
     def matcher(self) -> GrammarMatcher:
-        return XGrammarMatcher(self.compiled, self.stop_token_ids)
+        return XGrammarMatcher(self.compiled)
 
 
 class XGrammarBackend(StructuredBackend):
