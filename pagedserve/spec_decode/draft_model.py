@@ -8,7 +8,9 @@ and verify chunks; after a verification the drafts that were kept have their dra
 already (computed as that step's inputs), and the target's own token is the input of the
 next proposal. `propose` decodes k tokens from each request's verified tokens into blocks
 the engine core has allocated for them (the next step's chunk covers those positions, so
-the mirror rewrites them with whatever that step verifies).
+the mirror rewrites them with whatever that step verifies). Where every layer of both models
+slides, blocks before the widest window go back as the target's do (`kv_cache_manager`);
+a draft without a window keeps them.
 """
 
 from __future__ import annotations
