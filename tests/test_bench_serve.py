@@ -346,3 +346,47 @@ def test_sse_lines_longer_than_aiohttp_buffers_are_parsed():
 
     events = asyncio.run(collect())
     assert events == [big, {"usage": {"completion_tokens": 1}}]  # nothing after [DONE]
+
+
+@pytest.mark.parametrize("first", [{"index": 0, "text": ""}, {"index": 0, "delta": {"role": "assistant", "content": ""}}])
+def test_a_chunk_with_choices_is_output_even_without_text(first):
+    """The first token is the first chunk with choices, as vLLM's client times it: a token
+    that decodes to no text yet, or a chat's role chunk (sent with the first token); the usage
+    chunk is not output. Every chunk with choices is an inter-token gap."""
+    import asyncio
+    import json as _json
+    from types import SimpleNamespace
+
+    from pagedserve.bench.datasets import BenchRequest
+    from pagedserve.bench.serve import send_one
+
+    events = [(0.05, {"choices": [first]}), (0.25, {"choices": [{"index": 0, "text": "a"}]}),
+              (0.3, {"choices": [], "usage": {"prompt_tokens": 3, "completion_tokens": 2}})]
+
+    class Content:
+        async def iter_any(self):
+            t = 0.0
+            for at, event in events:
+                await asyncio.sleep(at - t)
+                t = at
+                yield f"data: {_json.dumps(event)}\n\n".encode()
+            yield b"data: [DONE]\n\n"
+
+    class Resp:
+        status, content = 200, Content()
+
+        async def __aenter__(self):
+            return self
+
+        async def __aexit__(self, *exc):
+            return False
+
+    class Session:
+        def post(self, url, json):
+            return Resp()
+
+    args = SimpleNamespace(temperature=0.0, ignore_eos=True, endpoint="completions")
+    rec = asyncio.run(send_one(Session(), "http://x", BenchRequest([1, 2, 3], 2), args, "m"))
+    assert rec.ok and rec.output_tokens == 2
+    assert 0.04 < rec.ttft < 0.2, rec.ttft  # the first chunk, not the first text (0.25 s)
+    assert len(rec.chunk_times) == 2 and rec.itls[0] > 0.15

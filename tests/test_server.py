@@ -8,6 +8,7 @@ kept short: SmolLM2 in float32 on two CPU cores makes a few dozen tokens a secon
 from __future__ import annotations
 
 import asyncio
+import time
 
 import httpx
 import openai
@@ -207,6 +208,22 @@ def test_streaming_chat_matches_non_streaming(client):
     assert all(c.usage is None for c in chunks[:-1])
     assert chunks[-1].usage.model_dump() == plain.usage.model_dump()
     assert len({c.id for c in chunks}) == 1 and chunks[0].object == "chat.completion.chunk"
+
+
+def test_the_role_chunk_comes_with_the_first_token(client):
+    """A streamed chat's role chunk goes out with its first token, as vLLM sends it: a client
+    that times the first chunk (vLLM's does) times the first token, not the request's arrival.
+    A prompt of ~400 tokens takes the CPU engine (one thread) a second or more to prefill."""
+    messages = [{"role": "user", "content": "Count: " + " ".join(str(i) for i in range(100))}]
+    t0 = time.perf_counter()
+    arrivals = []
+    for c in client.chat.completions.create(model=MODEL, messages=messages, max_tokens=2, temperature=0,
+                                            stream=True):
+        if c.choices:
+            arrivals.append((time.perf_counter() - t0, c.choices[0].delta))
+    (t_role, role), (t_next, _) = arrivals[0], arrivals[1]
+    assert role.role == "assistant"
+    assert t_next > 0.2 and t_role > 0.5 * t_next, arrivals  # not sent before the prefill
 
 
 def test_streaming_completion_n2_with_usage(client):

@@ -118,14 +118,13 @@ async def send_one(session: aiohttp.ClientSession, base_url: str, req: BenchRequ
                 if "error" in chunk:
                     rec.error = str(chunk["error"].get("message", chunk["error"]))[:200]
                     return rec
-                now = time.perf_counter()
-                for choice in chunk.get("choices") or []:
-                    delta = choice.get("text") if "text" in choice else (choice.get("delta") or {})
-                    if isinstance(delta, dict):
-                        delta = (delta.get("content") or "") + (delta.get("reasoning_content") or "")
-                    if delta:
-                        rec.first_token = rec.first_token or now
-                        rec.chunk_times.append(now)
+                if chunk.get("choices"):
+                    # A chunk with choices carries output, its text possibly empty (a token that
+                    # decodes to nothing yet; a chat's role chunk, sent with the first token):
+                    # it counts, as in vLLM's client.
+                    now = time.perf_counter()
+                    rec.first_token = rec.first_token or now
+                    rec.chunk_times.append(now)
                 usage = chunk.get("usage")
                 if usage:
                     rec.prompt_tokens = usage.get("prompt_tokens", 0)

@@ -194,10 +194,12 @@ async def _stream(server: Server, body: ChatCompletionRequest,
                       body.include_usage)
 
     try:
-        for c in choices:
-            yield chunk([{"index": c.index, "delta": {"role": "assistant", "content": ""},
-                          "logprobs": None, "finish_reason": None}])
+        started: set[int] = set()  # the choices whose role chunk went out
         async for index, s in events:
+            if index not in started:  # with its first token, as vLLM sends it (what clients time)
+                started.add(index)
+                yield chunk([{"index": index, "delta": {"role": "assistant", "content": ""},
+                              "logprobs": None, "finish_reason": None}])
             text = s.visible_text()
             delta_text = text[sent_text[index]:]
             ntok = len(s.token_ids)
