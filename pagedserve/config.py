@@ -249,7 +249,8 @@ def _check_tensor_parallel(size: int, model_cfg: ModelConfig, kw: dict[str, Any]
     from pagedserve.distributed.split import check_model_split
 
     check_model_split(model_cfg.num_heads, model_cfg.num_kv_heads, model_cfg.intermediate_size,
-                      model_cfg.vocab_size, size)
+                      model_cfg.vocab_size, size,
+                      model_cfg.moe.intermediate_size if model_cfg.moe is not None else None)
     for key, what in (("quantization", "quantized weights"), ("speculative", "speculative decoding")):
         if kw.get(key) is not None:
             raise ValueError(f"the multi-process executor (tensor parallelism) does not run {what} "

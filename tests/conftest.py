@@ -22,14 +22,23 @@ TINY_QWEN3 = dict(
 )
 
 
+# Qwen3-MoE in small: 8 experts, 2 a token, layer 1 dense (mlp_only_layers)
+TINY_QWEN3_MOE = dict(vocab_size=256, hidden_size=64, intermediate_size=96, moe_intermediate_size=32, num_experts=8,
+                      num_experts_per_tok=2, norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[1],
+                      num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                      max_position_embeddings=1024, rms_norm_eps=1e-6, tie_word_embeddings=False, rope_theta=10000.0)
+
+
 def make_hf_checkpoint(kind: str, folder, max_shard_size: str | None = None):
-    """Save a tiny random HF model (Llama or Qwen3) as a safetensors folder; return the model."""
+    """Save a tiny random HF model (Llama, Qwen3 or Qwen3-MoE) as a safetensors folder; return the model."""
     import transformers
 
     torch.manual_seed(0)
     if kind == "llama":
         cfg = transformers.LlamaConfig(**TINY_LLAMA)
         model = transformers.LlamaForCausalLM(cfg)
+    elif kind == "qwen3_moe":
+        model = transformers.Qwen3MoeForCausalLM(transformers.Qwen3MoeConfig(**TINY_QWEN3_MOE))
     else:
         cfg = transformers.Qwen3Config(**TINY_QWEN3)
         model = transformers.Qwen3ForCausalLM(cfg)

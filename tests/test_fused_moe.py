@@ -234,9 +234,38 @@ def test_missing_weights_and_partial_load():
     assert map_moe_weight_name("experts.7.down_proj.weight") == ("w2", (7, "down"))
 
 
-def test_tensor_parallel_is_rejected():
-    with pytest.raises(ValueError, match="tensor parallelism is not supported yet"):
-        FusedMoE(E, K, H, INTER, tp=TensorParallel(rank=0, size=2))
+@pytest.mark.parametrize("layout", ["hub", "stacked"])
+def test_tensor_parallel_ranks_hold_shares_that_sum_to_the_whole(layout):
+    """Over 2 ranks each layer holds every expert with its half of the intermediate features
+    (gate and up rows, down columns), from either checkpoint layout; the ranks' partial
+    outputs (what the all-reduce sums) add up to the one-rank layer's."""
+    torch.manual_seed(0)
+    w13, w2 = torch.randn(E, 2 * INTER, H), torch.randn(E, H, INTER)
+    router = torch.randn(E, H)
+    if layout == "stacked":
+        tensors = {"experts.gate_up_proj": w13, "experts.down_proj": w2}
+    else:
+        tensors = {f"experts.{e}.{n}.weight": t for e in range(E) for n, t in
+                   (("gate_proj", w13[e, :INTER]), ("up_proj", w13[e, INTER:]), ("down_proj", w2[e]))}
+    layers = [FusedMoE(E, K, H, INTER), *(FusedMoE(E, K, H, INTER, tp=TensorParallel(rank=r, size=2))
+                                          for r in range(2))]
+    for layer in layers:
+        for name, t in {"gate.weight": router, **tensors}.items():
+            layer.load_checkpoint_tensor(name, t)
+        assert layer.missing_weights() == []
+    whole, *ranks = layers
+    half = INTER // 2
+    for r, layer in enumerate(ranks):
+        assert layer.w13.shape == (E, INTER, H) and layer.w2.shape == (E, H, half)
+        assert torch.equal(layer.w13[:, :half], w13[:, r * half : (r + 1) * half])  # its gate rows
+        assert torch.equal(layer.w13[:, half:], w13[:, INTER + r * half : INTER + (r + 1) * half])  # up
+        assert torch.equal(layer.w2, w2[:, :, r * half : (r + 1) * half])
+    x = torch.randn(5, H)
+    weights, ids = select_experts(x @ router.T, K, True)
+    parts = [moe_reference(x, layer.w13, layer.w2, weights, ids) for layer in ranks]
+    torch.testing.assert_close(parts[0] + parts[1], whole(x), rtol=1e-5, atol=1e-5)
+    with pytest.raises(ValueError, match=r"the experts' intermediate size \(moe_intermediate_size\)"):
+        FusedMoE(E, K, H, INTER, tp=TensorParallel(rank=0, size=3))
 
 
 def test_loaders_survive_meta_build():

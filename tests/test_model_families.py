@@ -11,7 +11,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from conftest import TINY_LLAMA
+from conftest import TINY_LLAMA, TINY_QWEN3_MOE
 from helpers import hf_greedy, run_prefill
 from pagedserve.models.loader import build_model
 from pagedserve.models.source import resolve_model
@@ -50,13 +50,6 @@ GEMMA3 = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_
                                "full_attention": {"rope_type": "linear", "factor": 8.0, "rope_theta": 1e6}},
               pad_token_id=0, bos_token_id=2, eos_token_id=1)
 
-# Qwen3-MoE in small: 8 experts, 2 a token, layer 1 dense (mlp_only_layers)
-QWEN3_MOE = dict(vocab_size=256, hidden_size=64, intermediate_size=96, moe_intermediate_size=32, num_experts=8,
-                 num_experts_per_tok=2, norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[1],
-                 num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
-                 max_position_embeddings=1024, rms_norm_eps=1e-6, tie_word_embeddings=False, rope_theta=10000.0)
-
-
 def _checkpoint(folder, kind: str):
     """A tiny random checkpoint of family/RoPE `kind`, saved by Transformers into `folder`;
     returns the Transformers model (float32, eval)."""
@@ -80,7 +73,7 @@ def _checkpoint(folder, kind: str):
                 if name.endswith("norm.weight"):
                     p.uniform_(-0.5, 0.5)
     elif kind == "qwen3_moe":
-        model = transformers.Qwen3MoeForCausalLM(transformers.Qwen3MoeConfig(**QWEN3_MOE))
+        model = transformers.Qwen3MoeForCausalLM(transformers.Qwen3MoeConfig(**TINY_QWEN3_MOE))
     elif kind in ("mistral", "mistral_window"):  # (every layer slides over 32 keys, or none)
         window = 32 if kind == "mistral_window" else None
         model = transformers.MistralForCausalLM(transformers.MistralConfig(**{**TINY_LLAMA, "sliding_window": window}))

@@ -60,12 +60,13 @@ def _check(tmp_path, folder, size: int) -> None:
         for got, ref in zip(r["logits"], want, strict=True):
             torch.testing.assert_close(got, ref, rtol=1e-4, atol=1e-4)
     total = sum(p.numel() for p in whole.parameters())
-    norms = sum(p.numel() for n, p in whole.named_parameters() if "norm" in n)
-    assert all(r["params"] < total / size + norms + 1 for r in ranks)  # (norms are replicated)
+    replicated = sum(p.numel() for n, p in whole.named_parameters() if "norm" in n or n.endswith("mlp.gate.weight"))
+    assert all(r["params"] < total / size + replicated + 1 for r in ranks)  # (norms and routers)
 
 
-@pytest.mark.parametrize("kind", ["llama", "qwen3"])
+@pytest.mark.parametrize("kind", ["llama", "qwen3", "qwen3_moe"])
 def test_two_ranks_give_the_one_process_logits(tmp_path, kind):
+    """(Qwen3-MoE: every rank holds every expert with half its intermediate features.)"""
     make_hf_checkpoint(kind, tmp_path / "ckpt")
     _check(tmp_path, tmp_path / "ckpt", 2)
 
@@ -78,6 +79,9 @@ def test_splits_a_model_cannot_make_are_refused():
     with pytest.raises(ValueError, match=r"the attention heads \(9\).*multiple of 2.*the KV heads \(3\)"):
         check_model_split(9, 3, 1536, 49152, 2)  # SmolLM2 over 2 ranks
     check_model_split(32, 8, 9728, 151936, 8)  # Qwen3-4B over 8
+    check_model_split(32, 4, 6144, 151936, 4, moe_intermediate_size=768)  # Qwen3-30B-A3B over 4
+    with pytest.raises(ValueError, match=r"the experts' intermediate size \(moe_intermediate_size\) \(36\)"):
+        check_model_split(32, 4, 6144, 151936, 8, moe_intermediate_size=36)
     with pytest.raises(ValueError, match=r"the KV heads \(4\) to be a multiple of 8"):
         check_model_split(20, 4, 10496, 166144, 8)  # Nanbeige4.1-3B: 4 KV heads
     from pagedserve.quantization.methods import linear_method_for

@@ -13,11 +13,15 @@ def share(n: int, size: int, what: str) -> int:
 
 
 def check_model_split(num_heads: int, num_kv_heads: int, intermediate_size: int, vocab_size: int,
-                      size: int) -> None:
-    """ValueError naming every model dimension `size` ranks cannot share evenly."""
+                      size: int, moe_intermediate_size: int | None = None) -> None:
+    """ValueError naming every model dimension `size` ranks cannot share evenly (with a
+    mixture of experts, each expert's intermediate size too)."""
     problems = []
-    for n, what in ((num_heads, "the attention heads"), (num_kv_heads, "the KV heads"),
-                    (intermediate_size, "the MLP's intermediate size"), (vocab_size, "the vocabulary")):
+    dims = [(num_heads, "the attention heads"), (num_kv_heads, "the KV heads"),
+            (intermediate_size, "the MLP's intermediate size"), (vocab_size, "the vocabulary")]
+    if moe_intermediate_size is not None:
+        dims.append((moe_intermediate_size, "the experts' intermediate size (moe_intermediate_size)"))
+    for n, what in dims:
         try:
             share(n, size, what)
         except ValueError as e:

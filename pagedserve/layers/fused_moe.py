@@ -5,6 +5,10 @@
 forward runs the Triton kernels (`kernels/fused_moe.py`) on CUDA and the torch reference
 (`layers/moe_reference.py`) elsewhere.
 
+Across tensor-parallel ranks every rank holds every expert, each with the rank's share of
+its intermediate features (gate/up rows, down columns): its partial outputs are summed by an
+all-reduce, as a dense MLP's row-parallel down projection; the router is replicated.
+
 Checkpoint names, relative to the layer's `mlp.` (`map_moe_weight_name`), in both layouts:
   Hub (Qwen/Qwen3-30B-A3B; also what Transformers 5.x `save_pretrained` writes):
     gate.weight [E, H], experts.{e}.gate_proj.weight / up_proj.weight [I, H],
@@ -68,13 +72,29 @@ def map_moe_weight_name(name: str) -> tuple[str, Hashable | None]:
     return ("w2" if shard == "down" else "w13"), (int(match.group(1)), shard)
 
 
+def _rank_share(loaded: torch.Tensor, dim: int, param: nn.Parameter) -> torch.Tensor:
+    """This rank's slice of the intermediate features along `dim` of a checkpoint tensor:
+    the whole tensor at one rank (a wrong size then fails the shape check, naming it)."""
+    rank, size = param.tp_rank, param.tp_size
+    if size == 1 or loaded.shape[dim] % size:
+        return loaded
+    n = loaded.shape[dim] // size
+    return loaded.narrow(dim, rank * n, n)
+
+
 def expert_weight_loader(param: nn.Parameter, loaded: torch.Tensor,
                          shard_id: Hashable | None = None) -> None:
     """Fill stacked expert weights: shard None takes all experts at once ([E, 2I, H] for w13,
     [E, H, I] for w2); (e, "gate" | "up" | "down") one expert's nn.Linear weight ([I, H] into
-    rows [0, I) or [I, 2I) of w13[e]; [H, I] into w2[e]). ShapeMismatchError (a ValueError)
-    naming both shapes when they differ."""
+    rows [0, I) or [I, 2I) of w13[e]; [H, I] into w2[e]). Across tensor-parallel ranks each
+    takes its share of I (the stacked gate and up halves each). ShapeMismatchError (a
+    ValueError) naming both shapes when they differ."""
     if shard_id is None:
+        if "gate" in param.expert_shards and param.tp_size > 1 and loaded.shape[1] % 2 == 0:
+            gate, up = loaded.chunk(2, dim=1)  # [E, I, H] each
+            loaded = torch.cat([_rank_share(gate, 1, param), _rank_share(up, 1, param)], dim=1)
+        elif "down" in param.expert_shards:
+            loaded = _rank_share(loaded, 2, param)
         copy_checked(param.data, loaded, f"stacked expert weight of shape {tuple(param.shape)}")
         return
     expert, shard = shard_id
@@ -82,6 +102,7 @@ def expert_weight_loader(param: nn.Parameter, loaded: torch.Tensor,
         raise ValueError(f"a stacked expert weight of shape {tuple(param.shape)} has no shard "
                          f"{shard_id!r} ({param.shape[0]} experts, shards {list(param.expert_shards)})")
     offset, size = param.expert_shards[shard]
+    loaded = _rank_share(loaded, 1 if shard == "down" else 0, param)
     copy_checked(param.data[expert].narrow(0, offset, size), loaded,
                  f"expert {expert}'s {_HF_NAME[shard]}")
 
@@ -91,28 +112,26 @@ class FusedMoE(ParamAttrsModule):
     expert(x), experts SiLU-gated MLPs (down(silu(gate(x)) * up(x))).
 
     num_experts E, top_k K, hidden_size H, intermediate_size I (the config's
-    moe_intermediate_size), renormalize (norm_topk_prob). Tensor parallelism is not supported
-    yet (ValueError for `tp.size` > 1). Load weights with `load_checkpoint_tensor` (it records what it
+    moe_intermediate_size), renormalize (norm_topk_prob); `tp`: this rank's share of I (the
+    module docstring). Load weights with `load_checkpoint_tensor` (it records what it
     filled; `missing_weights` lists the rest)."""
 
     def __init__(self, num_experts: int, top_k: int, hidden_size: int, intermediate_size: int,
                  renormalize: bool = True, dtype: torch.dtype | None = None,
                  tp: TensorParallel = SINGLE) -> None:
         super().__init__()
-        if tp.size > 1:
-            raise ValueError(f"MoE under tensor parallelism is not supported yet "
-                             f"(tensor-parallel size {tp.size} was asked for)")
         if not 0 < top_k <= num_experts:
             raise ValueError(f"top_k must be in [1, {num_experts}], got {top_k}")
         self.num_experts, self.top_k, self.renormalize = num_experts, top_k, renormalize
         self.hidden_size, self.intermediate_size = hidden_size, intermediate_size
+        self.tp = tp
         self.gate = Linear(hidden_size, num_experts, bias=False, dtype=dtype)  # router, weight [E, H]
-        inter = intermediate_size
+        inter = tp.split(intermediate_size, "the experts' intermediate size (moe_intermediate_size)")
         self.w13 = nn.Parameter(torch.empty(num_experts, 2 * inter, hidden_size, dtype=dtype))  # [E, 2I, H]
         self.w2 = nn.Parameter(torch.empty(num_experts, hidden_size, inter, dtype=dtype))  # [E, H, I]
-        set_weight_attrs(self, "w13", weight_loader=expert_weight_loader,
+        set_weight_attrs(self, "w13", weight_loader=expert_weight_loader, tp_rank=tp.rank, tp_size=tp.size,
                          expert_shards={"gate": (0, inter), "up": (inter, inter)})
-        set_weight_attrs(self, "w2", weight_loader=expert_weight_loader,
+        set_weight_attrs(self, "w2", weight_loader=expert_weight_loader, tp_rank=tp.rank, tp_size=tp.size,
                          expert_shards={"down": (0, hidden_size)})
         for w in (self.w13, self.w2):
             nn.init.normal_(w, std=0.02)  # as Transformers' init (a no-op on meta)
@@ -130,7 +149,7 @@ class FusedMoE(ParamAttrsModule):
             out = fused_moe(x, self.w13, self.w2, weights, ids)  # [T, H]
         else:
             out = moe_reference(x, self.w13, self.w2, weights, ids)  # [T, H]
-        return out.reshape(shape)
+        return self.tp.all_reduce(out).reshape(shape)  # (a rank's share of I: partial sums)
 
     def load_checkpoint_tensor(self, name: str, tensor: torch.Tensor) -> None:
         """Copy checkpoint tensor `name` (relative to the layer's `mlp.`, either layout of
