@@ -83,6 +83,7 @@ class ModelConfig:
     embedding_multiplier: float = 1.0  # embeddings scaled by it (Gemma: sqrt(hidden_size))
     query_pre_attn_scalar: float | None = None  # softmax scale 1/sqrt(it) instead of 1/sqrt(head_dim) (Gemma)
     final_logit_softcapping: float | None = None  # logits = cap * tanh(logits / cap)
+    norm_round_once: bool = False  # RMSNorms: float32 weights, one rounding after the weight (Gemma)
     moe: MoeConfig | None = None  # a mixture-of-experts model's sparse layers (Qwen3-MoE)
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()

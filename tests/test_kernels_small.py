@@ -119,6 +119,49 @@ def test_rms_norm_ref_matches_hf():
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("T,H", [(7, 576), (5, 100)])
+def test_rms_norm_round_once(T, H, dtype):
+    """Gemma 3's rounding (ROUND_ONCE): float32 weights (1 + w) multiply the float32 normalised
+    value before the one rounding; with and without the residual add."""
+    x = _strided(T, H, dtype, scale=3.0)
+    res = _strided(T, H, dtype, pad=16)
+    w = torch.rand(H) + 0.5  # float32, as RMSNorm(round_once=True) keeps it
+    out = torch.full((T, H), float("nan"), dtype=dtype)
+    assert norm.rms_norm(x, w, 1e-6, out=out, round_once=True) is out
+    _close(out, norm.rms_norm_ref(x, w, 1e-6, round_once=True), dtype)
+    y_ref, s_ref = norm.fused_add_rms_norm_ref(x, res, w, 1e-6, round_once=True)
+    y, s = norm.fused_add_rms_norm(x, res.clone(), w, 1e-6, round_once=True)
+    assert torch.equal(s, s_ref)
+    _close(y, y_ref, dtype)
+    if dtype == torch.float16:  # the flag reaches the kernel: Llama's rounding gives other bits
+        assert not torch.equal(norm.rms_norm(x, w, 1e-6), out)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("hq,hkv,D", [HEADS[0], HEADS[2]])
+def test_qk_norm_rope_round_once(hq, hkv, D, dtype):
+    """The fused q/k norm with Gemma 3's rounding (float32 weights), also when it writes the
+    KV cache."""
+    T = 7
+    qkv = _strided(T, (hq + 2 * hkv) * D, dtype, pad=64, scale=2.0)
+    positions = torch.randint(0, 200_000, (T,), dtype=torch.int64)
+    inv_freq = _inv_freq(D, 1e6)
+    qw, kw = torch.rand(D) + 0.5, torch.rand(D) + 0.5  # float32
+    args = (qkv, positions, inv_freq, hq, hkv, D, qw, kw, 1e-6)
+    q, k, v = rope.qk_norm_rope(*args, norm_round_once=True)
+    q_ref, k_ref, v_ref = rope.qk_norm_rope_ref(*args, norm_round_once=True)
+    atol = 6e-3 if dtype == torch.float16 else None  # (see test_qk_norm_rope)
+    _close(q, q_ref, dtype, atol)
+    _close(k, k_ref, dtype, atol)
+    assert torch.equal(v, v_ref)
+    cache = torch.full((2, 1, 8, hkv, D), float("nan"), dtype=dtype)
+    q2, k2, _ = rope.qk_norm_rope(*args, kv_cache=cache, slot_mapping=torch.arange(T), norm_round_once=True)
+    assert torch.equal(q2, q) and torch.equal(k2, k) and torch.equal(cache[0, 0, :T], k)
+    if dtype == torch.float16:  # the flag reaches the kernel: Llama's rounding gives other bits
+        assert not torch.equal(rope.qk_norm_rope(*args)[0], q)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("T,inter", [(1, 1536), (7, 1536), (33, 100), (3, 2600)])
 def test_silu_and_mul(T, inter, dtype):
     gate_up = _strided(T, 2 * inter, dtype, pad=32, scale=4.0)

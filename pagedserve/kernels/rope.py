@@ -9,7 +9,9 @@ rotate_half(x) = cat(-x2, x1). HF rounds cos/sin to the activation dtype and mul
 that dtype; we keep cos/sin and the arithmetic in float32 and round the result once (more
 accurate; in bf16/fp16 it may differ from HF by a unit in the last place). The q/k norm has
 HF LlamaRMSNorm semantics (see `norm.py`): normalised value rounded to the dtype, times the
-weight, rounded again.
+weight, rounded again; or with `norm_round_once` Gemma 3's: the float32 normalised value times
+the weight in float32, rounded once (the rounding before RoPE is kept in both: Transformers
+applies RoPE to the rounded norm's output).
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ def _norm_rope_heads(
     src, dst, dst2, heads2, w_ptr, cos, sin, eps,  # src: one token's H heads [H, 2*HALF]; dst likewise
     scale2_ptr,  # dst2's float32 scale (if FP8)
     H: tl.constexpr, H_PAD: tl.constexpr, HALF: tl.constexpr, HAS_NORM: tl.constexpr,
+    ROUND_ONCE: tl.constexpr,  # the norm's weight multiplies before its one rounding (Gemma)
     STORE2: tl.constexpr,  # also write the first heads2 heads (0 or H) to dst2 (a KV-cache slot)
     FP8: tl.constexpr,  # dst2 is an FP8 cache: the value rounded to dst's dtype, then quantized
 ):
@@ -44,8 +47,13 @@ def _norm_rope_heads(
         rstd = (1.0 / tl.sqrt(var + eps))[:, None]  # [H_PAD, 1]
         w_lo = tl.load(w_ptr + d).to(tl.float32)  # [1, HALF]
         w_hi = tl.load(w_ptr + HALF + d).to(tl.float32)
-        lo_f = (w_lo * (lo_f * rstd).to(lo.dtype).to(tl.float32)).to(lo.dtype).to(tl.float32)
-        hi_f = (w_hi * (hi_f * rstd).to(lo.dtype).to(tl.float32)).to(lo.dtype).to(tl.float32)
+        lo_f = lo_f * rstd
+        hi_f = hi_f * rstd
+        if not ROUND_ONCE:  # Llama: the normalised value rounded before the weight
+            lo_f = lo_f.to(lo.dtype).to(tl.float32)
+            hi_f = hi_f.to(lo.dtype).to(tl.float32)
+        lo_f = (w_lo * lo_f).to(lo.dtype).to(tl.float32)
+        hi_f = (w_hi * hi_f).to(lo.dtype).to(tl.float32)
     out_lo = lo_f * cos - hi_f * sin
     out_hi = hi_f * cos + lo_f * sin
     tl.store(dst + offs, out_lo.to(dst.dtype.element_ty), mask=mask)
@@ -68,8 +76,8 @@ def _qk_norm_rope_kernel(
     scale_ptr,  # [2] float32 (k_scale, v_scale) of an FP8 cache (if FP8)
     eps,
     HQ: tl.constexpr, HKV: tl.constexpr, HQ_PAD: tl.constexpr, HKV_PAD: tl.constexpr,
-    HALF: tl.constexpr, HAS_NORM: tl.constexpr, STORE: tl.constexpr, BLOCK_SIZE: tl.constexpr,
-    FP8: tl.constexpr,
+    HALF: tl.constexpr, HAS_NORM: tl.constexpr, ROUND_ONCE: tl.constexpr, STORE: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr, FP8: tl.constexpr,
     PDL: tl.constexpr,  # programmatic dependent launch (kernels/pdl.py)
 ):
     pdl.wait_and_release(PDL)
@@ -87,7 +95,7 @@ def _qk_norm_rope_kernel(
     row = qkv_ptr + t * qkv_stride
     q_dst = q_ptr + t * (HQ * 2 * HALF)
     _norm_rope_heads(row, q_dst, q_dst, 0, qw_ptr, cos, sin, eps, scale_ptr, HQ, HQ_PAD, HALF, HAS_NORM,
-                     False, False)
+                     ROUND_ONCE, False, False)
     k_dst = k_ptr + t * (HKV * 2 * HALF)
     if STORE:
         slot = tl.load(slot_ptr + t).to(tl.int64)
@@ -95,7 +103,7 @@ def _qk_norm_rope_kernel(
         at = (slot // BLOCK_SIZE) * cache_block_stride + (slot % BLOCK_SIZE) * cache_slot_stride
         at = tl.where(slot >= 0, at, 0)
         _norm_rope_heads(row + HQ * 2 * HALF, k_dst, kc_ptr + at, heads, kw_ptr, cos, sin, eps,
-                         scale_ptr, HKV, HKV_PAD, HALF, HAS_NORM, True, FP8)
+                         scale_ptr, HKV, HKV_PAD, HALF, HAS_NORM, ROUND_ONCE, True, FP8)
         vh = tl.arange(0, HKV_PAD)[:, None]  # v is copied as it is
         vd = tl.arange(0, 2 * HALF)[None, :]
         v_offs = vh * (2 * HALF) + vd
@@ -104,7 +112,7 @@ def _qk_norm_rope_kernel(
         store_kv(vc_ptr + at + v_offs, v, v_mask, scale_ptr + 1, FP8)
     else:
         _norm_rope_heads(row + HQ * 2 * HALF, k_dst, k_dst, 0, kw_ptr, cos, sin, eps,
-                         scale_ptr, HKV, HKV_PAD, HALF, HAS_NORM, False, False)
+                         scale_ptr, HKV, HKV_PAD, HALF, HAS_NORM, ROUND_ONCE, False, False)
 
 
 def qk_norm_rope(
@@ -122,13 +130,15 @@ def qk_norm_rope(
     kv_cache: torch.Tensor | None = None,
     slot_mapping: torch.Tensor | None = None,
     kv_scale: torch.Tensor | None = None,
+    norm_round_once: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Split qkv into (q, k, v), RMSNorm q and k per head (if weights given), apply RoPE;
     optionally also write each token's k (after RoPE) and v into the paged KV cache.
 
     qkv: [T, (Hq + 2*Hkv) * D], rows [q heads | k heads | v heads]; rows may be strided,
     columns contiguous. positions: [T] int64/int32. inv_freq: [D/2] float32.
-    q_norm_weight, k_norm_weight: [D] (both or neither). head_dim: a power of two.
+    q_norm_weight, k_norm_weight: [D] (both or neither), any float dtype; `norm_round_once`:
+    Gemma 3's norm (`RMSNorm(round_once=True)`, weights in float32). head_dim: a power of two.
     Returns q [T, Hq, D] and k [T, Hkv, D], new contiguous tensors (or `out_q`/`out_k`,
     which must be contiguous), and v [T, Hkv, D]: a VIEW into qkv (not contiguous in the
     token dimension; `store_kv_cache` accepts it as is). qkv is not modified.
@@ -182,7 +192,7 @@ def qk_norm_rope(
         kc.stride(0) if store else 0, kc.stride(1) if store else 0,
         kv_scale if fp8 else inv_freq, float(eps),
         HQ=num_heads, HKV=num_kv_heads, HQ_PAD=hq_pad, HKV_PAD=hkv_pad, HALF=half,
-        HAS_NORM=has_norm, STORE=store, BLOCK_SIZE=kv_cache.shape[2] if store else 1,
+        HAS_NORM=has_norm, ROUND_ONCE=bool(norm_round_once and has_norm), STORE=store, BLOCK_SIZE=kv_cache.shape[2] if store else 1,
         FP8=fp8,
         num_warps=num_warps_for(hq_pad * D), **pdl.launch_options(qkv),
     )
@@ -191,7 +201,7 @@ def qk_norm_rope(
 
 def qk_norm_rope_ref(
     qkv, positions, inv_freq, num_heads, num_kv_heads, head_dim,
-    q_norm_weight=None, k_norm_weight=None, eps=1e-6,
+    q_norm_weight=None, k_norm_weight=None, eps=1e-6, norm_round_once=False,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Torch reference with the kernel's semantics (float32 RoPE, one rounding)."""
     from pagedserve.kernels.norm import rms_norm_ref
@@ -200,7 +210,8 @@ def qk_norm_rope_ref(
     q, k, v = qkv.split([num_heads * D, num_kv_heads * D, num_kv_heads * D], dim=-1)
     q, k, v = q.reshape(T, num_heads, D), k.reshape(T, num_kv_heads, D), v.view(T, -1, D)
     if q_norm_weight is not None:
-        q, k = rms_norm_ref(q, q_norm_weight, eps), rms_norm_ref(k, k_norm_weight, eps)
+        q = rms_norm_ref(q, q_norm_weight, eps, norm_round_once)
+        k = rms_norm_ref(k, k_norm_weight, eps, norm_round_once)
     freqs = positions.float()[:, None] * inv_freq.float()[None, :]  # [T, D/2]
     emb = torch.cat((freqs, freqs), dim=-1)[:, None, :]  # [T, 1, D]
     cos, sin = emb.cos(), emb.sin()

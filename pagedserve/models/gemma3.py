@@ -2,7 +2,10 @@
 
 What differs from `llama.py`, and where it lives:
 - four norms a layer ("sandwich": after attention and after the MLP too): `Gemma3DecoderLayer`;
-- RMSNorm weights stored as offsets from 1 (Transformers multiplies by 1 + w): added at load;
+- RMSNorm weights stored as offsets from 1 (Transformers multiplies by 1 + w): added at load,
+  in float32, and kept in float32 parameters; every norm multiplies the float32 normalised value
+  by it and rounds once (`RMSNorm(round_once=True)`, from the config's `norm_round_once`), where
+  Llama rounds before and after the weight;
 - q/k RMSNorm, GeGLU, embeddings scaled by sqrt(hidden), softmax scale from
   query_pre_attn_scalar, sliding-window layers with their own RoPE base, optional final logit
   soft-capping: the ModelConfig's fields, read by the shared decoder;
@@ -38,8 +41,8 @@ class Gemma3DecoderLayer(DecoderLayer):
     def __init__(self, cfg: ModelConfig, layer_idx: int, linear_method: LinearMethod | None = None,
                  tp: TensorParallel = SINGLE) -> None:
         super().__init__(cfg, layer_idx, linear_method, tp)
-        self.pre_feedforward_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.post_feedforward_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.pre_feedforward_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, round_once=cfg.norm_round_once)
+        self.post_feedforward_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, round_once=cfg.norm_round_once)
 
     def forward(
         self,
@@ -66,7 +69,8 @@ class Gemma3ForCausalLM(LlamaForCausalLM):
 
     def _checkpoint_layout(self, weights: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
         """Gemma's names and norms in Llama's terms: the text model's tensors of an image-text
-        checkpoint renamed (its vision tower's skipped), every RMSNorm weight w stored as 1 + w."""
+        checkpoint renamed (its vision tower's skipped), every RMSNorm weight w as 1 + w in float32
+        (its parameter's dtype: not rounded to the model's)."""
         def renamed() -> Iterator[tuple[str, torch.Tensor]]:
             for name, tensor in weights:
                 if any(part in name for part in _VISION_PARTS):
@@ -76,7 +80,7 @@ class Gemma3ForCausalLM(LlamaForCausalLM):
                         name = ours + name.removeprefix(prefix)
                         break
                 if name.endswith("norm.weight"):
-                    tensor = (tensor.float() + 1.0).to(tensor.dtype)
+                    tensor = tensor.float() + 1.0
                 yield name, tensor
 
         yield from super()._checkpoint_layout(renamed())

@@ -77,6 +77,7 @@ def model_config_from_hf(cfg: dict[str, Any]) -> ModelConfig:
         embedding_multiplier=hidden**0.5 if gemma else 1.0,
         query_pre_attn_scalar=cfg.get("query_pre_attn_scalar") if gemma else None,
         final_logit_softcapping=cfg.get("final_logit_softcapping"),
+        norm_round_once=gemma,
         moe=MoeConfig.from_hf(cfg, num_layers) if arch == "Qwen3MoeForCausalLM" else None,
         bos_token_id=cfg.get("bos_token_id"),
         eos_token_ids=tuple(int(t) for t in eos_ids),

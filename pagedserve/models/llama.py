@@ -61,8 +61,8 @@ class Attention(nn.Module):
                              linear_method=_method_for(linear_method, prefix, "o_proj"), tp=tp, parallel="row")
         self.qk_norm = cfg.qk_norm
         if cfg.qk_norm:
-            self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
-            self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
+            self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, round_once=cfg.norm_round_once)
+            self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, round_once=cfg.norm_round_once)
 
     def forward(
         self,
@@ -83,7 +83,7 @@ class Attention(nn.Module):
                 self.k_norm.weight if self.qk_norm else None,
                 self.q_norm.eps if self.qk_norm else 0.0,
                 kv_cache=target[0] if target else None, slot_mapping=target[1] if target else None,
-                kv_scale=target[2] if target else None,
+                kv_scale=target[2] if target else None, norm_round_once=self.qk_norm and self.q_norm.round_once,
             )
         else:
             q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
@@ -120,9 +120,9 @@ class DecoderLayer(nn.Module):
     def __init__(self, cfg: ModelConfig, layer_idx: int, linear_method: LinearMethod | None = None,
                  tp: TensorParallel = SINGLE) -> None:
         super().__init__()
-        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, round_once=cfg.norm_round_once)
         self.self_attn = Attention(cfg, layer_idx, linear_method, tp)
-        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, round_once=cfg.norm_round_once)
         self.mlp = MLP(cfg, linear_method, layer_idx, tp)
 
     def forward(
@@ -160,7 +160,7 @@ class LlamaForCausalLM(nn.Module):
         self.config, self.tp = cfg, tp
         self.embed_tokens = VocabEmbedding(cfg.vocab_size, cfg.hidden_size, tp)
         self.layers = nn.ModuleList(self.layer_class(cfg, i, linear_method, tp) for i in range(cfg.num_layers))
-        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, round_once=cfg.norm_round_once)
         # max_model_len: the served context (LongRoPE's choice of factors); the model's own by default
         served = min(max_model_len or cfg.max_position_embeddings, cfg.max_position_embeddings)
         self.rotary = RotaryEmbedding(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling, rotary_dim=cfg.rotary_dim,
