@@ -113,3 +113,21 @@ def test_the_roofline_of_a_mixture_of_experts_reads_the_experts_its_tokens_reach
     assert abs(one - (roof.weight_bytes + 8 * expert)) < 1
     many = roof.decode_step_seconds(0, 256) * roof.bandwidth  # (still memory-bound)
     assert abs(many - (roof.weight_bytes + 128 * expert)) / many < 1e-6
+
+
+def test_the_roofline_of_fp8_experts_reads_one_byte_a_weight():
+    """Qwen3-30B-A3B with --quantization fp8: its experts and its attention projections are
+    e4m3 (1 byte a weight; all 48 layers sparse, so no dense MLP is counted), the router,
+    norms and logits head stay bf16."""
+    from pagedserve.bench.roofline import Roofline
+    from pagedserve.config import ModelConfig
+    from pagedserve.models.presets import load_preset
+
+    cfg = ModelConfig.from_hf_config(load_preset("qwen3-30b-a3b"))
+    bf16, fp8 = Roofline.for_model(cfg), Roofline.for_model(cfg, quantization="fp8")
+    assert fp8.expert_bytes * 2 == bf16.expert_bytes == 3 * cfg.hidden_size * 768 * 48 * 2
+    attention = cfg.num_layers * (2 * cfg.hidden_size * cfg.q_size + 2 * cfg.hidden_size * cfg.kv_size)
+    assert bf16.weight_bytes - fp8.weight_bytes == attention  # (no dense MLP in a sparse layer)
+    one = fp8.decode_step_seconds(0, 1) * fp8.bandwidth
+    assert abs(one - (fp8.weight_bytes + 8 * fp8.expert_bytes)) < 1
+    assert fp8.flops == 2 * bf16.flops and Roofline.for_model(cfg, quantization="awq").expert_bytes == bf16.expert_bytes

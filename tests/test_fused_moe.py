@@ -276,3 +276,95 @@ def test_loaders_survive_meta_build():
     layer.to_empty(device="cpu")
     layer.load_checkpoint_tensor("experts.1.down_proj.weight", torch.full((H, INTER), 2.0))
     assert (layer.w2[1] == 2).all() and ("w2", (1, "down")) in layer.loaded
+
+
+# ---- FP8 experts (--quantization fp8): e4m3 per expert and output row ------------------------
+
+def fp8_experts(gen: torch.Generator):
+    """Random experts quantized as FusedMoE does: (e4m3 w13 [E, 2I, H], float32 scale [E, 2I],
+    e4m3 w2 [E, H, I], scale [E, H])."""
+    from pagedserve.quantization.fp8 import quantize_rows
+
+    w13, w2 = expert_weights(gen)
+    q13, s13 = quantize_rows(w13.reshape(-1, H))
+    q2, s2 = quantize_rows(w2.reshape(-1, INTER))
+    return q13.view(E, 2 * INTER, H), s13.view(E, 2 * INTER), q2.view(E, H, INTER), s2.view(E, H)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("T", [1, 5, 37])
+def test_fp8_kernel_matches_the_reference_on_the_same_weights(T, dtype):
+    """Weight-only FP8 in both GEMMs: e4m3 tiles widened in registers, each output column
+    scaled in the epilogue. Against the reference on the same dequantized weights: in float32
+    equal up to the accumulation order (1e-5); in fp16/bf16 up to the intermediate's rounding
+    (the unquantized kernel's tolerances). Dropping either scale fails the check."""
+    gen = torch.Generator().manual_seed(200 + T)
+    weights, ids = routing(T, gen, skip_expert=0)
+    q13, s13, q2, s2 = fp8_experts(gen)
+    x = torch.randn(T, H, generator=gen).to(dtype)
+    ref = moe_reference(x.float(), q13, q2, weights, ids, s13, s2)  # [T, H]
+    dequant = moe_reference(x.float(), q13.float() * s13[..., None], q2.float() * s2[..., None], weights, ids)
+    torch.testing.assert_close(ref, dequant, atol=1e-6, rtol=1e-6)  # (the reference dequantizes so)
+    for tiles in (None, SMALL_TILES):
+        out = fused_moe(x, q13, q2, weights, ids, tiles, w13_scale=s13, w2_scale=s2)
+        assert out.shape == (T, H) and out.dtype == dtype
+        torch.testing.assert_close(out.float(), ref, atol=TOL[dtype], rtol=TOL[dtype])
+    if dtype == torch.float32:
+        for wrong in ((s13 * 2, s2), (s13, s2 * 2)):
+            out = fused_moe(x, q13, q2, weights, ids, SMALL_TILES, w13_scale=wrong[0], w2_scale=wrong[1])
+            assert not torch.allclose(out, ref, atol=1e-3)
+
+
+def test_fp8_kernel_refuses_weights_without_their_scales():
+    gen = torch.Generator().manual_seed(9)
+    weights, ids = routing(3, gen)
+    q13, s13, q2, s2 = fp8_experts(gen)
+    x = torch.randn(3, H)
+    with pytest.raises(ValueError, match=r"e4m3 weight \(8, 64, 64\) needs a contiguous float32 scale of shape \(8, 64\)"):
+        fused_moe(x, q13, q2, weights, ids)
+    with pytest.raises(ValueError, match="a scale goes with an e4m3 weight only"):
+        fused_moe(x, q13.float(), q2.float(), weights, ids, w13_scale=s13, w2_scale=s2)
+    with pytest.raises(TypeError, match="dtype mismatch"):
+        fused_moe(x, q13.bfloat16(), q2.bfloat16(), weights, ids)
+
+
+@pytest.mark.parametrize("tp_size", [1, 2])
+def test_an_fp8_layer_quantizes_its_experts_once_loaded(tp_size):
+    """FusedMoE(fp8=True) loads as the unquantized layer does, then keeps e4m3 experts with a
+    float32 scale per expert and output row (quantize_rows' rule, on each rank's share under
+    tensor parallelism); the router stays as loaded. Its output (the CPU's reference path and
+    the kernel) is the reference on the dequantized experts, and within FP8's error of the
+    unquantized layer's."""
+    from pagedserve.quantization.fp8 import quantize_rows
+
+    torch.manual_seed(5)
+    w13, w2 = expert_weights(torch.Generator().manual_seed(6))
+    tensors = {"gate.weight": torch.randn(E, H), "experts.gate_up_proj": w13, "experts.down_proj": w2}
+    ranks = [loaded_layer(tensors, fp8=True, tp=TensorParallel(rank=r, size=tp_size)) for r in range(tp_size)]
+    plain = loaded_layer(tensors)
+    x = torch.randn(7, H)
+    parts = []
+    for r, layer in enumerate(ranks):
+        share = loaded_layer(tensors, tp=TensorParallel(rank=r, size=tp_size))  # the rank's bf16 share
+        assert layer.w13.dtype == torch.float32  # (quantized only after loading)
+        layer.process_weights_after_loading()
+        layer.process_weights_after_loading()  # (a second call changes nothing)
+        assert layer.w13.dtype == layer.w2.dtype == torch.float8_e4m3fn and not layer.w13.requires_grad
+        assert layer.w13_scale.shape == share.w13.shape[:2] and layer.w2_scale.shape == share.w2.shape[:2]
+        assert layer.gate.weight.dtype == torch.float32 and torch.equal(layer.gate.weight, plain.gate.weight)
+        for got, scale, want in ((layer.w13, layer.w13_scale, share.w13), (layer.w2, layer.w2_scale, share.w2)):
+            q, s = quantize_rows(want.reshape(-1, want.shape[-1]))
+            assert torch.equal(got.reshape(q.shape).float(), q.float()) and torch.equal(scale.reshape(-1), s.reshape(-1))
+        assert layer.w13.weight_loader is share.w13.weight_loader  # (the loaders' facts kept)
+        with torch.no_grad():
+            weights, ids = select_experts(layer.gate(x), K, renormalize=True)
+            parts.append(layer(x) if tp_size == 1 else  # (ranks: their partial sums, no all-reduce here)
+                         moe_reference(x, layer.w13, layer.w2, weights, ids, layer.w13_scale, layer.w2_scale))
+            ref = moe_reference(x, layer.w13.float() * layer.w13_scale[..., None],
+                                layer.w2.float() * layer.w2_scale[..., None], weights, ids)
+            torch.testing.assert_close(parts[-1], ref, atol=1e-6, rtol=1e-6)
+            kernel = fused_moe(x, layer.w13, layer.w2, weights, ids, SMALL_TILES, layer.w13_scale, layer.w2_scale)
+            torch.testing.assert_close(kernel, ref, atol=1e-5, rtol=1e-5)
+    with torch.no_grad():
+        whole = plain(x)
+    assert ((sum(parts) - whole).norm() / whole.norm()).item() < 0.06  # e4m3 weights: a few percent

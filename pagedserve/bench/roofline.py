@@ -8,7 +8,9 @@ really reads: its decoder projections at their stored size (FP8: 1 byte a weight
 a byte plus a 16-bit scale and zero per group of 128), an FP8 KV cache at 1 byte an element;
 W8A8 FP8 products have twice the bf16 FLOP/s (Hopper's FP8 tensor cores). A mixture of
 experts computes with its active parameters and reads, in a step of n tokens, the experts that
-n tokens routed uniformly at random would reach (`MoeConfig.expected_experts_read`).
+n tokens routed uniformly at random would reach (`MoeConfig.expected_experts_read`); with
+`--quantization fp8` its experts are e4m3 too (1 byte a weight; their float32 scale per row,
+4 / hidden bytes a weight, is left out as the dense layers' is).
 """
 
 from __future__ import annotations
@@ -24,6 +26,9 @@ H200_BF16_FLOPS = 790e12  # FLOP/s, measured bf16 matmul
 WEIGHT_BYTES = {"fp8": 1.0, "compressed-tensors": 1.0, "awq": 0.5 + 4 / 128,
                 "gptq": 0.5 + 4 / 128}
 FLOPS_FACTOR = {"fp8": 2.0, "compressed-tensors": 2.0}
+# bytes per expert weight of a mixture of experts as each quantization stores it (others: the
+# model's dtype; pre-quantized MoE checkpoints are refused)
+EXPERT_BYTES = {"fp8": 1.0}
 
 
 @dataclass(frozen=True)
@@ -48,13 +53,15 @@ class Roofline:
         per_weight = WEIGHT_BYTES.get(quantization)
         if per_weight is not None:
             h, i = cfg.hidden_size, cfg.intermediate_size
-            projections = cfg.num_layers * (2 * h * cfg.q_size + 2 * h * cfg.kv_size + 3 * h * i)
+            dense_mlps = cfg.num_layers - (len(cfg.moe.layers) if cfg.moe else 0)  # (sparse: experts)
+            projections = cfg.num_layers * (2 * h * cfg.q_size + 2 * h * cfg.kv_size) + dense_mlps * 3 * h * i
             weight_bytes -= round(projections * (dtype_bytes - per_weight))
         kv_bytes = 1 if kv_cache_dtype.startswith("fp8") else dtype_bytes
         kv = cfg.num_layers * 2 * cfg.num_kv_heads * cfg.head_dim * kv_bytes
         flops = H200_BF16_FLOPS * FLOPS_FACTOR.get(quantization, 1.0)
         return cls(cfg.active_parameters(), weight_bytes, kv, flops=flops,
-                   expert_bytes=cfg.expert_parameters() * dtype_bytes, moe=cfg.moe)
+                   expert_bytes=round(cfg.expert_parameters() * EXPERT_BYTES.get(quantization, dtype_bytes)),
+                   moe=cfg.moe)
 
     def decode_step_seconds(self, context_lens: list[int] | int, batch: int | None = None) -> float:
         """Ideal time of one decode step over sequences with these context lengths."""

@@ -13,6 +13,12 @@ them by its expert's weight tile ([N, K_in] rows, as nn.Linear keeps them) in fl
 optionally scales each row by the pair's routing weight, and writes output row p. `fused_moe`
 runs it twice (gate_up, then down with the routing weights) around the SiLU-and-mul kernel
 and sums the K slots of each token.
+
+FP8 experts (`--quantization fp8`, weight-only W8A16): the weights are e4m3 with a float32
+scale per expert and output row ([E, N]); the kernel loads 1 byte a weight, widens each tile
+to the activations' dtype in registers (exact: e4m3's values are bf16/fp16 values) for the
+same `tl.dot`, and multiplies the float32 accumulator by the expert's scale of each output
+column once, after the K loop (HAS_SCALE; off, the bf16 path is unchanged).
 """
 
 from __future__ import annotations
@@ -92,10 +98,11 @@ def moe_align(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> MoeAlig
 def _moe_gemm_kernel(
     A, W, OUT, WEIGHTS,  # a [rows, K] (row stride stride_am), w [E, N, K], out [num_pairs, N],
     # weights [num_pairs] routing weight per pair (MUL_WEIGHT)
+    W_SCALE,  # HAS_SCALE only (w e4m3): float32 [E, N] (row stride stride_se), out[:, n] *= W_SCALE[e, n]
     SORTED_IDS, EXPERT_IDS, NUM_PADDED,  # moe_align's [P] int32, [P / BLOCK_M] int32, [1] int32
-    num_pairs, N, K, stride_am, stride_we, stride_wn, stride_wk, stride_om,
+    num_pairs, N, K, stride_am, stride_we, stride_wn, stride_wk, stride_om, stride_se,
     ROW_DIV: tl.constexpr,  # pair p reads a's row p // ROW_DIV (K for gate_up, 1 for down)
-    MUL_WEIGHT: tl.constexpr, EVEN_K: tl.constexpr,
+    MUL_WEIGHT: tl.constexpr, EVEN_K: tl.constexpr, HAS_SCALE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
     PRECISION: tl.constexpr, DOT_FP32: tl.constexpr,  # DOT_FP32: the interpreter's bf16 dot is wrong
     PDL: tl.constexpr,
@@ -130,11 +137,15 @@ def _moe_gemm_kernel(
             k_left = K - k * BLOCK_K
             a = tl.load(a_ptrs, mask=valid[:, None] & (offs_k[None, :] < k_left), other=0.0)
             w = tl.load(w_ptrs, mask=offs_k[:, None] < k_left, other=0.0)
+        if HAS_SCALE:
+            w = w.to(A.dtype.element_ty)  # e4m3 widened in registers (exact)
         if DOT_FP32:
             a, w = a.to(tl.float32), w.to(tl.float32)
         acc = tl.dot(a, w, acc, input_precision=PRECISION)  # [BLOCK_M, BLOCK_N]
         a_ptrs += BLOCK_K
         w_ptrs += BLOCK_K * stride_wk
+    if HAS_SCALE:  # the expert's scale of each output column (wrapped columns: never stored)
+        acc = acc * tl.load(W_SCALE + expert * stride_se + offs_nw)[None, :]
     if MUL_WEIGHT:
         weight = tl.load(WEIGHTS + pair, mask=valid, other=0.0).to(tl.float32)  # [BLOCK_M]
         acc = acc * weight[:, None]
@@ -143,23 +154,28 @@ def _moe_gemm_kernel(
 
 
 def moe_gemm(a: torch.Tensor, w: torch.Tensor, out: torch.Tensor, align: MoeAlignment,
-             row_div: int, tiles: MoeTiles, weights: torch.Tensor | None = None) -> torch.Tensor:
+             row_div: int, tiles: MoeTiles, weights: torch.Tensor | None = None,
+             w_scale: torch.Tensor | None = None) -> torch.Tensor:
     """out[p] = a[p // row_div] @ w[expert of p]^T (* weights[p]) for every pair p of `align`.
 
-    a: [rows, K] (columns contiguous); w: [E, N, K]; out: [num_pairs, N], columns contiguous;
-    weights: [num_pairs] routing weights or None. Returns `out`."""
+    a: [rows, K] (columns contiguous); w: [E, N, K] in a's dtype, or e4m3 with `w_scale`
+    float32 [E, N] (w[e] ~= q[e] * w_scale[e, :, None]); out: [num_pairs, N], columns
+    contiguous; weights: [num_pairs] routing weights or None. Returns `out`."""
     num_pairs, n = out.shape
     k = a.shape[1]
     if w.shape[2] != k or w.shape[1] != n:
         raise ValueError(f"moe_gemm: weight {tuple(w.shape)} does not map {k} inputs to {n} outputs")
+    _check_weight(a, w, w_scale)
     if num_pairs == 0:
         return out
     grid = (align.expert_ids.numel() * triton.cdiv(n, tiles.block_n),)
     _moe_gemm_kernel[grid](
-        a, w, out, weights if weights is not None else out,
+        a, w, out, weights if weights is not None else out, w_scale if w_scale is not None else out,
         align.sorted_ids, align.expert_ids, align.num_padded,
         num_pairs, n, k, a.stride(0), w.stride(0), w.stride(1), w.stride(2), out.stride(0),
+        w_scale.stride(0) if w_scale is not None else 0,
         ROW_DIV=row_div, MUL_WEIGHT=weights is not None, EVEN_K=k % tiles.block_k == 0,
+        HAS_SCALE=w_scale is not None,
         BLOCK_M=align.block_m, BLOCK_N=tiles.block_n, BLOCK_K=tiles.block_k, GROUP_M=tiles.group_m,
         PRECISION="ieee" if a.dtype == torch.float32 else "tf32",
         DOT_FP32=interpreting() and a.dtype == torch.bfloat16,
@@ -168,17 +184,37 @@ def moe_gemm(a: torch.Tensor, w: torch.Tensor, out: torch.Tensor, align: MoeAlig
     return out
 
 
+def _check_weight(a: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor | None) -> None:
+    """w in a's dtype without a scale, or e4m3 with a contiguous float32 scale [E, N] on its
+    device; the last dimension contiguous."""
+    if w.stride(-1) != 1 and w.shape[-1] > 1:
+        raise ValueError("moe_gemm: the weight's last dimension must be contiguous (stride 1)")
+    if w.dtype == torch.float8_e4m3fn:
+        if (w_scale is None or w_scale.dtype != torch.float32 or w_scale.shape != w.shape[:2]
+                or not w_scale.is_contiguous() or w_scale.device != w.device):
+            raise ValueError(f"moe_gemm: an e4m3 weight {tuple(w.shape)} needs a contiguous float32 "
+                             f"scale of shape {tuple(w.shape[:2])} on its device")
+        if a.dtype not in (torch.float32, torch.float16, torch.bfloat16):
+            raise TypeError(f"moe_gemm: an e4m3 weight multiplies float32/float16/bfloat16 inputs, got {a.dtype}")
+    elif w_scale is not None:
+        raise ValueError("moe_gemm: a scale goes with an e4m3 weight only")
+    elif w.dtype != a.dtype:
+        raise TypeError(f"moe_gemm: dtype mismatch: weight {w.dtype} vs input {a.dtype}")
+
+
 def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
-              topk_ids: torch.Tensor, tiles: MoeTiles | None = None) -> torch.Tensor:
+              topk_ids: torch.Tensor, tiles: MoeTiles | None = None,
+              w13_scale: torch.Tensor | None = None, w2_scale: torch.Tensor | None = None) -> torch.Tensor:
     """A SiLU-gated mixture-of-experts layer on the Triton kernels.
 
     out[t] = sum_k topk_weights[t, k] * w2[e] @ (silu(g) * u), [g | u] = w13[e] @ x[t],
     e = topk_ids[t, k].
 
     x: [T, H] float32/float16/bfloat16; w13: [E, 2I, H] (rows [gate | up]); w2: [E, H, I], both
-    in x's dtype with contiguous last dimensions; topk_weights: [T, K] float (applied in float32
-    to the down projection's accumulator); topk_ids: [T, K] int in [0, E). `tiles`: `moe_tiles`'
-    default for T. Returns [T, H] in x's dtype.
+    in x's dtype with contiguous last dimensions, or both e4m3 with float32 scales per expert and
+    output row `w13_scale` [E, 2I] and `w2_scale` [E, H] (FP8 experts, W8A16); topk_weights:
+    [T, K] float (applied in float32 to the down projection's accumulator); topk_ids: [T, K]
+    int in [0, E). `tiles`: `moe_tiles`' default for T. Returns [T, H] in x's dtype.
     """
     num_tokens, hidden = x.shape
     num_experts, two_inter, _ = w13.shape
@@ -189,14 +225,14 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights
     if topk_weights.shape != topk_ids.shape or topk_ids.shape[0] != num_tokens:
         raise ValueError(f"fused_moe: topk_weights {tuple(topk_weights.shape)} and topk_ids "
                          f"{tuple(topk_ids.shape)} must both be [{num_tokens}, K]")
-    check_dtype(x, w13, w2)
+    check_dtype(x)
     x = x.contiguous() if x.stride(-1) != 1 else x
     tiles = tiles or moe_tiles(num_tokens, top_k, num_experts, x.dtype)
     pairs = num_tokens * top_k
     align = moe_align(topk_ids, num_experts, tiles.block_m)
     gate_up = torch.empty((pairs, two_inter), dtype=x.dtype, device=x.device)  # [T*K, 2I]
-    moe_gemm(x, w13, gate_up, align, top_k, tiles)
+    moe_gemm(x, w13, gate_up, align, top_k, tiles, w_scale=w13_scale)
     inter = silu_and_mul(gate_up)  # [T*K, I]
     down = torch.empty((pairs, hidden), dtype=x.dtype, device=x.device)  # [T*K, H]
-    moe_gemm(inter, w2, down, align, 1, tiles, topk_weights.reshape(-1).contiguous())
+    moe_gemm(inter, w2, down, align, 1, tiles, topk_weights.reshape(-1).contiguous(), w2_scale)
     return down.view(num_tokens, top_k, hidden).sum(dim=1)  # [T, H]

@@ -5,6 +5,12 @@
 forward runs the Triton kernels (`kernels/fused_moe.py`) on CUDA and the torch reference
 (`layers/moe_reference.py`) elsewhere.
 
+With `fp8` (`--quantization fp8` on an unquantized checkpoint) the experts load in the model's
+dtype and `process_weights_after_loading` quantizes them once to e4m3 with a float32 scale per
+expert and output row (`w13_scale` [E, 2I], `w2_scale` [E, H]; `quantization/fp8.quantize_rows`,
+the dense layers' rule); the kernel widens them in registers (W8A16), the CPU dequantizes. The
+router stays unquantized.
+
 Across tensor-parallel ranks every rank holds every expert, each with the rank's share of
 its intermediate features (gate/up rows, down columns): its partial outputs are summed by an
 all-reduce, as a dense MLP's row-parallel down projection; the router is replicated.
@@ -34,6 +40,7 @@ from pagedserve.layers.weight_utils import (
     copy_checked,
     set_weight_attrs,
 )
+from pagedserve.quantization.fp8 import FP8, quantize_rows
 
 _PER_EXPERT = re.compile(r"experts\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight")
 _FUSED = {"experts.gate_up_proj": "w13", "experts.down_proj": "w2"}
@@ -113,18 +120,21 @@ class FusedMoE(ParamAttrsModule):
 
     num_experts E, top_k K, hidden_size H, intermediate_size I (the config's
     moe_intermediate_size), renormalize (norm_topk_prob); `tp`: this rank's share of I (the
-    module docstring). Load weights with `load_checkpoint_tensor` (it records what it
-    filled; `missing_weights` lists the rest)."""
+    module docstring); `fp8`: experts quantized to e4m3 once loaded
+    (`process_weights_after_loading`). Load weights with `load_checkpoint_tensor` (it records
+    what it filled; `missing_weights` lists the rest)."""
 
     def __init__(self, num_experts: int, top_k: int, hidden_size: int, intermediate_size: int,
                  renormalize: bool = True, dtype: torch.dtype | None = None,
-                 tp: TensorParallel = SINGLE) -> None:
+                 tp: TensorParallel = SINGLE, fp8: bool = False) -> None:
         super().__init__()
         if not 0 < top_k <= num_experts:
             raise ValueError(f"top_k must be in [1, {num_experts}], got {top_k}")
         self.num_experts, self.top_k, self.renormalize = num_experts, top_k, renormalize
         self.hidden_size, self.intermediate_size = hidden_size, intermediate_size
-        self.tp = tp
+        self.tp, self.fp8 = tp, fp8
+        self.register_buffer("w13_scale", None)  # FP8 experts: float32 [E, 2I], once quantized
+        self.register_buffer("w2_scale", None)  # ... and [E, H]
         self.gate = Linear(hidden_size, num_experts, bias=False, dtype=dtype)  # router, weight [E, H]
         inter = tp.split(intermediate_size, "the experts' intermediate size (moe_intermediate_size)")
         self.w13 = nn.Parameter(torch.empty(num_experts, 2 * inter, hidden_size, dtype=dtype))  # [E, 2I, H]
@@ -146,10 +156,30 @@ class FusedMoE(ParamAttrsModule):
         if x.is_cuda:
             from pagedserve.kernels.fused_moe import fused_moe
 
-            out = fused_moe(x, self.w13, self.w2, weights, ids)  # [T, H]
+            out = fused_moe(x, self.w13, self.w2, weights, ids,
+                            w13_scale=self.w13_scale, w2_scale=self.w2_scale)  # [T, H]
         else:
-            out = moe_reference(x, self.w13, self.w2, weights, ids)  # [T, H]
+            out = moe_reference(x, self.w13, self.w2, weights, ids, self.w13_scale, self.w2_scale)  # [T, H]
         return self.tp.all_reduce(out).reshape(shape)  # (a rank's share of I: partial sums)
+
+    def process_weights_after_loading(self) -> None:
+        """Once every expert is in: with `fp8`, quantize w13 and w2 to e4m3 per expert and output
+        row (one expert at a time: the float32 copy `quantize_rows` makes stays one expert's).
+        A second call, or none without `fp8`, does nothing."""
+        if not self.fp8 or self.w13.dtype == FP8:
+            return
+        for name in ("w13", "w2"):
+            param = self.get_parameter(name)
+            q = torch.empty(param.shape, dtype=FP8, device=param.device)  # [E, N, K]
+            scale = torch.empty(param.shape[:2], dtype=torch.float32, device=param.device)  # [E, N]
+            with torch.no_grad():
+                for e in range(self.num_experts):
+                    q_e, s_e = quantize_rows(param.data[e])  # [N, K] e4m3, [N, 1]
+                    q[e], scale[e] = q_e, s_e.reshape(-1)
+            attrs = self.__dict__.get("_weight_attrs", {}).get(name, {})
+            setattr(self, name, nn.Parameter(q, requires_grad=False))
+            set_weight_attrs(self, name, **attrs)  # (the loaders' facts, as before)
+            self.register_buffer(f"{name}_scale", scale)
 
     def load_checkpoint_tensor(self, name: str, tensor: torch.Tensor) -> None:
         """Copy checkpoint tensor `name` (relative to the layer's `mlp.`, either layout of
@@ -181,4 +211,4 @@ class FusedMoE(ParamAttrsModule):
 
     def extra_repr(self) -> str:
         return (f"num_experts={self.num_experts}, top_k={self.top_k}, hidden_size={self.hidden_size}, "
-                f"intermediate_size={self.intermediate_size}, renormalize={self.renormalize}")
+                f"intermediate_size={self.intermediate_size}, renormalize={self.renormalize}, fp8={self.fp8}")
