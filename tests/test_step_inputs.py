@@ -224,12 +224,23 @@ def _standalone(model, a, caches, prev_tokens):
     return hidden[torch.from_numpy(a.logits_idx)]
 
 
+def _verify_chunks():
+    """Three decodes carrying two drafts each (a verify step of 3 tokens a sequence; b's
+    input token is still pending), and each request's known tokens."""
+    chunks = [ScheduledChunk("a", 6, 3, [0, 1, 9], samples=True, is_decode=True, draft_token_ids=[50, 51]),
+              ScheduledChunk("b", 3, 3, [2, 10], samples=True, is_decode=True, draft_token_ids=[52, 53]),
+              ScheduledChunk("c", 9, 3, [3, 4, 5], samples=True, is_decode=True, draft_token_ids=[54, 55])]
+    tokens = [list(range(1, 8)), [3, 4, 5], list(range(10, 20))]
+    return chunks, tokens
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
-@pytest.mark.parametrize("kind", ["mixed", "decode", "eager"])
+@pytest.mark.parametrize("kind", ["mixed", "decode", "eager", "verify"])
 def test_buffered_forward_matches_a_standalone_step(dtype, kind):
     """What a graph replays (the model over the padded step buffers, kernels reading
-    device-side counts over fixed grids, or exactly the decode rows) and the eager step over
-    the same buffers give a standalone step's hidden states and write the same K/V."""
+    device-side counts over fixed grids, exactly the decode rows, or a verify step's k + 1
+    rows a sequence through the decode kernel, padded with an empty sequence) and the eager
+    step over the same buffers give a standalone step's hidden states and write the same K/V."""
     from pagedserve.engine.graphs import GraphRunner
 
     model = _model(dtype)
@@ -237,6 +248,8 @@ def test_buffered_forward_matches_a_standalone_step(dtype, kind):
     chunks, tokens = _chunks()
     if kind == "decode":
         chunks, tokens = chunks[:2], tokens[:2]
+    elif kind == "verify":
+        chunks, tokens = _verify_chunks()
     prev_tokens = torch.tensor([5, 41, 9])  # the previous step's samples (b's is 41)
     a = pack_step(chunks, tokens, {"b": 1}, block_size)
     with torch.inference_mode():
@@ -247,10 +260,12 @@ def test_buffered_forward_matches_a_standalone_step(dtype, kind):
         caches = _caches(model, num_blocks, block_size, dtype)
         backend.bind_kv_caches(caches)
         buffers = StepBuffers(backend, max_tokens=64, max_seqs=8, max_blocks=4, device=torch.device("cpu"))
-        graphs = GraphRunner(model, buffers, max_decode_batch=8, max_mixed_tokens=64, max_seq_len=16)
+        graphs = GraphRunner(model, buffers, max_decode_batch=8, max_mixed_tokens=64, max_seq_len=16,
+                             verify_len=3, max_verify_batch=4)
         graphs._clear_buffers()
-        key = graphs.key_for(a, all_decode=kind == "decode")
-        assert key == {"mixed": GraphKey(32, 0), "decode": GraphKey(2, 1), "eager": GraphKey(32, 0)}[kind]
+        key = graphs.key_for(a)
+        assert key == {"mixed": GraphKey(32, 0), "decode": GraphKey(2, 1), "eager": GraphKey(32, 0),
+                       "verify": GraphKey(12, 3)}[kind]
         if kind == "eager":
             noted = buffers.load(a, a.num_tokens, None, prev_tokens)
             rows = buffers.token_rows(a.num_tokens)
@@ -258,15 +273,18 @@ def test_buffered_forward_matches_a_standalone_step(dtype, kind):
             got = got[torch.from_numpy(a.logits_idx)]
         else:
             buffers.load(a, key.num_tokens, key, prev_tokens)
-            assert buffers.token_rows(key.num_tokens)[0, 1] == 41  # b's pending token was filled in
+            assert buffers.token_rows(key.num_tokens)[0, a.query_start_loc[1]] == 41  # b's pending token, filled in
             hidden = graphs.forward(key)  # [bucket, hidden]
             graphs.outputs[key] = hidden
             graphs.graphs[key] = type("NoGraph", (), {"replay": lambda self: None})()
             got = graphs.replay(key, a)
     tol = 1e-4 if dtype == torch.float32 else 2e-3
     torch.testing.assert_close(got.float(), want.float(), rtol=tol, atol=tol)
-    for w, g in zip(want_caches, caches):  # same K/V written, padding skipped
-        torch.testing.assert_close(g, w, rtol=0, atol=0)
+    for layer, (w, g) in enumerate(zip(want_caches, caches)):  # same K/V written, padding skipped
+        # (a verify graph's attention is the decode kernel's, the standalone step's the
+        # extend kernel's: from the second layer on, K/V differ in their last bits)
+        exact = kind != "verify" or layer == 0
+        torch.testing.assert_close(g, w, rtol=0 if exact else tol, atol=0 if exact else tol)
 
 
 def test_steps_that_do_not_fit_run_eagerly():
@@ -276,12 +294,40 @@ def test_steps_that_do_not_fit_run_eagerly():
     buffers = StepBuffers(_backend(), max_tokens=64, max_seqs=4, max_blocks=16, device=torch.device("cpu"))
     graphs = GraphRunner(model, buffers, max_decode_batch=4, max_mixed_tokens=48, max_seq_len=64)
     chunks, tokens = _chunks()
-    assert graphs.key_for(pack_step(chunks, tokens, {"b": 1}, 4), False) == GraphKey(32, 0)
-    assert graphs.key_for(pack_step(chunks[:2], tokens[:2], {"b": 1}, 4), True) == GraphKey(2, 1)
+    assert graphs.key_for(pack_step(chunks, tokens, {"b": 1}, 4)) == GraphKey(32, 0)
+    assert graphs.key_for(pack_step(chunks[:2], tokens[:2], {"b": 1}, 4)) == GraphKey(2, 1)
     big = pack_step([ScheduledChunk("long", 0, 56, list(range(14)), samples=True)], [list(range(56))], {}, 4)
-    assert buffers.fits(big) and graphs.key_for(big, False) is None  # 56 tokens > the largest graph
+    assert buffers.fits(big) and graphs.key_for(big) is None  # 56 tokens > the largest graph
     many = pack_step(chunks[:1] * 5, tokens[:1] * 5, {}, 4)  # 5 sequences > 4
-    assert graphs.key_for(many, True) is None
+    assert graphs.key_for(many) is None
     graphs.use_mixed = False  # (the warm-up's eager round)
-    assert graphs.key_for(pack_step(chunks, tokens, {"b": 1}, 4), False) is None
-    assert graphs.key_for(pack_step(chunks[:2], tokens[:2], {"b": 1}, 4), True) == GraphKey(2, 1)
+    assert graphs.key_for(pack_step(chunks, tokens, {"b": 1}, 4)) is None
+    assert graphs.key_for(pack_step(chunks[:2], tokens[:2], {"b": 1}, 4)) == GraphKey(2, 1)
+
+
+def test_verify_steps_replay_a_verify_graph_only_when_uniform():
+    """A verify graph takes steps whose every sequence carries k drafts (k + 1 = its key's
+    query length); fewer drafts anywhere, another k, a non-sampling chunk or more sequences
+    than its largest batch: a mixed-step graph (or none)."""
+    from pagedserve.engine.graphs import GraphRunner
+
+    model = _model(torch.float32)
+    buffers = StepBuffers(_backend(), max_tokens=64, max_seqs=8, max_blocks=16, device=torch.device("cpu"),
+                          max_drafts=2)
+    graphs = GraphRunner(model, buffers, max_decode_batch=8, max_mixed_tokens=48, max_seq_len=64,
+                         verify_len=3, max_verify_batch=4)
+    assert graphs.verify_keys == [GraphKey(3, 3), GraphKey(6, 3), GraphKey(12, 3)]
+    chunks, tokens = _verify_chunks()
+    assert graphs.key_for(pack_step(chunks[:1], tokens[:1], {}, 4)) == GraphKey(3, 3)
+    assert graphs.key_for(pack_step(chunks, tokens, {"b": 1}, 4)) == GraphKey(12, 3)
+    fewer = [chunks[0], ScheduledChunk("b", 3, 2, [2, 10], samples=True, is_decode=True, draft_token_ids=[52])]
+    assert graphs.key_for(pack_step(fewer, tokens[:2], {"b": 1}, 4)) == GraphKey(16, 0)
+    one_more = [ScheduledChunk(c.request_id, c.start, 4, [*c.block_ids, 11], samples=True, is_decode=True,
+                               draft_token_ids=[*c.draft_token_ids, 56]) for c in chunks]
+    assert graphs.key_for(pack_step(one_more, tokens, {"b": 1}, 4)) == GraphKey(16, 0)  # k = 3: mixed
+    quiet = [*chunks[:2], ScheduledChunk("c", 7, 3, [3, 4, 5])]  # a prefill chunk of 3, no sample
+    assert graphs.key_for(pack_step(quiet, tokens, {"b": 1}, 4)) == GraphKey(16, 0)
+    five = [ScheduledChunk(f"r{i}", 0, 3, [i], samples=True, is_decode=True, draft_token_ids=[1, 2])
+            for i in range(5)]
+    assert graphs.key_for(pack_step(five, [[7]] * 5, {}, 4)) == GraphKey(16, 0)  # 5 > 4 sequences
+    assert GraphRunner(model, buffers, 8, 48, 64).verify_keys == []  # no speculation: none

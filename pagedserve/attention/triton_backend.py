@@ -28,6 +28,8 @@ class TritonStepData:
     # For CUDA graphs of mixed steps: [2] int32 on the device, (decode rows, tiles) in use;
     # the tensors above are then fixed-size buffers and only their first entries count.
     counts: torch.Tensor | None = None
+    # New tokens of each decode row: 1, or k + 1 in a verify graph (GraphKey(B * (k + 1), k + 1))
+    query_len: int = 1
 
 
 def choose_num_splits(num_decodes: int, num_kv_heads: int, max_seq_len: int, num_sms: int = 132) -> int:
@@ -158,9 +160,14 @@ class TritonBackend(AttentionBackend):
         return {"decodes": max_seqs, "counts": 2, "tile_seq": tiles, "tile_start": tiles}
 
     def fill_step_fields(self, query_start_loc, seq_lens, key, put):
-        dec, tile_seq, tile_start = step_layout(query_start_loc, seq_lens, self.num_kv_heads)
-        if key is not None and key.uniform_query_len == 1:  # padding rows take the tail
-            dec = np.concatenate([dec, np.arange(len(seq_lens), key.num_tokens)])
+        if key is not None and key.uniform_query_len > 1:  # a verify graph: every sequence
+            # decodes its k + 1 tokens (the graph runner checked the step is uniform)
+            dec = decode_order(np.arange(len(seq_lens)), np.asarray(seq_lens), self.num_kv_heads)
+            tile_seq = tile_start = np.zeros(0, dtype=np.int64)
+        else:
+            dec, tile_seq, tile_start = step_layout(query_start_loc, seq_lens, self.num_kv_heads)
+        if key is not None and key.uniform_query_len >= 1:  # padding rows take the tail
+            dec = np.concatenate([dec, np.arange(len(seq_lens), key.num_tokens // key.uniform_query_len)])
         put("decodes", dec)
         put("counts", np.array([len(dec), len(tile_seq)]))
         put("tile_seq", tile_seq)
@@ -184,18 +191,18 @@ class TritonBackend(AttentionBackend):
     def graph_metadata(self, meta, key: GraphKey, max_seqs: int, view) -> None:
         from pagedserve.kernels.paged_attention import EXTEND_BLOCK_M
 
-        if key.uniform_query_len == 1:  # decodes only: exactly num_tokens rows, split-KV by length
-            rows = key.num_tokens
+        q_len = key.uniform_query_len
+        if q_len:  # decodes (or verify steps: k + 1 tokens each) only: exactly the key's
+            # sequences, split-KV by length
+            rows = key.num_tokens // q_len
             meta.backend_data = TritonStepData(
                 view("decodes", rows), view("tile_seq", 0), view("tile_start", 0),
-                self._splits(rows, meta.max_seq_len))
-        elif key.uniform_query_len == 0:  # any mix: grids for the capacity, counts on the device
+                self._splits(rows, meta.max_seq_len), query_len=q_len)
+        else:  # any mix: grids for the capacity, counts on the device
             tiles = tile_capacity(key.num_tokens, max_seqs, EXTEND_BLOCK_M, MAX_EXTEND_SEQS)
             meta.backend_data = TritonStepData(
                 view("decodes"), view("tile_seq", tiles), view("tile_start", tiles), num_splits=1,
                 counts=view("counts"))
-        else:
-            raise NotImplementedError(f"no CUDA graphs for {key.uniform_query_len} tokens per sequence yet")
 
     def partials(self, rows: int, splits: int, device) -> tuple[torch.Tensor, torch.Tensor]:
         """Reusable split-KV scratch, at least [rows, splits, ...] (stable for graph capture)."""
@@ -225,10 +232,12 @@ class TritonBackend(AttentionBackend):
         counts = data.counts
         nd = data.decode_seq_ids.shape[0]
         if nd:
-            parts = self.partials(nd, data.num_splits, q.device) if data.num_splits > 1 else None
+            parts = (self.partials(nd * data.query_len, data.num_splits, q.device)
+                     if data.num_splits > 1 else None)
             paged_decode(q, cache, out, data.decode_seq_ids, meta.query_start_loc, meta.seq_lens,
                          meta.block_tables, self.scale, data.num_splits, parts,
-                         count=None if counts is None else counts[0:1], kv_scale=kv_scale, window=window)
+                         count=None if counts is None else counts[0:1], kv_scale=kv_scale, window=window,
+                         query_len=data.query_len)
         if data.tile_seq.shape[0]:
             paged_extend(q, k, v, cache, out, data.tile_seq, data.tile_start, meta.query_start_loc,
                          meta.seq_lens, meta.block_tables, self.scale,

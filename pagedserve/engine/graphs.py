@@ -1,7 +1,9 @@
 """CUDA graphs over the step buffers: one runner, one graph per `GraphKey`.
 
 A key is (token bucket, uniform query length): (B, 1) replays a decode step of up to B
-sequences; (T, 0) replays any step of up to T new tokens from up to max_seqs sequences
+sequences; (B * q, q) a speculative verify step of up to B sequences with q = k + 1 new
+tokens each (the last token and k drafts, every row's logits needed; attention by the decode
+kernel, q rows a sequence); (T, 0) replays any step of up to T new tokens from up to max_seqs sequences
 (prefill chunks, decodes, or both), its attention kernels launched with grids sized for
 the bucket and reading from a device-side count how many rows and tiles are real. A step
 replays the graph of the smallest key it fits; steps that fit none run eagerly (above a
@@ -10,7 +12,7 @@ the step buffers (`engine/input_batch.py`), so a replay is one launch.
 
 Decode graphs of up to 16 rows also carry the L2 weight prefetch on a side stream on
 Hopper GPUs (`kernels/weight_prefetch.py`; `KernelConfig.weight_prefetch` turns it off).
-Decode graphs share one memory pool and mixed-step graphs another.
+Decode graphs share one memory pool, verify graphs another and mixed-step graphs a third.
 """
 
 from __future__ import annotations
@@ -50,12 +52,20 @@ class GraphRunner:
     """Captured graphs by key, over one set of step buffers."""
 
     def __init__(self, model, buffers: StepBuffers, max_decode_batch: int, max_mixed_tokens: int,
-                 max_seq_len: int, prefetch: bool = True) -> None:
+                 max_seq_len: int, prefetch: bool = True, verify_len: int = 0,
+                 max_verify_batch: int = 0) -> None:
+        """`verify_len`: k + 1 of a speculative config with k drafts (verify graphs for up to
+        `max_verify_batch` sequences; 0: none)."""
         self.model, self.buffers, self.backend = model, buffers, buffers.backend
         self.device = buffers.device
         self.max_seq_len = max_seq_len
         self.prefetch = prefetch
         self.decode_keys = [GraphKey(b, 1) for b in graph_buckets(min(max_decode_batch, buffers.max_seqs))]
+        self.verify_keys = []
+        if verify_len > 1 and max_verify_batch > 0:
+            self.verify_keys = [GraphKey(b * verify_len, verify_len)
+                                for b in graph_buckets(min(max_verify_batch, buffers.max_seqs))
+                                if b * verify_len <= buffers.max_tokens]
         self.mixed_keys = ([GraphKey(t, 0) for t in token_buckets(max_mixed_tokens)]
                            if max_mixed_tokens > 0 else [])
         self.graphs: dict[GraphKey, torch.cuda.CUDAGraph] = {}
@@ -68,14 +78,14 @@ class GraphRunner:
     def max_decode_batch(self) -> int:
         return self.decode_keys[-1].num_tokens
 
-    def key_for(self, a: StepArrays, all_decode: bool) -> GraphKey | None:
-        """The key whose graph this step replays, or None if it must run eagerly.
-        `all_decode`: every sequence has one new token and samples."""
+    def key_for(self, a: StepArrays) -> GraphKey | None:
+        """The key whose graph this step replays, or None if it must run eagerly."""
         if not self.buffers.fits(a):
             return None
-        if all_decode:
-            for key in self.decode_keys:
-                if key.num_tokens >= a.num_seqs:
+        q_len = uniform_query_len(a)
+        if q_len:
+            for key in self.decode_keys if q_len == 1 else self.verify_keys:
+                if key.uniform_query_len == q_len and key.num_tokens >= a.num_tokens:
                     return key
         if not self.use_mixed:
             return None
@@ -104,7 +114,7 @@ class GraphRunner:
     def rehearse(self) -> None:
         """Every key's forward once, eagerly, as `capture` runs it (for compile_ahead)."""
         self._clear_buffers()
-        for key in reversed(self.decode_keys + self.mixed_keys):
+        for key in reversed(self.decode_keys + self.verify_keys + self.mixed_keys):
             self.forward(key)
 
     @torch.inference_mode()
@@ -119,7 +129,7 @@ class GraphRunner:
             from pagedserve.kernels.weight_prefetch import PrefetchConfig
 
             prefetch = PrefetchConfig()
-        for keys, warmups in ((self.decode_keys, 2), (self.mixed_keys, 1)):
+        for keys, warmups in ((self.decode_keys, 2), (self.verify_keys, 2), (self.mixed_keys, 1)):
             pool = torch.cuda.graph_pool_handle()
             for key in reversed(keys):
                 fn = lambda key=key: self.forward(key)  # noqa: E731
@@ -128,9 +138,12 @@ class GraphRunner:
                 self.graphs[key], self.outputs[key] = capture_graph(fn, pool, stream, warmups)
         torch.cuda.synchronize(self.device)
         seconds = time.perf_counter() - t0
-        logger.info("captured %d decode CUDA graphs (batch sizes %s) and %d mixed-step graphs "
+        verify = (f", {len(self.verify_keys)} verify graphs (batch sizes "
+                  f"{[k.num_tokens // k.uniform_query_len for k in self.verify_keys]}, "
+                  f"{self.verify_keys[0].uniform_query_len} tokens each)" if self.verify_keys else "")
+        logger.info("captured %d decode CUDA graphs (batch sizes %s)%s and %d mixed-step graphs "
                     "(%s tokens) in %.1f s", len(self.decode_keys), [k.num_tokens for k in self.decode_keys],
-                    len(self.mixed_keys),
+                    verify, len(self.mixed_keys),
                     f"{self.mixed_keys[0].num_tokens} to {self.mixed_keys[-1].num_tokens}" if self.mixed_keys else "no",
                     seconds)
         return seconds
@@ -150,9 +163,17 @@ class GraphRunner:
         [N, hidden] of the tokens whose logits are needed."""
         self.graphs[key].replay()
         out = self.outputs[key]
-        if key.uniform_query_len == 1:  # decodes: every row samples, in order
-            return out[: a.num_seqs]
+        if key.uniform_query_len:  # decodes and verify steps: every row's logits, in order
+            return out[: a.num_tokens]
         return out.index_select(0, self.buffers.view("logits_idx", len(a.logits_idx)))
+
+
+def uniform_query_len(a: StepArrays) -> int:
+    """q when every sequence of the step has q new tokens and every token's logits are needed
+    (1: a decode step; k + 1: a verify step whose every sequence carries k drafts), else 0."""
+    if len(a.logits_idx) == a.num_tokens == a.num_seqs * a.max_query_len:
+        return a.max_query_len
+    return 0
 
 
 def weight_prefetch_supported(device: torch.device) -> bool:

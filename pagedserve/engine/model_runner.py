@@ -87,6 +87,8 @@ class ModelRunner:
                                    -(-limits.max_model_len // spec.block_size), self.device,
                                    speculative.num_speculative_tokens if speculative else 0)
         self.force_accept = bool(speculative and speculative.force_accept)
+        # tokens a sequence verifies in a step with all its drafts (0: no speculation)
+        self.verify_len = speculative.num_speculative_tokens + 1 if speculative else 0
         self.drafter = drafter  # the draft model, which runs every step too (its KV)
         self.graphs: GraphRunner | None = None  # once enable_cuda_graphs() ran
         self.last_launch_ms = (0.0, 0.0, 0.0)  # see execute()
@@ -99,11 +101,12 @@ class ModelRunner:
         self.grammar_seconds = [0.0, 0.0]
         self._mask_host: torch.Tensor | None = None  # grammar bitmask buffer [rows, words] int32
         self._mask_copied: torch.cuda.Event | None = None  # its last copy to the device is done
-        self.num_graph_steps = 0  # steps replayed from CUDA graphs (decode or mixed)
+        self.num_graph_steps = 0  # steps replayed from CUDA graphs (decode, verify or mixed)
+        self.num_verify_graph_steps = 0  # ... of which from verify graphs
         self.num_eager_steps = 0
 
     def reset_stats(self) -> None:
-        self.num_graph_steps = self.num_eager_steps = 0
+        self.num_graph_steps = self.num_verify_graph_steps = self.num_eager_steps = 0
 
     @contextmanager
     def eager_mixed_steps(self) -> Iterator[None]:
@@ -136,14 +139,18 @@ class ModelRunner:
 
     def enable_cuda_graphs(self, max_batch: int, max_mixed_tokens: int, max_model_len: int,
                            prefetch: bool = True,
-                           ahead: Callable[[Callable, str], None] | None = None) -> float:
-        """Capture decode graphs for batch sizes up to max_batch and, if max_mixed_tokens > 0,
-        mixed-step graphs for token counts up to it; returns the seconds it took. With
+                           ahead: Callable[[Callable, str], None] | None = None,
+                           max_verify_batch: int = 0) -> float:
+        """Capture decode graphs for batch sizes up to max_batch, verify graphs (k + 1 tokens
+        a sequence, with speculation) for up to max_verify_batch sequences and, if
+        max_mixed_tokens > 0, mixed-step graphs for token counts up to it; returns the
+        seconds it took. With
         `ahead` (`ahead(fn, what)`: the worker's compile-ahead rehearsal), the captures are
         first rehearsed with their Triton kernels compiled in parallel. `prefetch`: the L2
         weight prefetch beside small decode graphs (KernelConfig.weight_prefetch)."""
         self.graphs = GraphRunner(self.model, self.buffers, max_batch,
-                                  min(max_mixed_tokens, self.buffers.max_tokens), max_model_len, prefetch)
+                                  min(max_mixed_tokens, self.buffers.max_tokens), max_model_len, prefetch,
+                                  self.verify_len, max_verify_batch)
         if ahead:
             ahead(self.graphs.rehearse, "CUDA graphs")
         return self.graphs.capture()
@@ -165,15 +172,13 @@ class ModelRunner:
         a = pack_step(out.chunks, [r.token_ids for r in states], self._prev_rows, self.block_size)
         reqs = [states[i] for i in a.sample_rows]
         graphs = self.graphs
-        key = None
-        if graphs is not None:
-            all_decode = len(reqs) == a.num_seqs == a.num_tokens
-            key = graphs.key_for(a, all_decode)
+        key = None if graphs is None else graphs.key_for(a)
         noted = self.buffers.load(a, key.num_tokens if key else a.num_tokens, key, self._prev_tokens)
         verify = None if a.num_drafts is None else self._verify_batch(a, out.chunks, states)
         t_prepared = time.perf_counter()
         if key is not None:
             self.num_graph_steps += 1
+            self.num_verify_graph_steps += key.uniform_query_len > 1
             hidden = graphs.replay(key, a)  # [N, hidden]
         else:
             self.num_eager_steps += 1

@@ -115,12 +115,16 @@ class Worker:
 
         self.graph_capture_seconds = 0.0
         if self.cuda and not config.enforce_eager and backend.supports_cuda_graphs():
+            # verify graphs up to the batch size above which steps do not speculate
+            verify_batch = min(config.speculative.disable_by_batch_size, 512) if config.speculative else 0
             self.graph_capture_seconds = self.runner.enable_cuda_graphs(
                 min(sched.max_num_seqs, 512), kernels.mixed_graph_tokens, sched.max_model_len,
-                prefetch=kernels.weight_prefetch, ahead=self._rehearse if self._compile_ahead else None)
+                prefetch=kernels.weight_prefetch, ahead=self._rehearse if self._compile_ahead else None,
+                max_verify_batch=verify_batch)
             if drafter is not None:
                 self.graph_capture_seconds += drafter.enable_cuda_graphs(
-                    min(sched.max_num_seqs, 512), kernels.mixed_graph_tokens, sched.max_model_len)
+                    min(sched.max_num_seqs, 512), kernels.mixed_graph_tokens, sched.max_model_len,
+                    self.runner.verify_len, verify_batch)
         logger.info(
             "KV cache: %d blocks of %d tokens = %d tokens (%.2f GiB, %s); max concurrency at "
             "max_model_len=%d: %.2fx", num_blocks, spec.block_size, num_blocks * spec.block_size,

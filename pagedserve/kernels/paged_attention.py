@@ -4,7 +4,9 @@ Two kernels cover every step shape; the new tokens' K/V are in the cache before 
 (decode reads them from there, extend from the step's own K/V tensors).
 - decode: one query token per sequence. A program takes one (sequence, kv head, split) and
   all query heads of that kv head's group, so each K/V block is read once per group. Long
-  contexts are split across programs (split-KV) and merged by a small reduce kernel.
+  contexts are split across programs (split-KV) and merged by a small reduce kernel. The same
+  kernel takes QLEN > 1 new tokens per sequence (a speculative verify step: the last token
+  and its drafts): a program then holds QLEN x group query rows, each causally masked.
 - extend: a tile of up to BLOCK_M query tokens of one sequence and one query head, over the
   sequence's whole context: earlier chunks and prefix-cached blocks from the paged cache,
   then the step's own keys straight from the new K/V tensors (contiguous, no page lookups),
@@ -39,6 +41,7 @@ from pagedserve.kernels import pdl
 from pagedserve.kernels.kv_quant import kv_scales, load_kv
 from pagedserve.kernels.paged_common import (
     LOG2E,
+    attend_block,
     cache_strides,
     dot,
     dot_acc,
@@ -69,6 +72,7 @@ def _decode_kernel(
     F16_DOT: tl.constexpr,  # FP8 cache, 16-bit q: products in float16 (see DECODE_FP8_CONFIG)
     HAS_WINDOW: tl.constexpr,  # sliding-window layer
     PDL: tl.constexpr,  # programmatic dependent launch (kernels/pdl.py)
+    QLEN: tl.constexpr = 1,  # new tokens per sequence (> 1: a verify step; rows = QLEN x GROUP)
 ):
     pdl.wait_and_release(PDL)
     # grid axis 0 = rows x kv heads; HEADS_FAST: a row's kv heads are neighbours in launch
@@ -89,18 +93,26 @@ def _decode_kernel(
     seq_len = tl.load(seq_lens + seq)
     g = tl.arange(0, G_PAD)
     d = tl.arange(0, HEAD_DIM)
-    heads = kvh * GROUP + g
-    gmask = g < GROUP
-    q = tl.load(Q + tok * stride_qt + heads[:, None] * stride_qh + d[None, :],
-                mask=gmask[:, None], other=0.0)  # [G_PAD, D]
+    if QLEN == 1:
+        heads = kvh * GROUP + g
+        gmask = g < GROUP
+        q = tl.load(Q + tok * stride_qt + heads[:, None] * stride_qh + d[None, :],
+                    mask=gmask[:, None], other=0.0)  # [G_PAD, D]
+    else:  # row i: new token r = i // GROUP (position seq_len - QLEN + r), head g = i % GROUP
+        r = g // GROUP
+        heads = kvh * GROUP + g % GROUP
+        gmask = g < QLEN * GROUP
+        q = tl.load(Q + (tok + r)[:, None] * stride_qt + heads[:, None] * stride_qh + d[None, :],
+                    mask=gmask[:, None], other=0.0)  # [G_PAD, D]
+        limit = seq_len - QLEN + 1 + r  # [G_PAD]: row i sees the keys before this
     if F16_DOT:  # (exact while |q| < 65504, float16's largest value; q of a normed model is far below)
         q = q.to(tl.float16)
     scale_log2, v_scale = kv_scales(KVScale, scale_log2, KV_FP8)
 
     # the keys [lo, seq_len) the query sees, cut into NUM_SPLITS runs of whole key blocks
     lo = 0
-    if HAS_WINDOW:
-        lo = tl.maximum(seq_len - WINDOW, 0)
+    if HAS_WINDOW:  # (the first new token's window: the others' start later)
+        lo = tl.maximum(seq_len - (QLEN - 1) - WINDOW, 0)
     per_split = tl.cdiv(tl.cdiv(seq_len - lo, NUM_SPLITS), BLOCK_N) * BLOCK_N
     start = lo + split * per_split
     end = tl.minimum(start + per_split, seq_len)
@@ -113,26 +125,38 @@ def _decode_kernel(
         off = page_offsets(block_tables, seq, stride_bt, n, nmask, kvh, stride_cb, stride_cs,
                            stride_ch, PAGE)
         k, v = load_kv(KC, VC, off, d, nmask, q)  # [BLOCK_N, D] each
-        s = dot(q, tl.trans(k), IEEE)  # [G_PAD, BLOCK_N], unscaled
-        s = tl.where(nmask[None, :], s, float("-inf"))
-        m_new = tl.maximum(m, tl.max(s, 1) * scale_log2)  # log2 units
-        p = tl.exp2(s * scale_log2 - m_new[:, None])
-        alpha = tl.exp2(m - m_new)
-        lsum = lsum * alpha + tl.sum(p, 1)
-        acc = dot_acc(p.to(v.dtype), v, acc * alpha[:, None], IEEE)
-        m = m_new
+        if QLEN == 1:
+            s = dot(q, tl.trans(k), IEEE)  # [G_PAD, BLOCK_N], unscaled
+            s = tl.where(nmask[None, :], s, float("-inf"))
+            m_new = tl.maximum(m, tl.max(s, 1) * scale_log2)  # log2 units
+            p = tl.exp2(s * scale_log2 - m_new[:, None])
+            alpha = tl.exp2(m - m_new)
+            lsum = lsum * alpha + tl.sum(p, 1)
+            acc = dot_acc(p.to(v.dtype), v, acc * alpha[:, None], IEEE)
+            m = m_new
+        else:  # causal within the new tokens: a split may hold no key of the first rows
+            keep = nmask[None, :] & (n[None, :] < limit[:, None])  # [G_PAD, BLOCK_N]
+            if HAS_WINDOW:
+                keep = keep & (n[None, :] >= limit[:, None] - WINDOW)
+            m, lsum, acc = attend_block(q, k, v, m, lsum, acc, scale_log2, keep, IEEE, MASKED=True, SAFE=True)
 
     acc = acc * v_scale
+    if QLEN == 1:
+        tok_rows = tok
+        part_rows = row
+    else:
+        tok_rows = (tok + r)[:, None]  # [G_PAD, 1]
+        part_rows = row * QLEN + r  # [G_PAD]
     if NUM_SPLITS == 1:
         out = acc / tl.where(lsum > 0, lsum, 1.0)[:, None]
-        tl.store(Out + tok * stride_ot + heads[:, None] * stride_oh + d[None, :],
+        tl.store(Out + tok_rows * stride_ot + heads[:, None] * stride_oh + d[None, :],
                  out.to(Out.dtype.element_ty), mask=gmask[:, None])
     else:
-        # Partial results: acc [rows, splits, Hq, D], (m, l) [rows, splits, Hq, 2]
-        base = (row * NUM_SPLITS + split) * (GROUP * NUM_KV_HEADS)
-        tl.store(PartAcc + (base + heads[:, None]) * HEAD_DIM + d[None, :], acc, mask=gmask[:, None])
-        tl.store(PartML + (base + heads) * 2, m, mask=gmask)
-        tl.store(PartML + (base + heads) * 2 + 1, lsum, mask=gmask)
+        # Partial results: acc [rows x QLEN, splits, Hq, D], (m, l) [rows x QLEN, splits, Hq, 2]
+        base = (part_rows * NUM_SPLITS + split) * (GROUP * NUM_KV_HEADS) + heads  # [G_PAD]
+        tl.store(PartAcc + base[:, None] * HEAD_DIM + d[None, :], acc, mask=gmask[:, None])
+        tl.store(PartML + base * 2, m, mask=gmask)
+        tl.store(PartML + base * 2 + 1, lsum, mask=gmask)
 
 
 @triton.jit
@@ -141,17 +165,19 @@ def _reduce_kernel(
     stride_ot, stride_oh, num_heads,
     HEAD_DIM: tl.constexpr, NUM_SPLITS: tl.constexpr, HAS_COUNT: tl.constexpr,
     PDL: tl.constexpr,  # programmatic dependent launch (kernels/pdl.py)
+    QLEN: tl.constexpr = 1,  # new tokens per sequence (grid axis 0: rows x QLEN)
 ):
     pdl.wait_and_release(PDL)
-    row = tl.program_id(0)
+    part_row = tl.program_id(0)
+    row = part_row // QLEN
     h = tl.program_id(1)
     if HAS_COUNT:  # noqa: SIM102 (constexpr first: no load without a count)
         if row >= tl.load(num_rows):
             return
-    tok = tl.load(query_start_loc + tl.load(seq_ids + row))
+    tok = tl.load(query_start_loc + tl.load(seq_ids + row)) + part_row % QLEN
     sp = tl.arange(0, NUM_SPLITS)
     d = tl.arange(0, HEAD_DIM)
-    base = (row * NUM_SPLITS + sp) * num_heads + h  # [S]
+    base = (part_row * NUM_SPLITS + sp) * num_heads + h  # [S]
     m = tl.load(PartML + base * 2)
     lsum = tl.load(PartML + base * 2 + 1)
     m_max = tl.max(m, 0)
@@ -189,9 +215,11 @@ def paged_decode(
     config: dict | None = None,
     kv_scale: torch.Tensor | None = None,
     window: int | None = None,
+    query_len: int = 1,
 ) -> None:
-    """Attention for sequences with one new token each (see the module docstring).
-    `window`: the layer's sliding window (None: full attention).
+    """Attention for sequences with one new token each, or `query_len` each (a verify step:
+    sequence i's new tokens at rows query_start_loc[i] ... + query_len - 1, causally masked;
+    see the module docstring). `window`: the layer's sliding window (None: full attention).
 
     With `count` ([1] int32 on the device), only the first count[0] entries of seq_ids are
     decodes: the grid stays sized for all of seq_ids, so a CUDA graph can replay it.
@@ -205,7 +233,7 @@ def paged_decode(
     num_kv_heads, page = kv_cache.shape[3], kv_cache.shape[2]
     group = num_heads // num_kv_heads
     if partials is None and num_splits > 1:
-        partials = alloc_decode_partials(num_rows, num_splits, num_heads, head_dim, q.device)
+        partials = alloc_decode_partials(num_rows * query_len, num_splits, num_heads, head_dim, q.device)
     acc_buf, ml_buf = partials if num_splits > 1 else (out, out)
     scb, scs, sch = cache_strides(kv_cache)
     scale_arg, fp8 = kv_scale_arg(kv_cache, q, kv_scale)
@@ -218,17 +246,17 @@ def paged_decode(
         scale_arg, scale * LOG2E, window_arg,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         scb, scs, sch, block_tables.stride(0),
-        GROUP=group, G_PAD=max(16, triton.next_power_of_2(group)), HEAD_DIM=head_dim,
+        GROUP=group, G_PAD=max(16, triton.next_power_of_2(group * query_len)), HEAD_DIM=head_dim,
         NUM_KV_HEADS=num_kv_heads, PAGE=page, NUM_SPLITS=num_splits, IEEE=q.dtype == torch.float32,
-        HAS_COUNT=count is not None, KV_FP8=fp8, F16_DOT=f16_dot, HAS_WINDOW=has_window, **config,
-        **pdl.launch_options(q),
+        HAS_COUNT=count is not None, KV_FP8=fp8, F16_DOT=f16_dot, HAS_WINDOW=has_window, QLEN=query_len,
+        **config, **pdl.launch_options(q),
     )
     if num_splits > 1:
-        _reduce_kernel[(num_rows, num_heads)](
+        _reduce_kernel[(num_rows * query_len, num_heads)](
             out, acc_buf, ml_buf, seq_ids, query_start_loc, seq_ids if count is None else count,
             out.stride(0), out.stride(1), num_heads,
-            HEAD_DIM=head_dim, NUM_SPLITS=num_splits, HAS_COUNT=count is not None, num_warps=4,
-            **pdl.launch_options(q),
+            HEAD_DIM=head_dim, NUM_SPLITS=num_splits, HAS_COUNT=count is not None, QLEN=query_len,
+            num_warps=4, **pdl.launch_options(q),
         )
 
 

@@ -41,20 +41,20 @@ class DraftRunner:
                                    -(-limits.max_model_len // spec.block_size), self.device, max_drafts)
         self.graphs: GraphRunner | None = None
 
-    def enable_cuda_graphs(self, max_batch: int, max_mixed_tokens: int, max_model_len: int) -> float:
-        """Capture decode graphs (its proposals) and mixed-step graphs (its mirror of the
-        target's steps) over its buffers; returns the seconds it took."""
+    def enable_cuda_graphs(self, max_batch: int, max_mixed_tokens: int, max_model_len: int,
+                           verify_len: int = 0, max_verify_batch: int = 0) -> float:
+        """Capture decode graphs (its proposals), verify graphs and mixed-step graphs (its
+        mirror of the target's steps) over its buffers; returns the seconds it took."""
         self.graphs = GraphRunner(self.model, self.buffers, max_batch,
-                                  min(max_mixed_tokens, self.buffers.max_tokens), max_model_len, prefetch=False)
+                                  min(max_mixed_tokens, self.buffers.max_tokens), max_model_len, prefetch=False,
+                                  verify_len=verify_len, max_verify_batch=max_verify_batch)
         return self.graphs.capture()
 
     @torch.inference_mode()
     def _forward(self, a: StepArrays, prev_tokens: torch.Tensor | None) -> torch.Tensor:
         """Hidden states [N, hidden] of a packed step's logits rows (its KV written)."""
         buf, graphs = self.buffers, self.graphs
-        key = None
-        if graphs is not None:
-            key = graphs.key_for(a, len(a.sample_rows) == a.num_seqs == a.num_tokens)
+        key = None if graphs is None else graphs.key_for(a)
         noted = buf.load(a, key.num_tokens if key else a.num_tokens, key, prev_tokens)
         if key is not None:
             return graphs.replay(key, a)

@@ -69,7 +69,7 @@ def teacher_forced_logits(cfg, state_dict: dict, dtype: torch.dtype, ids: list[i
         for start, count in plan:
             # every position's logits, not just the sampled one's: replay by hand
             a = pack_step([ScheduledChunk("r", start, count, table, samples=True)], [ids], {}, 16)
-            key = graphs.key_for(a, all_decode=count == 1)
+            key = graphs.key_for(a)
             assert key == (GraphKey(1, 1) if count == 1 else GraphKey(128, 0)), key
             runner.buffers.load(a, key.num_tokens, key, None)
             graphs.graphs[key].replay()

@@ -87,6 +87,30 @@ def test_forced_acceptance_keeps_every_draft():
     assert accepted == draft_tokens and drafts > 0
 
 
+def test_verify_graphs_give_the_plain_tokens():
+    """fp32, forced acceptance off, a draft model (every request gets k drafts every step, so
+    every verify step is uniform): the steps replay the verify graphs (k + 1 rows a sequence
+    through the decode kernel), for the target and the draft model's mirror, and the tokens
+    are plain decoding's; forced acceptance (the benchmark mode) replays them too."""
+    plain_llm = _llm("float32", False, None)
+    plain, _, _ = _generate(plain_llm, 24)
+    _free(plain_llm)
+    spec = {"method": "draft_model", "model": "qwen3-0.6b", "num_speculative_tokens": 4}
+    llm = _llm("float32", False, spec)
+    runner = llm.engine.executor.worker.runner
+    assert [k.num_tokens for k in runner.graphs.verify_keys] == [5, 10, 20, 40, 80, 160]
+    got, counts, _ = _generate(llm, 24)
+    verified, drafter_keys = runner.num_verify_graph_steps, runner.drafter.graphs.verify_keys
+    _free(llm)
+    print(f"verify graphs: {verified} steps; drafts, draft tokens, accepted = {counts}")
+    assert got == plain and verified > 0 and drafter_keys
+    llm = _llm("bfloat16", False, {**NGRAM, "force_accept": True})
+    runner = llm.engine.executor.worker.runner
+    outs, (drafts, draft_tokens, accepted), _ = _generate(llm, 41)
+    assert runner.num_verify_graph_steps > 0 and accepted == draft_tokens
+    _free(llm)
+
+
 def test_a_draft_model_gives_the_plain_tokens():
     """Qwen3-0.6B's preset drafting for Qwen3-4B's (fp32, dummy weights: the drafts are mostly
     wrong): the tokens of plain decoding, the draft's KV beside the target's."""
