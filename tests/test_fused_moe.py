@@ -70,6 +70,20 @@ def test_align_invariants(T, block_m):
     assert per_expert[3] == 0  # the expert without tokens has no block
 
 
+def test_align_pairs_gives_each_pair_its_block():
+    """Decode batches: block p holds pair p alone (then padding), its expert is the pair's,
+    experts picked twice get two blocks; the alignment of a size is made once."""
+    from pagedserve.kernels.fused_moe import moe_align_pairs
+
+    ids = torch.tensor([[3, 5], [5, 0], [3, 7]], dtype=torch.int32)  # experts 3 and 5 twice
+    align = moe_align_pairs(ids, 4)
+    assert align.expert_ids.tolist() == [3, 5, 5, 0, 3, 7] and int(align.num_padded) == 24
+    assert align.sorted_ids.view(6, 4)[:, 0].tolist() == list(range(6))
+    assert (align.sorted_ids.view(6, 4)[:, 1:] == 6).all()  # padding: one past the last pair
+    again = moe_align_pairs(ids.flip(0), 4)
+    assert again.sorted_ids is align.sorted_ids and again.expert_ids.tolist() == [3, 7, 5, 0, 3, 5]
+
+
 # ---- the kernel against the reference ------------------------------------------------------
 
 TOL = {torch.float32: 1e-5, torch.float16: 3e-3, torch.bfloat16: 2e-2}
@@ -86,6 +100,24 @@ def test_kernel_matches_reference(T, dtype):
     for tiles in (None, SMALL_TILES):  # default tiles; several N tiles and K steps
         out = fused_moe(x, w13, w2, weights, ids, tiles)
         assert out.shape == (T, H) and out.dtype == dtype
+        torch.testing.assert_close(out.float(), ref, atol=TOL[dtype], rtol=TOL[dtype])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_both_alignments_give_the_reference(dtype, monkeypatch):
+    """The same decode batch (8 tokens, top-2 of 8 experts: experts picked more than once)
+    through one block per pair and through the sorted alignment."""
+    from pagedserve.kernels import fused_moe as kernels
+
+    gen = torch.Generator().manual_seed(11)
+    weights, ids = routing(8, gen)
+    assert ids.unique().numel() < ids.numel()
+    w13, w2 = (w.to(dtype) for w in expert_weights(gen))
+    x = torch.randn(8, H, generator=gen).to(dtype)
+    ref = moe_reference(x.float(), w13.float(), w2.float(), weights, ids)
+    for max_pairs in (0, 16):  # sorted; pairs
+        monkeypatch.setattr(kernels, "PAIR_BLOCKS_MAX_PAIRS", max_pairs)
+        out = fused_moe(x, w13, w2, weights, ids, SMALL_TILES)
         torch.testing.assert_close(out.float(), ref, atol=TOL[dtype], rtol=TOL[dtype])
 
 

@@ -7,6 +7,12 @@ sorted list belongs to one expert (`expert_ids`, one per block). It is plain tor
 host-known bound (T*K + min(E, T*K) * (BLOCK_M - 1) rows): no host synchronisation, so it runs
 inside CUDA graphs; blocks past the real padded count (`num_padded`, on the device) exit at once.
 
+Few pairs (decode batches: T*K up to PAIR_BLOCKS_MAX_PAIRS) skip the sort: `moe_align_pairs`
+gives each pair a block of its own (the pair, then padding; the block's expert is the pair's),
+which costs one small cast where the sort costs about twenty small kernels a layer, and
+reads an expert's weights once per pair that picked it rather than once (the same expert
+twice in one step: more bytes, so only for few pairs).
+
 `_moe_gemm_kernel`: each program owns a [BLOCK_M, BLOCK_N] tile of one block: it gathers the
 block's input rows (x's row p // K for gate_up, the intermediate's row p for down), multiplies
 them by its expert's weight tile ([N, K_in] rows, as nn.Linear keeps them) in float32,
@@ -91,6 +97,28 @@ def moe_align(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> MoeAlig
     owner = torch.searchsorted(padded_end, starts, right=True)  # [B]: expert holding each start
     expert_ids = torch.where(owner < num_experts, owner, -1).to(torch.int32)  # [B]
     num_padded = padded_end[-1:].to(torch.int32)  # [1]
+    return MoeAlignment(sorted_ids, expert_ids, num_padded, block_m)
+
+
+# The most (token, slot) pairs that `fused_moe` aligns one per block (`moe_align_pairs`); 0:
+# always sort. Qwen3-30B-A3B (top-8 of 128 experts): decode batches up to 4.
+PAIR_BLOCKS_MAX_PAIRS = 32
+_PAIR_BLOCKS: dict[tuple[int, int, torch.device], tuple[torch.Tensor, torch.Tensor]] = {}
+
+
+def moe_align_pairs(topk_ids: torch.Tensor, block_m: int) -> MoeAlignment:
+    """One block per (token, slot) pair of `topk_ids` [T, K]: block p holds pair p and
+    block_m - 1 rows of padding, its expert is topk_ids.flat[p]. The sorted ids and the count
+    depend only on T*K: made once per size and device (before any CUDA graph captures them)."""
+    n = topk_ids.numel()
+    key = (n, block_m, topk_ids.device)
+    if key not in _PAIR_BLOCKS:
+        sorted_ids = torch.full((n, block_m), n, dtype=torch.int32, device=topk_ids.device)  # [P, BLOCK_M]
+        sorted_ids[:, 0] = torch.arange(n, dtype=torch.int32, device=topk_ids.device)
+        num_padded = torch.tensor([n * block_m], dtype=torch.int32, device=topk_ids.device)
+        _PAIR_BLOCKS[key] = (sorted_ids.reshape(-1), num_padded)
+    sorted_ids, num_padded = _PAIR_BLOCKS[key]
+    expert_ids = topk_ids.reshape(-1).to(torch.int32)  # [P]
     return MoeAlignment(sorted_ids, expert_ids, num_padded, block_m)
 
 
@@ -229,7 +257,10 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights
     x = x.contiguous() if x.stride(-1) != 1 else x
     tiles = tiles or moe_tiles(num_tokens, top_k, num_experts, x.dtype)
     pairs = num_tokens * top_k
-    align = moe_align(topk_ids, num_experts, tiles.block_m)
+    if pairs <= PAIR_BLOCKS_MAX_PAIRS:
+        align = moe_align_pairs(topk_ids, tiles.block_m)
+    else:
+        align = moe_align(topk_ids, num_experts, tiles.block_m)
     gate_up = torch.empty((pairs, two_inter), dtype=x.dtype, device=x.device)  # [T*K, 2I]
     moe_gemm(x, w13, gate_up, align, top_k, tiles, w_scale=w13_scale)
     inter = silu_and_mul(gate_up)  # [T*K, I]
