@@ -198,6 +198,22 @@ class StepBuffers:
                 ids[pending] = prev_tokens[src[pending]]
         return noted
 
+    def advance_decodes(self, rows: int, tokens: torch.Tensor, block_size: int) -> None:
+        """On the device: turn the decode step in the first `rows` token rows (a decode graph's
+        bucket: row i is sequence i) into the next one, each sequence's input `tokens[i]`
+        ([rows] int64, e.g. the step's argmax) one position on, its KV slot looked up in its
+        block table (which must hold it) and its length one more. Padding rows (slot -1)
+        keep slot -1 and length 0. No host work: a CUDA graph can hold several steps."""
+        ids, positions, slots = self.token_rows(rows)[:3]  # [rows] int64 each
+        real = slots >= 0  # [rows]
+        ids.copy_(tokens)
+        positions.add_(1)
+        block = positions // block_size  # [rows]
+        block = torch.where(real, block, torch.zeros_like(block))  # (padding rows: any entry)
+        page = self.block_tables[:rows].gather(1, block[:, None])[:, 0].long()  # [rows]
+        slots.copy_(torch.where(real, page * block_size + positions % block_size, slots))
+        self.view("seq_lens", rows).add_(real.int())
+
     def metadata(self, a: StepArrays, noted: object) -> AttentionMetadata:
         """Metadata of an eager step over the loaded buffers (exact sizes; `noted`: what
         `load` returned)."""

@@ -8,18 +8,23 @@ and verify chunks; after a verification the drafts that were kept have their dra
 already (computed as that step's inputs), and the target's own token is the input of the
 next proposal. `propose` decodes k tokens from each request's verified tokens into blocks
 the engine core has allocated for them (the next step's chunk covers those positions, so
-the mirror rewrites them with whatever that step verifies). Where every layer of both models
+the mirror rewrites them with whatever that step verifies). With CUDA graphs, when every
+request takes k drafts, the k decode steps replay as one graph per batch bucket: each step's
+argmax becomes the next step's input on the device (`StepBuffers.advance_decodes`), and the
+host loads the first step's inputs and reads the k drafts back once. Where every layer of both models
 slides, blocks before the widest window go back as the target's do (`kv_cache_manager`);
 a draft without a window keeps them.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
-from pagedserve.attention.backend import AttentionBackend, AttentionContext
+from pagedserve.attention.backend import AttentionBackend, AttentionContext, GraphKey
 from pagedserve.config import SchedulerConfig
-from pagedserve.engine.graphs import GraphRunner
+from pagedserve.engine.graphs import GraphRunner, capture_graph
 from pagedserve.engine.input_batch import StepArrays, StepBuffers, pack_step
 from pagedserve.engine.kv_cache_spec import KVCacheSpec
 from pagedserve.engine.scheduler import ScheduledChunk
@@ -40,15 +45,42 @@ class DraftRunner:
         self.buffers = StepBuffers(backend, limits.max_num_batched_tokens, limits.max_num_seqs,
                                    -(-limits.max_model_len // spec.block_size), self.device, max_drafts)
         self.graphs: GraphRunner | None = None
+        self.max_drafts = max_drafts
+        # decode bucket -> the k proposal steps of that many sequences, run at once (a graph's
+        # replay): drafts [bucket, k] int64 on the device
+        self.proposers: dict[int, Callable[[], torch.Tensor]] = {}
+        self.num_device_proposals = 0  # proposals made so (the rest: a host loop of decode steps)
 
     def enable_cuda_graphs(self, max_batch: int, max_mixed_tokens: int, max_model_len: int,
                            verify_len: int = 0, max_verify_batch: int = 0) -> float:
         """Capture decode graphs (its proposals), verify graphs and mixed-step graphs (its
-        mirror of the target's steps) over its buffers; returns the seconds it took."""
+        mirror of the target's steps) over its buffers, and the k proposal steps as one graph
+        for each decode bucket up to max_verify_batch; returns the seconds it took."""
+        import time
+
         self.graphs = GraphRunner(self.model, self.buffers, max_batch,
                                   min(max_mixed_tokens, self.buffers.max_tokens), max_model_len, prefetch=False,
                                   verify_len=verify_len, max_verify_batch=max_verify_batch)
-        return self.graphs.capture()
+        seconds = self.graphs.capture()
+        t0 = time.perf_counter()
+        stream, pool = torch.cuda.Stream(self.device), torch.cuda.graph_pool_handle()
+        self.graphs._clear_buffers()  # (captured over no sequence: nothing is written)
+        for key in reversed([k for k in self.graphs.decode_keys if k.num_tokens <= max_verify_batch]):
+            with torch.inference_mode():
+                graph, drafts = capture_graph(lambda key=key: self.proposal_steps(key), pool, stream, 1)
+            self.proposers[key.num_tokens] = lambda graph=graph, drafts=drafts: (graph.replay(), drafts)[1]
+        torch.cuda.synchronize(self.device)
+        return seconds + time.perf_counter() - t0
+
+    def proposal_steps(self, key: GraphKey) -> torch.Tensor:
+        """`max_drafts` greedy decode steps of the decode step loaded for `key` (a decode
+        key), the buffers advanced on the device between them: drafts [bucket, k] int64."""
+        drafts = []
+        for step in range(self.max_drafts):
+            drafts.append(self.model.compute_logits(self.graphs.forward(key)).argmax(dim=-1))  # [B]
+            if step + 1 < self.max_drafts:
+                self.buffers.advance_decodes(key.num_tokens, drafts[-1], self.block_size)
+        return torch.stack(drafts, dim=1)  # [B, k]
 
     @torch.inference_mode()
     def _forward(self, a: StepArrays, prev_tokens: torch.Tensor | None) -> torch.Tensor:
@@ -73,6 +105,16 @@ class DraftRunner:
         greedy drafts. The blocks must hold the tokens and the drafts but the last. Each
         step's input is the previous step's argmax, read on the device; the drafts come back
         to the host once."""
+        if self.proposers and all(n == self.max_drafts for *_, n in requests):
+            chunks = [ScheduledChunk(rid, len(toks) - 1, 1, blocks, samples=True, is_decode=True)
+                      for rid, toks, blocks, _ in requests]
+            a = pack_step(chunks, [toks for _, toks, _, _ in requests], {}, self.block_size)
+            key = self.graphs.key_for(a)
+            if key is not None and key.num_tokens in self.proposers:
+                self.buffers.load(a, key.num_tokens, key, None)
+                self.num_device_proposals += 1
+                rows = self.proposers[key.num_tokens]()[: len(requests)].tolist()  # [S, k] (one read-back)
+                return {rid: row for (rid, *_), row in zip(requests, rows)}
         prev, prev_rows = None, {}  # the last step's argmax [N] and each request's row in it
         steps = []  # (request ids, argmax [N]) of each step
         for step in range(max(n for *_, n in requests)):

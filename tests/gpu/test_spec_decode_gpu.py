@@ -90,8 +90,9 @@ def test_forced_acceptance_keeps_every_draft():
 def test_verify_graphs_give_the_plain_tokens():
     """fp32, forced acceptance off, a draft model (every request gets k drafts every step, so
     every verify step is uniform): the steps replay the verify graphs (k + 1 rows a sequence
-    through the decode kernel), for the target and the draft model's mirror, and the tokens
-    are plain decoding's; forced acceptance (the benchmark mode) replays them too."""
+    through the decode kernel), for the target and the draft model's mirror, the draft
+    model's k proposal steps replay as one graph, and the tokens are plain decoding's; forced
+    acceptance (the benchmark mode) replays the verify graphs too."""
     plain_llm = _llm("float32", False, None)
     plain, _, _ = _generate(plain_llm, 24)
     _free(plain_llm)
@@ -99,11 +100,14 @@ def test_verify_graphs_give_the_plain_tokens():
     llm = _llm("float32", False, spec)
     runner = llm.engine.executor.worker.runner
     assert [k.num_tokens for k in runner.graphs.verify_keys] == [5, 10, 20, 40, 80, 160]
+    assert sorted(runner.drafter.proposers) == [1, 2, 4, 8, 16, 32]
     got, counts, _ = _generate(llm, 24)
     verified, drafter_keys = runner.num_verify_graph_steps, runner.drafter.graphs.verify_keys
+    proposals = runner.drafter.num_device_proposals
     _free(llm)
-    print(f"verify graphs: {verified} steps; drafts, draft tokens, accepted = {counts}")
-    assert got == plain and verified > 0 and drafter_keys
+    print(f"verify graphs: {verified} steps; proposal graphs: {proposals}; "
+          f"drafts, draft tokens, accepted = {counts}")
+    assert got == plain and verified > 0 and drafter_keys and proposals > 0
     llm = _llm("bfloat16", False, {**NGRAM, "force_accept": True})
     runner = llm.engine.executor.worker.runner
     outs, (drafts, draft_tokens, accepted), _ = _generate(llm, 41)
