@@ -149,6 +149,20 @@ def test_eos_stops_and_min_tokens_delays_it(llm):
     assert 2 not in longer.token_ids[: len(out.token_ids) + 2]
 
 
+def test_the_eos_token_is_no_text_when_special_tokens_are_kept(llm):
+    """The engine marks the EOS that ended a request, and its text stays out of the output
+    even with skip_special_tokens off (tool calls whose tags are special tokens decode so),
+    unless include_stop_str_in_output; the id stays in token_ids (vLLM's rule)."""
+    msgs = [{"role": "user", "content": "What is the capital of France? Answer in one sentence."}]
+    kept = SamplingParams(temperature=0, max_tokens=64, skip_special_tokens=False)
+    out = llm.chat(msgs, kept, use_tqdm=False)[0].outputs[0]
+    assert out.finish_reason == "stop" and out.token_ids[-1] == 2 and "Paris" in out.text
+    assert "<|im_end|>" not in out.text
+    shown = SamplingParams(temperature=0, max_tokens=64, skip_special_tokens=False,
+                           include_stop_str_in_output=True)
+    assert llm.chat(msgs, shown, use_tqdm=False)[0].outputs[0].text == out.text + "<|im_end|>"
+
+
 def test_n_samples_are_distinct(llm):
     out = llm.generate("My favourite animal is", SamplingParams(n=4, temperature=1.0, max_tokens=10,
                                                                  seed=3, ignore_eos=True),

@@ -360,6 +360,7 @@ class HFEngineClient:
                 if stop is not None:
                     job.done = True
                     o.finished, (o.finish_reason, o.stop_reason) = True, stop
+                    o.stopped_on_token = stop[0] == "stop"
                 outputs.append(o)
             self._generation_tokens += len(outputs)
             self._num_running = sum(not j.done for j in batch)

@@ -370,6 +370,7 @@ class EngineCore:
                 del req.token_ids[num_known:], o.new_token_ids[i + 1:], o.new_logprobs[i + 1:]
                 break
         self.num_generation_tokens += len(o.new_token_ids)
+        o.stopped_on_token = stop is not None and stop[0] == "stop"  # an EOS or stop token id
         if stop is None and req.request_id in result.grammar_done:
             stop = ("stop", None)  # its grammar is complete: nothing may follow (even with ignore_eos)
         if stop is not None:

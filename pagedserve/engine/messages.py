@@ -46,6 +46,9 @@ class TokenOutput:
     queue_s: float | None = None
     prefill_s: float | None = None
     error: str | None = None  # with finish_reason "error": why this request failed
+    # the last new token is the EOS or stop_token_ids token that ended the request: it stays in
+    # the token ids, but its text is not output (unless include_stop_str_in_output), as in vLLM
+    stopped_on_token: bool = False
     # with an error: the request itself is at fault (its constraint does not compile), so the
     # server answers 400 rather than reporting an engine failure
     invalid: bool = False

@@ -128,10 +128,13 @@ class OutputProcessor:
                 s.logprobs.append(entry)
                 s.cumulative_logprob += lp
         prev_len = len(s.text)
+        # the EOS or stop token that ended the sample is not text (Llama's <|eot_id|> would
+        # otherwise end the content when special tokens are kept, as for tool calls)
+        hide = 1 if o.stopped_on_token and not s.params.include_stop_str_in_output else 0
         if self.stream_text or s.params.stop:
-            s.detok.step(o.new_token_ids)
+            s.detok.step(o.new_token_ids[:len(o.new_token_ids) - hide])
         elif o.finished:
-            s.detok.step(s.token_ids)  # the whole output in one decode
+            s.detok.step(s.token_ids[:len(s.token_ids) - hide])  # the whole output in one decode
         if o.finished:
             s.detok.flush()
         s.text = s.detok.text
