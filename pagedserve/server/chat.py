@@ -31,7 +31,6 @@ from pagedserve.server.tool_parsers import ToolCallDelta, ToolParser
 from pagedserve.server.tools import (
     ToolCallStream,
     ToolPlan,
-    new_tool_call_id,
     plan_tools,
     tags_are_special_tokens,
     tool_call_object,
@@ -147,7 +146,7 @@ def chat_message(server: Server, p: PreparedChat, s: SampleState) -> tuple[dict,
     calls = calls[:p.tools.max_calls]
     message["content"] = content
     if calls:
-        message["tool_calls"] = [tool_call_object(c, new_tool_call_id()) for c in calls]
+        message["tool_calls"] = [tool_call_object(c, p.tools.new_call_id()) for c in calls]
     return message, "tool_calls" if calls and s.finish_reason == "stop" else s.finish_reason
 
 
@@ -187,7 +186,8 @@ async def _stream(server: Server, body: ChatCompletionRequest,
     sent_tokens = {c.index: 0 for c in choices}
     parsers = {c.index: reasoning_parser_for(server, opened) for c in choices}
     tool_parsers = {c.index: tools.parser() if tools is not None else None for c in choices}
-    calls = {c.index: ToolCallStream(tools.max_calls if tools is not None else None) for c in choices}
+    calls = {c.index: ToolCallStream(tools.max_calls, tools.new_call_id) if tools is not None
+             else ToolCallStream(None) for c in choices}
     completion_tokens = 0
 
     chunk = SSEChunks({"id": rid, "object": "chat.completion.chunk", "created": created, "model": model},

@@ -291,7 +291,7 @@ class ChatMessage(_Body):
         out: dict[str, Any] = {"role": role, "content": content or ""}
         for key in _PASSED_TO_TEMPLATE:
             value = getattr(self, key)
-            if value is not None:
+            if value is not None and value != []:  # (templates read "tool_calls": [] as calls)
                 out[key] = value
         return out
 

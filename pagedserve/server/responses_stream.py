@@ -17,7 +17,7 @@ import json
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 from pagedserve.engine.output_processor import SampleState
@@ -120,8 +120,9 @@ class _Items:
     Whitespace before any message is held back: before tool calls it is no message (as the
     non-streamed response has none), otherwise it opens one."""
 
-    def __init__(self, ev: _Events, max_calls: int | None) -> None:
-        self.ev, self.max_calls = ev, max_calls
+    def __init__(self, ev: _Events, max_calls: int | None,
+                 new_call_id: Callable[[], str] = new_tool_call_id) -> None:
+        self.ev, self.max_calls, self.new_call_id = ev, max_calls, new_call_id
         self.items: list[dict] = []  # in output order; the open one in its final form later
         self.open: dict | None = None
         self.text = ""  # the open reasoning or message item's text so far
@@ -210,7 +211,7 @@ class _Items:
             if d.name is not None:
                 self.pending = ""
                 self.calls[d.index] = item = {"id": item_id("fc"), "type": "function_call",
-                                              "call_id": new_tool_call_id(), "name": d.name,
+                                              "call_id": self.new_call_id(), "name": d.name,
                                               "arguments": "", "status": "in_progress"}
                 out += self._add(item)
             item = self.calls.get(d.index)
@@ -235,7 +236,7 @@ class _Items:
 async def stream_response(server: Server, p: PreparedChat, head: ResponseHead,
                           events: AsyncIterator[tuple[int, SampleState]]) -> AsyncIterator[str]:
     ev = _Events()
-    items = _Items(ev, p.tools.max_calls if p.tools is not None else None)
+    items = _Items(ev, None) if p.tools is None else _Items(ev, p.tools.max_calls, p.tools.new_call_id)
     reasoner = reasoning_parser_for(server, p.opened)
     tool_parser = p.tools.parser() if p.tools is not None else None
     sent, s, reasoned = 0, None, False

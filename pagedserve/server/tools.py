@@ -13,7 +13,7 @@
 
 from __future__ import annotations
 
-import uuid
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -69,6 +69,11 @@ class ToolPlan:
     function: str | None = None  # named: the function's name
     parser_name: str | None = None  # auto: the server's tool-call parser
     max_calls: int | None = None  # parallel_tool_calls false: 1
+    id_format: str | None = None  # the server's --tool-call-parser (any mode): its call ids
+
+    def new_call_id(self) -> str:
+        """An id for a call of this request's response (Mistral's templates take 9 characters)."""
+        return new_tool_call_id(self.id_format)
 
     def parser(self) -> ToolParser | None:
         """A new parser for one output (None for "none": the output is plain text)."""
@@ -120,30 +125,33 @@ def plan_tools(body: ChatCompletionRequest, settings: ToolSettings) -> ToolPlan 
     if len(set(names)) != len(names):
         raise APIError(400, "tools must have distinct function names", param="tools")
     one = body.parallel_tool_calls is False
+    ids = settings.tool_call_parser
     if choice is None:
         choice = "auto"
     if choice == "none":
-        return ToolPlan("none", tools, None)
+        return ToolPlan("none", tools, None, id_format=ids)
     if choice == "auto":
         if not (settings.enable_auto_tool_choice and settings.tool_call_parser):
             raise APIError(400, '"auto" tool choice needs a server started with '
                                 "--enable-auto-tool-choice and --tool-call-parser; send tool_choice "
                                 '"required", "none" or a named function instead', param="tool_choice")
         return ToolPlan("auto", tools, None, parser_name=settings.tool_call_parser,
-                        max_calls=1 if one else None)
+                        max_calls=1 if one else None, id_format=ids)
     if choice == "required":
         spec = StructuredOutputsParams(json=_required_schema(tools, one))
-        return ToolPlan("required", tools, spec, max_calls=1 if one else None)
+        return ToolPlan("required", tools, spec, max_calls=1 if one else None, id_format=ids)
     name = choice.function.name
     if name not in names:
         raise APIError(400, f"tool_choice names the function {name!r}, which is not among the "
                             f"tools ({', '.join(names)})", param="tool_choice")
     parameters = tools[names.index(name)]["function"].get("parameters") or ANY_OBJECT
-    return ToolPlan("named", tools, StructuredOutputsParams(json=parameters), function=name)
+    return ToolPlan("named", tools, StructuredOutputsParams(json=parameters), function=name,
+                    id_format=ids)
 
 
-def new_tool_call_id() -> str:
-    return f"call_{uuid.uuid4().hex[:24]}"
+def new_tool_call_id(parser_name: str | None = None) -> str:
+    """A new call id in the shape that parser's format takes back (default: OpenAI's)."""
+    return (get_tool_parser(parser_name) if parser_name else ToolParser).new_call_id()
 
 
 def tool_call_object(call: ParsedToolCall, call_id: str) -> dict[str, Any]:
@@ -157,8 +165,10 @@ class ToolCallStream:
     call carries its id, type and name; later ones argument fragments. Calls past
     `max_calls` are dropped."""
 
-    def __init__(self, max_calls: int | None) -> None:
+    def __init__(self, max_calls: int | None,
+                 new_id: Callable[[], str] = new_tool_call_id) -> None:
         self.max_calls = max_calls
+        self.new_id = new_id  # the ids' shape: ToolPlan.new_call_id
         self.ids: dict[int, str] = {}
 
     def entries(self, deltas: list[ToolCallDelta]) -> list[dict[str, Any]]:
@@ -167,7 +177,7 @@ class ToolCallStream:
             if self.max_calls is not None and d.index >= self.max_calls:
                 continue
             if d.name is not None:
-                self.ids[d.index] = new_tool_call_id()
+                self.ids[d.index] = self.new_id()
                 out.append({"index": d.index, "id": self.ids[d.index], "type": "function",
                             "function": {"name": d.name, "arguments": d.arguments}})
             elif d.arguments:

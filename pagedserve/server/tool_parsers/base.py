@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import uuid
 from dataclasses import dataclass
 
 
@@ -28,6 +29,12 @@ class ToolParser:
     # The tags this format writes. Tokenizers often make them special tokens, which decoding
     # with skip_special_tokens drops: the text given to the parser must keep them.
     format_tokens: tuple[str, ...] = ()
+
+    @staticmethod
+    def new_call_id() -> str:
+        """A new id for a call the server returns, in a shape this format's chat templates
+        accept when a client sends the call back (OpenAI's ``call_...`` here)."""
+        return f"call_{uuid.uuid4().hex[:24]}"
 
     def extract(self, text: str) -> tuple[str | None, list[ParsedToolCall]]:
         """Split a whole output into ``(content or None when empty, tool calls)``."""

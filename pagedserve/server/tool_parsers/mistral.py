@@ -20,6 +20,8 @@ that goes wrong after a call ends there (the rest is dropped).
 from __future__ import annotations
 
 import json
+import secrets
+import string
 
 from pagedserve.server.tool_parsers.base import ParsedToolCall, _Event
 from pagedserve.server.tool_parsers.json_array import CLOSED, FAILED, OPEN, _ArrayReader
@@ -27,6 +29,7 @@ from pagedserve.server.tool_parsers.json_scan import _DONE, _WS, _JsonScanner, _
 from pagedserve.server.tool_parsers.tagged import _Block, _ReaderBlock, _TaggedParser
 
 _NAME_CHARS = frozenset("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789_-.")
+_ID_CHARS = string.ascii_letters + string.digits
 ARGS_TAG = "[ARGS]"
 
 # _MistralReader modes
@@ -123,6 +126,12 @@ class MistralToolParser(_TaggedParser):
     marker = "[TOOL_CALLS]"
     markers = (marker,)
     format_tokens = (marker, ARGS_TAG)
+
+    @staticmethod
+    def new_call_id() -> str:
+        """Nine ASCII letters and digits: Mistral's chat templates (and mistral-common) refuse
+        any other tool-call id when the call comes back in the next request (as vLLM's)."""
+        return "".join(secrets.choice(_ID_CHARS) for _ in range(9))
 
     def _new_block(self, marker: str, index: int) -> _Block:
         return _ReaderBlock(index, _MistralReader(index))
