@@ -18,6 +18,7 @@ a draft without a window keeps them.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 
 import torch
@@ -56,8 +57,6 @@ class DraftRunner:
         """Capture decode graphs (its proposals), verify graphs and mixed-step graphs (its
         mirror of the target's steps) over its buffers, and the k proposal steps as one graph
         for each decode bucket up to max_verify_batch; returns the seconds it took."""
-        import time
-
         self.graphs = GraphRunner(self.model, self.buffers, max_batch,
                                   min(max_mixed_tokens, self.buffers.max_tokens), max_model_len, prefetch=False,
                                   verify_len=verify_len, max_verify_batch=max_verify_batch)
