@@ -14,7 +14,7 @@ import openai
 import pytest
 from server_helpers import MODEL, free_port
 
-from pagedserve.ui.chat import ChatSession, Delta, ToolCallView, UIConfig
+from pagedserve.ui.chat import TOOL_NOT_RUN, ChatSession, Delta, ToolCallView, UIConfig
 from pagedserve.ui.settings import (
     GenerationSettings,
     describe_defaults,
@@ -272,14 +272,16 @@ def test_two_tool_calls_assemble_from_fragments_and_go_back_in_the_history():
          "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}},
         {"id": "call_b", "type": "function",
          "function": {"name": "get_time", "arguments": '{"tz": "UTC"}'}}]}
-    assert chat.history == [{"role": "user", "content": "Weather and time in Paris?"}, assistant]
+    # each call answered (not run), as the OpenAI API and role-checking templates want
+    results = [{"role": "tool", "tool_call_id": i, "content": TOOL_NOT_RUN} for i in ("call_a", "call_b")]
+    assert chat.history == [{"role": "user", "content": "Weather and time in Paris?"}, assistant, *results]
 
     # The user keeps chatting (the UI runs no tools): the next request sends the calls back.
     result, _ = run_turn(chat, "Thanks. So?", settings)
     assert result.content == "It is sunny." and result.tool_calls == []
     assert bodies[1]["messages"] == [{"role": "user", "content": "Weather and time in Paris?"},
-                                     assistant, {"role": "user", "content": "Thanks. So?"}]
-    assert [m["role"] for m in chat.history] == ["user", "assistant", "user", "assistant"]
+                                     assistant, *results, {"role": "user", "content": "Thanks. So?"}]
+    assert [m["role"] for m in chat.history] == ["user", "assistant", "tool", "tool", "user", "assistant"]
 
 
 def test_a_reply_of_only_a_tool_call_is_recorded_with_no_content():
@@ -294,9 +296,10 @@ def test_a_reply_of_only_a_tool_call_is_recorded_with_no_content():
     assert result.tool_calls == [ToolCallView("c0", "get_weather", '{"city": "Oslo"}')]
     assert [d.kind for d in deltas] == ["tool_call"]
     assert bodies[0]["tool_choice"] == "auto"  # the default
-    assert chat.history[-1] == {"role": "assistant", "content": None, "tool_calls": [
+    assert chat.history[-2:] == [{"role": "assistant", "content": None, "tool_calls": [
         {"id": "c0", "type": "function",
-         "function": {"name": "get_weather", "arguments": '{"city": "Oslo"}'}}]}
+         "function": {"name": "get_weather", "arguments": '{"city": "Oslo"}'}}]},
+        {"role": "tool", "tool_call_id": "c0", "content": TOOL_NOT_RUN}]
 
 
 def test_without_tools_the_request_has_no_tools_or_tool_choice():
@@ -393,7 +396,8 @@ def test_stop_closes_the_stream_and_the_server_aborts(server, how):
 
 def test_tool_calls_from_a_real_server(server):
     """Against the real server: tool_choice "required" streams a call whose arguments follow
-    the tool's schema; the next turn sends it back and the server answers in text."""
+    the tool's schema; the next turn sends it back, answered as not run, and the server
+    answers in text."""
     weather = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 20}},
                "required": ["city"], "additionalProperties": False}
     tools = [{"type": "function", "function": {"name": "get_weather", "parameters": weather}}]
@@ -422,4 +426,5 @@ def test_tool_calls_from_a_real_server(server):
     assert any(d.kind == "tool_call" for d in seen)
     assert second.error is None and second.content and not second.tool_calls
     assert chat.history[1]["tool_calls"][0]["function"]["name"] == "get_weather"
-    assert [m["role"] for m in chat.history] == ["user", "assistant", "user", "assistant"]
+    calls = len(first.tool_calls)
+    assert [m["role"] for m in chat.history] == ["user", "assistant", *["tool"] * calls, "user", "assistant"]

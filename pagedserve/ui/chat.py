@@ -19,6 +19,9 @@ import openai
 from pagedserve import envs
 from pagedserve.ui.settings import GenerationSettings, describe_defaults, parse_sampling_defaults
 
+# The result the history gives each tool call the model made (the UI runs no tools).
+TOOL_NOT_RUN = "(not run: this chat UI does not run tools)"
+
 
 @dataclass(frozen=True)
 class UIConfig:
@@ -262,10 +265,15 @@ class ChatSession:
 
     def _record_reply(self, content: str, tool_calls: list[ToolCallView] | None = None) -> None:
         """Record the assistant's turn. Tool calls are recorded only from a finished stream: a
-        stopped one may have cut their arguments, which the next request would send back."""
+        stopped one may have cut their arguments, which the next request would send back.
+        Each call is answered by a `tool` message saying it was not run (the UI runs no tools):
+        the OpenAI API wants every call answered before the next user message, and chat
+        templates that check the roles' order (Mistral's) refuse a call left unanswered."""
         if tool_calls:
             self.history.append({"role": "assistant", "content": content or None,
                                  "tool_calls": [c.message() for c in tool_calls]})
+            self.history += [{"role": "tool", "tool_call_id": c.id, "content": TOOL_NOT_RUN}
+                             for c in tool_calls]
         elif content:
             self.history.append({"role": "assistant", "content": content})
         else:  # nothing to answer with: forget the question too, so roles keep alternating
