@@ -163,6 +163,36 @@ def test_the_eos_token_is_no_text_when_special_tokens_are_kept(llm):
     assert llm.chat(msgs, shown, use_tqdm=False)[0].outputs[0].text == out.text + "<|im_end|>"
 
 
+def test_penalties_keep_async_scheduling(llm):
+    """A request with penalties no longer makes every step wait for the last one: its
+    pending token is counted on the device. Its tokens (and a plain request's beside it)
+    are those of the engine without async scheduling."""
+    from pagedserve.engine.messages import EngineRequest
+
+    penalised = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, repetition_penalty=1.3,
+                               frequency_penalty=0.6, presence_penalty=0.4)
+    prompts = ["Repeat after me: the cat, the cat, the cat,", "List the numbers 1, 2, 3, 4,"]
+    params = [penalised, SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)]
+
+    def tokens(engine_llm):
+        return [o.outputs[0].token_ids for o in engine_llm.generate(prompts, params, use_tqdm=False)]
+
+    sync_llm = LLM(dtype="float32", device="cpu", max_model_len=1024, async_scheduling=False)
+    want = tokens(sync_llm)
+    del sync_llm
+    assert tokens(llm) == want
+    plain = llm.generate(prompts[:1], params[1], use_tqdm=False)[0].outputs[0].token_ids
+    assert plain != want[0]  # (the penalties change this output)
+    core = llm.engine
+    ids = llm.get_tokenizer().encode(prompts[0])
+    core.add_request(EngineRequest("async-penalties", ids, penalised))
+    in_flight = 0
+    while core.has_unfinished_requests():
+        core.step()
+        in_flight += core._inflight is not None  # a step launched and not yet read back
+    assert in_flight >= 20
+
+
 def test_n_samples_are_distinct(llm):
     out = llm.generate("My favourite animal is", SamplingParams(n=4, temperature=1.0, max_tokens=10,
                                                                  seed=3, ignore_eos=True),

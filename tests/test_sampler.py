@@ -201,6 +201,24 @@ def test_penalties_exact(device):
     assert sampler(logits, batch).token_ids.tolist() == [0, 3]  # 3 wins without penalties
 
 
+def test_penalties_count_a_pending_token_on_the_device(device):
+    """Async scheduling: a row's last output token may still be on the device (the previous
+    step's sample); given as (tokens, rows) it is counted as if the host's list had it."""
+    logits = torch.tensor([[2.0, -1.0, 0.5, 3.0, -2.0, 0.0]] * 3, device=device)
+    params = [SamplingParams(temperature=0, repetition_penalty=2.0, frequency_penalty=0.5,
+                             presence_penalty=0.25)] * 3
+    prompt = [[0, 1], [1], [2]]
+    full = [[3, 3, 4], [3], [5, 2]]
+    want = apply_penalties(logits, make_batch(params, device, 6, prompt=prompt, output=full))
+    prev = torch.tensor([9, 4, 3], device=device)  # the previous step's samples (row 2 unrelated)
+    known = [[3, 3], [], [5, 2]]  # rows 0 and 1 lack their last token; row 2 has all of its
+    batch = SamplingBatch.build(params, [None] * 3, prompt, known, 6, device,
+                                pending_outputs=(prev, [1, 2, -1]))
+    torch.testing.assert_close(apply_penalties(logits, batch), want)
+    unseen = SamplingBatch.build(params, [None] * 3, prompt, known, 6, device)
+    assert not torch.equal(apply_penalties(logits, unseen), want)  # (without them it differs)
+
+
 @pytest.mark.parametrize("kw, expected", [
     (dict(repetition_penalty=0.5), [4.0, -0.5, 0.5, 6.0, -1.0, 0.0]),
     (dict(frequency_penalty=-1.0), [2.0, -1.0, 0.5, 5.0, -1.0, 0.0]),

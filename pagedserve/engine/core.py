@@ -195,8 +195,8 @@ class EngineCore:
         With async scheduling (the default) the host schedules and prepares step k+1 while
         the GPU runs step k; step k+1 reads step k's sampled tokens on the device. A request
         that stops at step k was already scheduled in step k+1: that extra token is dropped.
-        Requests with sampling penalties need every token on the host, so while one runs
-        each step is completed before the next is scheduled.
+        (Sampling penalties count a request's pending token on the device.) Speculative steps
+        complete before the next is scheduled (`_needs_sync`).
 
         Failures stay as small as they can: a request whose own part of a step raises (stop
         checks, logprobs, non-finite logits in its row) fails alone; a step that raises fails
@@ -305,14 +305,13 @@ class EngineCore:
                 faults.fail("step", chunk.request_id)
 
     def _needs_sync(self) -> bool:
-        """Penalties read every output token on the host: while such a request runs, each
-        step completes before the next. So do speculative steps: drafts follow a request's
+        """Speculative steps complete before the next is scheduled: drafts follow a request's
         last token, and a verified step's tokens decide where the next one starts. (A
         grammar's mask also needs the token before it; the worker waits for that token behind
-        the next forward pass, so grammars keep async scheduling.)"""
+        the next forward pass, so grammars keep async scheduling. Penalties count a pending
+        token where it is, on the device.)"""
         inflight = self._inflight[0].chunks if self._inflight else ()
-        return (self._speculating() or any(c.draft_token_ids for c in inflight)
-                or any(r.sampling_params.uses_penalties for r in self.scheduler.running))
+        return self._speculating() or any(c.draft_token_ids for c in inflight)
 
     def _speculating(self) -> bool:
         return self.speculator is not None and self.speculator.active(self.scheduler.running)

@@ -198,21 +198,25 @@ class ModelRunner:
             handle.reqs = reqs = [states[i] for i in sample_rows]
         if reqs:
             params = [r.sampling_params for r in reqs]
-            # Token lists only for penalties (then the engine runs in sync, so none is
-            # pending); otherwise just the counts of outputs before this sample.
-            penalties = any(p.uses_penalties for p in params)
             # outputs before this sample: the sequence through the sampling chunk, less the prompt
             num_outputs = [c.start + c.num_tokens - len(r.prompt_token_ids)
                            for c, r in ((out.chunks[i], states[i]) for i in sample_rows)]
+            # Token lists only for penalties (each row's last one may still be on the device:
+            # the previous step's sample, not yet read back); otherwise just the counts.
+            outputs = pending = None
+            if any(p.uses_penalties for p in params):
+                outputs = [r.output_token_ids for r in reqs]
+                pending = self._pending_outputs(reqs, outputs, num_outputs)
             batch = SamplingBatch.build(
                 params,
                 [r.generator for r in reqs],
                 [r.prompt_token_ids for r in reqs],
-                [r.output_token_ids for r in reqs] if penalties else None,
+                outputs,
                 self.vocab_size,
                 self.device,
                 eos_token_ids=self.model.config.eos_token_ids,
                 num_outputs=num_outputs,
+                pending_outputs=pending,
             )
             if any(r.matcher is not None for r in reqs):
                 # The grammars must first accept the previous step's tokens. With async
@@ -244,6 +248,23 @@ class ModelRunner:
         # host ms of this launch: inputs, model, logits + sampling
         self.last_launch_ms = ((t_prepared - t0) * 1e3, (t_forward - t_prepared) * 1e3, (t_end - t_forward) * 1e3)
         return handle
+
+    def _pending_outputs(self, reqs: list[CachedRequest], outputs: list[list[int]],
+                         num_outputs: list[int]) -> tuple[torch.Tensor, list[int]] | None:
+        """For penalties under async scheduling: (the previous step's samples [M] on the
+        device, each row's index in them or -1) where a row's last output token is still
+        pending there (the host's list lacks it), or None when no row's is."""
+        rows = []
+        for r, known, n in zip(reqs, outputs, num_outputs):
+            missing = n - len(known)
+            if missing == 0:
+                rows.append(-1)
+            elif missing == 1 and r.request_id in self._prev_rows:
+                rows.append(self._prev_rows[r.request_id])
+            else:
+                raise RuntimeError(f"request {r.request_id}: {len(known)} output tokens known on the host "
+                                   f"where {n} were computed: more than the previous step's are missing")
+        return (self._prev_tokens, rows) if any(i >= 0 for i in rows) else None
 
     def _verify_batch(self, a: StepArrays, chunks: list[ScheduledChunk],
                       states: list[CachedRequest]) -> tuple[VerifyBatch, list[int], list[int]]:

@@ -74,10 +74,14 @@ class SamplingBatch:
         device: torch.device | str,
         eos_token_ids: Sequence[int] = (),
         num_outputs: Sequence[int] | None = None,
+        pending_outputs: tuple[Tensor, Sequence[int]] | None = None,
     ) -> SamplingBatch:
         """Gather one step's rows. `output_ids[i]` are the tokens row i generated so far; they
         are only read when a penalty needs them, and may be None when no row has one if
         `num_outputs` (the counts, which drive min_tokens) is given instead.
+        `pending_outputs`: (tokens [M] int64 on `device`, rows [N]): row i's last output token
+        is tokens[rows[i]] where rows[i] >= 0, still on the device and not in output_ids[i]
+        (async scheduling: the previous step's sample); the penalties count it too.
         A seeded row's generator must live on `device`; `eos_token_ids` are banned (with the
         row's stop_token_ids) until min_tokens is reached, unless the row ignores eos."""
         n = len(params)
@@ -103,6 +107,11 @@ class SamplingBatch:
 
         prompt_t = _pad(prompt_ids, vocab_size, device) if need_rep else None
         output_t = _pad(output_ids, vocab_size, device) if need_penalties else None
+        if output_t is not None and pending_outputs is not None:
+            tokens, rows = pending_outputs
+            src = to_device(np.asarray(rows, dtype=np.int64), device)  # [N]
+            last = torch.where(src >= 0, tokens[src.clamp(min=0)], vocab_size)  # [N] (pad: vocab_size)
+            output_t = torch.cat([output_t, last[:, None]], dim=1)  # [N, L + 1]
 
         if num_outputs is None:
             num_outputs = [len(o) for o in output_ids]  # type: ignore[union-attr]
