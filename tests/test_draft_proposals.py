@@ -89,3 +89,36 @@ def test_requests_with_fewer_drafts_take_the_loop():
         fewer = [(rid, toks, blocks, 2 if rid == "b" else K) for rid, toks, blocks, _ in requests]
         drafts = runner.propose(fewer)
     assert [len(d) for d in drafts.values()] == [K, 2, K]
+
+
+def test_capturing_the_proposal_graphs_writes_nothing():
+    """The capture of every bucket's proposal graph, emulated (each function run for its
+    warm-up, then for the capture), largest bucket first: each bucket's warm-up advances its
+    rows, and a later, smaller bucket's rows overlap them, so each is cleared in its own
+    layout first. With a draft whose argmax is a large id (90: a position past the block
+    table if the rows were taken as real) nothing is read past the tables or written to the
+    KV cache; buckets up to the smallest holding max_batch get a graph."""
+    runner = _runner()
+    runner.graphs = GraphRunner(runner.model, runner.buffers, max_decode_batch=8, max_mixed_tokens=0,
+                                max_seq_len=64)
+    vocab = runner.model.config.vocab_size
+
+    def argmax_90(hidden):
+        logits = torch.zeros(hidden.shape[0], vocab)
+        logits[:, 90] = 1.0
+        return logits
+
+    runner.model.compute_logits = argmax_90
+    before = [c.clone() for c in runner.kv_caches]
+    captured = []
+
+    def capture(fn):  # warm-up, then the capture
+        fn()
+        captured.append(fn())
+        return None, captured[-1]
+
+    runner.capture_proposers(5, capture)
+    assert sorted(runner.proposers) == [1, 2, 4, 8]  # (8: the smallest bucket holding 5)
+    assert [d.shape for d in captured] == [(b, K) for b in (8, 4, 2, 1)]
+    for b, c in zip(before, runner.kv_caches):
+        assert torch.equal(b, c)

@@ -262,7 +262,7 @@ def test_buffered_forward_matches_a_standalone_step(dtype, kind):
         buffers = StepBuffers(backend, max_tokens=64, max_seqs=8, max_blocks=4, device=torch.device("cpu"))
         graphs = GraphRunner(model, buffers, max_decode_batch=8, max_mixed_tokens=64, max_seq_len=16,
                              verify_len=3, max_verify_batch=4)
-        graphs._clear_buffers()
+        graphs.clear_buffers(64)
         key = graphs.key_for(a)
         assert key == {"mixed": GraphKey(32, 0), "decode": GraphKey(2, 1), "eager": GraphKey(32, 0),
                        "verify": GraphKey(12, 3)}[kind]
@@ -303,6 +303,22 @@ def test_steps_that_do_not_fit_run_eagerly():
     graphs.use_mixed = False  # (the warm-up's eager round)
     assert graphs.key_for(pack_step(chunks, tokens, {"b": 1}, 4)) is None
     assert graphs.key_for(pack_step(chunks[:2], tokens[:2], {"b": 1}, 4)) == GraphKey(2, 1)
+
+
+def test_each_bucket_is_cleared_in_its_own_layout():
+    """A bucket of n tokens reads its rows from tokens[:4n] as [4, n]: clearing the largest
+    bucket's layout leaves a small one's slots at 0 (a real slot: its capture would write
+    K/V there), so the graphs clear each bucket's own before capturing it."""
+    from pagedserve.engine.graphs import GraphRunner
+
+    buffers = StepBuffers(_backend(), max_tokens=64, max_seqs=8, max_blocks=16, device=torch.device("cpu"))
+    graphs = GraphRunner(_model(torch.float32), buffers, 8, 64, 64)
+    buffers.tokens.fill_(7)
+    graphs.clear_buffers(64)
+    assert (buffers.token_rows(4)[2] == 0).all()  # the small bucket's slots: zeros of the large one's ids
+    graphs.clear_buffers(4)
+    rows = buffers.token_rows(4)
+    assert (rows[:2] == 0).all() and (rows[2:] == -1).all() and (buffers.seq == 0).all()
 
 
 def test_verify_steps_replay_a_verify_graph_only_when_uniform():

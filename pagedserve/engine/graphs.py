@@ -105,16 +105,21 @@ class GraphRunner:
         rows = self.buffers.token_rows(key.num_tokens)
         return self.model(rows[0], rows[1], AttentionContext(self.backend, self.meta(key)))
 
-    def _clear_buffers(self) -> None:
-        """Inputs that make a forward touch no KV: every slot -1, every count and length 0."""
-        self.buffers.token_rows(self.buffers.max_tokens)[2:].fill_(-1)
+    def clear_buffers(self, num_tokens: int) -> None:
+        """Inputs of a forward over `num_tokens` token rows that touch no KV: ids and positions
+        0, every slot -1, every count and length 0. (The rows of a bucket of n tokens are
+        tokens[:4n] viewed as [4, n]: each bucket's slots lie elsewhere, so each is cleared
+        in its own layout.)"""
+        rows = self.buffers.token_rows(num_tokens)
+        rows[:2].zero_()
+        rows[2:].fill_(-1)
         self.buffers.seq.zero_()
 
     @torch.inference_mode()
     def rehearse(self) -> None:
         """Every key's forward once, eagerly, as `capture` runs it (for compile_ahead)."""
-        self._clear_buffers()
         for key in reversed(self.decode_keys + self.verify_keys + self.mixed_keys):
+            self.clear_buffers(key.num_tokens)
             self.forward(key)
 
     @torch.inference_mode()
@@ -123,7 +128,6 @@ class GraphRunner:
         memory), decode graphs first; returns the seconds it took."""
         t0 = time.perf_counter()
         stream = torch.cuda.Stream(self.device)
-        self._clear_buffers()
         prefetch = None
         if self.prefetch and weight_prefetch_supported(self.device):
             from pagedserve.kernels.weight_prefetch import PrefetchConfig
@@ -132,6 +136,7 @@ class GraphRunner:
         for keys, warmups in ((self.decode_keys, 2), (self.verify_keys, 2), (self.mixed_keys, 1)):
             pool = torch.cuda.graph_pool_handle()
             for key in reversed(keys):
+                self.clear_buffers(key.num_tokens)
                 fn = lambda key=key: self.forward(key)  # noqa: E731
                 if prefetch is not None and key.uniform_query_len == 1 and key.num_tokens <= prefetch.max_batch:
                     fn = self._with_prefetch(key, prefetch, fn)

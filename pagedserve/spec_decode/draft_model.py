@@ -56,20 +56,29 @@ class DraftRunner:
                            verify_len: int = 0, max_verify_batch: int = 0) -> float:
         """Capture decode graphs (its proposals), verify graphs and mixed-step graphs (its
         mirror of the target's steps) over its buffers, and the k proposal steps as one graph
-        for each decode bucket up to max_verify_batch; returns the seconds it took."""
+        per decode bucket (`capture_proposers`); returns the seconds it took."""
         self.graphs = GraphRunner(self.model, self.buffers, max_batch,
                                   min(max_mixed_tokens, self.buffers.max_tokens), max_model_len, prefetch=False,
                                   verify_len=verify_len, max_verify_batch=max_verify_batch)
         seconds = self.graphs.capture()
         t0 = time.perf_counter()
         stream, pool = torch.cuda.Stream(self.device), torch.cuda.graph_pool_handle()
-        self.graphs._clear_buffers()  # (captured over no sequence: nothing is written)
-        for key in reversed([k for k in self.graphs.decode_keys if k.num_tokens <= max_verify_batch]):
-            with torch.inference_mode():
-                graph, drafts = capture_graph(lambda key=key: self.proposal_steps(key), pool, stream, 1)
-            self.proposers[key.num_tokens] = lambda graph=graph, drafts=drafts: (graph.replay(), drafts)[1]
+        self.capture_proposers(max_verify_batch, lambda fn: capture_graph(fn, pool, stream, 1))
         torch.cuda.synchronize(self.device)
         return seconds + time.perf_counter() - t0
+
+    @torch.inference_mode()
+    def capture_proposers(self, max_batch: int, capture: Callable) -> None:
+        """A proposal graph (`proposal_steps`) for each decode bucket up to the smallest that
+        holds `max_batch` sequences, largest first, each captured over inputs that touch no
+        KV (its bucket's rows cleared: its warm-up runs `advance_decodes`).
+        `capture(fn)` -> (graph, fn's output)."""
+        keys = self.graphs.decode_keys
+        top = next((k.num_tokens for k in keys if k.num_tokens >= max_batch), keys[-1].num_tokens)
+        for key in reversed([k for k in keys if k.num_tokens <= top]):
+            self.graphs.clear_buffers(key.num_tokens)
+            graph, drafts = capture(lambda key=key: self.proposal_steps(key))
+            self.proposers[key.num_tokens] = lambda graph=graph, drafts=drafts: (graph.replay(), drafts)[1]
 
     def proposal_steps(self, key: GraphKey) -> torch.Tensor:
         """`max_drafts` greedy decode steps of the decode step loaded for `key` (a decode
