@@ -47,10 +47,10 @@ MISTRAL_LIKE = (
     "{% if m.role == 'user' %}[INST] {{ m.content }}[/INST]"
     "{% elif m.tool_calls is defined %}[TOOL_CALLS] ["
     "{% for c in m.tool_calls %}{% if c.id | length != 9 %}"
-    "{{ raise_exception('Tool call IDs should be alphanumeric strings with length 9!') }}{% endif %}"
+    "{{ raise_exception('this format takes call ids of 9 characters only') }}{% endif %}"
     "{{ (c.function | tojson)[:-1] + ', \"id\": \"' + c.id + '\"}' }}{% endfor %}]</s>"
     "{% elif m.role == 'tool' %}{% if m.tool_call_id | length != 9 %}"
-    "{{ raise_exception('Tool call IDs should be alphanumeric strings with length 9!') }}{% endif %}"
+    "{{ raise_exception('this format takes call ids of 9 characters only') }}{% endif %}"
     "[TOOL_RESULTS] {{ m.content }}[/TOOL_RESULTS]"
     "{% else %} {{ m.content }}</s>{% endif %}{% endfor %}")
 
