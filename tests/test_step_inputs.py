@@ -347,3 +347,16 @@ def test_verify_steps_replay_a_verify_graph_only_when_uniform():
             for i in range(5)]
     assert graphs.key_for(pack_step(five, [[7]] * 5, {}, 4)) == GraphKey(16, 0)  # 5 > 4 sequences
     assert GraphRunner(model, buffers, 8, 48, 64).verify_keys == []  # no speculation: none
+
+
+def test_pending_output_rows_finds_the_tokens_still_on_the_device():
+    from pagedserve.engine.input_batch import pending_output_rows
+
+    prev = {"a": 3, "b": 0}
+    # a: one computed token not on the host yet (row 3); b: all known; c: none computed
+    assert pending_output_rows(["a", "b", "c"], [[5], [1, 2], []], [2, 2, 0], prev) == [3, -1, -1]
+    assert pending_output_rows(["b"], [[1, 2]], [2], prev) is None
+    with pytest.raises(RuntimeError, match="more than the previous step's"):
+        pending_output_rows(["a"], [[]], [2], prev)
+    with pytest.raises(RuntimeError, match="more than the previous step's"):
+        pending_output_rows(["c"], [[]], [1], prev)  # not sampled by the previous step

@@ -96,6 +96,24 @@ def pack_step(chunks, token_ids: list[list[int]], prev_rows: dict[str, int],
                       logits_idx, sample_rows, int(q_lens.max()), num_drafts)
 
 
+def pending_output_rows(request_ids: list[str], outputs: list[list[int]], num_outputs: list[int],
+                        prev_rows: dict[str, int]) -> list[int] | None:
+    """For penalties under async scheduling: each row's index in the previous step's samples
+    where its last output token is still pending there (outputs[i], the host's list, lacks
+    it; num_outputs[i]: how many were computed), else -1; None when no row's is pending."""
+    rows = []
+    for rid, known, n in zip(request_ids, outputs, num_outputs):
+        missing = n - len(known)
+        if missing == 0:
+            rows.append(-1)
+        elif missing == 1 and rid in prev_rows:
+            rows.append(prev_rows[rid])
+        else:
+            raise RuntimeError(f"request {rid}: {len(known)} output tokens known on the host "
+                               f"where {n} were computed: more than the previous step's are missing")
+    return rows if any(i >= 0 for i in rows) else None
+
+
 def _aligned(n: int) -> int:
     return -(-n // ALIGN) * ALIGN
 

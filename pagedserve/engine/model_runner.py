@@ -20,7 +20,7 @@ from pagedserve.attention.backend import AttentionBackend, AttentionContext
 from pagedserve.config import SchedulerConfig
 from pagedserve.engine.cached_request import CachedRequest
 from pagedserve.engine.graphs import GraphRunner
-from pagedserve.engine.input_batch import StepArrays, StepBuffers, pack_step
+from pagedserve.engine.input_batch import StepArrays, StepBuffers, pack_step, pending_output_rows
 from pagedserve.engine.kv_cache_spec import KVCacheSpec
 from pagedserve.engine.messages import StepResult
 from pagedserve.engine.scheduler import NewRequestData, ScheduledChunk, SchedulerOutput
@@ -206,7 +206,8 @@ class ModelRunner:
             outputs = pending = None
             if any(p.uses_penalties for p in params):
                 outputs = [r.output_token_ids for r in reqs]
-                pending = self._pending_outputs(reqs, outputs, num_outputs)
+                rows = pending_output_rows([r.request_id for r in reqs], outputs, num_outputs, self._prev_rows)
+                pending = (self._prev_tokens, rows) if rows else None
             batch = SamplingBatch.build(
                 params,
                 [r.generator for r in reqs],
@@ -248,23 +249,6 @@ class ModelRunner:
         # host ms of this launch: inputs, model, logits + sampling
         self.last_launch_ms = ((t_prepared - t0) * 1e3, (t_forward - t_prepared) * 1e3, (t_end - t_forward) * 1e3)
         return handle
-
-    def _pending_outputs(self, reqs: list[CachedRequest], outputs: list[list[int]],
-                         num_outputs: list[int]) -> tuple[torch.Tensor, list[int]] | None:
-        """For penalties under async scheduling: (the previous step's samples [M] on the
-        device, each row's index in them or -1) where a row's last output token is still
-        pending there (the host's list lacks it), or None when no row's is."""
-        rows = []
-        for r, known, n in zip(reqs, outputs, num_outputs):
-            missing = n - len(known)
-            if missing == 0:
-                rows.append(-1)
-            elif missing == 1 and r.request_id in self._prev_rows:
-                rows.append(self._prev_rows[r.request_id])
-            else:
-                raise RuntimeError(f"request {r.request_id}: {len(known)} output tokens known on the host "
-                                   f"where {n} were computed: more than the previous step's are missing")
-        return (self._prev_tokens, rows) if any(i >= 0 for i in rows) else None
 
     def _verify_batch(self, a: StepArrays, chunks: list[ScheduledChunk],
                       states: list[CachedRequest]) -> tuple[VerifyBatch, list[int], list[int]]:
