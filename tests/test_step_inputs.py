@@ -349,6 +349,23 @@ def test_verify_steps_replay_a_verify_graph_only_when_uniform():
     assert GraphRunner(model, buffers, 8, 48, 64).verify_keys == []  # no speculation: none
 
 
+def test_verify_graphs_only_for_rows_a_decode_program_can_hold():
+    """(k + 1) x group query rows share a decode-kernel program: up to MAX_VERIFY_ROWS take
+    verify graphs; past that, verify steps take mixed-step graphs."""
+    from pagedserve.attention.triton_backend import MAX_VERIFY_ROWS
+    from pagedserve.engine.graphs import GraphRunner
+
+    model = _model(torch.float32)
+    assert _backend(4, 2).max_verify_len() == MAX_VERIFY_ROWS // 2
+    assert _backend(32, 2).max_verify_len() == MAX_VERIFY_ROWS // 16
+    assert _backend(64, 1).max_verify_len() == 1
+    for k_plus_1, kept in ((MAX_VERIFY_ROWS // 2, True), (MAX_VERIFY_ROWS // 2 + 1, False)):
+        buffers = StepBuffers(_backend(4, 2), max_tokens=256, max_seqs=8, max_blocks=16,
+                              device=torch.device("cpu"), max_drafts=k_plus_1 - 1)
+        graphs = GraphRunner(model, buffers, 8, 48, 64, verify_len=k_plus_1, max_verify_batch=2)
+        assert bool(graphs.verify_keys) == kept
+
+
 def test_pending_output_rows_finds_the_tokens_still_on_the_device():
     from pagedserve.engine.input_batch import pending_output_rows
 

@@ -169,6 +169,11 @@ class AttentionBackend(ABC):
     def supports_cuda_graphs(self) -> bool:
         return False
 
+    def max_verify_len(self) -> int:
+        """The most new tokens a sequence may have in a verify graph (GraphKey with
+        uniform_query_len > 1); 1: none (verify steps take mixed-step graphs)."""
+        return 1
+
     def graph_fits(self, query_start_loc: np.ndarray, key: GraphKey, max_seqs: int) -> bool:
         """Whether a step with these query starts can replay the graph of `key` (beyond the
         token and sequence counts, which the graph runner checks)."""

@@ -103,6 +103,10 @@ def extend_tiles(qsl: np.ndarray, block_m: int | None = None) -> tuple[np.ndarra
 # most one partial tile of the extend kernel); a step with more runs eagerly.
 MAX_EXTEND_SEQS = 32
 
+# Query rows one decode-kernel program may hold in a verify graph ((k + 1) x group); more
+# than a decode's widest group would spill registers, so such steps take mixed-step graphs.
+MAX_VERIFY_ROWS = 64
+
 
 def tile_capacity(num_tokens: int, max_seqs: int, block_m: int, max_extend_seqs: int | None = None) -> int:
     """Extend tiles a step of `num_tokens` tokens can need: one per `block_m` tokens, plus
@@ -134,6 +138,11 @@ class TritonBackend(AttentionBackend):
 
     def supports_cuda_graphs(self) -> bool:
         return True
+
+    def max_verify_len(self) -> int:
+        # the decode kernel holds (k + 1) x group query rows a program: at most as many as a
+        # decode of the widest group we serve (64 rows), so its registers do not spill
+        return max(1, MAX_VERIFY_ROWS // (self.num_heads // self.num_kv_heads))
 
     def prepare(self, meta: AttentionMetadata, num_splits: int | None = None) -> None:
         """Host side: sort sequences into decodes and extend tiles; attach to meta.backend_data."""

@@ -55,14 +55,15 @@ class GraphRunner:
                  max_seq_len: int, prefetch: bool = True, verify_len: int = 0,
                  max_verify_batch: int = 0) -> None:
         """`verify_len`: k + 1 of a speculative config with k drafts (verify graphs for up to
-        `max_verify_batch` sequences; 0: none)."""
+        `max_verify_batch` sequences, where the backend takes k + 1 tokens a sequence; 0:
+        none)."""
         self.model, self.buffers, self.backend = model, buffers, buffers.backend
         self.device = buffers.device
         self.max_seq_len = max_seq_len
         self.prefetch = prefetch
         self.decode_keys = [GraphKey(b, 1) for b in graph_buckets(min(max_decode_batch, buffers.max_seqs))]
         self.verify_keys = []
-        if verify_len > 1 and max_verify_batch > 0:
+        if 1 < verify_len <= self.backend.max_verify_len() and max_verify_batch > 0:
             self.verify_keys = [GraphKey(b * verify_len, verify_len)
                                 for b in graph_buckets(min(max_verify_batch, buffers.max_seqs))
                                 if b * verify_len <= buffers.max_tokens]
