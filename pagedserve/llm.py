@@ -18,7 +18,29 @@ from pagedserve.sampling_params import SamplingParams
 
 logger = logging.getLogger("pagedserve")
 
-Prompt = str | list[int]
+# a text, token ids, or vLLM's TextPrompt / TokensPrompt dicts ({"prompt": text},
+# {"prompt_token_ids": ids})
+Prompt = str | list[int] | dict[str, Any]
+
+
+def _prompt_parts(prompt: Prompt) -> tuple[str | None, list[int] | None]:
+    """(text, token ids) of one prompt, exactly one of them set; a clear error otherwise."""
+    if isinstance(prompt, str):
+        return prompt, None
+    if isinstance(prompt, dict):
+        unknown = sorted(set(prompt) - {"prompt", "prompt_token_ids"})
+        if unknown or len(prompt) != 1:
+            raise ValueError(f"a prompt dict takes exactly one of 'prompt' (text) or 'prompt_token_ids', "
+                             f"not {sorted(prompt)}")
+        if "prompt" in prompt:
+            if not isinstance(prompt["prompt"], str):
+                raise TypeError("a prompt dict's 'prompt' must be a string")
+            return prompt["prompt"], None
+        prompt = prompt["prompt_token_ids"]
+    if isinstance(prompt, (list, tuple)) and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+        return None, list(prompt)
+    raise TypeError(f"a prompt is a string, a list of token ids or a dict with 'prompt' or 'prompt_token_ids', "
+                    f"not {type(prompt).__name__}")
 
 
 class LLM:
@@ -104,12 +126,13 @@ class LLM:
         use_tqdm: bool = True,
         priority: Sequence[int] | None = None,
     ) -> list[RequestOutput]:
-        """Generate for every prompt (text or token ids); results come in input order."""
-        if isinstance(prompts, str) or (
+        """Generate for every prompt (text, token ids, or vLLM's {"prompt": text} and
+        {"prompt_token_ids": ids} dicts); results come in input order."""
+        if isinstance(prompts, (str, dict)) or (
             isinstance(prompts, list) and prompts and isinstance(prompts[0], int)
         ):
             prompts = [prompts]  # type: ignore[list-item]
-        prompts = list(prompts)  # type: ignore[arg-type]
+        prompts = [_prompt_parts(p) for p in prompts]  # type: ignore[union-attr]
         params = _broadcast(sampling_params or self.get_default_sampling_params(), len(prompts),
                             "sampling_params")
         prios = list(priority) if priority is not None else [0] * len(prompts)
@@ -119,9 +142,10 @@ class LLM:
         proc = OutputProcessor(self.tokenizer, stream_text=False)
         children: dict[str, tuple[RequestOutput, int]] = {}
         try:
-            for prompt, p, prio in zip(prompts, params, prios):
-                ids = self.tokenizer.encode(prompt, add_special_tokens=True) if isinstance(prompt, str) else list(prompt)
-                ro = RequestOutput(str(next(self._ids)), prompt if isinstance(prompt, str) else None, ids)
+            for (text, ids), p, prio in zip(prompts, params, prios):
+                if text is not None:
+                    ids = self.tokenizer.encode(text, add_special_tokens=True)
+                ro = RequestOutput(str(next(self._ids)), text, ids)
                 results.append(ro)
                 for i in range(p.n):
                     child = p.for_sample(i)

@@ -115,6 +115,29 @@ def test_seeded_sampling_is_reproducible_across_batches(llm):
     llm.check_no_leaks()
 
 
+def test_prompts_as_vllm_prompt_dicts(llm):
+    """vLLM's TextPrompt and TokensPrompt dicts give what the text and ids give; any other
+    shape is refused by name before a request starts."""
+    p = SamplingParams(temperature=0, max_tokens=6)
+    text = "The capital of France is"
+    ids = llm.get_tokenizer().encode(text, add_special_tokens=True)
+    want = llm.generate(text, p, use_tqdm=False)[0]
+    for prompt in ({"prompt": text}, {"prompt_token_ids": ids}, [{"prompt_token_ids": ids}]):
+        got = llm.generate(prompt, p, use_tqdm=False)
+        assert len(got) == 1 and got[0].outputs[0].token_ids == want.outputs[0].token_ids
+        assert got[0].prompt_token_ids == ids
+    assert llm.generate({"prompt": text}, p, use_tqdm=False)[0].prompt == text
+    for bad, err in (({"prompt": text, "prompt_token_ids": ids}, "exactly one of"),
+                     ({"prompt_token_ids": ids, "cache_salt": "x"}, "exactly one of"),
+                     ({"prompt": ids}, "'prompt' must be a string"),
+                     ({"prompt_token_ids": ["a"]}, "list of token ids"),
+                     (3.5, "not float")):
+        with pytest.raises((TypeError, ValueError), match=err):
+            llm.generate([bad], p, use_tqdm=False)
+    assert not llm.engine.has_unfinished_requests()
+    llm.check_no_leaks()
+
+
 def test_stop_strings_and_stop_token_ids(llm):
     prompt = "List the numbers from one to ten: one, two, three,"
     base = llm.generate(prompt, SamplingParams(temperature=0, max_tokens=30, ignore_eos=True),
