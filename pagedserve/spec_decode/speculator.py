@@ -6,7 +6,9 @@ Speculation pauses when it does not pay: over the last PAUSE_WINDOW speculative 
 requests that could take drafts kept fewer than `min_accepted_per_step` of them per request
 and step (a workload that does not repeat itself: the steps then only run in sync for
 nothing); for the next PAUSE_STEPS steps nothing is proposed and steps keep async
-scheduling, then speculation is tried again.
+scheduling, then speculation is tried again. A trial that pauses again at once (its first
+window kept too few) doubles the next pause, up to MAX_PAUSE_STEPS, so a workload that never
+repeats spends ever fewer steps in sync; a window that keeps enough resets it.
 
 A request gets drafts only while its tokens are all on the host (the core runs speculative
 steps in sync) and it is decoding (one new token to compute). Its parameters apply at each
@@ -28,7 +30,8 @@ from pagedserve.spec_decode.ngram import NgramProposer
 
 logger = logging.getLogger("pagedserve")
 PAUSE_WINDOW = 16  # speculative steps whose kept drafts decide a pause
-PAUSE_STEPS = 64  # steps without speculation in a pause
+PAUSE_STEPS = 64  # steps without speculation in a first pause
+MAX_PAUSE_STEPS = 1024  # ... doubling after each trial that pauses again at once
 
 
 class Speculator:
@@ -46,6 +49,7 @@ class Speculator:
         self._window: deque[tuple[int, int]] = deque(maxlen=PAUSE_WINDOW)  # (requests, kept drafts)
         self._eligible = 0  # requests that could take drafts in the step proposed last
         self.paused_steps = 0  # steps left in the current pause
+        self.next_pause = PAUSE_STEPS  # steps the next pause lasts
         self.reset_stats()
 
     def reset_stats(self) -> None:
@@ -55,6 +59,7 @@ class Speculator:
         self.num_pauses = 0  # cumulative: times speculation paused
         self._window.clear()
         self.paused_steps = 0
+        self.next_pause = PAUSE_STEPS
 
     def active(self, running: list[Request]) -> bool:
         """Whether this step may speculate: at most `disable_by_batch_size` requests run and
@@ -111,17 +116,21 @@ class Speculator:
             self._judge()
 
     def _judge(self) -> None:
-        """Pause when the window is full and its requests kept too few drafts a step."""
+        """Pause when the window is full and its requests kept too few drafts a step (for
+        twice as long as last time if the pause before ended just one window ago)."""
         if len(self._window) == PAUSE_WINDOW:
             requests = sum(n for n, _ in self._window)
             kept = sum(k for _, k in self._window)
-            if kept < self.config.min_accepted_per_step * requests:
-                logger.info("speculation paused for %d steps: %.2f drafts kept a request and step over "
-                            "the last %d (min_accepted_per_step %.2f)", PAUSE_STEPS, kept / requests,
-                            PAUSE_WINDOW, self.config.min_accepted_per_step)
-                self.paused_steps = PAUSE_STEPS
-                self.num_pauses += 1
-                self._window.clear()
+            if kept >= self.config.min_accepted_per_step * requests:
+                self.next_pause = PAUSE_STEPS
+                return
+            logger.info("speculation paused for %d steps: %.2f drafts kept a request and step over "
+                        "the last %d (min_accepted_per_step %.2f)", self.next_pause, kept / requests,
+                        PAUSE_WINDOW, self.config.min_accepted_per_step)
+            self.paused_steps = self.next_pause
+            self.next_pause = min(2 * self.next_pause, MAX_PAUSE_STEPS)
+            self.num_pauses += 1
+            self._window.clear()
 
     @property
     def acceptance_rate(self) -> float:
