@@ -36,9 +36,21 @@ class APIError(Exception):
         self.headers = headers
 
 
+def _sendable(text: str | None) -> str | None:
+    """`text` with lone surrogates (from a request's JSON escapes such as \\ud800, quoted in a
+    message or naming a field) escaped: the body is sent as UTF-8, which cannot hold them."""
+    if text is None:
+        return None
+    try:
+        text.encode("utf-8")
+        return text
+    except UnicodeEncodeError:
+        return text.encode("utf-8", "backslashreplace").decode("utf-8")
+
+
 def error_body(status: int, message: str, param: str | None = None, code: str | None = None) -> dict:
-    return {"error": {"message": message, "type": _TYPES.get(status, "server_error"),
-                      "param": param, "code": code}}
+    return {"error": {"message": _sendable(message), "type": _TYPES.get(status, "server_error"),
+                      "param": _sendable(param), "code": code}}
 
 
 def error_response(status: int, message: str, param: str | None = None, code: str | None = None,

@@ -52,6 +52,38 @@ def _echo(server: Server, body: ResponsesRequest, chat: ChatCompletionRequest) -
     }
 
 
+def _lone_surrogate(value: Any, path: str) -> str | None:
+    """The path of the first string in `value` (a key or a value) holding a lone surrogate
+    (a JSON escape such as \\ud800 without its pair), which a UTF-8 response cannot carry."""
+    if isinstance(value, str):
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError:
+            return path
+    elif isinstance(value, dict):
+        for key, item in value.items():
+            found = _lone_surrogate(key, path) or _lone_surrogate(item, f"{path}.{key}")
+            if found:
+                return found
+    elif isinstance(value, list):
+        for i, item in enumerate(value):
+            found = _lone_surrogate(item, f"{path}.{i}")
+            if found:
+                return found
+    return None
+
+
+def _check_echo(echo: dict[str, Any]) -> None:
+    """A 400 naming the field when the request settings the response repeats (metadata,
+    user, tools, text.format, ...) hold a lone surrogate: sent, the response would fail
+    half-way (a 500, or a stream cut off)."""
+    for name, value in echo.items():
+        found = _lone_surrogate(value, name)
+        if found:
+            raise APIError(400, f"{found} is not valid Unicode: it holds a lone surrogate (an "
+                                "escape such as \\ud800 without its pair)", param=found)
+
+
 def _output(message: dict, status: str) -> list[dict]:
     """The output items of a finished chat message; the last has the response's status (an
     incomplete response was cut there), the others are complete."""
@@ -70,6 +102,8 @@ def _output(message: dict, status: str) -> list[dict]:
 
 async def create_response(server: Server, body: ResponsesRequest, request: Request):
     chat = chat_request(body)
+    echo = _echo(server, body, chat)
+    _check_echo(echo)
     try:
         p = await prepare_chat(server, chat)
     except APIError as e:
@@ -78,7 +112,7 @@ async def create_response(server: Server, body: ResponsesRequest, request: Reque
         p = dataclasses.replace(p, constraint_field="text.format")
     rid = new_id("resp", chat.user)
     head = ResponseHead("resp_" + rid.split("-", 1)[1], int(time.time()),
-                        server.check_model(body.model), _echo(server, body, chat))
+                        server.check_model(body.model), echo)
     if body.stream:
         try:
             events = await start_choices(server.client, request, rid, p.choices, chat.priority,

@@ -1,0 +1,59 @@
+"""Requests a fuzzing run (schemathesis on /openapi.json, and hand-made bodies) found the
+server mishandling, against the shared real server (conftest.py's `server`): each must get a
+400 naming its field, never a 500, a cut-off stream or a field silently ignored, and must
+leave the server able to serve.
+"""
+
+from __future__ import annotations
+
+import httpx
+import pytest
+from server_helpers import wait_idle
+from test_server_errors import assert_openai_error
+
+LONE = b"\\ud800"  # a JSON escape of half a surrogate pair: valid JSON, not valid Unicode
+
+
+def _post(server, path: str, body: bytes | dict) -> httpx.Response:
+    if isinstance(body, bytes):
+        return httpx.post(server.url + path, content=body, timeout=60,
+                          headers={"content-type": "application/json"})
+    return httpx.post(server.url + path, json=body, timeout=60)
+
+
+# (name, path, body, param): every one a 400 naming param
+FOUND = [
+    # the error answer itself quoted the surrogate and failed to encode (500)
+    ("unknown responses field named by a lone surrogate", "/v1/responses",
+     b'{"input": "hi", "' + LONE + b'": 1}', "\\ud800"),
+    ("unknown input item field named by a lone surrogate", "/v1/responses",
+     b'{"input": [{"role": "user", "content": "hi", "' + LONE + b'": 1}]}', "?"),
+    # fields the response object repeats: the answer failed half-way (500, or a stream cut off)
+    ("responses metadata", "/v1/responses",
+     b'{"input": "hi", "max_output_tokens": 2, "metadata": {"a": "' + LONE + b'"}}', "metadata.a"),
+    ("responses metadata streamed", "/v1/responses",
+     b'{"input": "hi", "max_output_tokens": 2, "stream": true, "metadata": {"a": "' + LONE + b'"}}',
+     "metadata.a"),
+    ("responses metadata key", "/v1/responses",
+     b'{"input": "hi", "max_output_tokens": 2, "metadata": {"' + LONE + b'": "a"}}', "metadata"),
+    ("responses user", "/v1/responses",
+     b'{"input": "hi", "max_output_tokens": 2, "user": "' + LONE + b'"}', "user"),
+    ("responses tool description", "/v1/responses",
+     b'{"input": "hi", "max_output_tokens": 2, "tool_choice": "required", "tools": [{"type": '
+     b'"function", "name": "f", "description": "' + LONE + b'"}]}', "tools.0.description"),
+]
+
+
+@pytest.mark.parametrize("name,path,body,param", FOUND, ids=[c[0] for c in FOUND])
+def test_found_by_fuzzing(server, name, path, body, param):
+    assert_openai_error(_post(server, path, body), 400, param)
+    assert httpx.get(server.url + "/health", timeout=10).status_code == 200, server.log_tail()
+
+
+def test_the_fields_still_work_together(server):
+    """The near misses of what is refused above still work."""
+    r = _post(server, "/v1/responses", {"input": "hi", "max_output_tokens": 2,
+                                        "metadata": {"a": "\U0001f600"}})  # a proper pair
+    assert r.status_code == 200, r.text
+    assert r.json()["metadata"] == {"a": "\U0001f600"}
+    wait_idle(server.url)
