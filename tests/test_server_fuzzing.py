@@ -9,7 +9,7 @@ from __future__ import annotations
 import httpx
 import pytest
 from server_helpers import wait_idle
-from test_server_errors import assert_openai_error
+from test_server_errors import USER, assert_openai_error
 
 LONE = b"\\ud800"  # a JSON escape of half a surrogate pair: valid JSON, not valid Unicode
 
@@ -41,6 +41,16 @@ FOUND = [
     ("responses tool description", "/v1/responses",
      b'{"input": "hi", "max_output_tokens": 2, "tool_choice": "required", "tools": [{"type": '
      b'"function", "name": "f", "description": "' + LONE + b'"}]}', "tools.0.description"),
+    # fields that took no effect without the field they need (OpenAI and vLLM refuse them)
+    ("top_logprobs without logprobs", "/v1/chat/completions",
+     {"messages": USER, "max_tokens": 2, "top_logprobs": 5}, "top_logprobs"),
+    ("top_logprobs with logprobs false", "/v1/chat/completions",
+     {"messages": USER, "max_tokens": 2, "logprobs": False, "top_logprobs": 0}, "top_logprobs"),
+    ("stream_options without stream", "/v1/completions",
+     {"prompt": "x", "max_tokens": 2, "stream_options": {"include_usage": True}}, "stream_options"),
+    ("chat stream_options with stream false", "/v1/chat/completions",
+     {"messages": USER, "max_tokens": 2, "stream": False, "stream_options": {"include_usage": True}},
+     "stream_options"),
 ]
 
 
@@ -52,6 +62,10 @@ def test_found_by_fuzzing(server, name, path, body, param):
 
 def test_the_fields_still_work_together(server):
     """The near misses of what is refused above still work."""
+    r = _post(server, "/v1/chat/completions", {"messages": USER, "max_tokens": 2, "logprobs": True,
+                                               "top_logprobs": 2, "temperature": 0})
+    assert r.status_code == 200, r.text
+    assert len(r.json()["choices"][0]["logprobs"]["content"][0]["top_logprobs"]) == 2
     r = _post(server, "/v1/responses", {"input": "hi", "max_output_tokens": 2,
                                         "metadata": {"a": "\U0001f600"}})  # a proper pair
     assert r.status_code == 200, r.text

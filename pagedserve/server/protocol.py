@@ -68,6 +68,12 @@ class UnsupportedField(ValueError):
         self.param = name
 
 
+class InvalidField(UnsupportedField):
+    """A field that cannot take effect as sent (it needs another field): a 400 naming it."""
+
+    code = "invalid_value"
+
+
 class _Body(BaseModel):
     """A request body: refuses UNSUPPORTED fields that ask for something, logs unknown ones."""
 
@@ -189,6 +195,12 @@ class _SamplingFields(_Body):
         if len(items) > 16 or any(not s for s in items):
             raise ValueError("stop must hold at most 16 non-empty strings")
         return v
+
+    @model_validator(mode="after")
+    def _stream_options_need_stream(self):
+        if self.stream_options is not None and not self.stream:  # (as OpenAI and vLLM)
+            raise InvalidField("stream_options", "only allowed with stream: true")
+        return self
 
     def with_defaults(self, defaults: dict[str, float | int]) -> _SamplingFields:
         """This request with the model's `defaults` (`--generation-config`) for the sampling
@@ -337,6 +349,13 @@ class ChatCompletionRequest(_SamplingFields):
     add_generation_prompt: bool = True
     chat_template: str | None = None  # a template of the request's own (vLLM's field)
     chat_template_kwargs: dict[str, Any] | None = None
+
+    @model_validator(mode="after")
+    def _top_logprobs_need_logprobs(self):
+        if self.top_logprobs is not None and not self.logprobs:  # (as OpenAI and vLLM)
+            raise InvalidField("top_logprobs", "needs logprobs: true (without it no logprobs "
+                                               "are returned)")
+        return self
 
     @property
     def output_limit(self) -> int | None:
