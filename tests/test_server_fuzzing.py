@@ -51,6 +51,10 @@ FOUND = [
     ("chat stream_options with stream false", "/v1/chat/completions",
      {"messages": USER, "max_tokens": 2, "stream": False, "stream_options": {"include_usage": True}},
      "stream_options"),
+    # token ids no model has came back as "<|id:-1|>" (200)
+    ("detokenize negative id", "/detokenize", {"tokens": [1, -1]}, "tokens"),
+    ("detokenize id past the vocabulary", "/detokenize", {"tokens": [49152]}, "tokens"),
+    ("detokenize id beyond 64 bits", "/detokenize", {"tokens": [2**64]}, "tokens"),
 ]
 
 
@@ -66,6 +70,7 @@ def test_the_fields_still_work_together(server):
                                                "top_logprobs": 2, "temperature": 0})
     assert r.status_code == 200, r.text
     assert len(r.json()["choices"][0]["logprobs"]["content"][0]["top_logprobs"]) == 2
+    assert _post(server, "/detokenize", {"tokens": [0, 49151]}).status_code == 200
     r = _post(server, "/v1/responses", {"input": "hi", "max_output_tokens": 2,
                                         "metadata": {"a": "\U0001f600"}})  # a proper pair
     assert r.status_code == 200, r.text

@@ -248,6 +248,10 @@ def create_app(settings: ServerSettings, core: SpawnedCore | None = None) -> Fas
     @app.post("/detokenize")
     async def detokenize(body: DetokenizeRequest):
         server.check_model(body.model)
+        vocab = server.vocab_size  # (as a prompt's ids: engine/limits.py)
+        if body.tokens and (min(body.tokens) < 0 or max(body.tokens) >= vocab):
+            bad = [t for t in body.tokens if not 0 <= t < vocab]
+            raise APIError(400, f"token ids out of range [0, {vocab}): {bad[:5]}", param="tokens")
         return {"prompt": await server.decode_async(body.tokens, skip_special_tokens=False)}
 
     @app.post("/generate")
