@@ -55,6 +55,11 @@ FOUND = [
     ("detokenize negative id", "/detokenize", {"tokens": [1, -1]}, "tokens"),
     ("detokenize id past the vocabulary", "/detokenize", {"tokens": [49152]}, "tokens"),
     ("detokenize id beyond 64 bits", "/detokenize", {"tokens": [2**64]}, "tokens"),
+    # a stop id past the vocabulary is never sampled: it silently never stopped anything (200)
+    ("stop_token_ids past the vocabulary", "/v1/completions",
+     {"prompt": "x", "max_tokens": 2, "stop_token_ids": [2, 49152]}, "stop_token_ids"),
+    ("chat stop_token_ids past the vocabulary", "/v1/chat/completions",
+     {"messages": USER, "max_tokens": 2, "stop_token_ids": [10**9]}, "stop_token_ids"),
 ]
 
 
@@ -71,6 +76,8 @@ def test_the_fields_still_work_together(server):
     assert r.status_code == 200, r.text
     assert len(r.json()["choices"][0]["logprobs"]["content"][0]["top_logprobs"]) == 2
     assert _post(server, "/detokenize", {"tokens": [0, 49151]}).status_code == 200
+    assert _post(server, "/v1/completions", {"prompt": "x", "max_tokens": 2,
+                                             "stop_token_ids": [0, 49151]}).status_code == 200
     r = _post(server, "/v1/responses", {"input": "hi", "max_output_tokens": 2,
                                         "metadata": {"a": "\U0001f600"}})  # a proper pair
     assert r.status_code == 200, r.text

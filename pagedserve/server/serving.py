@@ -182,6 +182,11 @@ def make_params(build, max_tokens: int, logprobs: int | None, vocab_size: int) -
     try:
         params = build(max_tokens, logprobs)
         check_logit_bias(params.logit_bias, vocab_size)
+        stop_ids = params.stop_token_ids
+        if stop_ids and max(stop_ids) >= vocab_size:  # (an id never sampled: it would never stop)
+            bad = sorted({t for t in stop_ids if t >= vocab_size})
+            raise PromptError(f"stop_token_ids out of range [0, {vocab_size}): {bad[:5]}",
+                              param="stop_token_ids")
     except PromptError as e:
         raise APIError(400, str(e), param=e.param) from None
     except ValueError as e:
