@@ -63,6 +63,20 @@ FOUND = [
 ]
 
 
+# bodies FastAPI cannot parse: "There was an error parsing the body" named nothing
+UNPARSED = [
+    (b'{"prompt": "\xff\xfe", "max_tokens": 2}', "not valid UTF-8"),
+    (b'{"prompt": "x", "n": ' + b"[" * 100_000 + b"]" * 100_000 + b"}", "nested too deeply"),
+    (b'{"prompt": "x", "max_tokens": ' + b"9" * 5000 + b"}", "integer string conversion"),
+]
+
+
+@pytest.mark.parametrize("body,says", UNPARSED, ids=["invalid UTF-8", "deep", "huge integer"])
+def test_an_unparsable_body_says_why(server, body, says):
+    err = assert_openai_error(_post(server, "/v1/completions", body), 400, None)
+    assert says in err["message"], err
+
+
 @pytest.mark.parametrize("name,path,body,param", FOUND, ids=[c[0] for c in FOUND])
 def test_found_by_fuzzing(server, name, path, body, param):
     assert_openai_error(_post(server, path, body), 400, param)

@@ -81,12 +81,28 @@ def install_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(StarletteHTTPException)
     async def _http(_: Request, e: StarletteHTTPException):
-        return error_response(e.status_code, str(e.detail), headers=getattr(e, "headers", None))
+        return error_response(e.status_code, _parse_error(e) or str(e.detail),
+                              headers=getattr(e, "headers", None))
 
     @app.exception_handler(Exception)
     async def _unexpected(_: Request, e: Exception):
         logger.exception("unexpected error while serving a request")
         return error_response(500, f"internal error: {type(e).__name__}")
+
+
+def _parse_error(e: StarletteHTTPException) -> str | None:
+    """What was wrong with a body FastAPI could not parse (its own answer, "There was an error
+    parsing the body", names nothing); None for other errors."""
+    cause = e.__cause__
+    if e.status_code != 400 or cause is None:
+        return None
+    if isinstance(cause, UnicodeDecodeError):
+        return f"the request body is not valid UTF-8 (at byte {cause.start})"
+    if isinstance(cause, RecursionError):
+        return "the request body's JSON is nested too deeply"
+    if isinstance(cause, ValueError):  # e.g. an integer of more than 4,300 digits
+        return f"the request body is not valid JSON: {cause}"
+    return None
 
 
 def _describe(err: dict) -> str:
