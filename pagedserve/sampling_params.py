@@ -32,7 +32,8 @@ class SamplingParams:
     """How one request samples tokens and when it stops, shaped like vLLM's.
 
     Validated on construction (and on `clone()`); every invalid value raises a `ValueError`
-    naming the field. `stop` and `stop_token_ids` are normalised to lists, `top_k == -1` to 0.
+    naming the field. `stop` and `stop_token_ids` are normalised to lists (the ids without
+repeats), `top_k == -1` to 0.
     """
 
     n: int = 1
@@ -60,6 +61,8 @@ class SamplingParams:
     def __post_init__(self) -> None:
         self._normalise()
         self._validate()
+        # (each new token is checked against these at every step: no repeats)
+        self.stop_token_ids = list(dict.fromkeys(self.stop_token_ids))
 
     def _normalise(self) -> None:
         if self.stop is None:

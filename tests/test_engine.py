@@ -242,5 +242,7 @@ def test_bad_requests_raise_clear_errors(llm):
         llm.generate([[5, 10**7]], SamplingParams(max_tokens=1), use_tqdm=False)
     with pytest.raises(ValueError, match="temperature"):
         SamplingParams(temperature=-1)
+    # a long list of repeated stop ids is checked once per id, not per repeat
+    assert SamplingParams(stop_token_ids=[7, 5] * 100_000 + [9]).stop_token_ids == [7, 5, 9]
     llm.check_no_leaks()
     assert llm.generate("Still fine", SamplingParams(max_tokens=2), use_tqdm=False)[0].outputs[0].token_ids

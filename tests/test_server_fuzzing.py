@@ -60,6 +60,18 @@ FOUND = [
      {"prompt": "x", "max_tokens": 2, "stop_token_ids": [2, 49152]}, "stop_token_ids"),
     ("chat stop_token_ids past the vocabulary", "/v1/chat/completions",
      {"messages": USER, "max_tokens": 2, "stop_token_ids": [10**9]}, "stop_token_ids"),
+    # a choice no output can hold: the output was "\ufffd\ufffd", not the choice (200)
+    ("guided_choice with a lone surrogate", "/v1/completions",
+     b'{"prompt": "x", "max_tokens": 4, "guided_choice": ["a", "' + LONE + b'"]}', "guided_choice"),
+    ("required tool whose parameters hold a lone surrogate", "/v1/chat/completions",
+     b'{"messages": [{"role": "user", "content": "hi"}], "max_tokens": 4, "tool_choice": "required", '
+     b'"tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "object", '
+     b'"properties": {"' + LONE + b'": {"type": "string"}}}}}]}', "tools"),
+    # a schema sent with type "text" silently did nothing (200, free text)
+    ("response_format text with a json_schema", "/v1/chat/completions",
+     {"messages": USER, "max_tokens": 2,
+      "response_format": {"type": "text", "json_schema": {"name": "x", "schema": {"type": "object"}}}},
+     "response_format"),
 ]
 
 

@@ -138,6 +138,9 @@ class ResponseFormat(_Body):
     def _schema_given(self):
         if self.type == "json_schema" and self.json_schema is None:
             raise ValueError('response_format of type "json_schema" needs its json_schema object')
+        if self.type != "json_schema" and self.json_schema is not None:  # (it would do nothing)
+            raise ValueError(f'response_format of type "{self.type}" takes no json_schema (its '
+                             'type would be "json_schema")')
         return self
 
 

@@ -112,6 +112,15 @@ def _required_schema(tools: list[dict[str, Any]], one: bool) -> dict[str, Any]:
     return schema
 
 
+def _constraint(schema: dict[str, Any]) -> StructuredOutputsParams:
+    """The output constraint of a schema built from the tools; a 400 naming `tools` for one
+    no output can follow."""
+    try:
+        return StructuredOutputsParams(json=schema)
+    except ValueError as e:
+        raise APIError(400, f"tools: {e}", param="tools") from None
+
+
 def plan_tools(body: ChatCompletionRequest, settings: ToolSettings) -> ToolPlan | None:
     """The tool plan of a chat request (None: it sent no tools); APIError 400 for a choice
     that cannot be honoured."""
@@ -138,14 +147,14 @@ def plan_tools(body: ChatCompletionRequest, settings: ToolSettings) -> ToolPlan 
         return ToolPlan("auto", tools, None, parser_name=settings.tool_call_parser,
                         max_calls=1 if one else None, id_format=ids)
     if choice == "required":
-        spec = StructuredOutputsParams(json=_required_schema(tools, one))
+        spec = _constraint(_required_schema(tools, one))
         return ToolPlan("required", tools, spec, max_calls=1 if one else None, id_format=ids)
     name = choice.function.name
     if name not in names:
         raise APIError(400, f"tool_choice names the function {name!r}, which is not among the "
                             f"tools ({', '.join(names)})", param="tool_choice")
     parameters = tools[names.index(name)]["function"].get("parameters") or ANY_OBJECT
-    return ToolPlan("named", tools, StructuredOutputsParams(json=parameters), function=name,
+    return ToolPlan("named", tools, _constraint(parameters), function=name,
                     id_format=ids)
 
 
