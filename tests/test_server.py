@@ -163,14 +163,21 @@ def test_stop_string(client):
 
 
 def test_echo_and_logprobs(client):
-    r = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=5, temperature=0,
-                                  echo=True, logprobs=2)
+    """echo and logprobs each work alone; together they would need the prompt's logprobs
+    (OpenAI scores the prompt too, as lm-eval's loglikelihood expects), which the engine does
+    not compute yet: a 400 naming echo, not an answer scoring the completion only."""
+    r = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=5, temperature=0, echo=True)
     c = r.choices[0]
-    assert c.text.startswith(PROMPT) and len(c.text) > len(PROMPT)
+    assert c.text.startswith(PROMPT) and len(c.text) > len(PROMPT) and c.logprobs is None
+    with pytest.raises(openai.BadRequestError) as e:
+        client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=5, echo=True, logprobs=2)
+    assert e.value.body["param"] == "echo"
+    r = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=5, temperature=0, logprobs=2)
+    c = r.choices[0]
     lp = c.logprobs
     assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == 5
-    assert "".join(lp.tokens) == c.text[len(PROMPT):]
-    assert lp.text_offset[0] == len(PROMPT)
+    assert "".join(lp.tokens) == c.text
+    assert lp.text_offset[0] == 0
     for token, logprob, top in zip(lp.tokens, lp.token_logprobs, lp.top_logprobs):
         assert logprob <= 0 and token in top
         assert logprob == pytest.approx(max(top.values()))  # greedy takes the most likely

@@ -268,6 +268,13 @@ class CompletionRequest(_SamplingFields):
             raise ValueError("prompt token id lists must not be empty")
         return v
 
+    @model_validator(mode="after")
+    def _echo_without_prompt_logprobs(self):
+        if self.echo and self.logprobs is not None:  # (OpenAI's answer scores the prompt too)
+            raise InvalidField("echo", "with logprobs would need the prompt's log-probabilities, "
+                                       "which this server does not compute yet; send echo or logprobs")
+        return self
+
     def prompts(self) -> list[str | list[int]]:
         """The prompt field as a list of prompts (text or token ids)."""
         p = self.prompt
