@@ -357,3 +357,16 @@ def test_allowed_token_mask_restricts_each_row(device):
         assert not temperature_only(batch)
         out = sampler(logits, batch).token_ids.tolist()
         assert out[0] == 37 and out[1] in (2, 67) and out[2] == logits[2].argmax().item()
+
+
+def test_exponential_noise_is_exp1_and_follows_its_generator():
+    """The race's noise (drawn from uniforms on the CPU): Exp(1) (mean 1, variance 1, P(x >
+    1) = 1/e), finite, the same draws from the same seed."""
+    from pagedserve.layers.sampler import fill_exponential_
+
+    x = fill_exponential_(torch.empty(400_000), torch.Generator().manual_seed(3))
+    assert torch.isfinite(x).all() and (x >= 0).all()
+    assert abs(x.mean().item() - 1) < 0.01 and abs(x.var().item() - 1) < 0.02
+    assert abs((x > 1).float().mean().item() - math.exp(-1)) < 0.005
+    again = fill_exponential_(torch.empty(400_000), torch.Generator().manual_seed(3))
+    assert torch.equal(x, again)

@@ -253,13 +253,22 @@ def apply_top_k_top_p(logits: Tensor, batch: SamplingBatch) -> Tensor:
     return torch.empty_like(logits).scatter_(1, order, sorted_logits)
 
 
+def fill_exponential_(t: Tensor, generator: torch.Generator | None = None) -> Tensor:
+    """Fill `t` with Exp(1) draws, in place. On the CPU as -log(1 - U) from uniform draws:
+    torch's CPU exponential_ is not vectorised (13 ms for 16 x 49,152 on 2 cores, against
+    2.7), and sampling at temperature 1 then cost 16 ms of a tiny model's 22 ms step."""
+    if t.is_cuda:
+        return t.exponential_(generator=generator)
+    return t.uniform_(generator=generator).neg_().log1p_().neg_()
+
+
 def _exponential_noise(probs: Tensor, batch: SamplingBatch) -> Tensor:
     """[N, V] Exp(1) noise: default generator for unseeded rows (one call), own ones else."""
     noise = torch.empty_like(probs)  # rows left unfilled are greedy; their result is dropped
     if batch.any_unseeded_random:
-        noise.exponential_()
+        fill_exponential_(noise)
     for row, gen in batch.seeded:
-        noise[row].exponential_(generator=gen)  # always V draws per step from this generator
+        fill_exponential_(noise[row], gen)  # always V draws per step from this generator
     # Exp(1) can return exactly 0; keep the ratio finite so a 0-prob token never wins.
     return noise.clamp_(min=torch.finfo(noise.dtype).tiny)
 

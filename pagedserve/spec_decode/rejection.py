@@ -18,6 +18,8 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from pagedserve.layers.sampler import fill_exponential_
+
 
 @dataclass
 class RejectionOutput:
@@ -36,9 +38,9 @@ Seeded = list[tuple[int, int, torch.Generator]]
 def _sample_rows(probs: Tensor, generator: torch.Generator | None, seeded: Seeded) -> Tensor:
     """One token per row of probs [N, k + 1, V] (unnormalised, non-negative): argmax of
     probs / Exp(1) noise, the exponential race (same law as a categorical draw)."""
-    noise = torch.empty_like(probs).exponential_(generator=generator)
+    noise = fill_exponential_(torch.empty_like(probs), generator)
     for i, d, gen in seeded:  # (d + 1) x V draws from the row's own generator
-        noise[i, : d + 1] = torch.empty_like(noise[i, : d + 1]).exponential_(generator=gen)
+        noise[i, : d + 1] = fill_exponential_(torch.empty_like(noise[i, : d + 1]), gen)
     return (probs / noise.clamp_(min=torch.finfo(probs.dtype).tiny)).argmax(dim=-1)
 
 
