@@ -89,6 +89,13 @@ def test_an_unparsable_body_says_why(server, body, says):
     assert says in err["message"], err
 
 
+def test_a_body_without_the_json_content_type_says_so(server):
+    r = httpx.post(server.url + "/v1/completions", content=b'{"prompt": "x", "max_tokens": 2}',
+                   headers={"content-type": "text/plain"}, timeout=60)
+    err = assert_openai_error(r, 400, None)
+    assert "Content-Type: application/json" in err["message"], err
+
+
 @pytest.mark.parametrize("name,path,body,param", FOUND, ids=[c[0] for c in FOUND])
 def test_found_by_fuzzing(server, name, path, body, param):
     assert_openai_error(_post(server, path, body), 400, param)

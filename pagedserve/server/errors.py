@@ -108,6 +108,8 @@ def _parse_error(e: StarletteHTTPException) -> str | None:
 def _describe(err: dict) -> str:
     loc = ".".join(str(x) for x in err.get("loc", ()) if x != "body") or "body"
     msg = err.get("msg", "invalid value")
+    if isinstance(err.get("input"), (bytes, bytearray)):  # (no JSON content type: raw bytes)
+        return f"{loc}: the body was not read as JSON; send it with Content-Type: application/json"
     try:
         value = json.dumps(err.get("input"))[:80]
     except (TypeError, ValueError):
