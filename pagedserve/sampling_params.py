@@ -33,7 +33,7 @@ class SamplingParams:
 
     Validated on construction (and on `clone()`); every invalid value raises a `ValueError`
     naming the field. `stop` and `stop_token_ids` are normalised to lists (the ids without
-repeats), `top_k == -1` to 0.
+    repeats), `top_k == -1` to 0.
     """
 
     n: int = 1

@@ -362,7 +362,7 @@ def test_allowed_token_mask_restricts_each_row(device):
 def test_exponential_noise_is_exp1_and_follows_its_generator():
     """The race's noise (drawn from uniforms on the CPU): Exp(1) (mean 1, variance 1, P(x >
     1) = 1/e), finite, the same draws from the same seed."""
-    from pagedserve.layers.sampler import fill_exponential_
+    from pagedserve.layers.sampling_noise import fill_exponential_
 
     x = fill_exponential_(torch.empty(400_000), torch.Generator().manual_seed(3))
     assert torch.isfinite(x).all() and (x >= 0).all()

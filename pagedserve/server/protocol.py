@@ -70,7 +70,6 @@ class UnsupportedField(ValueError):
 
 class InvalidField(UnsupportedField):
     """A field that cannot take effect as sent (it needs another field): a 400 naming it."""
-
     code = "invalid_value"
 
 
@@ -271,8 +270,7 @@ class CompletionRequest(_SamplingFields):
     @model_validator(mode="after")
     def _echo_without_prompt_logprobs(self):
         if self.echo and self.logprobs is not None:  # (OpenAI's answer scores the prompt too)
-            raise InvalidField("echo", "with logprobs would need the prompt's log-probabilities, "
-                                       "which this server does not compute yet; send echo or logprobs")
+            raise InvalidField("echo", "with logprobs needs prompt logprobs (not computed yet)")
         return self
 
     def prompts(self) -> list[str | list[int]]:

@@ -31,6 +31,7 @@ from pagedserve.server.responses_stream import (
     stream_response,
 )
 from pagedserve.server.serving import Server, generate_all, new_id, start_choices
+from pagedserve.unicode_checks import lone_surrogate_path
 
 
 def _echo(server: Server, body: ResponsesRequest, chat: ChatCompletionRequest) -> dict[str, Any]:
@@ -52,33 +53,12 @@ def _echo(server: Server, body: ResponsesRequest, chat: ChatCompletionRequest) -
     }
 
 
-def _lone_surrogate(value: Any, path: str) -> str | None:
-    """The path of the first string in `value` (a key or a value) holding a lone surrogate
-    (a JSON escape such as \\ud800 without its pair), which a UTF-8 response cannot carry."""
-    if isinstance(value, str):
-        try:
-            value.encode("utf-8")
-        except UnicodeEncodeError:
-            return path
-    elif isinstance(value, dict):
-        for key, item in value.items():
-            found = _lone_surrogate(key, path) or _lone_surrogate(item, f"{path}.{key}")
-            if found:
-                return found
-    elif isinstance(value, list):
-        for i, item in enumerate(value):
-            found = _lone_surrogate(item, f"{path}.{i}")
-            if found:
-                return found
-    return None
-
-
 def _check_echo(echo: dict[str, Any]) -> None:
     """A 400 naming the field when the request settings the response repeats (metadata,
     user, tools, text.format, ...) hold a lone surrogate: sent, the response would fail
     half-way (a 500, or a stream cut off)."""
     for name, value in echo.items():
-        found = _lone_surrogate(value, name)
+        found = lone_surrogate_path(value, name)
         if found:
             raise APIError(400, f"{found} is not valid Unicode: it holds a lone surrogate (an "
                                 "escape such as \\ud800 without its pair)", param=found)

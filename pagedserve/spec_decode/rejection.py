@@ -18,7 +18,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from pagedserve.layers.sampler import fill_exponential_
+from pagedserve.layers.sampling_noise import fill_exponential_
 
 
 @dataclass

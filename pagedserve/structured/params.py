@@ -8,6 +8,8 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
+from pagedserve.unicode_checks import lone_surrogate_path
+
 KINDS = ("json", "json_object", "regex", "choice", "grammar")
 
 
@@ -48,7 +50,7 @@ class StructuredOutputsParams:
             value = getattr(self, name)
             if value is not None and (not isinstance(value, str) or not value):
                 raise ValueError(f"structured_outputs {name} must be a non-empty string")
-        if _has_lone_surrogate(getattr(self, self.kind)):
+        if lone_surrogate_path(getattr(self, self.kind), self.kind):
             raise ValueError(f"structured_outputs {self.kind} holds a lone surrogate (an escape such "
                              "as \\ud800 without its pair): no output can contain it")
 
@@ -64,17 +66,3 @@ class StructuredOutputsParams:
             return kind, json.dumps(value, sort_keys=True)
         return kind, "" if kind == "json_object" else value
 
-
-def _has_lone_surrogate(value: Any) -> bool:
-    """Whether a string in `value` (keys too) cannot be encoded as UTF-8."""
-    if isinstance(value, str):
-        try:
-            value.encode("utf-8")
-        except UnicodeEncodeError:
-            return True
-        return False
-    if isinstance(value, dict):
-        return any(_has_lone_surrogate(k) or _has_lone_surrogate(v) for k, v in value.items())
-    if isinstance(value, (list, tuple)):
-        return any(_has_lone_surrogate(v) for v in value)
-    return False
