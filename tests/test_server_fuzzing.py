@@ -27,7 +27,7 @@ FOUND = [
     ("unknown responses field named by a lone surrogate", "/v1/responses",
      b'{"input": "hi", "' + LONE + b'": 1}', "\\ud800"),
     ("unknown input item field named by a lone surrogate", "/v1/responses",
-     b'{"input": [{"role": "user", "content": "hi", "' + LONE + b'": 1}]}', "?"),
+     b'{"input": [{"role": "user", "content": "hi", "' + LONE + b'": 1}]}', "input.0.\\ud800"),
     # fields the response object repeats: the answer failed half-way (500, or a stream cut off)
     ("responses metadata", "/v1/responses",
      b'{"input": "hi", "max_output_tokens": 2, "metadata": {"a": "' + LONE + b'"}}', "metadata.a"),
