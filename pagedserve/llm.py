@@ -190,6 +190,7 @@ class LLM:
             if s is not None:
                 ro.outputs.append(s.to_completion())
                 ro.num_cached_tokens = s.num_cached_tokens
+                ro.prompt_logprobs = ro.prompt_logprobs or s.prompt_logprobs
         for ro, _ in children.values():
             ro.outputs.sort(key=lambda o: o.index)
             ro.finished = all(o.finished for o in ro.outputs)

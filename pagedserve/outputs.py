@@ -32,6 +32,9 @@ class RequestOutput:
     outputs: list[CompletionOutput] = field(default_factory=list)
     finished: bool = False
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache
+    # with SamplingParams.prompt_logprobs: per prompt token, {token id: logprob} of it and the
+    # top-k given the tokens before it; None for the first
+    prompt_logprobs: list[dict[int, float] | None] | None = None
 
     @property
     def num_prompt_tokens(self) -> int:

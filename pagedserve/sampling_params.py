@@ -51,6 +51,7 @@ class SamplingParams:
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     logprobs: int | None = None  # top logprobs per generated token; 0 = the sampled one only
+    prompt_logprobs: int | None = None  # ... per prompt token (after the first); 0 = its own
     # token id -> bias in [-100, 100] added to its logit before sampling (OpenAI's logit_bias)
     logit_bias: dict[int, float] | None = None
     # constrain the output to a JSON schema, a regex, a choice or a grammar
@@ -134,12 +135,10 @@ class SamplingParams:
             value = getattr(self, name)
             if not _is_number(value) or not -2 <= value <= 2:
                 raise ValueError(f"{name} must be in [-2, 2], got {value!r}")
-        if self.logprobs is not None and (
-            not _is_int(self.logprobs) or not 0 <= self.logprobs <= MAX_LOGPROBS
-        ):
-            raise ValueError(
-                f"logprobs must be in [0, {MAX_LOGPROBS}] or None, got {self.logprobs!r}"
-            )
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(self, name)
+            if value is not None and (not _is_int(value) or not 0 <= value <= MAX_LOGPROBS):
+                raise ValueError(f"{name} must be in [0, {MAX_LOGPROBS}] or None, got {value!r}")
 
     @property
     def greedy(self) -> bool:

@@ -163,24 +163,32 @@ def test_stop_string(client):
 
 
 def test_echo_and_logprobs(client):
-    """echo and logprobs each work alone; together they would need the prompt's logprobs
-    (OpenAI scores the prompt too, as lm-eval's loglikelihood expects), which the engine does
-    not compute yet: a 400 naming echo, not an answer scoring the completion only."""
-    r = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=5, temperature=0, echo=True)
+    """echo with logprobs scores the prompt too, as OpenAI's legacy completions do: the
+    prompt's tokens (the first without a logprob), then the completion's, text offsets
+    running through both; streamed, the echo chunk carries the prompt's scores."""
+    r = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=5, temperature=0,
+                                  echo=True, logprobs=2)
     c = r.choices[0]
-    assert c.text.startswith(PROMPT) and len(c.text) > len(PROMPT) and c.logprobs is None
-    with pytest.raises(openai.BadRequestError) as e:
-        client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=5, echo=True, logprobs=2)
-    assert e.value.body["param"] == "echo"
-    r = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=5, temperature=0, logprobs=2)
-    c = r.choices[0]
+    assert c.text.startswith(PROMPT) and len(c.text) > len(PROMPT)
     lp = c.logprobs
-    assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == 5
-    assert "".join(lp.tokens) == c.text
-    assert lp.text_offset[0] == 0
-    for token, logprob, top in zip(lp.tokens, lp.token_logprobs, lp.top_logprobs):
-        assert logprob <= 0 and token in top
+    n_prompt = r.usage.prompt_tokens
+    assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == n_prompt + 5
+    assert "".join(lp.tokens[:n_prompt]) == PROMPT and "".join(lp.tokens[n_prompt:]) == c.text[len(PROMPT):]
+    assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
+    assert lp.text_offset[0] == 0 and lp.text_offset[n_prompt] == len(PROMPT)
+    for token, logprob, top in zip(lp.tokens[1:], lp.token_logprobs[1:], lp.top_logprobs[1:]):
+        assert logprob <= 0 and token in top and len(top) in (2, 3)
+    for logprob, top in zip(lp.token_logprobs[n_prompt:], lp.top_logprobs[n_prompt:]):
         assert logprob == pytest.approx(max(top.values()))  # greedy takes the most likely
+    # the prompt's scores are the model's: the offline engine gives the same
+    plain = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=5, temperature=0, logprobs=2)
+    assert plain.choices[0].logprobs.token_logprobs == pytest.approx(lp.token_logprobs[n_prompt:], abs=1e-4)
+    stream = list(client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=5, temperature=0,
+                                            echo=True, logprobs=2, stream=True))
+    first = stream[0].choices[0]
+    assert first.text == PROMPT and first.logprobs.token_logprobs == pytest.approx(
+        lp.token_logprobs[:n_prompt], abs=1e-4)
+    assert "".join(ch.choices[0].text for ch in stream if ch.choices) == c.text
 
 
 def test_chat_logprobs(client):

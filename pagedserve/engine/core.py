@@ -332,6 +332,9 @@ class EngineCore:
             req = self.requests.get(rid)
             if req is not None:
                 outputs.append(self._fail_request(req, why))
+        for rid, (first, entries) in result.prompt_logprobs.items():
+            if (req := self.requests.get(rid)) is not None:
+                req.add_prompt_logprobs(first, entries)
         updated = self.scheduler.apply_results(out, result.token_ids)
         if self.speculator is not None:
             self.speculator.record(out.chunks, result.token_ids)
@@ -354,6 +357,8 @@ class EngineCore:
                         num_cached_tokens=req.num_cached_tokens)
         if req.first_token_time is None:
             req.first_token_time = now
+            if req.sampling_params.prompt_logprobs is not None:
+                o.prompt_logprobs = req.prompt_logprobs
             scheduled = req.first_scheduled_time or now
             o.queue_s, o.prefill_s = scheduled - req.arrival_time, now - scheduled
         # the state as of each new token (later ones may be pending); a speculative step's

@@ -52,6 +52,9 @@ class TokenOutput:
     # with an error: the request itself is at fault (its constraint does not compile), so the
     # server answers 400 rather than reporting an engine failure
     invalid: bool = False
+    # with the first token of a request that asked for prompt logprobs: per prompt token after
+    # the first, (its logprob, [(token id, logprob) of the top-k])
+    prompt_logprobs: list[tuple[float, list[tuple[int, float]]]] | None = None
 
 
 @dataclass
@@ -150,3 +153,7 @@ class StepResult:
     failed: dict[str, str] = field(default_factory=dict)
     # requests whose grammar is complete with this step's token (they stop: nothing may follow)
     grammar_done: list[str] = field(default_factory=list)
+    # request id -> (the prompt token its first entry scores, per prompt token: (its logprob,
+    # top-k)) for the prefill chunks that asked (engine/prompt_logprobs.py)
+    prompt_logprobs: dict[str, tuple[int, list[tuple[float, list[tuple[int, float]]]]]] = field(
+        default_factory=dict)

@@ -12,7 +12,6 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass, field
 
 import torch
 
@@ -23,34 +22,15 @@ from pagedserve.engine.graphs import GraphRunner
 from pagedserve.engine.input_batch import StepArrays, StepBuffers, pack_step, pending_output_rows
 from pagedserve.engine.kv_cache_spec import KVCacheSpec
 from pagedserve.engine.messages import StepResult
+from pagedserve.engine.prompt_logprobs import PromptRows, entries, prompt_rows, score
 from pagedserve.engine.scheduler import NewRequestData, ScheduledChunk, SchedulerOutput
+from pagedserve.engine.step_handle import StepHandle
 from pagedserve.layers.sampler import Sampler, SamplingBatch
 from pagedserve.models.llama import LlamaForCausalLM
 from pagedserve.spec_decode.config import SpeculativeConfig
 from pagedserve.spec_decode.draft_grammar import draft_masks
 from pagedserve.spec_decode.draft_model import DraftRunner
 from pagedserve.spec_decode.verify import VerifyBatch, verify_drafts
-
-
-@dataclass
-class StepHandle:
-    """A launched step: the requests that sample, and their results on their way to the host.
-
-    On CUDA the results are copied into pinned host tensors right after sampling and `ready`
-    is recorded behind that copy, so reading them waits for this step only, not for the
-    step launched after it.
-    """
-
-    reqs: list  # the requests that sampled one token (no drafts)
-    token_ids: torch.Tensor | None  # [N] int64 (the device tensor; the next step reads it)
-    # (tokens [N] with -1 in rows whose logits were not finite, logprobs [N, 1+k] | None,
-    #  ids [N, 1+k] | None)
-    host: tuple | None = None
-    spec_reqs: list = field(default_factory=list)  # the requests whose drafts were verified
-    spec_host: tuple | None = None  # their (tokens [Ns, k + 1], logprobs, ids) (verify_drafts)
-    spec_counts: list[int] = field(default_factory=list)  # their logits rows (drafts + 1)
-    ready: torch.cuda.Event | None = None
-    result: StepResult | None = None  # once read back (by collect, or by the next step's grammar)
 
 
 def _token_logprobs(lp: list[float], ids: list[int], k: int) -> tuple[float, list[tuple[int, float]]]:
@@ -104,6 +84,8 @@ class ModelRunner:
         self.num_graph_steps = 0  # steps replayed from CUDA graphs (decode, verify or mixed)
         self.num_verify_graph_steps = 0  # ... of which from verify graphs
         self.num_eager_steps = 0
+        self._prompt_logprobs: set[str] = set()  # held requests that score their prompts
+        self._prompt_scores: tuple[torch.Tensor, torch.Tensor] | None = None  # (see forward_eager)
 
     def reset_stats(self) -> None:
         self.num_graph_steps = self.num_verify_graph_steps = self.num_eager_steps = 0
@@ -126,6 +108,7 @@ class ModelRunner:
         for rid in request_ids:
             self.requests.pop(rid, None)
             self._mask_failed.pop(rid, None)
+            self._prompt_logprobs.discard(rid)
 
     def _add_requests(self, new: list[NewRequestData]) -> None:
         for n in new:
@@ -133,6 +116,8 @@ class ModelRunner:
             gen = None if seed is None else torch.Generator(device=self.device).manual_seed(seed)
             matcher = None if n.grammar is None else n.grammar.matcher()
             so = n.sampling_params.structured_outputs
+            if n.sampling_params.prompt_logprobs is not None:
+                self._prompt_logprobs.add(n.request_id)
             self.requests[n.request_id] = CachedRequest(
                 n.request_id, n.prompt_token_ids, n.sampling_params, list(n.prompt_token_ids), gen,
                 matcher, so.after_tokens if so is not None else ())
@@ -156,11 +141,13 @@ class ModelRunner:
         return self.graphs.capture()
 
     @torch.inference_mode()
-    def forward_eager(self, a: StepArrays, noted: object) -> torch.Tensor:
-        """Hidden states [N, hidden] of the sampling tokens of a step loaded into the buffers."""
+    def forward_eager(self, a: StepArrays, noted: object, prompt: PromptRows | None = None) -> torch.Tensor:
+        """Hidden states [N, hidden] of the sampling tokens of a step loaded into the buffers
+        (with `prompt`: also the prompt logprobs of its rows, kept for the step's handle)."""
         buf = self.buffers
         rows = buf.token_rows(a.num_tokens)
         hidden = self.model(rows[0], rows[1], AttentionContext(self.backend, buf.metadata(a, noted)))
+        self._prompt_scores = None if prompt is None else score(self.model, hidden, prompt)
         return hidden.index_select(0, buf.view("logits_idx", len(a.logits_idx)))  # [T, h] -> [N, h]
 
     @torch.inference_mode()
@@ -172,7 +159,8 @@ class ModelRunner:
         a = pack_step(out.chunks, [r.token_ids for r in states], self._prev_rows, self.block_size)
         reqs = [states[i] for i in a.sample_rows]
         graphs = self.graphs
-        key = None if graphs is None else graphs.key_for(a)
+        prompt = prompt_rows(out.chunks, states, a.query_start_loc) if self._prompt_logprobs else None
+        key = None if graphs is None or prompt is not None else graphs.key_for(a)
         noted = self.buffers.load(a, key.num_tokens if key else a.num_tokens, key, self._prev_tokens)
         verify = None if a.num_drafts is None else self._verify_batch(a, out.chunks, states)
         t_prepared = time.perf_counter()
@@ -182,11 +170,13 @@ class ModelRunner:
             hidden = graphs.replay(key, a)  # [N, hidden]
         else:
             self.num_eager_steps += 1
-            hidden = self.forward_eager(a, noted)
+            hidden = self.forward_eager(a, noted, prompt)
         if self.drafter is not None:
             self.drafter.mirror(a, self._prev_tokens)
         t_forward = time.perf_counter()
         handle = StepHandle(reqs, None)
+        if prompt is not None:
+            handle.prompt = (prompt, *(_to_pinned_async(t) if t.is_cuda else t for t in self._prompt_scores))
         sample_rows = a.sample_rows
         logits = self.model.compute_logits(hidden) if reqs else None  # [R, vocab]
         if verify is not None:  # the requests with drafts are verified apart
@@ -236,7 +226,7 @@ class ModelRunner:
             # Rows with NaN or Inf logits reach the host as token -1; the device copy the next
             # step reads keeps the sampled ids, which are always in range.
             handle.host = (result.checked_token_ids, result.logprobs, result.logprob_token_ids)
-        if (handle.host is not None or handle.spec_reqs) and self.device.type == "cuda":
+        if (handle.host is not None or handle.spec_reqs or handle.prompt) and self.device.type == "cuda":
             handle.host = tuple(None if t is None else _to_pinned_async(t) for t in handle.host or ())
             handle.spec_host = (None if handle.spec_host is None else
                                 tuple(None if t is None else _to_pinned_async(t) for t in handle.spec_host))
@@ -282,8 +272,13 @@ class ModelRunner:
         return handle.result
 
     def _results(self, handle: StepHandle) -> StepResult:
+        prompt = {}
+        if handle.prompt is not None:
+            if handle.ready is not None:
+                handle.ready.synchronize()
+            prompt = entries(*handle.prompt)
         if not handle.reqs and not handle.spec_reqs:
-            return StepResult({}, {})
+            return StepResult({}, {}, prompt_logprobs=prompt)
         reqs = handle.reqs
         if handle.ready is not None:
             handle.ready.synchronize()
@@ -324,7 +319,7 @@ class ModelRunner:
             for row, r in enumerate(reqs):
                 if r.sampling_params.logprobs is not None:
                     logprobs[r.request_id] = [_token_logprobs(lp[row], lp_ids[row], r.sampling_params.logprobs)]
-        return StepResult(token_ids, logprobs, non_finite, failed, grammar_done)
+        return StepResult(token_ids, logprobs, non_finite, failed, grammar_done, prompt)
 
     @staticmethod
     def _spec_results(handle: StepHandle, token_ids: dict, logprobs: dict, non_finite: list) -> None:

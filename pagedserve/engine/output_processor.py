@@ -32,6 +32,10 @@ class SampleState:
     token_ids: list[int] = field(default_factory=list)
     logprobs: list[dict[int, float]] | None = None
     cumulative_logprob: float | None = None
+    # with prompt_logprobs: per prompt token, {token id: logprob} (its own and the top-k);
+    # None for the first, which nothing precedes (vLLM's shape)
+    prompt_logprobs: list[dict[int, float] | None] | None = None
+    prompt_ids: list[int] = field(default_factory=list)  # (kept with prompt_logprobs)
     text: str = ""
     finish_reason: str | None = None
     stop_reason: int | str | None = None
@@ -85,6 +89,8 @@ class OutputProcessor:
         state.inject_fault = "output" in self.fault_plan.places_for(prompt_ids)
         if params.logprobs is not None:
             state.logprobs, state.cumulative_logprob = [], 0.0
+        if params.prompt_logprobs is not None:
+            state.prompt_ids = prompt_ids
         self.samples[request_id] = state
 
     def remove(self, request_id: str) -> None:
@@ -120,6 +126,9 @@ class OutputProcessor:
         s.num_cached_tokens = o.num_cached_tokens
         if o.queue_s is not None:
             s.queue_s, s.prefill_s = o.queue_s, o.prefill_s
+        if o.prompt_logprobs is not None:
+            s.prompt_logprobs = [None] + [{**dict(top), token: lp} for token, (lp, top)
+                                          in zip(s.prompt_ids[1:], o.prompt_logprobs)]
         s.token_ids.extend(o.new_token_ids)
         if s.logprobs is not None:
             for token, (lp, top) in zip(o.new_token_ids, o.new_logprobs):

@@ -49,9 +49,20 @@ class Request:
     # speculative tokens proposed for its next step (the engine core sets them; the
     # scheduler sends them with its next decode and clears them)
     draft_token_ids: list[int] = field(default_factory=list)
+    # with prompt_logprobs: per prompt token after the first, (logprob, top-k), as computed
+    prompt_logprobs: list = field(default_factory=list)
 
     def __post_init__(self) -> None:
         self.token_ids = list(self.prompt_token_ids)
+
+    def add_prompt_logprobs(self, first: int, entries: list) -> None:
+        """Entries for prompt tokens first, first + 1, ... (a prefill recomputed after a
+        preemption scores tokens already held: those are kept as they were)."""
+        have = len(self.prompt_logprobs) + 1  # the next prompt token to score
+        if first > have:
+            raise RuntimeError(f"request {self.request_id}: prompt logprobs from token {first}, "
+                               f"expected {have}")
+        self.prompt_logprobs.extend(entries[have - first:])
 
     @property
     def num_prompt_tokens(self) -> int:

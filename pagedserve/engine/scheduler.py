@@ -198,7 +198,8 @@ class Scheduler:
             if req.num_pending:  # preempted with a token in flight: wait for it
                 break
             cached: list[int] = []
-            if req.num_computed_tokens == 0:
+            # (a request scoring its prompt computes every prompt token: no cached prefix)
+            if req.num_computed_tokens == 0 and req.sampling_params.prompt_logprobs is None:
                 cached = self.kv.find_cached_prefix(req.token_ids)
             start = len(cached) * self.kv.block_size if cached else req.num_computed_tokens
             n = min(req.num_tokens - start, budget)

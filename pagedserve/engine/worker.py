@@ -22,8 +22,9 @@ from pagedserve.distributed.tensor_parallel import SINGLE, TensorParallel
 from pagedserve.engine.cache_sizing import determine_num_blocks
 from pagedserve.engine.kv_cache_spec import KVCacheSpec, check_kv_cache_device
 from pagedserve.engine.messages import StepResult
-from pagedserve.engine.model_runner import ModelRunner, StepHandle
+from pagedserve.engine.model_runner import ModelRunner
 from pagedserve.engine.scheduler import SchedulerOutput
+from pagedserve.engine.step_handle import StepHandle
 from pagedserve.engine.warm_up import profile_forward
 from pagedserve.layers.sampler import Sampler
 from pagedserve.models.loader import build_model

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections.abc import AsyncIterator
 
@@ -39,25 +40,44 @@ async def _prepare(server: Server, body: CompletionRequest
                                                given="max_tokens" in body.model_fields_set)
         params = make_params(lambda m, lp: body.sampling_params(m, lp, structured), max_tokens,
                              body.logprobs, server.vocab_size)
+        if body.echo and body.logprobs is not None:  # the echoed prompt is scored too (OpenAI)
+            params = dataclasses.replace(params, prompt_logprobs=body.logprobs)
         choices += [Choice(p_idx * n + i, ids, params) for i in range(n)]
     server.check_capacity(choices)
     return choices, prompts, field
 
 
-def _logprobs(server: Server, s: SampleState, start: int, text_offset: int) -> dict:
-    """Legacy completions logprobs for tokens [start:] of a sample."""
+def _legacy_logprobs(server: Server, token_ids: list[int], entries: list, text_offset: int,
+                     out: dict | None = None) -> dict:
+    """Legacy completions logprobs of `token_ids` ({id: logprob} entries, None for a token
+    nothing scored), appended to `out`."""
     tok = server.tokenizer
-    out = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
+    out = out or {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
     offset = text_offset
-    for tid, entry in zip(s.token_ids[start:], (s.logprobs or [])[start:]):
+    for tid, entry in zip(token_ids, entries):
         text = tok.decode([tid], skip_special_tokens=False)
         out["tokens"].append(text)
-        out["token_logprobs"].append(entry.get(tid))
-        out["top_logprobs"].append({tok.decode([t], skip_special_tokens=False): lp
-                                    for t, lp in entry.items()})
+        out["token_logprobs"].append(None if entry is None else entry.get(tid))
+        out["top_logprobs"].append(None if entry is None else {
+            tok.decode([t], skip_special_tokens=False): lp for t, lp in entry.items()})
         out["text_offset"].append(offset)
         offset += len(text)
     return out
+
+
+def _logprobs(server: Server, s: SampleState, start: int, text_offset: int) -> dict:
+    """Legacy completions logprobs for tokens [start:] of a sample."""
+    return _legacy_logprobs(server, s.token_ids[start:], (s.logprobs or [])[start:], text_offset)
+
+
+def _echo_logprobs(server: Server, prompt: list[int], s: SampleState, prefix_len: int,
+                   with_sample: bool = True) -> dict:
+    """The echoed prompt's logprobs (the first token's None), then (`with_sample`) the
+    sample's, whose text starts at `prefix_len` (the echoed text's length)."""
+    out = _legacy_logprobs(server, prompt, s.prompt_logprobs or [None] * len(prompt), 0)
+    if not with_sample:
+        return out
+    return _legacy_logprobs(server, s.token_ids, s.logprobs or [], prefix_len, out)
 
 
 async def create_completion(server: Server, body: CompletionRequest, request: Request):
@@ -76,7 +96,9 @@ async def create_completion(server: Server, body: CompletionRequest, request: Re
         prefix = prompt_texts[c.index // body.n] if body.echo else ""
         out_choices.append({
             "index": c.index, "text": prefix + s.visible_text(),
-            "logprobs": _logprobs(server, s, 0, len(prefix)) if body.logprobs is not None else None,
+            "logprobs": (None if body.logprobs is None else
+                         _echo_logprobs(server, c.prompt_ids, s, len(prefix)) if body.echo else
+                         _logprobs(server, s, 0, 0)),
             "finish_reason": s.finish_reason, "stop_reason": s.stop_reason,
         })
     completion = sum(len(final[c.index].token_ids) for c in choices)
@@ -99,12 +121,21 @@ async def _stream(server: Server, body: CompletionRequest,
                       body.include_usage)
 
     try:
-        if body.echo:
-            for c in choices:
-                text = prompt_texts[c.index // body.n]
-                offsets[c.index] = len(text)
-                yield chunk([{"index": c.index, "text": text, "logprobs": None, "finish_reason": None}])
+        # the echoed prompt goes first; scored (echo with logprobs), once its scores arrive
+        # with the choice's first token
+        to_echo = {c.index: prompt_texts[c.index // body.n] for c in choices} if body.echo else {}
+        if body.logprobs is None:
+            for index, text in to_echo.items():
+                offsets[index] = len(text)
+                yield chunk([{"index": index, "text": text, "logprobs": None, "finish_reason": None}])
+            to_echo = {}
+        prompt_of = {c.index: c.prompt_ids for c in choices}
         async for index, s in events:
+            if index in to_echo:
+                text = to_echo.pop(index)
+                offsets[index] = len(text)
+                lp = _echo_logprobs(server, prompt_of[index], s, 0, with_sample=False)
+                yield chunk([{"index": index, "text": text, "logprobs": lp, "finish_reason": None}])
             text = s.visible_text()
             delta = text[sent_text[index]:]
             ntok = len(s.token_ids)

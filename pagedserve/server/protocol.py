@@ -44,7 +44,8 @@ UNSUPPORTED: dict[str, tuple[Any, str]] = {
     "store": (lambda v: v in (None, False), "stored completions are not supported"),
     "metadata": (_unset, "metadata is only for stored completions, which are not supported"),
     "service_tier": (lambda v: v in (None, "auto", "default"), "service tiers are not supported"),
-    "prompt_logprobs": (lambda v: v is None, "prompt_logprobs is not supported yet"),
+    "prompt_logprobs": (lambda v: v is None, "prompt_logprobs is not supported yet; on "
+                        "/v1/completions, echo with logprobs scores the prompt"),
     "use_beam_search": (lambda v: v in (None, False), "beam search is not supported"),
     "length_penalty": (lambda v: v in (None, 1, 1.0), "length_penalty (beam search) is not supported"),
     "truncate_prompt_tokens": (lambda v: v is None, "truncate_prompt_tokens is not supported yet"),
@@ -266,12 +267,6 @@ class CompletionRequest(_SamplingFields):
         if isinstance(v[0], list) and any(not p for p in v):
             raise ValueError("prompt token id lists must not be empty")
         return v
-
-    @model_validator(mode="after")
-    def _echo_without_prompt_logprobs(self):
-        if self.echo and self.logprobs is not None:  # (OpenAI's answer scores the prompt too)
-            raise InvalidField("echo", "with logprobs needs prompt logprobs (not computed yet)")
-        return self
 
     def prompts(self) -> list[str | list[int]]:
         """The prompt field as a list of prompts (text or token ids)."""
