@@ -15,6 +15,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from pagedserve.layers.sampler import Sampler
+
 # per scored prompt token: (its logprob, [(token id, logprob) of the top k])
 Entry = tuple[float, list[tuple[int, float]]]
 
@@ -65,11 +67,10 @@ def score(model, hidden: torch.Tensor, p: PromptRows) -> tuple[torch.Tensor, tor
     values, ids = [], []
     for at in range(0, len(rows), ROWS_AT_ONCE):
         part = slice(at, at + ROWS_AT_ONCE)
-        logits = model.compute_logits(hidden.index_select(0, rows[part]))  # [r, V]
-        logprobs = logits.float().log_softmax(dim=-1)  # [r, V]
-        top = torch.topk(logprobs, min(k, logprobs.shape[-1]), dim=-1)  # [r, k] each
-        values.append(torch.cat([logprobs.gather(1, targets[part]), top.values], dim=1))
-        ids.append(torch.cat([targets[part], top.indices], dim=1))
+        logits = model.compute_logits(hidden.index_select(0, rows[part])).float()  # [r, V]
+        lp, top_ids = Sampler.token_logprobs(logits, targets[part, 0], k)  # [r, 1 + k] each
+        values.append(lp)
+        ids.append(top_ids)
     return torch.cat(values), torch.cat(ids)
 
 
