@@ -94,6 +94,22 @@ def test_the_roofline_counts_the_bytes_a_quantized_model_reads():
     assert fp8.flops == 2 * bf16.flops and awq.flops == bf16.flops
 
 
+def test_the_roofline_judges_an_h100_by_its_own_bandwidth():
+    """A run on an H100 is judged by an H100's copy bandwidth (3.0 TB/s against the H200's
+    4.25), so the same step has a longer ideal; a GPU the roofline does not know gets none."""
+    from pagedserve.bench.roofline import Roofline, roofline_gpu
+    from pagedserve.config import ModelConfig
+    from pagedserve.models.presets import load_preset
+
+    assert roofline_gpu("NVIDIA H200") == "H200" and roofline_gpu("NVIDIA H100 80GB HBM3") == "H100"
+    assert roofline_gpu("NVIDIA A100-SXM4-80GB") is None
+    cfg = ModelConfig.from_hf_config(load_preset("qwen3-4b-instruct-2507"))
+    h200, h100 = Roofline.for_model(cfg), Roofline.for_model(cfg, gpu="H100")
+    assert h100.weight_bytes == h200.weight_bytes and h100.bandwidth == 3.0e12
+    step200, step100 = h200.decode_step_seconds(512, 1), h100.decode_step_seconds(512, 1)
+    assert abs(step100 / step200 - 4.25 / 3.0) < 1e-9
+
+
 def test_the_roofline_of_a_mixture_of_experts_reads_the_experts_its_tokens_reach():
     """Qwen3-30B-A3B (30.5B parameters, 3.35B active): one token computes with the active
     parameters and reads 8 experts a layer; a step of n tokens reads the experts n uniformly

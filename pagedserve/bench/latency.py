@@ -11,6 +11,7 @@ from pagedserve.bench.run_info import (
     git_commit,
     no_roofline_reason,
     number_formats,
+    roofline_gpu_of,
     speculative_fields,
 )
 
@@ -36,10 +37,11 @@ def run_latency(args, llm_kwargs: dict, llm=None) -> dict:
         llm = LLM(**llm_kwargs)
         startup = time.perf_counter() - t0
     engine, cfg = llm.engine, llm.engine.model_config
-    roof = Roofline.for_model(cfg, quantization=engine.config.quantization,
-                              kv_cache_dtype=engine.config.cache.kv_cache_dtype)
     device = engine.config.resolved_device()
-    no_roof = no_roofline_reason(device)  # a CPU: bandwidth measured, no H200 ideal to judge by
+    no_roof = no_roofline_reason(device)  # a CPU: bandwidth measured, no GPU ideal to judge by
+    roof = Roofline.for_model(cfg, quantization=engine.config.quantization,
+                              kv_cache_dtype=engine.config.cache.kv_cache_dtype,
+                              gpu=roofline_gpu_of(device))
     rng = random.Random(args.seed)
     rows = []
     for bs in sizes:

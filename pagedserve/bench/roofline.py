@@ -22,6 +22,9 @@ from pagedserve.models.moe_config import MoeConfig
 
 H200_BANDWIDTH = 4.25e12  # bytes/s, measured copy bandwidth (read + write)
 H200_BF16_FLOPS = 790e12  # FLOP/s, measured bf16 matmul
+# the GPUs we judge on: (copy bandwidth, bf16 matmul FLOP/s), each measured on the lent machines
+# (an H100 SXM's copy moves about 3.0 TB/s, its bf16 matmul about 790 TFLOP/s)
+GPU_LIMITS = {"H200": (H200_BANDWIDTH, H200_BF16_FLOPS), "H100": (3.0e12, 790e12)}
 # bytes per decoder-projection weight as each quantization stores it, and its peak FLOP/s factor
 WEIGHT_BYTES = {"fp8": 1.0, "compressed-tensors": 1.0, "awq": 0.5 + 4 / 128,
                 "gptq": 0.5 + 4 / 128}
@@ -29,6 +32,11 @@ FLOPS_FACTOR = {"fp8": 2.0, "compressed-tensors": 2.0}
 # bytes per expert weight of a mixture of experts as each quantization stores it (others: the
 # model's dtype; pre-quantized MoE checkpoints are refused)
 EXPERT_BYTES = {"fp8": 1.0}
+
+
+def roofline_gpu(name: str) -> str | None:
+    """The GPU_LIMITS key for a device name ("NVIDIA H200" -> "H200"), None for any other."""
+    return next((key for key in GPU_LIMITS if key in name.upper()), None)
 
 
 @dataclass(frozen=True)
@@ -43,9 +51,11 @@ class Roofline:
 
     @classmethod
     def for_model(cls, cfg: ModelConfig, dtype_bytes: int = 2, quantization: str | None = None,
-                  kv_cache_dtype: str = "auto") -> Roofline:
+                  kv_cache_dtype: str = "auto", gpu: str = "H200") -> Roofline:
         """The limit for `cfg` in a `dtype_bytes` dtype, its projections stored as
-        `quantization` keeps them and its KV cache in `kv_cache_dtype` ("auto": the dtype)."""
+        `quantization` keeps them and its KV cache in `kv_cache_dtype` ("auto": the dtype), on
+        `gpu` (a key of GPU_LIMITS)."""
+        bandwidth, bf16_flops = GPU_LIMITS[gpu]
         params = cfg.num_parameters()
         gathered = 0 if cfg.tie_word_embeddings else cfg.vocab_size * cfg.hidden_size
         experts = cfg.expert_parameters() * (cfg.moe.num_experts if cfg.moe else 0)
@@ -58,8 +68,8 @@ class Roofline:
             weight_bytes -= round(projections * (dtype_bytes - per_weight))
         kv_bytes = 1 if kv_cache_dtype.startswith("fp8") else dtype_bytes
         kv = cfg.num_layers * 2 * cfg.num_kv_heads * cfg.head_dim * kv_bytes
-        flops = H200_BF16_FLOPS * FLOPS_FACTOR.get(quantization, 1.0)
-        return cls(cfg.active_parameters(), weight_bytes, kv, flops=flops,
+        flops = bf16_flops * FLOPS_FACTOR.get(quantization, 1.0)
+        return cls(cfg.active_parameters(), weight_bytes, kv, bandwidth=bandwidth, flops=flops,
                    expert_bytes=round(cfg.expert_parameters() * EXPERT_BYTES.get(quantization, dtype_bytes)),
                    moe=cfg.moe)
 

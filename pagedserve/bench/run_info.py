@@ -9,6 +9,8 @@ import subprocess
 from pathlib import Path
 from typing import Any
 
+from pagedserve.bench.roofline import roofline_gpu
+
 SOURCE_ROOT = Path(__file__).resolve().parents[2]  # the checkout holding pagedserve/, if any
 
 
@@ -58,12 +60,22 @@ def device_name(device) -> str:
 
 
 def no_roofline_reason(device) -> str | None:
-    """Why a run on `device` gets no roofline figure (None when it does): the roofline's
-    bandwidth and FLOP/s are an H200's, so a CPU run would only ever read "0.0"."""
+    """Why a run on `device` gets no roofline figure (None when it does): the roofline knows
+    the bandwidth and FLOP/s of the GPUs in roofline.GPU_LIMITS only (a CPU run would only
+    ever read "0.0")."""
     import torch
 
     kind = torch.device(device).type
-    return None if kind == "cuda" else f"n/a (no GPU roofline for {kind})"
+    if kind != "cuda":
+        return f"n/a (no GPU roofline for {kind})"
+    name = device_name(device)
+    return None if roofline_gpu(name) else f"n/a (no roofline figures for {name})"
+
+
+def roofline_gpu_of(device) -> str:
+    """The roofline.GPU_LIMITS key of `device` (where no_roofline_reason is None; else "H200",
+    whose figures are then not reported)."""
+    return roofline_gpu(device_name(device)) or "H200"
 
 
 def number_formats(config) -> dict[str, Any]:

@@ -13,6 +13,7 @@ from pagedserve.bench.run_info import (
     git_commit,
     no_roofline_reason,
     number_formats,
+    roofline_gpu_of,
     speculative_fields,
 )
 
@@ -107,7 +108,8 @@ def run_throughput(args, llm_kwargs: dict, llm=None) -> dict:
         "num_preemptions": llm.engine.scheduler.num_preemptions,
         "prefix_cache_hit_rate": round(hits / queries, 4) if queries else 0.0,  # of the timed run's prompt tokens
         **roofline_fields(Roofline.for_model(cfg, quantization=llm.engine.config.quantization,
-                                             kv_cache_dtype=llm.engine.config.cache.kv_cache_dtype),
+                                             kv_cache_dtype=llm.engine.config.cache.kv_cache_dtype,
+                                             gpu=roofline_gpu_of(device)),
                           device, input_lens, output_lens,
                           llm.engine.scheduler_config.max_num_seqs, out_tokens, elapsed),
         "steps": steps,
@@ -120,7 +122,8 @@ def run_throughput(args, llm_kwargs: dict, llm=None) -> dict:
 
 def roofline_fields(roof: Roofline, device, input_lens: list[int], output_lens: list[int],
                     max_num_seqs: int, out_tokens: int, elapsed: float) -> dict:
-    """The ideal time and efficiency against the H200 roofline `roof`; on a CPU, none, and why."""
+    """The ideal time and efficiency against the roofline `roof`; on a CPU or an unknown GPU,
+    none, and why."""
     reason = no_roofline_reason(device)
     if reason is not None:
         return {"ideal_s": None, "roofline_output_tokens_per_s": None, "roofline_efficiency": None,
