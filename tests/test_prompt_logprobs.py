@@ -89,17 +89,17 @@ def test_prompt_logprobs_survive_preemption(hf_model):
 
 def test_a_recomputed_prefill_keeps_the_scores_it_had():
     req = Request("r", [1, 2, 3, 4, 5], SamplingParams(prompt_logprobs=0))
-    req.add_prompt_logprobs(1, [(-1.0, []), (-2.0, [])])  # tokens 1, 2
-    req.add_prompt_logprobs(1, [(-9.0, []), (-9.0, []), (-3.0, [])])  # recomputed: 1, 2 again, then 3
-    req.add_prompt_logprobs(4, [(-4.0, [])])
-    assert [lp for lp, _ in req.prompt_logprobs] == [-1.0, -2.0, -3.0, -4.0]
+    req.add_prompt_logprobs(1, [(-1.0, 1, []), (-2.0, 1, [])])  # tokens 1, 2
+    req.add_prompt_logprobs(1, [(-9.0, 1, []), (-9.0, 1, []), (-3.0, 1, [])])  # recomputed: 1, 2 again, then 3
+    req.add_prompt_logprobs(4, [(-4.0, 1, [])])
+    assert [lp for lp, _, _ in req.prompt_logprobs] == [-1.0, -2.0, -3.0, -4.0]
     with pytest.raises(RuntimeError, match="expected 5"):
-        req.add_prompt_logprobs(6, [(-6.0, [])])
+        req.add_prompt_logprobs(6, [(-6.0, 1, [])])
 
 
 def test_scores_come_a_block_of_rows_at_a_time(monkeypatch):
     """A long prompt's rows are scored ROWS_AT_ONCE at a time ([rows, vocab] float32 each):
-    the same numbers as all at once."""
+    the same numbers as all at once; each target's rank is 1 + the tokens more likely."""
     import numpy as np
 
     from pagedserve.engine import prompt_logprobs as pl
@@ -114,4 +114,11 @@ def test_scores_come_a_block_of_rows_at_a_time(monkeypatch):
     monkeypatch.setattr(pl, "ROWS_AT_ONCE", 7)
     assert all(torch.equal(x, y) for x, y in zip(whole, pl.score(Head(), hidden, rows)))
     out = pl.entries(rows, *whole)
-    assert [len(out["a"][1]), len(out["b"][1])] == [200, 100] and len(out["b"][1][0][1]) == 1
+    assert [len(out["a"][1]), len(out["b"][1])] == [200, 100] and len(out["b"][1][0][2]) == 1
+    logprobs = Head().compute_logits(hidden).log_softmax(-1)  # [300, 10]
+    targets = torch.as_tensor(rows.targets)
+    want = (logprobs > logprobs.gather(1, targets[:, None])).sum(1) + 1
+    assert [rank for _, rank, _ in out["a"][1] + out["b"][1]] == want.tolist()
+    assert set(want.tolist()) == set(range(1, 11))  # (every rank occurs: the check can fail)
+    top = out["a"][1][0][2]  # the top 3, likeliest first
+    assert [t for t, _ in top] == logprobs[0].topk(3).indices.tolist()

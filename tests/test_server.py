@@ -191,6 +191,48 @@ def test_echo_and_logprobs(client):
     assert "".join(ch.choices[0].text for ch in stream if ch.choices) == c.text
 
 
+def test_vllm_prompt_logprobs(client, server):
+    """vLLM's prompt_logprobs field: per prompt token (None for the first), its own logprob and
+    rank and the top k's, with their decoded text; the same scores as echo with logprobs,
+    whose top k is its own; on chat, one list for the request; refused when streamed."""
+    body = {"prompt_logprobs": 2}
+    r = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=3, temperature=0, extra_body=body)
+    scores, n_prompt = r.choices[0].model_extra["prompt_logprobs"], r.usage.prompt_tokens
+    assert len(scores) == n_prompt and scores[0] is None
+    echo = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=3, temperature=0, echo=True,
+                                     logprobs=5, extra_body={"prompt_logprobs": 1})
+    lp = echo.choices[0].logprobs
+    assert "prompt_logprobs" in echo.choices[0].model_extra  # (its own top 1, below)
+    for t, e in scores[1].items():  # each id's text as /detokenize gives it
+        text = httpx.post(f"{server.url}/detokenize", json={"tokens": [int(t)]}).json()["prompt"]
+        assert e["decoded_token"] == text
+    for j in range(1, n_prompt):
+        entry = list(scores[j].values())
+        assert len(entry) in (2, 3) and [e["rank"] for e in entry[:2]] == [1, 2]
+        assert entry[0]["logprob"] >= entry[1]["logprob"]
+        mine = next(e for e in entry if e["decoded_token"] == lp.tokens[j])  # the prompt token
+        assert mine["logprob"] == pytest.approx(lp.token_logprobs[j], abs=1e-4)
+        # its rank: where it stands among echo's top 5 (legacy top_logprobs: the top 5 and it)
+        top5 = sorted(lp.top_logprobs[j].values(), reverse=True)[:5]
+        if mine["rank"] <= 5:
+            assert top5[mine["rank"] - 1] == pytest.approx(mine["logprob"], abs=1e-4)
+        else:
+            assert len(lp.top_logprobs[j]) == 6 and mine["logprob"] < top5[-1]
+        assert len(echo.choices[0].model_extra["prompt_logprobs"][j]) in (1, 2)
+    assert any(list(s.values())[-1]["rank"] > 2 for s in scores[1:])  # (some token outside the top 2)
+    chat = client.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=2, temperature=0, n=2,
+                                          extra_body={"prompt_logprobs": 0})
+    scores = chat.model_extra["prompt_logprobs"]
+    assert len(scores) == chat.usage.prompt_tokens and scores[0] is None
+    assert all(len(s) == 1 and list(s.values())[0]["rank"] >= 1 for s in scores[1:])
+    for bad in ({"prompt_logprobs": 1, "stream": True}, {"prompt_logprobs": 21}, {"prompt_logprobs": -1}):
+        with pytest.raises(openai.BadRequestError) as e:
+            client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=2, extra_body=bad)
+        assert e.value.body["param"] == "prompt_logprobs"
+    got = httpx.post(f"{server.url}/generate", json={"prompt": PROMPT, "prompt_logprobs": 1})
+    assert got.status_code == 400 and "prompt_logprobs" in got.text
+
+
 def test_chat_logprobs(client):
     r = client.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=4, temperature=0,
                                        logprobs=True, top_logprobs=3)

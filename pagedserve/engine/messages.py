@@ -53,8 +53,8 @@ class TokenOutput:
     # server answers 400 rather than reporting an engine failure
     invalid: bool = False
     # with the first token of a request that asked for prompt logprobs: per prompt token after
-    # the first, (its logprob, [(token id, logprob) of the top-k])
-    prompt_logprobs: list[tuple[float, list[tuple[int, float]]]] | None = None
+    # the first, (its logprob, its rank, [(token id, logprob) of the top-k])
+    prompt_logprobs: list[tuple[float, int, list[tuple[int, float]]]] | None = None
 
 
 @dataclass
@@ -154,6 +154,6 @@ class StepResult:
     # requests whose grammar is complete with this step's token (they stop: nothing may follow)
     grammar_done: list[str] = field(default_factory=list)
     # request id -> (the prompt token its first entry scores, per prompt token: (its logprob,
-    # top-k)) for the prefill chunks that asked (engine/prompt_logprobs.py)
-    prompt_logprobs: dict[str, tuple[int, list[tuple[float, list[tuple[int, float]]]]]] = field(
-        default_factory=dict)
+    # its rank, top-k)) for the prefill chunks that asked (engine/prompt_logprobs.py)
+    prompt_logprobs: dict[str, tuple[int, list[tuple[float, int, list[tuple[int, float]]]]]] = (
+        field(default_factory=dict))

@@ -35,6 +35,7 @@ class SampleState:
     # with prompt_logprobs: per prompt token, {token id: logprob} (its own and the top-k);
     # None for the first, which nothing precedes (vLLM's shape)
     prompt_logprobs: list[dict[int, float] | None] | None = None
+    prompt_ranks: list[int | None] | None = None  # ... each prompt token's rank (1: likeliest)
     prompt_ids: list[int] = field(default_factory=list)  # (kept with prompt_logprobs)
     text: str = ""
     finish_reason: str | None = None
@@ -127,8 +128,9 @@ class OutputProcessor:
         if o.queue_s is not None:
             s.queue_s, s.prefill_s = o.queue_s, o.prefill_s
         if o.prompt_logprobs is not None:
-            s.prompt_logprobs = [None] + [{**dict(top), token: lp} for token, (lp, top)
+            s.prompt_logprobs = [None] + [{**dict(top), token: lp} for token, (lp, _, top)
                                           in zip(s.prompt_ids[1:], o.prompt_logprobs)]
+            s.prompt_ranks = [None] + [rank for _, rank, _ in o.prompt_logprobs]
         s.token_ids.extend(o.new_token_ids)
         if s.logprobs is not None:
             for token, (lp, top) in zip(o.new_token_ids, o.new_logprobs):

@@ -1,6 +1,7 @@
 """Prompt logprobs (vLLM's `SamplingParams.prompt_logprobs`; OpenAI completions' `echo` with
 `logprobs`): the log-probability of each prompt token given the tokens before it, and the
-top k, from the raw logits of the prefill rows that precede it.
+top k, from the raw logits of the prefill rows that precede it, and its rank (1 + the number
+of tokens more likely; vLLM's Logprob.rank).
 
 A step holding a chunk that scores prompt tokens runs eagerly (its hidden states for every
 row are at hand); such requests take no prefix-cache hits (their cached tokens would not be
@@ -17,8 +18,8 @@ import torch
 
 from pagedserve.layers.sampler import Sampler
 
-# per scored prompt token: (its logprob, [(token id, logprob) of the top k])
-Entry = tuple[float, list[tuple[int, float]]]
+# per scored prompt token: (its logprob, its rank, [(token id, logprob) of the top k])
+Entry = tuple[float, int, list[tuple[int, float]]]
 
 
 @dataclass
@@ -57,30 +58,34 @@ def prompt_rows(chunks, states, query_start_loc: np.ndarray) -> PromptRows | Non
 ROWS_AT_ONCE = 128  # rows whose [rows, vocab] float32 logprobs exist at once (78 MB at 151,936)
 
 
-def score(model, hidden: torch.Tensor, p: PromptRows) -> tuple[torch.Tensor, torch.Tensor]:
-    """(logprobs [R, 1 + k] float32, ids [R, 1 + k] int64) of `p`'s rows from the step's
-    hidden states [T, hidden]: each target's logprob, then the top k (k: the most any asks),
-    ROWS_AT_ONCE rows at a time."""
+def score(model, hidden: torch.Tensor, p: PromptRows
+          ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(logprobs [R, 1 + k] float32, ids [R, 1 + k] int64, ranks [R] int64) of `p`'s rows from
+    the step's hidden states [T, hidden]: each target's logprob, then the top k (k: the most
+    any asks), and the target's rank; ROWS_AT_ONCE rows at a time."""
     rows = torch.as_tensor(p.rows, device=hidden.device)
     targets = torch.as_tensor(p.targets, device=hidden.device).unsqueeze(1)  # [R, 1]
     k = max(p.ks)
-    values, ids = [], []
+    values, ids, ranks = [], [], []
     for at in range(0, len(rows), ROWS_AT_ONCE):
         part = slice(at, at + ROWS_AT_ONCE)
         logits = model.compute_logits(hidden.index_select(0, rows[part])).float()  # [r, V]
         lp, top_ids = Sampler.token_logprobs(logits, targets[part, 0], k)  # [r, 1 + k] each
         values.append(lp)
         ids.append(top_ids)
-    return torch.cat(values), torch.cat(ids)
+        # (raw logits order the vocabulary as its logprobs do)
+        ranks.append((logits > logits.gather(1, targets[part])).sum(dim=1) + 1)  # [r]
+    return torch.cat(values), torch.cat(ids), torch.cat(ranks)
 
 
-def entries(p: PromptRows, logprobs: torch.Tensor, ids: torch.Tensor) -> dict[str, tuple[int, list[Entry]]]:
+def entries(p: PromptRows, logprobs: torch.Tensor, ids: torch.Tensor,
+            ranks: torch.Tensor) -> dict[str, tuple[int, list[Entry]]]:
     """Request id -> (the prompt token its first entry scores, its entries), from `score`'s
     tensors (on the host)."""
-    lp, tok = logprobs.tolist(), ids.tolist()
+    lp, tok, rank = logprobs.tolist(), ids.tolist(), ranks.tolist()
     out, at = {}, 0
     for rid, first, n, k in zip(p.request_ids, p.first_tokens, p.counts, p.ks):
-        out[rid] = (first, [(lp[r][0], list(zip(tok[r][1 : 1 + k], lp[r][1 : 1 + k])))
+        out[rid] = (first, [(lp[r][0], rank[r], list(zip(tok[r][1 : 1 + k], lp[r][1 : 1 + k])))
                             for r in range(at, at + n)])
         at += n
     return out

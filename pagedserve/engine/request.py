@@ -49,7 +49,7 @@ class Request:
     # speculative tokens proposed for its next step (the engine core sets them; the
     # scheduler sends them with its next decode and clears them)
     draft_token_ids: list[int] = field(default_factory=list)
-    # with prompt_logprobs: per prompt token after the first, (logprob, top-k), as computed
+    # with prompt_logprobs: per prompt token after the first, (logprob, rank, top-k), as computed
     prompt_logprobs: list = field(default_factory=list)
 
     def __post_init__(self) -> None:

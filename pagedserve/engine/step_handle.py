@@ -28,4 +28,4 @@ class StepHandle:
     spec_counts: list[int] = field(default_factory=list)  # their logits rows (drafts + 1)
     ready: torch.cuda.Event | None = None
     result: StepResult | None = None  # once read back (by collect, or by the next step's grammar)
-    prompt: tuple | None = None  # (PromptRows, logprobs, ids) of the prefill rows scoring a prompt
+    prompt: tuple | None = None  # (PromptRows, logprobs, ids, ranks) of the prefill rows scoring a prompt

@@ -14,6 +14,7 @@ from pagedserve.engine.output_processor import SampleState
 from pagedserve.server.chat_template import render_chat, template_kwargs
 from pagedserve.server.constraints import request_constraint
 from pagedserve.server.errors import APIError
+from pagedserve.server.prompt_scores import vllm_prompt_logprobs
 from pagedserve.server.protocol import ChatCompletionRequest, TokenizeRequest
 from pagedserve.server.reasoning import ReasoningParser, get_reasoning_parser
 from pagedserve.server.serving import (
@@ -66,6 +67,7 @@ async def prepare_chat(server: Server, body: ChatCompletionRequest) -> PreparedC
     """Render the chat template; tokenize; build each choice's sampling parameters."""
     server.check_model(body.model)
     server.check_logprobs(body.num_logprobs, "top_logprobs")
+    server.check_logprobs(body.prompt_logprobs, "prompt_logprobs")
     body = body.with_defaults(server.sampling_defaults)
     structured, field = request_constraint(body)
     tools = plan_tools(body, server.tools)
@@ -172,10 +174,12 @@ async def create_chat_completion(server: Server, body: ChatCompletionRequest, re
             "finish_reason": finish_reason, "stop_reason": s.stop_reason,
         })
     completion = sum(len(final[c.index].token_ids) for c in choices)
-    return JSONResponse({
-        "id": rid, "object": "chat.completion", "created": created, "model": model,
-        "choices": out, "usage": usage(len(prompt_ids), completion),
-    })
+    response = {"id": rid, "object": "chat.completion", "created": created, "model": model,
+                "choices": out, "usage": usage(len(prompt_ids), completion)}
+    if body.prompt_logprobs is not None:  # (vLLM's: one list for the request's one prompt)
+        first = final[choices[0].index]
+        response["prompt_logprobs"] = vllm_prompt_logprobs(server.tokenizer, first, body.prompt_logprobs)
+    return JSONResponse(response)
 
 
 async def _stream(server: Server, body: ChatCompletionRequest,

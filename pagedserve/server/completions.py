@@ -11,6 +11,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 
 from pagedserve.engine.output_processor import SampleState
 from pagedserve.server.constraints import request_constraint
+from pagedserve.server.prompt_scores import echo_entries, vllm_prompt_logprobs
 from pagedserve.server.protocol import CompletionRequest
 from pagedserve.server.serving import (
     Choice,
@@ -30,6 +31,7 @@ async def _prepare(server: Server, body: CompletionRequest
     """The choices, the prompts' ids, and the field that constrains the output (if any)."""
     server.check_model(body.model)
     server.check_logprobs(body.logprobs, "logprobs")
+    server.check_logprobs(body.prompt_logprobs, "prompt_logprobs")
     body = body.with_defaults(server.sampling_defaults)
     structured, field = request_constraint(body)
     prompts = [await server.encode_async(p, True, "prompt") if isinstance(p, str) else p
@@ -41,7 +43,8 @@ async def _prepare(server: Server, body: CompletionRequest
         params = make_params(lambda m, lp: body.sampling_params(m, lp, structured), max_tokens,
                              body.logprobs, server.vocab_size)
         if body.echo and body.logprobs is not None:  # the echoed prompt is scored too (OpenAI)
-            params = dataclasses.replace(params, prompt_logprobs=body.logprobs)
+            k = max(body.logprobs, body.prompt_logprobs or 0)
+            params = dataclasses.replace(params, prompt_logprobs=k)
         choices += [Choice(p_idx * n + i, ids, params) for i in range(n)]
     server.check_capacity(choices)
     return choices, prompts, field
@@ -70,11 +73,11 @@ def _logprobs(server: Server, s: SampleState, start: int, text_offset: int) -> d
     return _legacy_logprobs(server, s.token_ids[start:], (s.logprobs or [])[start:], text_offset)
 
 
-def _echo_logprobs(server: Server, prompt: list[int], s: SampleState, prefix_len: int,
+def _echo_logprobs(server: Server, prompt: list[int], s: SampleState, k: int, prefix_len: int,
                    with_sample: bool = True) -> dict:
-    """The echoed prompt's logprobs (the first token's None), then (`with_sample`) the
-    sample's, whose text starts at `prefix_len` (the echoed text's length)."""
-    out = _legacy_logprobs(server, prompt, s.prompt_logprobs or [None] * len(prompt), 0)
+    """The echoed prompt's logprobs (the first token's None; the top k), then (`with_sample`)
+    the sample's, whose text starts at `prefix_len` (the echoed text's length)."""
+    out = _legacy_logprobs(server, prompt, echo_entries(s, k), 0)
     if not with_sample:
         return out
     return _legacy_logprobs(server, s.token_ids, s.logprobs or [], prefix_len, out)
@@ -97,10 +100,14 @@ async def create_completion(server: Server, body: CompletionRequest, request: Re
         out_choices.append({
             "index": c.index, "text": prefix + s.visible_text(),
             "logprobs": (None if body.logprobs is None else
-                         _echo_logprobs(server, c.prompt_ids, s, len(prefix)) if body.echo else
+                         _echo_logprobs(server, c.prompt_ids, s, body.logprobs, len(prefix))
+                         if body.echo else
                          _logprobs(server, s, 0, 0)),
             "finish_reason": s.finish_reason, "stop_reason": s.stop_reason,
         })
+        if body.prompt_logprobs is not None:  # (vLLM's, per choice)
+            out_choices[-1]["prompt_logprobs"] = vllm_prompt_logprobs(server.tokenizer, s,
+                                                                      body.prompt_logprobs)
     completion = sum(len(final[c.index].token_ids) for c in choices)
     return JSONResponse({
         "id": rid, "object": "text_completion", "created": created, "model": model,
@@ -134,7 +141,7 @@ async def _stream(server: Server, body: CompletionRequest,
             if index in to_echo:
                 text = to_echo.pop(index)
                 offsets[index] = len(text)
-                lp = _echo_logprobs(server, prompt_of[index], s, 0, with_sample=False)
+                lp = _echo_logprobs(server, prompt_of[index], s, body.logprobs, 0, with_sample=False)
                 yield chunk([{"index": index, "text": text, "logprobs": lp, "finish_reason": None}])
             text = s.visible_text()
             delta = text[sent_text[index]:]

@@ -44,8 +44,8 @@ UNSUPPORTED: dict[str, tuple[Any, str]] = {
     "store": (lambda v: v in (None, False), "stored completions are not supported"),
     "metadata": (_unset, "metadata is only for stored completions, which are not supported"),
     "service_tier": (lambda v: v in (None, "auto", "default"), "service tiers are not supported"),
-    "prompt_logprobs": (lambda v: v is None, "prompt_logprobs is not supported yet; on "
-                        "/v1/completions, echo with logprobs scores the prompt"),
+    "prompt_logprobs": (lambda v: v is None, "prompt_logprobs is only for /v1/completions and "
+                        "/v1/chat/completions"),
     "use_beam_search": (lambda v: v in (None, False), "beam search is not supported"),
     "length_penalty": (lambda v: v in (None, 1, 1.0), "length_penalty (beam search) is not supported"),
     "truncate_prompt_tokens": (lambda v: v is None, "truncate_prompt_tokens is not supported yet"),
@@ -170,6 +170,7 @@ class _SamplingFields(_Body):
     stop_token_ids: list[int] | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
+    prompt_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)  # (vLLM's; not streamed)
     presence_penalty: float = Field(0.0, ge=-2.0, le=2.0)
     frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0)
     repetition_penalty: float = Field(1.0, gt=0.0)
@@ -200,9 +201,11 @@ class _SamplingFields(_Body):
         return v
 
     @model_validator(mode="after")
-    def _stream_options_need_stream(self):
+    def _stream_fields(self):
         if self.stream_options is not None and not self.stream:  # (as OpenAI and vLLM)
             raise InvalidField("stream_options", "only allowed with stream: true")
+        if self.prompt_logprobs is not None and self.stream:  # (as vLLM)
+            raise InvalidField("prompt_logprobs", "not available with stream: true")
         return self
 
     def with_defaults(self, defaults: dict[str, float | int]) -> _SamplingFields:
@@ -235,6 +238,7 @@ class _SamplingFields(_Body):
             presence_penalty=self.presence_penalty,
             frequency_penalty=self.frequency_penalty,
             logprobs=logprobs,
+            prompt_logprobs=self.prompt_logprobs,
             logit_bias=_token_keys(self.logit_bias),
             structured_outputs=structured,
             skip_special_tokens=self.skip_special_tokens,
