@@ -67,6 +67,20 @@ def test_prompt_logprobs_equal_transformers_through_chunks(hf_model):
     llm.check_no_leaks()
 
 
+def test_prompt_logprobs_agree_with_the_sampled_tokens_logprobs():
+    """Teacher-forcing a greedy output: fed back as a prompt, its tokens score what the
+    sampler gave them (the prefill's rows against the decode steps')."""
+    llm = LLM(dtype="float32", device="cpu", max_model_len=512, max_num_batched_tokens=32)
+    prompt = llm.get_tokenizer().encode("A short story about a lighthouse keeper:")
+    out = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=0),
+                       use_tqdm=False)[0].outputs[0]
+    again = llm.generate([prompt + list(out.token_ids)], SamplingParams(max_tokens=1, prompt_logprobs=0),
+                         use_tqdm=False)[0]
+    for j, (token, sampled) in enumerate(zip(out.token_ids, out.logprobs)):
+        assert again.prompt_logprobs[len(prompt) + j][token] == pytest.approx(sampled[token], abs=2e-4)
+    llm.check_no_leaks()
+
+
 def test_prompt_logprobs_survive_preemption(hf_model):
     """Scored requests among many in a cache too small for all of them: preempted ones are
     recomputed, and their prompts are scored once, as without preemption."""
