@@ -10,7 +10,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from pagedserve.server.protocol import UnsupportedField
+from pagedserve.server.request_body import UnsupportedField
 
 logger = logging.getLogger("pagedserve")
 

@@ -2,10 +2,9 @@
 
 Field names and defaults follow the OpenAI API; a few vLLM extensions (top_k, min_p,
 repetition_penalty, ignore_eos, min_tokens, stop_token_ids, ...) are accepted too.
-Every accepted field takes effect. Fields that OpenAI or vLLM define but pagedserve does not
-implement yet (`UNSUPPORTED`) are a 400 naming the field when they ask for anything;
-fields nobody defines are logged once and ignored, as vLLM does. Responses are plain dicts
-built in serving code.
+Every accepted field takes effect; the base class (`request_body.RequestBody`) refuses the
+fields pagedserve does not implement and logs unknown ones. Responses are plain dicts built in
+serving code.
 """
 
 from __future__ import annotations
@@ -16,91 +15,12 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, StrictInt, field_validator, model_validator
 
 from pagedserve.sampling_params import MAX_LOGPROBS, SamplingParams
+from pagedserve.server.request_body import InvalidField, RequestBody
 from pagedserve.structured.params import StructuredOutputsParams
 
 logger = logging.getLogger("pagedserve")
 
 MAX_N = 128  # most samples one request may ask for
-
-
-def _unset(value: Any) -> bool:
-    return value is None or value == {} or value == []
-
-
-# field -> (what a request may send and still mean "nothing", why it is refused otherwise)
-UNSUPPORTED: dict[str, tuple[Any, str]] = {
-    "functions": (_unset, "the deprecated functions field is not supported: send tools"),
-    "function_call": (lambda v: _unset(v) or v == "none",
-                      "the deprecated function_call field is not supported: send tool_choice"),
-    "best_of": (lambda v: v is None or v == 1, "best_of > 1 is not supported (use n)"),
-    "suffix": (_unset, "suffix (insertion) is not supported"),
-    "guided_whitespace_pattern": (_unset, "guided_whitespace_pattern is not supported: JSON "
-                                          "output is always compact"),
-    "prediction": (_unset, "predicted outputs are not supported"),
-    "modalities": (lambda v: _unset(v) or v == ["text"], "only text output is supported"),
-    "audio": (_unset, "audio output is not supported"),
-    "web_search_options": (_unset, "web search is not supported"),
-    "reasoning_effort": (lambda v: v is None, "reasoning_effort is not supported"),
-    "store": (lambda v: v in (None, False), "stored completions are not supported"),
-    "metadata": (_unset, "metadata is only for stored completions, which are not supported"),
-    "service_tier": (lambda v: v in (None, "auto", "default"), "service tiers are not supported"),
-    "prompt_logprobs": (lambda v: v is None, "prompt_logprobs is only for /v1/completions and "
-                        "/v1/chat/completions"),
-    "use_beam_search": (lambda v: v in (None, False), "beam search is not supported"),
-    "length_penalty": (lambda v: v in (None, 1, 1.0), "length_penalty (beam search) is not supported"),
-    "truncate_prompt_tokens": (lambda v: v is None, "truncate_prompt_tokens is not supported yet"),
-    "allowed_token_ids": (lambda v: v is None, "allowed_token_ids is not supported yet"),
-    "bad_words": (_unset, "bad_words is not supported yet"),
-    # (in stream_options)
-    "continuous_usage_stats": (lambda v: v in (None, False), "continuous_usage_stats is not supported yet"),
-    "include_obfuscation": (lambda v: v in (None, False), "stream obfuscation is not supported"),
-    # (in messages, echoed back from a response)
-    "refusal": (_unset, "refusal messages are not supported"),
-    "annotations": (_unset, "annotations are not supported"),
-}
-_logged_unknown: set[str] = set()
-
-
-class UnsupportedField(ValueError):
-    """A request field pagedserve knows of but does not implement (a 400 naming it)."""
-
-    def __init__(self, name: str, why: str) -> None:
-        super().__init__(f"{name}: {why}")
-        self.param = name
-
-
-class InvalidField(UnsupportedField):
-    """A field that cannot take effect as sent (it needs another field): a 400 naming it."""
-    code = "invalid_value"
-
-
-class _Body(BaseModel):
-    """A request body: refuses UNSUPPORTED fields that ask for something, logs unknown ones."""
-
-    model_config = ConfigDict(extra="ignore")
-
-    @classmethod
-    def _aliases(cls) -> set[str]:
-        return {f.alias for f in cls.model_fields.values() if f.alias}
-
-    @model_validator(mode="before")
-    @classmethod
-    def _check_fields(cls, data: Any) -> Any:
-        if not isinstance(data, dict):
-            return data
-        for name, value in data.items():
-            if name in cls.model_fields or name in cls._aliases():
-                continue
-            rule = UNSUPPORTED.get(name)
-            if rule is not None:
-                accepted, why = rule
-                if not accepted(value):
-                    raise UnsupportedField(name, why)
-            elif name not in _logged_unknown and len(_logged_unknown) < 1000:
-                _logged_unknown.add(name)
-                logger.warning("ignoring the request field %r: neither OpenAI nor pagedserve "
-                               "defines it (logged once)", name[:100])
-        return data
 
 
 def _token_keys(bias: dict[str, float] | None) -> dict[int, float] | None:
@@ -116,11 +36,11 @@ def _token_keys(bias: dict[str, float] | None) -> dict[int, float] | None:
     return out
 
 
-class StreamOptions(_Body):
+class StreamOptions(RequestBody):
     include_usage: bool = False
 
 
-class JsonSchemaFormat(_Body):
+class JsonSchemaFormat(RequestBody):
     """response_format.json_schema: the schema the output follows. The output always follows
     it (a grammar enforces it), with `strict` true or false, as in vLLM."""
 
@@ -130,7 +50,7 @@ class JsonSchemaFormat(_Body):
     strict: bool | None = None
 
 
-class ResponseFormat(_Body):
+class ResponseFormat(RequestBody):
     type: Literal["text", "json_object", "json_schema"]
     json_schema: JsonSchemaFormat | None = None
 
@@ -144,7 +64,7 @@ class ResponseFormat(_Body):
         return self
 
 
-class StructuredOutputsField(_Body):
+class StructuredOutputsField(RequestBody):
     """vLLM's structured_outputs request field (one of these set)."""
 
     model_config = ConfigDict(extra="forbid")
@@ -155,7 +75,7 @@ class StructuredOutputsField(_Body):
     grammar: str | None = None
 
 
-class _SamplingFields(_Body):
+class _SamplingFields(RequestBody):
     """Fields shared by /v1/completions and /v1/chat/completions."""
 
     model: str | None = None
@@ -290,7 +210,7 @@ class TextPart(BaseModel):
 _PASSED_TO_TEMPLATE = ("name", "tool_calls", "tool_call_id", "reasoning_content")
 
 
-class ChatMessage(_Body):
+class ChatMessage(RequestBody):
     """One message. `name`, `tool_calls`, `tool_call_id` and `reasoning_content` reach the chat
     template as sent (templates that know them use them); `refusal`, `audio`, `annotations`
     and `function_call`, which clients echo back from a response, must be null."""
@@ -322,23 +242,23 @@ class ChatMessage(_Body):
         return len(content.encode("utf-8", "surrogatepass")) if content else 0
 
 
-class FunctionDefinition(_Body):
+class FunctionDefinition(RequestBody):
     name: str = Field(pattern=r"^[a-zA-Z0-9_-]{1,64}$")
     description: str | None = None
     parameters: dict[str, Any] | None = None  # a JSON schema of the arguments object
     strict: bool | None = None  # arguments always follow `parameters` when a grammar applies
 
 
-class Tool(_Body):
+class Tool(RequestBody):
     type: Literal["function"]
     function: FunctionDefinition
 
 
-class FunctionName(_Body):
+class FunctionName(RequestBody):
     name: str
 
 
-class NamedToolChoice(_Body):
+class NamedToolChoice(RequestBody):
     type: Literal["function"]
     function: FunctionName
 
@@ -373,7 +293,7 @@ class ChatCompletionRequest(_SamplingFields):
         return (self.top_logprobs or 0) if self.logprobs else None
 
 
-class GenerateRequest(_Body):
+class GenerateRequest(RequestBody):
     """The simple body of POST /generate, for users coming from a hand-written wrapper."""
 
     model: str | None = None
@@ -383,7 +303,7 @@ class GenerateRequest(_Body):
     top_p: float = Field(1.0, gt=0.0, le=1.0)
 
 
-class TokenizeRequest(_Body):
+class TokenizeRequest(RequestBody):
     model: str | None = None
     prompt: str | None = None
     messages: list[ChatMessage] | None = None
@@ -394,6 +314,6 @@ class TokenizeRequest(_Body):
     chat_template_kwargs: dict[str, Any] | None = None
 
 
-class DetokenizeRequest(_Body):
+class DetokenizeRequest(RequestBody):
     model: str | None = None
     tokens: list[int]

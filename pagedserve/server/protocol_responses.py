@@ -14,7 +14,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-from pagedserve.server.protocol import UnsupportedField
+from pagedserve.server.request_body import UnsupportedField
 
 _NAME = re.compile(r"^[a-zA-Z0-9_-]{1,64}$")
 
