@@ -233,6 +233,46 @@ def test_vllm_prompt_logprobs(client, server):
     assert got.status_code == 400 and "prompt_logprobs" in got.text
 
 
+def test_truncate_prompt_tokens(client, server):
+    """vLLM's truncate_prompt_tokens keeps a prompt's last k tokens: a prompt longer than the
+    context (2,048) is served from its end, the echo is the kept text, usage counts k; on chat
+    the rendered prompt is cut; 0 and more than max_model_len are 400s."""
+    ids = httpx.post(f"{server.url}/tokenize", json={"prompt": PROMPT}).json()["tokens"]
+    long_ids = [42] * 3000 + ids
+    with pytest.raises(openai.BadRequestError):
+        client.completions.create(model=MODEL, prompt=long_ids, max_tokens=4)
+    r = client.completions.create(model=MODEL, prompt=long_ids, max_tokens=4, temperature=0, echo=True,
+                                  extra_body={"truncate_prompt_tokens": len(ids)})
+    want = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=4, temperature=0)
+    assert r.usage.prompt_tokens == len(ids) and r.choices[0].text == PROMPT + want.choices[0].text
+    chat = client.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=2,
+                                          extra_body={"truncate_prompt_tokens": 5})
+    assert chat.usage.prompt_tokens == 5
+    for bad in (0, 2049, -2):
+        with pytest.raises(openai.BadRequestError) as e:
+            client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=2,
+                                      extra_body={"truncate_prompt_tokens": bad})
+        assert e.value.body["param"] == "truncate_prompt_tokens"
+
+
+def test_continuous_usage_stats(client):
+    """stream_options.continuous_usage_stats (vLLM's): every chunk carries the usage so far,
+    the last the whole; it needs include_usage."""
+    for create, kwargs in ((client.completions.create, {"prompt": PROMPT}),
+                           (client.chat.completions.create, {"messages": CHAT})):
+        chunks = list(create(model=MODEL, max_tokens=6, temperature=0, stream=True, **kwargs,
+                             stream_options={"include_usage": True, "continuous_usage_stats": True}))
+        used = [c.usage for c in chunks]
+        assert all(u is not None for u in used) and len({u.prompt_tokens for u in used}) == 1
+        counts = [u.completion_tokens for u in used]
+        assert counts == sorted(counts) and counts[-1] == 6 and counts[0] < 6
+        assert all(u.total_tokens == u.prompt_tokens + u.completion_tokens for u in used)
+        with pytest.raises(openai.BadRequestError) as e:
+            create(model=MODEL, max_tokens=2, stream=True, **kwargs,
+                   stream_options={"continuous_usage_stats": True})
+        assert e.value.body["param"] == "stream_options.continuous_usage_stats"
+
+
 def test_chat_logprobs(client):
     r = client.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=4, temperature=0,
                                        logprobs=True, top_logprobs=3)

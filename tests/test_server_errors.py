@@ -210,7 +210,7 @@ BAD_REQUESTS = [
     ("message refusal", "/v1/chat/completions",
      {"messages": [{"role": "assistant", "content": "x", "refusal": "no"}, *USER]}, 400,
      "messages.0.refusal"),
-    ("stream_options continuous_usage_stats", "/v1/completions",
+    ("continuous_usage_stats without include_usage", "/v1/completions",
      {"prompt": "x", "stream": True, "stream_options": {"continuous_usage_stats": True}}, 400,
      "stream_options.continuous_usage_stats"),
 ]

@@ -80,6 +80,7 @@ async def prepare_chat(server: Server, body: ChatCompletionRequest) -> PreparedC
         structured, field = tools.constraint, "tool_choice"
     text = await render_messages(server, body, tools.tools if tools is not None else None)
     ids = await server.encode_async(text, False, "messages")
+    ids = server.truncate_prompt(ids, body.truncate_prompt_tokens)
     max_tokens = server.resolve_max_tokens(ids, body.output_limit, "messages",
                                            given=body.output_limit is not None)
     if structured is not None and server.reasoning_parser and not text.rstrip().endswith("</think>"):
@@ -192,10 +193,8 @@ async def _stream(server: Server, body: ChatCompletionRequest,
     tool_parsers = {c.index: tools.parser() if tools is not None else None for c in choices}
     calls = {c.index: ToolCallStream(tools.max_calls, tools.new_call_id) if tools is not None
              else ToolCallStream(None) for c in choices}
-    completion_tokens = 0
-
     chunk = SSEChunks({"id": rid, "object": "chat.completion.chunk", "created": created, "model": model},
-                      body.include_usage)
+                      body.include_usage, len(prompt_ids), body.continuous_usage)
 
     try:
         started: set[int] = set()  # the choices whose role chunk went out
@@ -221,7 +220,7 @@ async def _stream(server: Server, body: ChatCompletionRequest,
             if content:
                 delta["content"] = content
             lp = _logprobs(server, s, sent_tokens[index], body.top_logprobs or 0) if body.logprobs else None
-            completion_tokens += ntok - sent_tokens[index]
+            chunk.completion_tokens += ntok - sent_tokens[index]
             sent_text[index], sent_tokens[index] = len(text), ntok
             if not delta and not s.finished and lp is None:
                 continue
@@ -232,7 +231,7 @@ async def _stream(server: Server, body: ChatCompletionRequest,
                           "finish_reason": finish_reason,
                           "stop_reason": s.stop_reason if s.finished else None}])
         if body.include_usage:
-            yield chunk([], usage(len(prompt_ids), completion_tokens))
+            yield chunk.final()
         yield "data: [DONE]\n\n"
     except Exception as e:
         yield sse_error(e)

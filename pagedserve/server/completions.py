@@ -36,6 +36,7 @@ async def _prepare(server: Server, body: CompletionRequest
     structured, field = request_constraint(body)
     prompts = [await server.encode_async(p, True, "prompt") if isinstance(p, str) else p
                for p in body.prompts()]
+    prompts = [server.truncate_prompt(p, body.truncate_prompt_tokens) for p in prompts]
     choices, n = [], body.n
     for p_idx, ids in enumerate(prompts):
         max_tokens = server.resolve_max_tokens(ids, body.max_tokens, "prompt",
@@ -122,10 +123,8 @@ async def _stream(server: Server, body: CompletionRequest,
     sent_text = {c.index: 0 for c in choices}
     sent_tokens = {c.index: 0 for c in choices}
     offsets = {c.index: 0 for c in choices}
-    completion_tokens = 0
-
     chunk = SSEChunks({"id": rid, "object": "text_completion", "created": created, "model": model},
-                      body.include_usage)
+                      body.include_usage, sum(len(p) for p in prompts), body.continuous_usage)
 
     try:
         # the echoed prompt goes first; scored (echo with logprobs), once its scores arrive
@@ -150,14 +149,14 @@ async def _stream(server: Server, body: CompletionRequest,
                 continue
             lp = (_logprobs(server, s, sent_tokens[index], offsets[index])
                   if body.logprobs is not None else None)
-            completion_tokens += ntok - sent_tokens[index]
+            chunk.completion_tokens += ntok - sent_tokens[index]
             sent_text[index], sent_tokens[index] = len(text), ntok
             offsets[index] += len(delta)
             yield chunk([{"index": index, "text": delta, "logprobs": lp,
                           "finish_reason": s.finish_reason,
                           "stop_reason": s.stop_reason if s.finished else None}])
         if body.include_usage:
-            yield chunk([], usage(sum(len(p) for p in prompts), completion_tokens))
+            yield chunk.final()
         yield "data: [DONE]\n\n"
     except Exception as e:
         yield sse_error(e)

@@ -38,6 +38,14 @@ def _token_keys(bias: dict[str, float] | None) -> dict[int, float] | None:
 
 class StreamOptions(RequestBody):
     include_usage: bool = False
+    continuous_usage_stats: bool = False  # (vLLM's: usage in every chunk, with include_usage)
+
+    @model_validator(mode="after")
+    def _continuous_needs_usage(self):
+        if self.continuous_usage_stats and not self.include_usage:
+            raise InvalidField("continuous_usage_stats", "needs include_usage: true (the usage "
+                                                         "it adds to every chunk)")
+        return self
 
 
 class JsonSchemaFormat(RequestBody):
@@ -91,6 +99,8 @@ class _SamplingFields(RequestBody):
     stream: bool = False
     stream_options: StreamOptions | None = None
     prompt_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)  # (vLLM's; not streamed)
+    # (vLLM's) keep the prompt's last k tokens (-1: max_model_len's worth)
+    truncate_prompt_tokens: int | None = Field(None, ge=-1)
     presence_penalty: float = Field(0.0, ge=-2.0, le=2.0)
     frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0)
     repetition_penalty: float = Field(1.0, gt=0.0)
@@ -126,6 +136,8 @@ class _SamplingFields(RequestBody):
             raise InvalidField("stream_options", "only allowed with stream: true")
         if self.prompt_logprobs is not None and self.stream:  # (as vLLM)
             raise InvalidField("prompt_logprobs", "not available with stream: true")
+        if self.truncate_prompt_tokens == 0:
+            raise InvalidField("truncate_prompt_tokens", "must be -1 (max_model_len) or at least 1")
         return self
 
     def with_defaults(self, defaults: dict[str, float | int]) -> _SamplingFields:
@@ -168,6 +180,10 @@ class _SamplingFields(RequestBody):
     @property
     def include_usage(self) -> bool:
         return bool(self.stream_options and self.stream_options.include_usage)
+
+    @property
+    def continuous_usage(self) -> bool:
+        return bool(self.stream_options and self.stream_options.continuous_usage_stats)
 
 
 class CompletionRequest(_SamplingFields):

@@ -37,11 +37,9 @@ UNSUPPORTED: dict[str, tuple[Any, str]] = {
                         "/v1/chat/completions"),
     "use_beam_search": (lambda v: v in (None, False), "beam search is not supported"),
     "length_penalty": (lambda v: v in (None, 1, 1.0), "length_penalty (beam search) is not supported"),
-    "truncate_prompt_tokens": (lambda v: v is None, "truncate_prompt_tokens is not supported yet"),
     "allowed_token_ids": (lambda v: v is None, "allowed_token_ids is not supported yet"),
     "bad_words": (_unset, "bad_words is not supported yet"),
     # (in stream_options)
-    "continuous_usage_stats": (lambda v: v in (None, False), "continuous_usage_stats is not supported yet"),
     "include_obfuscation": (lambda v: v in (None, False), "stream obfuscation is not supported"),
     # (in messages, echoed back from a response)
     "refusal": (_unset, "refusal messages are not supported"),

@@ -154,6 +154,17 @@ class Server:
         detok.flush()
         return detok.text
 
+    def truncate_prompt(self, ids: list[int], keep: int | None) -> list[int]:
+        """vLLM's truncate_prompt_tokens: the prompt's last `keep` tokens (-1: max_model_len's
+        worth; None: all of them)."""
+        if keep is None:
+            return ids
+        keep = self.max_model_len if keep == -1 else keep
+        if keep > self.max_model_len:
+            raise APIError(400, f"truncate_prompt_tokens ({keep}) is more than max_model_len "
+                                f"({self.max_model_len})", param="truncate_prompt_tokens")
+        return ids[-keep:]
+
     def resolve_max_tokens(self, prompt_ids: list[int], max_tokens: int | None, param: str,
                            given: bool = True) -> int:
         """Check the prompt against max_model_len (`engine/limits.py`); return the output
@@ -316,19 +327,29 @@ def usage(prompt_tokens: int, completion_tokens: int) -> dict:
 
 class SSEChunks:
     """Server-sent events of one stream: a fixed header (id, object, created, model), then the
-    choices; with stream_options.include_usage every chunk carries "usage" (null until the
-    last). The header is serialised once per stream, not once per token."""
+    choices. With stream_options.include_usage every chunk carries "usage": null until the
+    last (`final`), or, with continuous_usage_stats, the counts so far (the stream adds its
+    tokens to `completion_tokens` before it sends them). The header is serialised once per
+    stream, not once per token."""
 
-    def __init__(self, header: dict, include_usage: bool) -> None:
+    def __init__(self, header: dict, include_usage: bool, prompt_tokens: int = 0,
+                 continuous: bool = False) -> None:
         head = json.dumps(header, ensure_ascii=False)
         self._start = f'data: {head[:-1]}, "choices": '
         self._end = ', "usage": null}\n\n' if include_usage else "}\n\n"
+        self.prompt_tokens, self.completion_tokens, self.continuous = prompt_tokens, 0, continuous
 
     def __call__(self, choices: list[dict], usage_obj: dict | None = None) -> str:
         body = json.dumps(choices, ensure_ascii=False)
+        if usage_obj is None and self.continuous:
+            usage_obj = usage(self.prompt_tokens, self.completion_tokens)
         if usage_obj is None:
             return self._start + body + self._end
         return f"{self._start}{body}, \"usage\": {json.dumps(usage_obj)}}}\n\n"
+
+    def final(self) -> str:
+        """The last chunk: no choices, the stream's usage."""
+        return self([], usage(self.prompt_tokens, self.completion_tokens))
 
 
 def sse_error(e: Exception) -> str:
