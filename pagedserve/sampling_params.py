@@ -54,6 +54,8 @@ class SamplingParams:
     prompt_logprobs: int | None = None  # ... per prompt token (after the first); 0 = its own
     # token id -> bias in [-100, 100] added to its logit before sampling (OpenAI's logit_bias)
     logit_bias: dict[int, float] | None = None
+    # only these token ids may be sampled (vLLM's allowed_token_ids); None = any
+    allowed_token_ids: list[int] | None = None
     # constrain the output to a JSON schema, a regex, a choice or a grammar
     structured_outputs: StructuredOutputsParams | None = None
     skip_special_tokens: bool = True
@@ -78,6 +80,8 @@ class SamplingParams:
             self.logit_bias = dict(self.logit_bias) or None
         if self.stop_token_ids is None:
             self.stop_token_ids = []
+        if isinstance(self.allowed_token_ids, (list, tuple)):
+            self.allowed_token_ids = list(dict.fromkeys(self.allowed_token_ids))
         elif isinstance(self.stop_token_ids, (list, tuple)):
             self.stop_token_ids = list(self.stop_token_ids)
         else:
@@ -127,6 +131,13 @@ class SamplingParams:
                     raise ValueError(f"logit_bias keys must be token ids (ints >= 0), got {t!r}")
                 if not _is_number(b) or not -100 <= b <= 100:
                     raise ValueError(f"logit_bias values must be in [-100, 100], got {b!r} for token {t}")
+        if self.allowed_token_ids is not None:
+            if not isinstance(self.allowed_token_ids, list) or not self.allowed_token_ids:
+                raise ValueError("allowed_token_ids must be a non-empty list of token ids, got "
+                                 f"{self.allowed_token_ids!r}")
+            for t in self.allowed_token_ids:
+                if not _is_int(t) or t < 0:
+                    raise ValueError(f"allowed_token_ids must contain ints >= 0, got {t!r}")
         lo, hi = REPETITION_PENALTY_RANGE
         if not _is_number(self.repetition_penalty) or not lo <= self.repetition_penalty <= hi:
             raise ValueError(f"repetition_penalty must be in [{lo:g}, {hi:g}] (1 = off), "

@@ -27,11 +27,19 @@ def test_bad_prompts_name_the_problem(ids, max_tokens, match, param, code):
     assert isinstance(e.value, ValueError)  # (the offline API raises ValueError)
 
 
-def test_logit_bias_token_ids_must_lie_in_the_vocabulary():
-    from pagedserve.engine.limits import check_logit_bias
+def test_logit_bias_and_allowed_token_ids_must_lie_in_the_vocabulary():
+    from pagedserve import SamplingParams
+    from pagedserve.engine.limits import check_token_ids
 
-    check_logit_bias(None, 10)
-    check_logit_bias({0: 1.0, 9: -100.0}, 10)
+    check_token_ids(SamplingParams(), 10)
+    check_token_ids(SamplingParams(logit_bias={0: 1.0, 9: -100.0}, allowed_token_ids=[0, 9]), 10)
     with pytest.raises(PromptError, match=r"logit_bias token ids out of range \[0, 10\): \[10, 12\]") as e:
-        check_logit_bias({12: 1.0, 3: 1.0, 10: 1.0}, 10)
+        check_token_ids(SamplingParams(logit_bias={12: 1.0, 3: 1.0, 10: 1.0}), 10)
     assert e.value.param == "logit_bias"
+    with pytest.raises(PromptError, match=r"allowed_token_ids token ids out of range \[0, 10\): \[11\]") as e:
+        check_token_ids(SamplingParams(allowed_token_ids=[3, 11]), 10)
+    assert e.value.param == "allowed_token_ids"
+    for bad in ([], [-1], "12", [1.5]):
+        with pytest.raises(ValueError, match="allowed_token_ids"):
+            SamplingParams(allowed_token_ids=bad)
+    assert SamplingParams(allowed_token_ids=[3, 1, 3]).allowed_token_ids == [3, 1]

@@ -275,6 +275,35 @@ def test_logit_bias_moves_only_its_rows_tokens(device):
     assert sample(close, [SamplingParams(temperature=0, logit_bias={4: 0.5})]).token_ids.item() == 3
 
 
+def test_allowed_token_ids_keep_only_their_rows_tokens(device):
+    """A row with allowed_token_ids samples only among them (greedy: the likeliest of them;
+    random: each of them, none outside), with a bias and a ban still applied inside the set;
+    rows without a set are untouched, and the fused temperature-only path is not taken."""
+    torch.manual_seed(1)
+    vocab = 50
+    logits = torch.randn(4, vocab, device=device)
+    top = logits.argmax(-1).tolist()
+    allowed = [i for i in range(vocab) if i != top[0]][:5]
+    params = [SamplingParams(temperature=0, allowed_token_ids=allowed),
+              SamplingParams(temperature=1.0, seed=2, allowed_token_ids=[3, 9]),
+              SamplingParams(temperature=1.0, seed=4),
+              SamplingParams(temperature=0, allowed_token_ids=[5, 6], logit_bias={6: 100})]
+    batch = make_batch(params, device, vocab, gens=[None, gen(2, device), gen(4, device), None])
+    assert batch.allowed is not None
+    seen_1, seen_2 = set(), set()
+    for _ in range(200):
+        tokens = sampler(logits, batch).token_ids.tolist()
+        assert tokens[0] == max(allowed, key=lambda t: logits[0, t].item()) and tokens[3] == 6
+        seen_1.add(tokens[1])
+        seen_2.add(tokens[2])
+    assert seen_1 == {3, 9} and len(seen_2) > 5  # (the unconstrained row ranges widely)
+    from pagedserve.layers.sampler import temperature_only
+
+    plain = [SamplingParams(temperature=1.0)]
+    assert temperature_only(make_batch(plain, device, vocab))
+    assert not temperature_only(make_batch([SamplingParams(temperature=1.0, allowed_token_ids=[1])], device, vocab))
+
+
 def test_logprobs_are_raw_log_softmax(device):
     torch.manual_seed(3)
     logits = torch.randn(3, 40, device=device)

@@ -255,6 +255,25 @@ def test_truncate_prompt_tokens(client, server):
         assert e.value.body["param"] == "truncate_prompt_tokens"
 
 
+def test_allowed_token_ids(client, server):
+    """vLLM's allowed_token_ids: every sampled token is one of them (sampling at temperature 1
+    too); an empty list or an id outside the vocabulary is a 400 naming the field."""
+    ids = httpx.post(f"{server.url}/tokenize", json={"prompt": " red green blue"}).json()["tokens"]
+    for temperature in (0, 1.0):
+        r = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=12, temperature=temperature,
+                                      logprobs=0, extra_body={"allowed_token_ids": ids, "ignore_eos": True})
+        tokens = r.choices[0].logprobs.tokens
+        assert len(tokens) == 12 and set(tokens) <= {" red", " green", " blue"}, tokens
+    chat = client.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=6, temperature=0,
+                                          extra_body={"allowed_token_ids": ids[:1], "ignore_eos": True})
+    assert chat.choices[0].message.content == " red" * 6
+    for bad in ([], [49152], [-1]):
+        with pytest.raises(openai.BadRequestError) as e:
+            client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=2,
+                                      extra_body={"allowed_token_ids": bad})
+        assert e.value.body["param"].startswith("allowed_token_ids"), e.value.body
+
+
 def test_continuous_usage_stats(client):
     """stream_options.continuous_usage_stats (vLLM's): every chunk carries the usage so far,
     the last the whole; it needs include_usage."""

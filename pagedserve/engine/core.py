@@ -16,7 +16,7 @@ from pagedserve import faults
 from pagedserve.config import EngineConfig
 from pagedserve.engine.executor import Executor, ExecutorDied, make_executor
 from pagedserve.engine.kv_cache_manager import KVCacheManager, window_to_free
-from pagedserve.engine.limits import check_logit_bias, check_prompt
+from pagedserve.engine.limits import check_prompt, check_token_ids
 from pagedserve.engine.messages import EngineRequest, TokenOutput
 from pagedserve.engine.request import Request
 from pagedserve.engine.scheduler import Scheduler
@@ -131,7 +131,7 @@ class EngineCore:
         p = er.sampling_params
         max_tokens = check_prompt(er.prompt_token_ids, p.max_tokens, self.scheduler_config.max_model_len,
                                   self.model_config.vocab_size)
-        check_logit_bias(p.logit_bias, self.model_config.vocab_size)
+        check_token_ids(p, self.model_config.vocab_size)
         req = Request(
             er.request_id, list(er.prompt_token_ids), p, priority=er.priority,
             max_tokens=max_tokens,

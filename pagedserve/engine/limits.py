@@ -40,9 +40,10 @@ def check_prompt(prompt_ids: Sequence[int], max_tokens: int | None, max_model_le
     return max_tokens
 
 
-def check_logit_bias(logit_bias: dict[int, float] | None, vocab_size: int) -> None:
-    """Every token id of a request's logit_bias lies in the vocabulary. Raises PromptError."""
-    if logit_bias and max(logit_bias) >= vocab_size:
-        bad = sorted(t for t in logit_bias if t >= vocab_size)
-        raise PromptError(f"logit_bias token ids out of range [0, {vocab_size}): {bad[:5]}",
-                          param="logit_bias")
+def check_token_ids(params, vocab_size: int) -> None:
+    """Every token id of a request's logit_bias and allowed_token_ids (a SamplingParams') lies
+    in the vocabulary. Raises PromptError naming the field."""
+    for name, ids in (("logit_bias", params.logit_bias), ("allowed_token_ids", params.allowed_token_ids)):
+        if ids and max(ids) >= vocab_size:
+            bad = sorted(t for t in ids if t >= vocab_size)
+            raise PromptError(f"{name} token ids out of range [0, {vocab_size}): {bad[:5]}", param=name)

@@ -1,6 +1,7 @@
 """Batched token sampling with per-request parameters, on the logits' device.
 
-One step: penalties -> logit_bias -> min_tokens bans -> greedy argmax, or temperature ->
+One step: penalties -> logit_bias -> min_tokens bans -> allowed_token_ids -> grammar mask ->
+greedy argmax, or temperature ->
 top-k -> top-p -> min-p -> softmax -> exponential race. Random rows sample
 `argmax(probs / q)` with `q ~ Exp(1)` i.i.d. per token, which draws exactly from `probs`; a
 seeded row fills its own `q` (always `vocab_size` draws per step) from its own generator, so
@@ -20,6 +21,13 @@ from torch import Tensor
 
 from pagedserve.engine.host_copy import to_device
 from pagedserve.layers.sampling_noise import fill_exponential_
+from pagedserve.layers.sampling_tables import (
+    allowed_table,
+    ban_table,
+    bias_table,
+    pad_tokens,
+    scalar_row,
+)
 from pagedserve.sampling_params import SamplingParams
 
 
@@ -56,6 +64,9 @@ class SamplingBatch:
     need_penalties: bool
     # logit_bias as (rows [B] int64, token ids [B] int64, biases [B] float32); None = no row has one
     bias: tuple[Tensor, Tensor, Tensor] | None = None
+    # allowed_token_ids as (rows with a set [R] int64, rows [A] int64, token ids [A] int64): every
+    # other token of those rows is -inf; None = no row has one
+    allowed: tuple[Tensor, Tensor, Tensor] | None = None
     # [N, ceil(V / 32)] int32: bit t of row i set = token t allowed (structured output fills
     # it for constrained rows; unconstrained rows are all ones); None = no row constrained
     allowed_token_mask: Tensor | None = None
@@ -94,7 +105,7 @@ class SamplingBatch:
         need_top_k = need_top_p = need_min_p = False
         max_top_k = vocab_size
         if not all_greedy or need_penalties:
-            rows = [_scalars(p, g, vocab_size) for p, g in zip(params, greedy, strict=True)]
+            rows = [scalar_row(p, g, vocab_size) for p, g in zip(params, greedy, strict=True)]
             # [N, 7] -> one host-to-device copy for all scalars (top_k is exact in float32:
             # vocab sizes are far below 2**24), then [7, N] column views.
             table = to_device(torch.tensor(rows, dtype=torch.float32), device)
@@ -106,8 +117,8 @@ class SamplingBatch:
             if need_top_k:
                 top_k, max_top_k = k_col.long(), int(max(active_k))
 
-        prompt_t = _pad(prompt_ids, vocab_size, device) if need_rep else None
-        output_t = _pad(output_ids, vocab_size, device) if need_penalties else None
+        prompt_t = pad_tokens(prompt_ids, vocab_size, device) if need_rep else None
+        output_t = pad_tokens(output_ids, vocab_size, device) if need_penalties else None
         if output_t is not None and pending_outputs is not None:
             tokens, rows = pending_outputs
             src = to_device(np.asarray(rows, dtype=np.int64), device)  # [N]
@@ -116,8 +127,9 @@ class SamplingBatch:
 
         if num_outputs is None:
             num_outputs = [len(o) for o in output_ids]  # type: ignore[union-attr]
-        ban_rows, ban_toks = _bans(params, num_outputs, eos_token_ids, vocab_size, device)
-        bias = _biases(params, device)
+        ban_rows, ban_toks = ban_table(params, num_outputs, eos_token_ids, vocab_size, device)
+        bias = bias_table(params, device)
+        allowed = allowed_table(params, device)
         seeded = [(i, gen) for i, (gen, g) in enumerate(zip(generators, greedy, strict=True))
                   if gen is not None and not g]
         wanted = [p.logprobs for p in params if p.logprobs is not None]
@@ -131,63 +143,8 @@ class SamplingBatch:
             all_greedy=all_greedy, all_random=all_random,
             any_unseeded_random=len(seeded) < n - sum(greedy),
             need_top_k=need_top_k, need_top_p=need_top_p, need_min_p=need_min_p,
-            need_penalties=need_penalties, bias=bias,
+            need_penalties=need_penalties, bias=bias, allowed=allowed,
         )
-
-
-def _scalars(p: SamplingParams, greedy: bool, vocab_size: int) -> tuple[float, ...]:
-    """One row of the scalar table. Greedy rows get neutral sampling values so the random
-    path leaves them alone (their result is replaced by the argmax anyway)."""
-    if greedy:
-        return (0.0, 1.0, vocab_size, 0.0, p.repetition_penalty, p.presence_penalty,
-                p.frequency_penalty)
-    k = vocab_size if p.top_k <= 0 else min(p.top_k, vocab_size)
-    return (p.temperature, p.top_p, k, p.min_p, p.repetition_penalty, p.presence_penalty,
-            p.frequency_penalty)
-
-
-def _biases(params: Sequence[SamplingParams],
-            device: torch.device | str) -> tuple[Tensor, Tensor, Tensor] | None:
-    """Each row's logit_bias as (rows, token ids, biases), one host-to-device copy."""
-    rows: list[int] = []
-    toks: list[int] = []
-    vals: list[float] = []
-    for i, p in enumerate(params):
-        if p.logit_bias:
-            rows += [i] * len(p.logit_bias)
-            toks += p.logit_bias.keys()
-            vals += p.logit_bias.values()
-    if not rows:
-        return None
-    table = to_device(torch.tensor([rows, toks, vals], dtype=torch.float64), device)  # [3, B]
-    return table[0].long(), table[1].long(), table[2].float()
-
-
-def _bans(params: Sequence[SamplingParams], num_outputs: Sequence[int],
-          eos_token_ids: Sequence[int], vocab_size: int,
-          device: torch.device | str) -> tuple[Tensor, Tensor] | tuple[None, None]:
-    """(row, token) pairs to forbid: stop ids (and eos unless ignored) below min_tokens."""
-    rows: list[int] = []
-    toks: list[int] = []
-    for i, p in enumerate(params):
-        if p.min_tokens and num_outputs[i] < p.min_tokens:
-            banned = set(p.stop_token_ids) | (set() if p.ignore_eos else set(eos_token_ids))
-            banned = sorted(t for t in banned if 0 <= t < vocab_size)
-            rows += [i] * len(banned)
-            toks += banned
-    if not rows:
-        return None, None
-    ban_rows, ban_toks = to_device(torch.tensor([rows, toks], dtype=torch.int64), device)  # [M] each
-    return ban_rows, ban_toks
-
-
-def _pad(seqs: Sequence[Sequence[int]], pad: int, device: torch.device | str) -> Tensor:
-    """Token lists (lists, numpy arrays, ...) -> [N, L] int64 padded with `pad`."""
-    width = max((len(s) for s in seqs), default=0)
-    out = np.full((len(seqs), width), pad, dtype=np.int64)
-    for i, s in enumerate(seqs):
-        out[i, : len(s)] = s  # numpy copies a list far faster than torch.tensor parses one
-    return to_device(out, device)
 
 
 @dataclass
@@ -270,7 +227,7 @@ def temperature_only(batch: SamplingBatch) -> bool:
     generator: no penalties, biases, bans, top-k, top-p, min-p or seed (the fused kernel's
     case)."""
     return not (batch.all_greedy or batch.need_penalties or batch.bias is not None
-                or batch.ban_rows is not None
+                or batch.ban_rows is not None or batch.allowed is not None
                 or batch.need_top_k_top_p or batch.need_min_p or batch.seeded
                 or batch.allowed_token_mask is not None)
 
@@ -345,8 +302,8 @@ class Sampler:
 
     @staticmethod
     def constrain(logits: Tensor, batch: SamplingBatch) -> Tensor:
-        """Penalties, logit_bias, min_tokens bans and the allowed-token mask on float32
-        logits [N, V] (a new tensor where any applies)."""
+        """Penalties, logit_bias, min_tokens bans, allowed_token_ids and the allowed-token mask
+        on float32 logits [N, V] (a new tensor where any applies)."""
         if batch.need_penalties:
             logits = apply_penalties(logits, batch)
         if batch.bias is not None:
@@ -355,6 +312,10 @@ class Sampler:
         if batch.ban_rows is not None:
             neg_inf = logits.new_full((), float("-inf"))
             logits = logits.index_put((batch.ban_rows, batch.ban_token_ids), neg_inf)
+        if batch.allowed is not None:  # allowed_token_ids: the rest of those rows -inf
+            with_set, rows, ids = batch.allowed
+            kept = logits[rows, ids]  # [A]
+            logits = logits.index_fill(0, with_set, float("-inf")).index_put((rows, ids), kept)
         if batch.allowed_token_mask is not None:
             logits = apply_token_bitmask(logits, batch.allowed_token_mask)
         return logits

@@ -37,7 +37,6 @@ UNSUPPORTED: dict[str, tuple[Any, str]] = {
                         "/v1/chat/completions"),
     "use_beam_search": (lambda v: v in (None, False), "beam search is not supported"),
     "length_penalty": (lambda v: v in (None, 1, 1.0), "length_penalty (beam search) is not supported"),
-    "allowed_token_ids": (lambda v: v is None, "allowed_token_ids is not supported yet"),
     "bad_words": (_unset, "bad_words is not supported yet"),
     # (in stream_options)
     "include_obfuscation": (lambda v: v in (None, False), "stream obfuscation is not supported"),

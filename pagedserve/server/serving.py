@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 from fastapi import Request
 
-from pagedserve.engine.limits import PromptError, check_logit_bias, check_prompt
+from pagedserve.engine.limits import PromptError, check_prompt, check_token_ids
 from pagedserve.engine.output_processor import SampleState
 from pagedserve.sampling_params import MAX_LOGPROBS, SamplingParams
 from pagedserve.server.engine_client import (
@@ -192,7 +192,7 @@ def make_params(build, max_tokens: int, logprobs: int | None, vocab_size: int) -
     vocabulary (`engine/limits.py`), turning ValueError into a 400 naming the field."""
     try:
         params = build(max_tokens, logprobs)
-        check_logit_bias(params.logit_bias, vocab_size)
+        check_token_ids(params, vocab_size)
         stop_ids = params.stop_token_ids
         if stop_ids and max(stop_ids) >= vocab_size:  # (an id never sampled: it would never stop)
             bad = sorted({t for t in stop_ids if t >= vocab_size})
