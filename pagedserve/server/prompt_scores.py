@@ -21,9 +21,12 @@ def _top(s: SampleState, j: int, k: int) -> list[tuple[int, float, int]]:
     return out
 
 
-def vllm_prompt_logprobs(tokenizer, s: SampleState, k: int) -> list[dict[str, dict] | None]:
+def vllm_prompt_logprobs(tokenizer, s: SampleState, k: int) -> list[dict[str, dict] | None] | None:
     """vLLM's `prompt_logprobs` of a sample: None for the first prompt token (nothing precedes
-    it), then {token id (a string, as JSON keys are): {"logprob", "rank", "decoded_token"}}."""
+    it), then {token id (a string, as JSON keys are): {"logprob", "rank", "decoded_token"}}.
+    None when the sample ended before its prompt was scored (it failed)."""
+    if s.prompt_logprobs is None:
+        return None
     out: list[dict[str, dict] | None] = [None]
     for j in range(1, len(s.prompt_ids)):
         out.append({str(t): {"logprob": lp, "rank": rank,
