@@ -210,10 +210,36 @@ BAD_REQUESTS = [
     ("message refusal", "/v1/chat/completions",
      {"messages": [{"role": "assistant", "content": "x", "refusal": "no"}, *USER]}, 400,
      "messages.0.refusal"),
+    ("echo on chat", "/v1/chat/completions", {"messages": USER, "echo": True}, 400, "echo"),
+    ("continue_final_message", "/v1/chat/completions",
+     {"messages": USER, "continue_final_message": True}, 400, "continue_final_message"),
+    ("add_special_tokens on chat", "/v1/chat/completions",
+     {"messages": USER, "add_special_tokens": True}, 400, "add_special_tokens"),
+    ("request_id", "/v1/completions", {"prompt": "x", "request_id": "mine"}, 400, "request_id"),
+    ("logits_processors", "/v1/completions", {"prompt": "x", "logits_processors": ["a.b"]}, 400,
+     "logits_processors"),
+    ("spaces_between_special_tokens false", "/v1/completions",
+     {"prompt": "x", "spaces_between_special_tokens": False}, 400, "spaces_between_special_tokens"),
+    ("return_tokens_as_token_ids", "/v1/chat/completions",
+     {"messages": USER, "return_tokens_as_token_ids": True}, 400, "return_tokens_as_token_ids"),
+    ("cache_salt", "/v1/completions", {"prompt": "x", "cache_salt": "s"}, 400, "cache_salt"),
+    ("return_token_ids", "/v1/completions", {"prompt": "x", "return_token_ids": True}, 400,
+     "return_token_ids"),
     ("continuous_usage_stats without include_usage", "/v1/completions",
      {"prompt": "x", "stream": True, "stream_options": {"continuous_usage_stats": True}}, 400,
      "stream_options.continuous_usage_stats"),
 ]
+
+
+def test_vllm_fields_that_ask_for_nothing_are_accepted(server):
+    """vLLM's fields that pagedserve does not implement are refused only when they ask for
+    something: their defaults pass (clients built for vLLM send them)."""
+    body = {"messages": USER, "max_tokens": 2, "echo": False, "continue_final_message": False,
+            "add_special_tokens": False, "spaces_between_special_tokens": True,
+            "return_tokens_as_token_ids": False, "request_id": None, "logits_processors": None,
+            "documents": None, "cache_salt": None, "kv_transfer_params": None}
+    r = httpx.post(server.url + "/v1/chat/completions", json=body, timeout=60)
+    assert r.status_code == 200, r.text
 
 
 @pytest.mark.parametrize("name,path,body,status,param", BAD_REQUESTS, ids=[c[0] for c in BAD_REQUESTS])

@@ -38,6 +38,27 @@ UNSUPPORTED: dict[str, tuple[Any, str]] = {
     "use_beam_search": (lambda v: v in (None, False), "beam search is not supported"),
     "length_penalty": (lambda v: v in (None, 1, 1.0), "length_penalty (beam search) is not supported"),
     "bad_words": (_unset, "bad_words is not supported yet"),
+    # vLLM's other request fields
+    "echo": (lambda v: v in (None, False), "echo is only for /v1/completions"),
+    "continue_final_message": (lambda v: v in (None, False),
+                               "continue_final_message is not supported yet"),
+    "add_special_tokens": (lambda v: v in (None, False),
+                           "add_special_tokens is not supported on chat: the template adds them"),
+    "spaces_between_special_tokens": (lambda v: v in (None, True),
+                                      "spaces_between_special_tokens: false is not supported"),
+    "return_tokens_as_token_ids": (lambda v: v in (None, False),
+                                   "return_tokens_as_token_ids is not supported"),
+    "return_token_ids": (lambda v: v in (None, False), "return_token_ids is not supported yet "
+                                                        "(logprobs=0 gives each token's text)"),
+    "request_id": (lambda v: v is None, "request_id is not supported: the server names each "
+                                        "request (the response's id)"),
+    "logits_processors": (_unset, "custom logits processors are not supported"),
+    "documents": (_unset, "documents (RAG templates) are not supported"),
+    "mm_processor_kwargs": (_unset, "pagedserve serves text models only"),
+    "cache_salt": (lambda v: v is None, "cache_salt is not supported"),
+    "kv_transfer_params": (_unset, "KV transfer (disaggregated serving) is not supported"),
+    "vllm_xargs": (_unset, "vllm_xargs is not supported"),
+    "thinking_token_budget": (lambda v: v is None, "thinking_token_budget is not supported"),
     # (in stream_options)
     "include_obfuscation": (lambda v: v in (None, False), "stream obfuscation is not supported"),
     # (in messages, echoed back from a response)
