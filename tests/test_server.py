@@ -274,6 +274,37 @@ def test_allowed_token_ids(client, server):
         assert e.value.body["param"].startswith("allowed_token_ids"), e.value.body
 
 
+def test_return_token_ids(client, server):
+    """vLLM's return_token_ids: the prompt's ids and each choice's output ids, which decode to
+    the prompt and the text; streamed, each chunk carries its new ids (they add up to the
+    whole) and the prompt's come once."""
+    def text_of(ids):
+        return httpx.post(f"{server.url}/detokenize", json={"tokens": ids}).json()["prompt"]
+
+    extra = {"return_token_ids": True, "ignore_eos": True}
+    r = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=6, temperature=0, n=2, extra_body=extra)
+    c = r.choices[0].model_extra
+    assert text_of(c["prompt_token_ids"]) == PROMPT and len(c["prompt_token_ids"]) == r.usage.prompt_tokens
+    assert text_of(c["token_ids"]) == r.choices[0].text and len(c["token_ids"]) == 6
+    chunks = list(client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=6, temperature=0, n=2,
+                                            stream=True, extra_body=extra))
+    for index in (0, 1):
+        parts = [ch.choices[0].model_extra for ch in chunks if ch.choices and ch.choices[0].index == index]
+        assert sum((p["token_ids"] for p in parts), []) == c["token_ids"]
+        assert [p["prompt_token_ids"] for p in parts if "prompt_token_ids" in p] == [c["prompt_token_ids"]]
+    chat = client.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=6, temperature=0, extra_body=extra)
+    ids = chat.choices[0].model_extra["token_ids"]
+    assert len(chat.model_extra["prompt_token_ids"]) == chat.usage.prompt_tokens
+    assert text_of(ids) == chat.choices[0].message.content and len(ids) == 6
+    chunks = list(client.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=6, temperature=0,
+                                                 stream=True, extra_body=extra))
+    assert sum((ch.choices[0].model_extra["token_ids"] for ch in chunks if ch.choices), []) == ids
+    firsts = [ch.model_extra["prompt_token_ids"] for ch in chunks if "prompt_token_ids" in ch.model_extra]
+    assert firsts == [chat.model_extra["prompt_token_ids"]]
+    plain = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=2)
+    assert "token_ids" not in plain.choices[0].model_extra
+
+
 def test_continuous_usage_stats(client):
     """stream_options.continuous_usage_stats (vLLM's): every chunk carries the usage so far,
     the last the whole; it needs include_usage."""

@@ -223,8 +223,6 @@ BAD_REQUESTS = [
     ("return_tokens_as_token_ids", "/v1/chat/completions",
      {"messages": USER, "return_tokens_as_token_ids": True}, 400, "return_tokens_as_token_ids"),
     ("cache_salt", "/v1/completions", {"prompt": "x", "cache_salt": "s"}, 400, "cache_salt"),
-    ("return_token_ids", "/v1/completions", {"prompt": "x", "return_token_ids": True}, 400,
-     "return_token_ids"),
     ("continuous_usage_stats without include_usage", "/v1/completions",
      {"prompt": "x", "stream": True, "stream_options": {"continuous_usage_stats": True}}, 400,
      "stream_options.continuous_usage_stats"),

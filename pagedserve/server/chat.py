@@ -173,6 +173,7 @@ async def create_chat_completion(server: Server, body: ChatCompletionRequest, re
             "index": c.index, "message": message,
             "logprobs": _logprobs(server, s, 0, body.top_logprobs or 0) if body.logprobs else None,
             "finish_reason": finish_reason, "stop_reason": s.stop_reason,
+            **({"token_ids": list(s.token_ids)} if body.return_token_ids else {}),
         })
     completion = sum(len(final[c.index].token_ids) for c in choices)
     response = {"id": rid, "object": "chat.completion", "created": created, "model": model,
@@ -180,6 +181,8 @@ async def create_chat_completion(server: Server, body: ChatCompletionRequest, re
     if body.prompt_logprobs is not None:  # (vLLM's: one list for the request's one prompt)
         first = final[choices[0].index]
         response["prompt_logprobs"] = vllm_prompt_logprobs(server.tokenizer, first, body.prompt_logprobs)
+    if body.return_token_ids:  # (vLLM's: the prompt's at the top, each choice's in it)
+        response["prompt_token_ids"] = prompt_ids
     return JSONResponse(response)
 
 
@@ -200,9 +203,11 @@ async def _stream(server: Server, body: ChatCompletionRequest,
         started: set[int] = set()  # the choices whose role chunk went out
         async for index, s in events:
             if index not in started:  # with its first token, as vLLM sends it (what clients time)
-                started.add(index)
+                ids = {"token_ids": []} if body.return_token_ids else {}
                 yield chunk([{"index": index, "delta": {"role": "assistant", "content": ""},
-                              "logprobs": None, "finish_reason": None}])
+                              "logprobs": None, "finish_reason": None, **ids}],
+                            prompt_token_ids=prompt_ids if body.return_token_ids and not started else None)
+                started.add(index)
             text = s.visible_text()
             delta_text = text[sent_text[index]:]
             ntok = len(s.token_ids)
@@ -221,15 +226,16 @@ async def _stream(server: Server, body: ChatCompletionRequest,
                 delta["content"] = content
             lp = _logprobs(server, s, sent_tokens[index], body.top_logprobs or 0) if body.logprobs else None
             chunk.completion_tokens += ntok - sent_tokens[index]
+            ids = {"token_ids": s.token_ids[sent_tokens[index]:ntok]} if body.return_token_ids else {}
             sent_text[index], sent_tokens[index] = len(text), ntok
-            if not delta and not s.finished and lp is None:
+            if not delta and not s.finished and lp is None and not ids.get("token_ids"):
                 continue
             finish_reason = s.finish_reason
             if finish_reason == "stop" and calls[index].called:
                 finish_reason = "tool_calls"
             yield chunk([{"index": index, "delta": delta, "logprobs": lp,
                           "finish_reason": finish_reason,
-                          "stop_reason": s.stop_reason if s.finished else None}])
+                          "stop_reason": s.stop_reason if s.finished else None, **ids}])
         if body.include_usage:
             yield chunk.final()
         yield "data: [DONE]\n\n"

@@ -109,6 +109,8 @@ async def create_completion(server: Server, body: CompletionRequest, request: Re
         if body.prompt_logprobs is not None:  # (vLLM's, per choice)
             out_choices[-1]["prompt_logprobs"] = vllm_prompt_logprobs(server.tokenizer, s,
                                                                       body.prompt_logprobs)
+        if body.return_token_ids:  # (vLLM's)
+            out_choices[-1].update(prompt_token_ids=c.prompt_ids, token_ids=list(s.token_ids))
     completion = sum(len(final[c.index].token_ids) for c in choices)
     return JSONResponse({
         "id": rid, "object": "text_completion", "created": created, "model": model,
@@ -130,18 +132,29 @@ async def _stream(server: Server, body: CompletionRequest,
         # the echoed prompt goes first; scored (echo with logprobs), once its scores arrive
         # with the choice's first token
         to_echo = {c.index: prompt_texts[c.index // body.n] for c in choices} if body.echo else {}
+        prompt_of = {c.index: c.prompt_ids for c in choices}
+        # return_token_ids (vLLM's): each chunk's new token ids; a choice's first, its prompt's
+        ids_to_send = {c.index: c.prompt_ids for c in choices} if body.return_token_ids else {}
+
+        def ids_of(index: int, new: list[int]) -> dict:
+            if not body.return_token_ids:
+                return {}
+            first = ids_to_send.pop(index, None)
+            return {"token_ids": new} if first is None else {"token_ids": new, "prompt_token_ids": first}
+
         if body.logprobs is None:
             for index, text in to_echo.items():
                 offsets[index] = len(text)
-                yield chunk([{"index": index, "text": text, "logprobs": None, "finish_reason": None}])
+                yield chunk([{"index": index, "text": text, "logprobs": None, "finish_reason": None,
+                              **ids_of(index, [])}])
             to_echo = {}
-        prompt_of = {c.index: c.prompt_ids for c in choices}
         async for index, s in events:
             if index in to_echo:
                 text = to_echo.pop(index)
                 offsets[index] = len(text)
                 lp = _echo_logprobs(server, prompt_of[index], s, body.logprobs, 0, with_sample=False)
-                yield chunk([{"index": index, "text": text, "logprobs": lp, "finish_reason": None}])
+                yield chunk([{"index": index, "text": text, "logprobs": lp, "finish_reason": None,
+                              **ids_of(index, [])}])
             text = s.visible_text()
             delta = text[sent_text[index]:]
             ntok = len(s.token_ids)
@@ -150,11 +163,13 @@ async def _stream(server: Server, body: CompletionRequest,
             lp = (_logprobs(server, s, sent_tokens[index], offsets[index])
                   if body.logprobs is not None else None)
             chunk.completion_tokens += ntok - sent_tokens[index]
+            new_ids = s.token_ids[sent_tokens[index]:ntok]
             sent_text[index], sent_tokens[index] = len(text), ntok
             offsets[index] += len(delta)
             yield chunk([{"index": index, "text": delta, "logprobs": lp,
                           "finish_reason": s.finish_reason,
-                          "stop_reason": s.stop_reason if s.finished else None}])
+                          "stop_reason": s.stop_reason if s.finished else None,
+                          **ids_of(index, new_ids)}])
         if body.include_usage:
             yield chunk.final()
         yield "data: [DONE]\n\n"

@@ -101,6 +101,7 @@ class _SamplingFields(RequestBody):
     prompt_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)  # (vLLM's; not streamed)
     # (vLLM's) keep the prompt's last k tokens (-1: max_model_len's worth)
     truncate_prompt_tokens: int | None = Field(None, ge=-1)
+    return_token_ids: bool = False  # (vLLM's) the prompt's and each choice's token ids too
     presence_penalty: float = Field(0.0, ge=-2.0, le=2.0)
     frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0)
     repetition_penalty: float = Field(1.0, gt=0.0)

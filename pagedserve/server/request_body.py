@@ -48,8 +48,6 @@ UNSUPPORTED: dict[str, tuple[Any, str]] = {
                                       "spaces_between_special_tokens: false is not supported"),
     "return_tokens_as_token_ids": (lambda v: v in (None, False),
                                    "return_tokens_as_token_ids is not supported"),
-    "return_token_ids": (lambda v: v in (None, False), "return_token_ids is not supported yet "
-                                                        "(logprobs=0 gives each token's text)"),
     "request_id": (lambda v: v is None, "request_id is not supported: the server names each "
                                         "request (the response's id)"),
     "logits_processors": (_unset, "custom logits processors are not supported"),

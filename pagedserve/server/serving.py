@@ -339,8 +339,11 @@ class SSEChunks:
         self._end = ', "usage": null}\n\n' if include_usage else "}\n\n"
         self.prompt_tokens, self.completion_tokens, self.continuous = prompt_tokens, 0, continuous
 
-    def __call__(self, choices: list[dict], usage_obj: dict | None = None) -> str:
+    def __call__(self, choices: list[dict], usage_obj: dict | None = None,
+                 prompt_token_ids: list[int] | None = None) -> str:
         body = json.dumps(choices, ensure_ascii=False)
+        if prompt_token_ids is not None:  # (a top-level field after the choices: vLLM's chat)
+            body += f', "prompt_token_ids": {json.dumps(prompt_token_ids)}'
         if usage_obj is None and self.continuous:
             usage_obj = usage(self.prompt_tokens, self.completion_tokens)
         if usage_obj is None:
