@@ -1,7 +1,7 @@
 """GPU time of the speculative step's CUDA graphs alone (issue 27), to split a step's time
 between the GPU and the host: Qwen3-4B's preset with Qwen3-0.6B's drafting k = 4 (dummy
-weights, forced acceptance), each graph replayed 50 times back to back at batch 1 after a
-short generation, timed by CUDA events. The graphs replay whatever their buffers last held
+weights, forced acceptance), each graph replayed at batch 1 after a short generation,
+timed by Triton's do_bench. The graphs replay whatever their buffers last held
 (the finished request's rows), so this run's engine is not used afterwards.
 
     PYTHONPATH=. PS_TOKENIZER=.devtok python3 benchmarks/spec_graph_probe.py [--output-json FILE]
@@ -14,21 +14,9 @@ import json
 import os
 
 import torch
+from triton.testing import do_bench
 
 from pagedserve import LLM, SamplingParams
-
-
-def gpu_ms(fn, n: int = 50) -> float:
-    """Mean GPU milliseconds of `fn` over n back-to-back calls (after one warm-up call)."""
-    fn()
-    torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(n):
-        fn()
-    end.record()
-    torch.cuda.synchronize()
-    return start.elapsed_time(end) / n
 
 
 def main() -> None:
@@ -43,13 +31,14 @@ def main() -> None:
                  use_tqdm=False)
     runner = llm.engine.executor.worker.runner
     target, draft = runner.graphs, runner.drafter.graphs
-    rows = {
-        "target decode graph": gpu_ms(target.graphs[target.decode_keys[0]].replay),
-        "target verify graph (5 tokens)": gpu_ms(target.graphs[target.verify_keys[0]].replay),
-        "draft decode graph": gpu_ms(draft.graphs[draft.decode_keys[0]].replay),
-        "draft verify graph (the mirror, 5 tokens)": gpu_ms(draft.graphs[draft.verify_keys[0]].replay),
-        "draft proposal graph (4 steps)": gpu_ms(runner.drafter.proposers[1]),
+    graphs = {
+        "target decode graph": target.graphs[target.decode_keys[0]].replay,
+        "target verify graph (5 tokens)": target.graphs[target.verify_keys[0]].replay,
+        "draft decode graph": draft.graphs[draft.decode_keys[0]].replay,
+        "draft verify graph (the mirror, 5 tokens)": draft.graphs[draft.verify_keys[0]].replay,
+        "draft proposal graph (4 steps)": runner.drafter.proposers[1],
     }
+    rows = {name: do_bench(replay, warmup=5, rep=50) for name, replay in graphs.items()}  # ms
     for name, ms in rows.items():
         print(f"{name:<44} {ms:7.3f} ms")
     if args.output_json:
