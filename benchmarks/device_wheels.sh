@@ -13,7 +13,7 @@ PACKAGES="fastapi starlette uvicorn uvloop httptools websockets watchfiles pytho
 pydantic pydantic-core annotated-types typing-inspection pyzmq xgrammar apache-tvm-ffi
 prometheus-client httpx httpcore h11 anyio sniffio aiohttp aiohappyeyeballs aiosignal
 frozenlist multidict yarl propcache attrs psutil nvidia-ml-py rich markdown-it-py mdurl
-pygments gguf openai jiter"
+pygments gguf openai jiter py-spy"
 mkdir -p .whl .devtok
 reqs=$(mktemp)
 for p in $PACKAGES; do

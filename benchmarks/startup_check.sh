@@ -1,0 +1,63 @@
+#!/usr/bin/env bash
+# Start-up to ready of `pagedserve serve` (issue 30), in one device call:
+#   bash benchmarks/startup_check.sh
+# 1. `serve` with an empty Triton cache (the first start on a fresh machine, as far as this
+#    machine allows: the operating system's file cache is warm after the wheel install), then
+#    again with that cache filled: seconds from the command to the first /health 200, and the
+#    engine core's log lines with their times;
+# 2. the warm start once more under py-spy (every process, idle time included), summarised
+#    per process, so the seconds can be put on functions;
+# 3. `python -X importtime` of the engine core's modules.
+# MODEL (qwen3-4b-instruct-2507), TIMES (1: warm starts to time). Results go to $OUT.
+set -uo pipefail
+OUT="${OUT:-startup_results}"
+mkdir -p "$OUT"
+python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/pydeps .whl/*.whl || exit 1
+export PYTHONPATH="$PWD:/tmp/pydeps" PS_TOKENIZER=.devtok
+export TRITON_CACHE_DIR="${TRITON_CACHE_DIR:-/tmp/startup_triton_cache}"
+MODEL="${MODEL:-qwen3-4b-instruct-2507}"
+PORT=8000
+SERVE=(python3 -m pagedserve.cli serve "$MODEL" --load-format dummy --tokenizer .devtok --port $PORT
+       --log-level INFO --disable-log-requests)
+
+wait_ready() {  # pid: seconds until /health answers 200 (or the process dies)
+    local pid=$1 t0=$2
+    for _ in $(seq 1200); do
+        curl -sf http://127.0.0.1:$PORT/health > /dev/null && break
+        kill -0 "$pid" 2> /dev/null || { echo "died"; return; }
+        sleep 0.05
+    done
+    python3 -c "import time; print(round(time.time() - $t0, 2))"
+}
+
+start() {  # name [cache-state]: time one start, then stop the server
+    local name=$1 t0
+    t0=$(date +%s.%N)
+    "${SERVE[@]}" > "$OUT/serve_$name.log" 2>&1 &
+    local pid=$!
+    local s; s=$(wait_ready $pid "$t0")
+    echo "$name: ready in $s s" | tee -a "$OUT/summary.txt"
+    kill -TERM $pid; wait $pid
+}
+
+rm -rf "$TRITON_CACHE_DIR"
+start cold
+for i in $(seq "${TIMES:-1}"); do start "warm$i"; done
+# the same warm start under py-spy: idle included, so the profile's shares are shares of wall time
+t0=$(date +%s.%N)
+/tmp/pydeps/bin/py-spy record --subprocesses --idle --rate 50 --format raw -o "$OUT/pyspy_start.txt" \
+    -- "${SERVE[@]}" > "$OUT/serve_pyspy.log" 2>&1 &
+SPY=$!
+sleep 1
+SERVER=$(pgrep -P $SPY | head -1)
+echo "under py-spy: ready in $(wait_ready "$SERVER" "$t0") s" | tee -a "$OUT/summary.txt"
+kill -TERM "$SERVER"; wait $SPY
+python3 benchmarks/pyspy_summary.py "$OUT/pyspy_start.txt" --top 40 > "$OUT/pyspy_start_summary.txt" 2>&1
+python3 -X importtime -c "import pagedserve.engine.core_process, pagedserve.models, pagedserve.engine.worker" \
+    2> "$OUT/importtime.txt"
+sort -t'|' -k2 -n "$OUT/importtime.txt" | tail -15
+for f in "$OUT"/serve_cold.log "$OUT"/serve_warm1.log; do
+    echo "== $f"; grep -E "engine-core|ready|serving|compiled|captured|planned|warm-up|KV cache|loaded" "$f" | cut -c1-200
+done
+head -60 "$OUT/pyspy_start_summary.txt"
+cat "$OUT/summary.txt"
