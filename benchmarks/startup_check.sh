@@ -1,10 +1,10 @@
 #!/usr/bin/env bash
 # Start-up to ready of `pagedserve serve` (issue 30), in one device call:
 #   bash benchmarks/startup_check.sh
-# 1. `serve` with an empty Triton cache (the first start on a fresh machine, as far as this
-#    machine allows: the operating system's file cache is warm after the wheel install), then
-#    again with that cache filled: seconds from the command to the first /health 200, and the
-#    engine core's log lines with their times;
+# 1. `serve` with empty Triton and matmul-plan caches (the first start on a fresh machine, as
+#    far as this machine allows: the operating system's file cache is warm after the wheel
+#    install), then again with both filled, then with the plan timed again: seconds from the
+#    command to the first /health 200, and the engine core's log lines with their times;
 # 2. the warm start once more under py-spy (every process, idle time included), summarised
 #    per process, so the seconds can be put on functions;
 # 3. `python -X importtime` of the engine core's modules.
@@ -15,6 +15,7 @@ mkdir -p "$OUT"
 python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/pydeps .whl/*.whl || exit 1
 export PYTHONPATH="$PWD:/tmp/pydeps" PS_TOKENIZER=.devtok
 export TRITON_CACHE_DIR="${TRITON_CACHE_DIR:-/tmp/startup_triton_cache}"
+export PAGEDSERVE_PLAN_CACHE="${PAGEDSERVE_PLAN_CACHE:-/tmp/startup_plan_cache}"
 MODEL="${MODEL:-qwen3-4b-instruct-2507}"
 PORT=8000
 SERVE=(python3 -m pagedserve.cli serve "$MODEL" --load-format dummy --tokenizer .devtok --port $PORT
@@ -40,9 +41,10 @@ start() {  # name [cache-state]: time one start, then stop the server
     kill -TERM $pid; wait $pid
 }
 
-rm -rf "$TRITON_CACHE_DIR"
+rm -rf "$TRITON_CACHE_DIR" "$PAGEDSERVE_PLAN_CACHE"
 start cold
 for i in $(seq "${TIMES:-1}"); do start "warm$i"; done
+PAGEDSERVE_PLAN_CACHE=0 start warm_replan  # the Triton cache filled, the matmul plan timed again
 # the same warm start under py-spy: idle included, so the profile's shares are shares of wall time
 t0=$(date +%s.%N)
 /tmp/pydeps/bin/py-spy record --subprocesses --idle --rate 50 --format raw -o "$OUT/pyspy_start.txt" \
@@ -56,7 +58,7 @@ python3 benchmarks/pyspy_summary.py "$OUT/pyspy_start.txt" --top 40 > "$OUT/pysp
 python3 -X importtime -c "import pagedserve.engine.core_process, pagedserve.models, pagedserve.engine.worker" \
     2> "$OUT/importtime.txt"
 sort -t'|' -k2 -n "$OUT/importtime.txt" | tail -15
-for f in "$OUT"/serve_cold.log "$OUT"/serve_warm1.log; do
+for f in "$OUT"/serve_cold.log "$OUT"/serve_warm1.log "$OUT"/serve_warm_replan.log; do
     echo "== $f"; grep -E "engine-core|ready|serving|compiled|captured|planned|warm-up|KV cache|loaded" "$f" | cut -c1-200
 done
 head -60 "$OUT/pyspy_start_summary.txt"

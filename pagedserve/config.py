@@ -212,6 +212,7 @@ class KernelConfig:
     weight_prefetch: bool = True  # L2 weight prefetch beside decode graphs of up to 16 rows (Hopper)
     compile_ahead: bool = True  # rehearse each CUDA start-up phase with Triton compiles in parallel
     mixed_graph_tokens: int = 2048  # largest prefill/mixed step replayed from a CUDA graph (0 = none)
+    plan_cache_dir: str | None = None  # where the matmul plans of earlier start-ups are kept (None = nowhere)
 
     def __post_init__(self) -> None:
         if self.mixed_graph_tokens < 0:

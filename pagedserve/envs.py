@@ -41,7 +41,9 @@ def kernel_config() -> KernelConfig:
     (one Triton kernel samples temperature-only batches), $PAGEDSERVE_WEIGHT_PREFETCH (L2
     weight prefetch beside small decode graphs on Hopper), $PAGEDSERVE_COMPILE_AHEAD (compile
     each start-up phase's Triton kernels in parallel first), and $PAGEDSERVE_MIXED_GRAPH_TOKENS
-    (the largest prefill/mixed step replayed from a CUDA graph, default 2048; 0 = decode only)."""
+    (the largest prefill/mixed step replayed from a CUDA graph, default 2048; 0 = decode only);
+    $PAGEDSERVE_PLAN_CACHE: the folder that keeps the small-batch matmul plans for later
+    start-ups (default: `matmul_plans` in `cache_dir()`; 0 = time them at every start-up)."""
     from pagedserve.config import KernelConfig
 
     return KernelConfig(
@@ -50,7 +52,15 @@ def kernel_config() -> KernelConfig:
         weight_prefetch=_flag("PAGEDSERVE_WEIGHT_PREFETCH"),
         compile_ahead=_flag("PAGEDSERVE_COMPILE_AHEAD"),
         mixed_graph_tokens=int(os.environ.get("PAGEDSERVE_MIXED_GRAPH_TOKENS") or 2048),
+        plan_cache_dir=_plan_cache_dir(),
     )
+
+
+def _plan_cache_dir() -> str | None:
+    env = os.environ.get("PAGEDSERVE_PLAN_CACHE")
+    if env in ("0", "false", "no", "off"):
+        return None
+    return str(Path(env).expanduser()) if env else str(cache_dir() / "matmul_plans")
 
 
 def observability_config() -> ObservabilityConfig:

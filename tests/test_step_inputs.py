@@ -5,6 +5,7 @@ a standalone step."""
 from __future__ import annotations
 
 import os
+from dataclasses import replace
 
 os.environ["TRITON_INTERPRET"] = "1"  # before triton is imported
 
@@ -66,9 +67,16 @@ def test_kernel_switches_follow_the_environment(monkeypatch):
 
     switches = {"SKINNY_MATMUL": "skinny_matmul", "PDL": "pdl", "FUSED_SAMPLING": "fused_sampling",
                 "WEIGHT_PREFETCH": "weight_prefetch", "COMPILE_AHEAD": "compile_ahead"}
-    for var in [*switches, "MIXED_GRAPH_TOKENS"]:
+    for var in [*switches, "MIXED_GRAPH_TOKENS", "PLAN_CACHE", "CACHE_DIR"]:
         monkeypatch.delenv(f"PAGEDSERVE_{var}", raising=False)
-    assert envs.kernel_config() == KernelConfig() and KernelConfig().mixed_graph_tokens == 2048
+    from_env = envs.kernel_config()
+    # (the plan cache's folder is the one setting whose default comes from the environment)
+    assert from_env.plan_cache_dir == str(envs.cache_dir() / "matmul_plans")
+    assert replace(from_env, plan_cache_dir=None) == KernelConfig() and KernelConfig().mixed_graph_tokens == 2048
+    monkeypatch.setenv("PAGEDSERVE_PLAN_CACHE", "0")
+    assert envs.kernel_config().plan_cache_dir is None
+    monkeypatch.setenv("PAGEDSERVE_PLAN_CACHE", "/somewhere/plans")
+    assert envs.kernel_config().plan_cache_dir == "/somewhere/plans"
     for var, name in switches.items():
         monkeypatch.setenv(f"PAGEDSERVE_{var}", "0")
         assert getattr(envs.kernel_config(), name) is False

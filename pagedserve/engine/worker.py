@@ -17,7 +17,7 @@ from collections.abc import Callable
 import torch
 
 from pagedserve.attention.backend import AttentionBackend, AttentionContext, get_backend_class
-from pagedserve.config import EngineConfig, ModelConfig, resolve_dtype
+from pagedserve.config import EngineConfig, KernelConfig, ModelConfig, resolve_dtype
 from pagedserve.distributed.tensor_parallel import SINGLE, TensorParallel
 from pagedserve.engine.cache_sizing import determine_num_blocks
 from pagedserve.engine.kv_cache_spec import KVCacheSpec, check_kv_cache_device
@@ -105,14 +105,7 @@ class Worker:
             packed = sum(pack_model_weights(m, rows) for m in (model, *(draft[:1] if draft else ())))
             logger.info("%d weights packed for oneDNN", packed)
         if self.cuda and dtype in (torch.bfloat16, torch.float16) and kernels.skinny_matmul:
-            from pagedserve.layers.linear import compile_plan_candidates, plan_model_matmuls
-
-            t_plan = time.perf_counter()
-            if self._compile_ahead:
-                self._rehearse(lambda: compile_plan_candidates(model), "matmul plan")
-            plan_model_matmuls(model)
-            self.matmul_plan_seconds = time.perf_counter() - t_plan
-            logger.info("small-batch matmuls planned in %.1f s", self.matmul_plan_seconds)
+            self.matmul_plan_seconds = self._plan_matmuls(kernels)
 
         self.graph_capture_seconds = 0.0
         if self.cuda and not config.enforce_eager and backend.supports_cuda_graphs():
@@ -149,6 +142,37 @@ class Worker:
                              f"tokens, the model {cfg.vocab_size}: they must be the same")
         return (model, make_backend(config.attention_backend, device, model.config),
                 KVCacheSpec.for_model(model.config, config.cache.block_size, dtype, config.cache.kv_cache_dtype))
+
+    def _plan_matmuls(self, kernels: KernelConfig) -> float:
+        """Give the model's small-batch matmuls a plan: the one kept by an earlier start-up
+        under the same conditions (`layers/plan_cache.py`), else a timed one, then kept.
+        Returns the seconds it took."""
+        from pagedserve.layers.linear import (
+            apply_matmul_plans,
+            compile_plan_candidates,
+            plan_groups,
+            plan_model_matmuls,
+        )
+        from pagedserve.layers.plan_cache import PlanCache, device_facts, plan_key
+
+        t0 = time.perf_counter()
+        model = self.model
+        cache = PlanCache(kernels.plan_cache_dir) if kernels.plan_cache_dir else None
+        facts, groups = device_facts(self.device), plan_groups(model)
+        key = plan_key(facts, groups, kernels.pdl)
+        plans = cache.load(key) if cache is not None else None
+        if plans is not None:
+            apply_matmul_plans(model, plans)
+            logger.info("small-batch matmul plans read from %s", cache.path(key))
+        else:
+            if self._compile_ahead:
+                self._rehearse(lambda: compile_plan_candidates(model), "matmul plan")
+            plans = plan_model_matmuls(model)
+            if cache is not None:
+                cache.store(key, plans, {"device": facts, "groups": groups, "pdl": kernels.pdl})
+        seconds = time.perf_counter() - t0
+        logger.info("small-batch matmuls planned in %.1f s", seconds)
+        return seconds
 
     def _rehearse(self, fn: Callable[[], object], what: str) -> None:
         """Run `fn` over the first two decoder layers with its Triton kernels compiled in

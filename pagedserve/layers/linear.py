@@ -140,6 +140,15 @@ def plan_model_matmuls(model: nn.Module, timer: Timer = _gpu_ms) -> dict[str, Sk
     return plans
 
 
+def plan_groups(model: nn.Module) -> dict[str, list]:
+    """The groups `plan_model_matmuls(model)` plans: key -> [weight shape, dtype, count] (what
+    a stored plan must match, `layers/plan_cache.py`)."""
+    weights = {key: [m.weight for m in mods] for key, mods in _model_groups(model).items()}
+    if hasattr(model, "logits_weight"):
+        weights["logits"] = [model.logits_weight()]
+    return {key: [list(ws[0].shape), str(ws[0].dtype), len(ws)] for key, ws in weights.items()}
+
+
 def apply_matmul_plans(model: nn.Module, plans: dict[str, SkinnyPlan]) -> None:
     """Set each bias-free Linear's `skinny_plan` from its group's entry in `plans` (keys as
     `plan_model_matmuls` returns them) and, for a model with `logits_weight()`, its
