@@ -30,21 +30,26 @@ def server_settings(args: argparse.Namespace, kw: dict, on_fatal=None):
     its imports, model and CUDA graphs take most of the start-up, and they overlap with the
     tokenizer loaded here. `on_fatal(reason)`: the engine cannot be restarted any more."""
     from pagedserve.models.generation_defaults import sampling_defaults
-    from pagedserve.models.source import load_tokenizer
-    from pagedserve.server.app import ServerSettings
-    from pagedserve.server.chat_template import read_chat_template
     from pagedserve.server.engine_client import spawn_engine_core
     from pagedserve.server.reasoning import get_reasoning_parser
-    from pagedserve.server.supervisor import RestartPolicy
-    from pagedserve.server.tools import ToolSettings
 
-    chat_template = read_chat_template(args.chat_template) if args.chat_template else None
+    chat_template = None
+    if args.chat_template:
+        from pagedserve.server.chat_template import read_chat_template
+
+        chat_template = read_chat_template(args.chat_template)
     config, source, model_cfg = engine_config(kw)
     if args.reasoning_parser:
         get_reasoning_parser(args.reasoning_parser)  # fail fast on a bad name
     defaults = sampling_defaults(source, kw["generation_config"])
     engine_kind = getattr(args, "engine", "pagedserve")
     core = spawn_engine_core(config, args.log_level.upper()) if engine_kind == "pagedserve" else None
+    # the web framework's imports (seconds on a slow host) come after the core is on its way
+    from pagedserve.models.source import load_tokenizer
+    from pagedserve.server.app import ServerSettings
+    from pagedserve.server.supervisor import RestartPolicy
+    from pagedserve.server.tools import ToolSettings
+
     names = args.served_model_name or [kw["model"] or source.name]  # type: ignore[attr-defined]
     tokenizer = load_tokenizer(source, model_cfg, kw["tokenizer"])
     if chat_template is not None:
