@@ -8,7 +8,8 @@
 # 2. the warm start once more under py-spy (every process, idle time included), summarised
 #    per process, so the seconds can be put on functions;
 # 3. `python -X importtime` of the engine core's modules.
-# MODEL (qwen3-4b-instruct-2507), TIMES (1: warm starts to time). Results go to $OUT.
+# MODEL (qwen3-4b-instruct-2507), TIMES (1: warm starts to time), BASE (a folder holding another
+# tree's pagedserve package: its warm starts alternate with this one's). Results go to $OUT.
 set -uo pipefail
 OUT="${OUT:-startup_results}"
 mkdir -p "$OUT"
@@ -18,7 +19,8 @@ export TRITON_CACHE_DIR="${TRITON_CACHE_DIR:-/tmp/startup_triton_cache}"
 export PAGEDSERVE_PLAN_CACHE="${PAGEDSERVE_PLAN_CACHE:-/tmp/startup_plan_cache}"
 MODEL="${MODEL:-qwen3-4b-instruct-2507}"
 PORT=8000
-SERVE=(python3 -m pagedserve.cli serve "$MODEL" --load-format dummy --tokenizer .devtok --port $PORT
+ROOT="$PWD"
+SERVE=(python3 -m pagedserve.cli serve "$MODEL" --load-format dummy --tokenizer "$ROOT/.devtok" --port $PORT
        --log-level INFO --disable-log-requests)
 
 wait_ready() {  # pid: seconds until /health answers 200 (or the process dies)
@@ -31,10 +33,11 @@ wait_ready() {  # pid: seconds until /health answers 200 (or the process dies)
     python3 -c "import time; print(round(time.time() - $t0, 2))"
 }
 
-start() {  # name [cache-state]: time one start, then stop the server
-    local name=$1 t0
+start() {  # name: time one start of the package in $TREE (default: this tree), then stop it
+    local name=$1 t0 tree
+    tree=$(cd "${TREE:-$ROOT}" && pwd)
     t0=$(date +%s.%N)
-    "${SERVE[@]}" > "$OUT/serve_$name.log" 2>&1 &
+    (cd "$tree" && PYTHONPATH="$tree:/tmp/pydeps" exec "${SERVE[@]}") > "$OUT/serve_$name.log" 2>&1 &
     local pid=$!
     local s; s=$(wait_ready $pid "$t0")
     echo "$name: ready in $s s" | tee -a "$OUT/summary.txt"
@@ -45,6 +48,12 @@ rm -rf "$TRITON_CACHE_DIR" "$PAGEDSERVE_PLAN_CACHE"
 start cold
 for i in $(seq "${TIMES:-1}"); do start "warm$i"; done
 PAGEDSERVE_PLAN_CACHE=0 start warm_replan  # the Triton cache filled, the matmul plan timed again
+if [ -n "${BASE:-}" ]; then  # another tree's pagedserve package (e.g. `git archive REV pagedserve`)
+    # against this one, both with the Triton cache filled, alternated
+    TREE="$BASE" start base_warm1
+    start warm_again
+    TREE="$BASE" start base_warm2
+fi
 # the same warm start under py-spy: idle included, so the profile's shares are shares of wall time
 t0=$(date +%s.%N)
 /tmp/pydeps/bin/py-spy record --subprocesses --idle --rate 50 --format raw -o "$OUT/pyspy_start.txt" \
