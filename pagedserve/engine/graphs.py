@@ -134,13 +134,17 @@ class GraphRunner:
             from pagedserve.kernels.weight_prefetch import PrefetchConfig
 
             prefetch = PrefetchConfig()
-        for keys, warmups in ((self.decode_keys, 2), (self.verify_keys, 2), (self.mixed_keys, 1)):
+        for keys in (self.decode_keys, self.verify_keys, self.mixed_keys):
             pool = torch.cuda.graph_pool_handle()
             for key in reversed(keys):
                 self.clear_buffers(key.num_tokens)
                 fn = lambda key=key: self.forward(key)  # noqa: E731
+                # one eager run before the capture (Triton's variants are compiled ahead, the
+                # allocations made); with the weight prefetch a second, as the first records
+                # the weights it walks
+                warmups = 1
                 if prefetch is not None and key.uniform_query_len == 1 and key.num_tokens <= prefetch.max_batch:
-                    fn = self._with_prefetch(key, prefetch, fn)
+                    fn, warmups = self._with_prefetch(key, prefetch, fn), 2
                 self.graphs[key], self.outputs[key] = capture_graph(fn, pool, stream, warmups)
         torch.cuda.synchronize(self.device)
         seconds = time.perf_counter() - t0
