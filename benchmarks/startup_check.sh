@@ -9,7 +9,9 @@
 #    per process, so the seconds can be put on functions;
 # 3. `python -X importtime` of the engine core's modules.
 # MODEL (qwen3-4b-instruct-2507), TIMES (1: warm starts to time), BASE (a folder holding another
-# tree's pagedserve package: its warm starts alternate with this one's). Results go to $OUT.
+# tree's pagedserve package: its warm starts alternate with this one's), COMPILE=1 (then write
+# the bytecode of every package, as a pip install does, and time warm and empty-cache starts
+# again), PYSPY=0 (no profile). Results go to $OUT.
 set -uo pipefail
 OUT="${OUT:-startup_results}"
 mkdir -p "$OUT"
@@ -54,6 +56,20 @@ if [ -n "${BASE:-}" ]; then  # another tree's pagedserve package (e.g. `git arch
     start warm_again
     TREE="$BASE" start base_warm2
 fi
+if [ "${COMPILE:-0}" = 1 ]; then
+    # The GPU image ships its packages without bytecode and runs Python with -B, so every
+    # process compiles torch's modules from source: a pip install (what users have) writes
+    # the bytecode once. Compile it, then time warm starts and a start with empty caches.
+    SITE=$(python3 -c "import os, torch; print(os.path.dirname(os.path.dirname(torch.__file__)))")
+    t0=$(date +%s)
+    python3 -m compileall -q -j 0 "$SITE" /tmp/pydeps "$ROOT/pagedserve" > /dev/null 2>&1
+    echo "bytecode compiled in $(( $(date +%s) - t0 )) s" | tee -a "$OUT/summary.txt"
+    start warm_pyc1
+    start warm_pyc2
+    rm -rf "$TRITON_CACHE_DIR" "$PAGEDSERVE_PLAN_CACHE"
+    start cold_pyc
+fi
+[ "${PYSPY:-1}" = 1 ] || { cat "$OUT/summary.txt"; exit 0; }
 # the same warm start under py-spy: idle included, so the profile's shares are shares of wall time
 t0=$(date +%s.%N)
 /tmp/pydeps/bin/py-spy record --subprocesses --idle --rate 50 --format raw -o "$OUT/pyspy_start.txt" \

@@ -40,7 +40,8 @@ class VocabEmbedding(ParamAttrsModule):
         self.weight = nn.Parameter(torch.empty(self.num_local, hidden_size))  # [vocab / size, hidden]
         set_weight_attrs(self, "weight", weight_loader=vocab_weight_loader, output_dim=0,
                          tp_dim=0, tp_rank=tp.rank, tp_size=tp.size)
-        nn.init.normal_(self.weight)  # (as nn.Embedding's; a no-op on meta)
+        if not self.weight.is_meta:  # (on meta, normal_ costs an import of torch._dynamo:
+            nn.init.normal_(self.weight)  # seconds of start-up on a slow host) as nn.Embedding's
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         if self.tp.size == 1:

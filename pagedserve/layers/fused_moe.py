@@ -144,7 +144,8 @@ class FusedMoE(ParamAttrsModule):
         set_weight_attrs(self, "w2", weight_loader=expert_weight_loader, tp_rank=tp.rank, tp_size=tp.size,
                          expert_shards={"down": (0, hidden_size)})
         for w in (self.w13, self.w2):
-            nn.init.normal_(w, std=0.02)  # as Transformers' init (a no-op on meta)
+            if not w.is_meta:  # (on meta, normal_ costs an import of torch._dynamo)
+                nn.init.normal_(w, std=0.02)  # as Transformers' init
         self.loaded: set[tuple[str, Hashable | None]] = set()  # (parameter, shard) pairs filled
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
