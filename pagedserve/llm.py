@@ -147,6 +147,7 @@ class LLM:
                     ids = self.tokenizer.encode(text, add_special_tokens=True)
                 ro = RequestOutput(str(next(self._ids)), text, ids)
                 results.append(ro)
+                p = p.resolve_bad_words(lambda text: self.tokenizer.encode(text, add_special_tokens=False))
                 for i in range(p.n):
                     child = p.for_sample(i)
                     rid = f"{ro.request_id}-{i}"

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from pagedserve.structured.params import StructuredOutputsParams
@@ -56,6 +57,10 @@ class SamplingParams:
     logit_bias: dict[int, float] | None = None
     # only these token ids may be sampled (vLLM's allowed_token_ids); None = any
     allowed_token_ids: list[int] | None = None
+    # words the output must not contain (vLLM's bad_words); the LLM and the server turn them
+    # into bad_words_token_ids (`resolve_bad_words`), which the engine applies
+    bad_words: list[str] | None = None
+    bad_words_token_ids: list[list[int]] | None = None
     # constrain the output to a JSON schema, a regex, a choice or a grammar
     structured_outputs: StructuredOutputsParams | None = None
     skip_special_tokens: bool = True
@@ -131,6 +136,7 @@ class SamplingParams:
                     raise ValueError(f"logit_bias keys must be token ids (ints >= 0), got {t!r}")
                 if not _is_number(b) or not -100 <= b <= 100:
                     raise ValueError(f"logit_bias values must be in [-100, 100], got {b!r} for token {t}")
+        self._validate_bad_words()
         if self.allowed_token_ids is not None:
             if not isinstance(self.allowed_token_ids, list) or not self.allowed_token_ids:
                 raise ValueError("allowed_token_ids must be a non-empty list of token ids, got "
@@ -150,6 +156,35 @@ class SamplingParams:
             value = getattr(self, name)
             if value is not None and (not _is_int(value) or not 0 <= value <= MAX_LOGPROBS):
                 raise ValueError(f"{name} must be in [0, {MAX_LOGPROBS}] or None, got {value!r}")
+
+    def _validate_bad_words(self) -> None:
+        words, seqs = self.bad_words, self.bad_words_token_ids
+        if words is not None and (not isinstance(words, list)
+                                  or not all(isinstance(w, str) and w.strip() for w in words)):
+            raise ValueError(f"bad_words must be a list of non-empty strings, got {words!r}")
+        if seqs is not None and (not isinstance(seqs, list) or not all(
+                isinstance(q, list) and q and all(_is_int(t) and t >= 0 for t in q) for q in seqs)):
+            raise ValueError(f"bad_words_token_ids must be a list of non-empty lists of token ids, got {seqs!r}")
+        so = self.structured_outputs
+        if (words or seqs) and so is not None and so.after_tokens:
+            raise ValueError("bad_words cannot be combined with structured output after reasoning "
+                             "(a reasoning parser is on): the bad words apply from the first "
+                             "token, the grammar only after the reasoning")
+
+    def resolve_bad_words(self, encode: Callable[[str], list[int]]) -> SamplingParams:
+        """These params with `bad_words_token_ids` made from `bad_words` by `encode` (text ->
+        token ids, no special tokens): each word as written and, where that tokenizes
+        differently, after a space, so a word is caught at the start of the output and
+        inside it (as vLLM does). Without bad_words, these params unchanged."""
+        if not self.bad_words:
+            return self
+        seqs: list[list[int]] = []
+        for word in self.bad_words:
+            for text in (word.lstrip(), " " + word.lstrip()):
+                ids = list(encode(text))
+                if ids and ids not in seqs:
+                    seqs.append(ids)
+        return dataclasses.replace(self, bad_words_token_ids=seqs)
 
     @property
     def greedy(self) -> bool:

@@ -274,6 +274,32 @@ def test_allowed_token_ids(client, server):
         assert e.value.body["param"].startswith("allowed_token_ids"), e.value.body
 
 
+def test_bad_words(client, server):
+    """vLLM's bad_words, on completions and chat: the greedy output's first word banned, the
+    output never holds its tokens (as written or after a space) and differs; an empty word is
+    a 400 naming the field."""
+    def ids_of(text):
+        return httpx.post(f"{server.url}/tokenize", json={"prompt": text}).json()["tokens"]
+
+    extra = {"ignore_eos": True, "return_token_ids": True}
+    base = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=8, temperature=0, extra_body=extra)
+    word = base.choices[0].text.split()[0]
+    banned = [ids_of(word), ids_of(" " + word)]
+    r = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=8, temperature=0,
+                                  extra_body={**extra, "bad_words": [word]})
+    got = r.choices[0].model_extra["token_ids"]
+    assert r.choices[0].text != base.choices[0].text
+    assert not any(got[i:i + len(b)] == b for b in banned for i in range(len(got))), (got, banned)
+    chat = client.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=8, temperature=0)
+    first = chat.choices[0].message.content.split()[0]
+    again = client.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=8, temperature=0,
+                                           extra_body={"bad_words": [first]})
+    assert again.choices[0].message.content.split()[:1] != [first]
+    with pytest.raises(openai.BadRequestError) as e:
+        client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=2, extra_body={"bad_words": [""]})
+    assert e.value.body["param"] == "bad_words", e.value.body
+
+
 def test_return_token_ids(client, server):
     """vLLM's return_token_ids: the prompt's ids and each choice's output ids, which decode to
     the prompt and the text; streamed, each chunk carries its new ids (they add up to the

@@ -41,9 +41,14 @@ def check_prompt(prompt_ids: Sequence[int], max_tokens: int | None, max_model_le
 
 
 def check_token_ids(params, vocab_size: int) -> None:
-    """Every token id of a request's logit_bias and allowed_token_ids (a SamplingParams') lies
-    in the vocabulary. Raises PromptError naming the field."""
-    for name, ids in (("logit_bias", params.logit_bias), ("allowed_token_ids", params.allowed_token_ids)):
+    """Every token id of a request's logit_bias, allowed_token_ids and bad words (a
+    SamplingParams') lies in the vocabulary. Raises PromptError naming the field."""
+    if params.bad_words and params.bad_words_token_ids is None:
+        raise PromptError("bad_words were not tokenized: SamplingParams.resolve_bad_words (the LLM "
+                          "and the server call it) turns them into bad_words_token_ids", param="bad_words")
+    words = [t for seq in params.bad_words_token_ids or () for t in seq]
+    for name, ids in (("logit_bias", params.logit_bias), ("allowed_token_ids", params.allowed_token_ids),
+                      ("bad_words", words)):
         if ids and max(ids) >= vocab_size:
             bad = sorted(t for t in ids if t >= vocab_size)
             raise PromptError(f"{name} token ids out of range [0, {vocab_size}): {bad[:5]}", param=name)

@@ -31,6 +31,8 @@ from pagedserve.spec_decode.config import SpeculativeConfig
 from pagedserve.spec_decode.draft_grammar import draft_masks
 from pagedserve.spec_decode.draft_model import DraftRunner
 from pagedserve.spec_decode.verify import VerifyBatch, verify_drafts
+from pagedserve.structured.backend import accept_tokens, fill_bitmasks
+from pagedserve.structured.bad_words import BadWordsMatcher
 
 
 def _token_logprobs(lp: list[float], ids: list[int], k: int) -> tuple[float, list[tuple[int, float]]]:
@@ -115,6 +117,8 @@ class ModelRunner:
             seed = n.sampling_params.seed
             gen = None if seed is None else torch.Generator(device=self.device).manual_seed(seed)
             matcher = None if n.grammar is None else n.grammar.matcher()
+            if n.sampling_params.bad_words_token_ids:  # (the grammar's, if any, inside)
+                matcher = BadWordsMatcher(n.sampling_params.bad_words_token_ids, matcher)
             so = n.sampling_params.structured_outputs
             if n.sampling_params.prompt_logprobs is not None:
                 self._prompt_logprobs.add(n.request_id)
@@ -303,7 +307,7 @@ class ModelRunner:
         took: dict[str, bool] = {}  # request id -> whether its grammar took its first new token
         if batch:
             firsts = [token_ids[r.request_id][0] for r in batch]
-            oks = type(batch[0].matcher).accept_tokens([r.matcher for r in batch], firsts)
+            oks = accept_tokens([r.matcher for r in batch], firsts)
             took = {r.request_id: ok for r, ok in zip(batch, oks)}
         for r in held:
             new = token_ids[r.request_id]
@@ -358,7 +362,7 @@ class ModelRunner:
         matchers = [reqs[i].matcher for i in rows]
         try:
             if matchers:
-                type(matchers[0]).fill_bitmasks(matchers, mask, rows)
+                fill_bitmasks(matchers, mask, rows)
         except Exception:  # find the rows that fail: each fails its own request alone
             for row, m in zip(rows, matchers):
                 try:

@@ -88,7 +88,7 @@ async def prepare_chat(server: Server, body: ChatCompletionRequest) -> PreparedC
         end = tuple(server.tokenizer.encode(ReasoningParser.end_tag, add_special_tokens=False))
         structured = dataclasses.replace(structured, after_tokens=end)
     params = make_params(lambda m, lp: body.sampling_params(m, lp, structured), max_tokens,
-                         body.num_logprobs, server.vocab_size)
+                         body.num_logprobs, server.vocab_size, server.tokenizer)
     choices = [Choice(i, ids, params) for i in range(body.n)]
     server.check_capacity(choices)
     return PreparedChat(choices, ids, text.rstrip().endswith("<think>"), field, tools)

@@ -42,7 +42,7 @@ async def _prepare(server: Server, body: CompletionRequest
         max_tokens = server.resolve_max_tokens(ids, body.max_tokens, "prompt",
                                                given="max_tokens" in body.model_fields_set)
         params = make_params(lambda m, lp: body.sampling_params(m, lp, structured), max_tokens,
-                             body.logprobs, server.vocab_size)
+                             body.logprobs, server.vocab_size, server.tokenizer)
         if body.echo and body.logprobs is not None:  # the echoed prompt is scored too (OpenAI)
             k = max(body.logprobs, body.prompt_logprobs or 0)
             params = dataclasses.replace(params, prompt_logprobs=k)

@@ -110,6 +110,7 @@ class _SamplingFields(RequestBody):
     # OpenAI's form: token ids (as JSON object keys, so strings) -> bias in [-100, 100]
     logit_bias: dict[str, float] | None = None
     allowed_token_ids: list[int] | None = None  # (vLLM's) only these may be sampled
+    bad_words: list[str] | None = None  # (vLLM's) words the output must not contain
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     priority: int = 0
@@ -175,6 +176,7 @@ class _SamplingFields(RequestBody):
             prompt_logprobs=self.prompt_logprobs,
             logit_bias=_token_keys(self.logit_bias),
             allowed_token_ids=self.allowed_token_ids,
+            bad_words=self.bad_words,
             structured_outputs=structured,
             skip_special_tokens=self.skip_special_tokens,
             include_stop_str_in_output=self.include_stop_str_in_output,

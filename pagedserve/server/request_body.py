@@ -37,7 +37,6 @@ UNSUPPORTED: dict[str, tuple[Any, str]] = {
                         "/v1/chat/completions"),
     "use_beam_search": (lambda v: v in (None, False), "beam search is not supported"),
     "length_penalty": (lambda v: v in (None, 1, 1.0), "length_penalty (beam search) is not supported"),
-    "bad_words": (_unset, "bad_words is not supported yet"),
     # vLLM's other request fields
     "echo": (lambda v: v in (None, False), "echo is only for /v1/completions"),
     "continue_final_message": (lambda v: v in (None, False),

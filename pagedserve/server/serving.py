@@ -187,11 +187,15 @@ class Server:
             raise APIError(400, f"{param} must be at most {self.max_logprobs} on this server "
                                 f"(--max-logprobs), got {logprobs}", param=param)
 
-def make_params(build, max_tokens: int, logprobs: int | None, vocab_size: int) -> SamplingParams:
-    """Call a request's sampling_params builder and check its token ids against the
-    vocabulary (`engine/limits.py`), turning ValueError into a 400 naming the field."""
+def make_params(build, max_tokens: int, logprobs: int | None, vocab_size: int,
+                tokenizer=None) -> SamplingParams:
+    """Call a request's sampling_params builder, tokenize its bad_words with `tokenizer` and
+    check its token ids against the vocabulary (`engine/limits.py`), turning ValueError into
+    a 400 naming the field."""
     try:
         params = build(max_tokens, logprobs)
+        if tokenizer is not None:
+            params = params.resolve_bad_words(lambda text: tokenizer.encode(text, add_special_tokens=False))
         check_token_ids(params, vocab_size)
         stop_ids = params.stop_token_ids
         if stop_ids and max(stop_ids) >= vocab_size:  # (an id never sampled: it would never stop)

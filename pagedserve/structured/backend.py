@@ -51,6 +51,30 @@ class GrammarMatcher(ABC):
         drafts through its grammar, then goes back)."""
 
 
+def _by_type(matchers: list[GrammarMatcher]) -> dict[type, list[int]]:
+    """Matcher classes -> the indices of their matchers in `matchers`."""
+    groups: dict[type, list[int]] = {}
+    for i, m in enumerate(matchers):
+        groups.setdefault(type(m), []).append(i)
+    return groups
+
+
+def fill_bitmasks(matchers: list[GrammarMatcher], bitmask: Any, rows: list[int]) -> None:
+    """Each matcher's row of `bitmask`, in one batch call per kind of matcher."""
+    for kind, idx in _by_type(matchers).items():
+        kind.fill_bitmasks([matchers[i] for i in idx], bitmask, [rows[i] for i in idx])
+
+
+def accept_tokens(matchers: list[GrammarMatcher], token_ids: list[int]) -> list[bool]:
+    """Each matcher's token accepted (whether it took it), one batch call per kind."""
+    oks = [True] * len(matchers)
+    for kind, idx in _by_type(matchers).items():
+        for i, ok in zip(idx, kind.accept_tokens([matchers[i] for i in idx], [token_ids[i] for i in idx]),
+                         strict=True):
+            oks[i] = ok
+    return oks
+
+
 class Grammar(ABC):
     """A compiled grammar, shared by every request that asks for the same constraint."""
 
