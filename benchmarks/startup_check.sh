@@ -25,7 +25,7 @@ ROOT="$PWD"
 SERVE=(python3 -m pagedserve.cli serve "$MODEL" --load-format dummy --tokenizer "$ROOT/.devtok" --port $PORT
        --log-level INFO --disable-log-requests)
 
-wait_ready() {  # pid: seconds until /health answers 200 (or the process dies)
+wait_ready() {  # pid t0: seconds since t0 until /health answers 200 ("died" if the process ends first)
     local pid=$1 t0=$2
     for _ in $(seq 1200); do
         curl -sf http://127.0.0.1:$PORT/health > /dev/null && break
