@@ -10,10 +10,10 @@
 set -euo pipefail
 PY="${PY:-.venv/bin/python}"
 # What to take: the dependency closure of what the server, the bench client and the GPU
-# scripts import, less the GPU image's own packages and the closure of torch, triton and numpy
-# (a wheel here would shadow theirs; this .venv's transformers is newer than the image's, so
-# its dependencies say nothing about the image), computed from this .venv's metadata, so a new dependency of fastapi or openai
-# comes along without editing this list.
+# scripts import, less the GPU image's own packages and the closure of torch, triton and
+# numpy (a wheel here would shadow theirs; this .venv's transformers is newer than the
+# image's, so its dependencies say nothing about the image). It is computed from this .venv's
+# metadata, so a new dependency of fastapi or openai comes along without editing this list.
 WANT="fastapi uvicorn uvloop httptools websockets watchfiles python-dotenv pydantic pyzmq xgrammar
 prometheus-client httpx aiohttp psutil nvidia-ml-py rich gguf openai py-spy"
 IMAGE="torch triton numpy"
