@@ -85,12 +85,12 @@ class SamplingParams:
             self.logit_bias = dict(self.logit_bias) or None
         if self.stop_token_ids is None:
             self.stop_token_ids = []
-        if isinstance(self.allowed_token_ids, (list, tuple)):
-            self.allowed_token_ids = list(dict.fromkeys(self.allowed_token_ids))
         elif isinstance(self.stop_token_ids, (list, tuple)):
             self.stop_token_ids = list(self.stop_token_ids)
         else:
             raise ValueError(f"stop_token_ids must be a list of ints, got {self.stop_token_ids!r}")
+        if isinstance(self.allowed_token_ids, (list, tuple)):
+            self.allowed_token_ids = list(dict.fromkeys(self.allowed_token_ids))
         if self.top_k == -1:
             self.top_k = 0
 

@@ -26,7 +26,7 @@ def scalar_row(p: SamplingParams, greedy: bool, vocab_size: int) -> tuple[float,
 
 
 def bias_table(params: Sequence[SamplingParams],
-            device: torch.device | str) -> tuple[Tensor, Tensor, Tensor] | None:
+               device: torch.device | str) -> tuple[Tensor, Tensor, Tensor] | None:
     """Each row's logit_bias as (rows, token ids, biases), one host-to-device copy."""
     rows: list[int] = []
     toks: list[int] = []
@@ -43,8 +43,8 @@ def bias_table(params: Sequence[SamplingParams],
 
 
 def ban_table(params: Sequence[SamplingParams], num_outputs: Sequence[int],
-          eos_token_ids: Sequence[int], vocab_size: int,
-          device: torch.device | str) -> tuple[Tensor, Tensor] | tuple[None, None]:
+              eos_token_ids: Sequence[int], vocab_size: int,
+              device: torch.device | str) -> tuple[Tensor, Tensor] | tuple[None, None]:
     """(row, token) pairs to forbid: stop ids (and eos unless ignored) below min_tokens."""
     rows: list[int] = []
     toks: list[int] = []

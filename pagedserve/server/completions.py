@@ -134,7 +134,7 @@ async def _stream(server: Server, body: CompletionRequest,
         to_echo = {c.index: prompt_texts[c.index // body.n] for c in choices} if body.echo else {}
         prompt_of = {c.index: c.prompt_ids for c in choices}
         # return_token_ids (vLLM's): each chunk's new token ids; a choice's first, its prompt's
-        ids_to_send = {c.index: c.prompt_ids for c in choices} if body.return_token_ids else {}
+        ids_to_send = dict(prompt_of) if body.return_token_ids else {}
 
         def ids_of(index: int, new: list[int]) -> dict:
             if not body.return_token_ids:

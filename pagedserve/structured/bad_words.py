@@ -41,13 +41,17 @@ class BadWordsMatcher(GrammarMatcher):
         return {s[-1] for s in self.sequences
                 if len(s) == 1 or (n >= len(s) - 1 and out[n - len(s) + 1:] == s[:-1])}
 
-    def fill_bitmask(self, bitmask: Any, row: int) -> None:
-        if self.inner is not None:
-            self.inner.fill_bitmask(bitmask, row)
-        else:
+    def _ban(self, bitmask: Any, row: int) -> None:
+        """After the grammar's fill (or all ones without one), clear the banned tokens."""
+        if self.inner is None:
             bitmask[row] = -1
         for t in self.banned():
             _clear_bit(bitmask, row, t)
+
+    def fill_bitmask(self, bitmask: Any, row: int) -> None:
+        if self.inner is not None:
+            self.inner.fill_bitmask(bitmask, row)
+        self._ban(bitmask, row)
 
     @classmethod
     def fill_bitmasks(cls, matchers: list[GrammarMatcher], bitmask: Any, rows: list[int]) -> None:
@@ -55,10 +59,7 @@ class BadWordsMatcher(GrammarMatcher):
         inner = [(m.inner, r) for m, r in zip(matchers, rows, strict=True) if m.inner is not None]
         fill_bitmasks([m for m, _ in inner], bitmask, [r for _, r in inner])
         for m, row in zip(matchers, rows, strict=True):
-            if m.inner is None:
-                bitmask[row] = -1
-            for t in m.banned():
-                _clear_bit(bitmask, row, t)
+            m._ban(bitmask, row)
 
     def accept_token(self, token_id: int) -> bool:
         if self.inner is not None and not self.inner.accept_token(token_id):
