@@ -1,0 +1,214 @@
+"""Long-context prefill attention on the GPU (issue 30): one prefill chunk of C new tokens
+after P cached tokens, Qwen3-4B's heads (32 query, 8 KV, head_dim 128, bf16, 16-token pages).
+
+Each candidate's time (median of triton.testing.do_bench), causal TFLOP/s and its largest
+error against our extend kernel (whose correctness tests/gpu checks against torch):
+  - our paged extend kernel, today's tiles and wider ones;
+  - torch's SDPA kernels (FlashAttention 2, cuDNN, memory-efficient) on the context gathered
+    out of the paged cache into contiguous K/V (the gather is timed in).
+A small shape is first checked against the float32 torch reference.
+
+    PYTHONPATH=. python3 benchmarks/long_prefill_probe.py [--out results.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+import numpy as np
+import torch
+import triton.testing
+
+from pagedserve.attention.testing import random_paged_step
+from pagedserve.attention.torch_ref import TorchReferenceBackend
+from pagedserve.attention.triton_backend import extend_tiles
+from pagedserve.kernels.paged_attention import paged_extend
+
+DEV = "cuda"
+HQ, HKV, D, BS = 32, 8, 128, 16
+SCALE = D ** -0.5
+
+
+def gather_context(cache: torch.Tensor, block_table: torch.Tensor, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The first n keys and values of one sequence, contiguous: 2 x [n, HKV, D]."""
+    blocks = block_table[: -(-n // BS)].long()
+    k = cache[0].index_select(0, blocks).view(-1, HKV, D)[:n]
+    v = cache[1].index_select(0, blocks).view(-1, HKV, D)[:n]
+    return k, v
+
+
+def heads_first(x: torch.Tensor) -> torch.Tensor:
+    """[L, H, D] -> [1, H, L, D] (a view)."""
+    return x.transpose(0, 1).unsqueeze(0)
+
+
+def expand(x: torch.Tensor) -> torch.Tensor:
+    """[L, HKV, D] -> [L, HQ, D], each KV head repeated for its query heads."""
+    return x.repeat_interleave(HQ // HKV, dim=1)
+
+
+def merge(o1, lse1, o2, lse2):
+    """Two partial softmax results over disjoint keys -> one. o: [1, H, L, D]; lse: [1, H, L]."""
+    m = torch.maximum(lse1, lse2)
+    w1, w2 = torch.exp(lse1 - m), torch.exp(lse2 - m)
+    return (o1 * w1[..., None] + o2 * w2[..., None]) / (w1 + w2)[..., None]
+
+
+def make_candidates():
+    cands = {}
+
+    def extend(bm, cfg):
+        def run(q, kn, vn, cache, meta, out):
+            qsl = np.asarray(meta.query_start_loc_cpu, dtype=np.int64)
+            ts, tst = (torch.tensor(a, dtype=torch.int32, device=DEV) for a in extend_tiles(qsl, bm))
+            paged_extend(q, kn, vn, cache, out, ts, tst, meta.query_start_loc, meta.seq_lens,
+                         meta.block_tables, SCALE, block_m=bm, config=cfg)
+            return out
+        return run
+
+    cands["extend bm64 n64 w4 s3 (now)"] = extend(64, None)
+    for bn, w, s in ((64, 8, 2), (64, 8, 3), (128, 8, 2), (128, 8, 3), (64, 4, 3), (32, 4, 3)):
+        cands[f"extend bm128 n{bn} w{w} s{s}"] = extend(128, {"BLOCK_N": bn, "num_warps": w, "num_stages": s})
+
+    def full_kv(meta, cache):
+        return gather_context(cache, meta.block_tables[0], meta.seq_lens_cpu[0])
+
+    def flash(gqa: bool):
+        def run(q, kn, vn, cache, meta, out):
+            k, v = full_kv(meta, cache)
+            if not gqa:
+                k, v = expand(k), expand(v)
+            o = torch.ops.aten._scaled_dot_product_flash_attention(
+                heads_first(q), heads_first(k), heads_first(v), 0.0, is_causal=True, scale=SCALE)[0]
+            return o[0].transpose(0, 1)  # FlashAttention's causal is bottom-right aligned
+        return run
+
+    cands["sdpa flash (gqa)"] = flash(True)
+    cands["sdpa flash (expanded)"] = flash(False)
+
+    def cudnn_call(q, k, v, causal):
+        res = torch.ops.aten._scaled_dot_product_cudnn_attention(
+            heads_first(q), heads_first(k), heads_first(v), None, True, 0.0, causal, False, scale=SCALE)
+        return res[0], res[1].reshape(1, q.shape[1], q.shape[0])
+
+    def cudnn_split(gqa: bool):
+        def run(q, kn, vn, cache, meta, out):
+            c = q.shape[0]
+            p = meta.seq_lens_cpu[0] - c
+            k, v = full_kv(meta, cache)
+            if not gqa:
+                k, v = expand(k), expand(v)
+            o2, l2 = cudnn_call(q, k[p:], v[p:], True)
+            if p == 0:
+                return o2[0].transpose(0, 1)
+            o1, l1 = cudnn_call(q, k[:p], v[:p], False)
+            return merge(o1, l1, o2, l2)[0].transpose(0, 1)
+        return run
+
+    def cudnn_one(q, kn, vn, cache, meta, out):
+        k, v = full_kv(meta, cache)
+        return cudnn_call(q, expand(k), expand(v), True)[0][0].transpose(0, 1)
+
+    cands["sdpa cudnn split (gqa)"] = cudnn_split(True)
+    cands["sdpa cudnn split (expanded)"] = cudnn_split(False)
+    cands["sdpa cudnn one call, causal (alignment?)"] = cudnn_one
+
+    def efficient(q, kn, vn, cache, meta, out):
+        from torch.nn.attention import SDPBackend, sdpa_kernel
+        from torch.nn.attention.bias import causal_lower_right
+
+        k, v = full_kv(meta, cache)
+        with sdpa_kernel(SDPBackend.EFFICIENT_ATTENTION):
+            o = torch.nn.functional.scaled_dot_product_attention(
+                heads_first(q), heads_first(expand(k)), heads_first(expand(v)),
+                attn_mask=causal_lower_right(q.shape[0], k.shape[0]), scale=SCALE)
+        return o[0].transpose(0, 1)
+
+    cands["sdpa efficient (expanded)"] = efficient
+
+    def gather_only(q, kn, vn, cache, meta, out):
+        full_kv(meta, cache)
+        return None
+
+    cands["gather K/V alone"] = gather_only
+    return cands
+
+
+def setup(c: int, p: int, gen):
+    n_blocks = -(-(c + p) // BS) + 8
+    meta = random_paged_step([c], [c + p], BS, n_blocks, gen, DEV)
+    cache = torch.randn(2, n_blocks, BS, HKV, D, device=DEV, dtype=torch.bfloat16, generator=None)
+    q = torch.randn(c, HQ, D, device=DEV, dtype=torch.bfloat16)
+    kn = cache[0].view(-1, HKV, D)[meta.slot_mapping]
+    vn = cache[1].view(-1, HKV, D)[meta.slot_mapping]
+    return meta, cache, q, kn, vn
+
+
+def max_err(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a.float() - b.float()).abs().max())
+
+
+def bench_shape(c: int, p: int, cands: dict, gen, rows: list) -> None:
+    """Time every candidate on a chunk of c new tokens after p cached ones."""
+    meta, cache, q, kn, vn = setup(c, p, gen)
+    flops = 4 * HQ * D * (c * p + c * (c + 1) / 2)
+    base = None
+    for name, fn in cands.items():
+        out = torch.empty_like(q)
+        row = {"shape": f"{c} after {p}", "name": name}
+        try:
+            got = fn(q, kn, vn, cache, meta, out)
+            if got is not None:
+                if base is None:
+                    base = got.clone()
+                row["err_vs_extend"] = max_err(got, base)
+            ms = triton.testing.do_bench(lambda fn=fn, out=out: fn(q, kn, vn, cache, meta, out),
+                                         warmup=50, rep=300, return_mode="median")
+            row["ms"] = round(ms, 3)
+            row["tflops"] = round(flops / ms / 1e9, 1)
+        except Exception as e:  # noqa: BLE001
+            row["error"] = f"{type(e).__name__}: {str(e)[:160]}"
+        torch.cuda.empty_cache()
+        rows.append(row)
+        print(f"{c:6d}+{p:6d}  {name:45s} {row.get('ms', '-'):>9} ms {row.get('tflops', '-'):>7} TF/s "
+              f"err {row.get('err_vs_extend', row.get('error'))}", flush=True)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", default=None)
+    ap.add_argument("--shapes", default="8192:0,8192:57344,8192:241808,16384:233616")
+    args = ap.parse_args()
+    gen = torch.Generator().manual_seed(0)
+    torch.manual_seed(0)
+    cands = make_candidates()
+    results = {"env": {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__,
+                       "cudnn": torch.backends.cudnn.version()}, "rows": []}
+
+    # correctness on a small shape against the float32 reference
+    meta, cache, q, kn, vn = setup(512, 1536, gen)
+    ref = TorchReferenceBackend(HQ, HKV, D, SCALE)
+    ref.bind_kv_caches([cache.float()])
+    want = ref.forward(0, q.float(), kn.float(), vn.float(), meta)
+    for name, fn in cands.items():
+        try:
+            got = fn(q, kn, vn, cache, meta, torch.empty_like(q))
+            err = None if got is None else max_err(got, want)
+        except Exception as e:  # noqa: BLE001 (a candidate this torch lacks)
+            err = f"{type(e).__name__}: {str(e)[:160]}"
+        results["rows"].append({"shape": "512 after 1536", "name": name, "err_vs_fp32": err})
+        print(f"small  {name:45s} err {err}")
+    del cache
+
+    for spec in args.shapes.split(","):
+        c, p = (int(x) for x in spec.split(":"))
+        bench_shape(c, p, cands, gen, results["rows"])
+        torch.cuda.empty_cache()
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(results, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
