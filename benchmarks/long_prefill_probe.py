@@ -4,8 +4,8 @@ after P cached tokens, Qwen3-4B's heads (32 query, 8 KV, head_dim 128, bf16, 16-
 Each candidate's time (median of triton.testing.do_bench), causal TFLOP/s and its largest
 error against our extend kernel (whose correctness tests/gpu checks against torch):
   - our paged extend kernel, today's tiles and wider ones;
-  - torch's SDPA kernels (FlashAttention 2, cuDNN, memory-efficient) on the context gathered
-    out of the paged cache into contiguous K/V (the gather is timed in).
+  - the long-context path (attention/long_prefill.py) on FlashAttention 2 and cuDNN, in pieces
+    of gathered context (the gather is timed in), and FlashAttention on the whole context at once.
 A small shape is first checked against the float32 torch reference.
 
     PYTHONPATH=. python3 benchmarks/long_prefill_probe.py [--out results.json]
@@ -20,6 +20,7 @@ import numpy as np
 import torch
 import triton.testing
 
+from pagedserve.attention.long_prefill import LongPrefill
 from pagedserve.attention.testing import random_paged_step
 from pagedserve.attention.torch_ref import TorchReferenceBackend
 from pagedserve.attention.triton_backend import extend_tiles
@@ -43,19 +44,7 @@ def heads_first(x: torch.Tensor) -> torch.Tensor:
     return x.transpose(0, 1).unsqueeze(0)
 
 
-def expand(x: torch.Tensor) -> torch.Tensor:
-    """[L, HKV, D] -> [L, HQ, D], each KV head repeated for its query heads."""
-    return x.repeat_interleave(HQ // HKV, dim=1)
-
-
-def merge(o1, lse1, o2, lse2):
-    """Two partial softmax results over disjoint keys -> one. o: [1, H, L, D]; lse: [1, H, L]."""
-    m = torch.maximum(lse1, lse2)
-    w1, w2 = torch.exp(lse1 - m), torch.exp(lse2 - m)
-    return (o1 * w1[..., None] + o2 * w2[..., None]) / (w1 + w2)[..., None]
-
-
-def make_candidates():
+def make_candidates(small: bool = False):
     cands = {}
 
     def extend(bm, cfg):
@@ -74,58 +63,29 @@ def make_candidates():
     def full_kv(meta, cache):
         return gather_context(cache, meta.block_tables[0], meta.seq_lens_cpu[0])
 
-    def flash(gqa: bool):
+    def long_path(kernel, piece, expand):
+        path = LongPrefill(kernel, HQ, HKV, D, SCALE, torch.bfloat16, DEV,
+                           piece_keys=512 if small else piece, expand_kv=expand)
+
         def run(q, kn, vn, cache, meta, out):
-            k, v = full_kv(meta, cache)
-            if not gqa:
-                k, v = expand(k), expand(v)
-            o = torch.ops.aten._scaled_dot_product_flash_attention(
-                heads_first(q), heads_first(k), heads_first(v), 0.0, is_causal=True, scale=SCALE)[0]
-            return o[0].transpose(0, 1)  # FlashAttention's causal is bottom-right aligned
+            path.attend(q, kn, vn, cache, meta.block_tables[0], meta.seq_lens_cpu[0], out)
+            return out
         return run
 
-    cands["sdpa flash (gqa)"] = flash(True)
-    cands["sdpa flash (expanded)"] = flash(False)
+    for kernel in ("flash", "cudnn"):
+        for expand in (False, True):
+            cands[f"long {kernel} piece 32768{' (expanded)' if expand else ''}"] = long_path(kernel, 32768, expand)
+    for piece in (16384, 65536):
+        cands[f"long flash piece {piece}"] = long_path("flash", piece, False)
+        cands[f"long cudnn piece {piece}"] = long_path("cudnn", piece, False)
 
-    def cudnn_call(q, k, v, causal):
-        res = torch.ops.aten._scaled_dot_product_cudnn_attention(
-            heads_first(q), heads_first(k), heads_first(v), None, True, 0.0, causal, False, scale=SCALE)
-        return res[0], res[1].reshape(1, q.shape[1], q.shape[0])
-
-    def cudnn_split(gqa: bool):
-        def run(q, kn, vn, cache, meta, out):
-            c = q.shape[0]
-            p = meta.seq_lens_cpu[0] - c
-            k, v = full_kv(meta, cache)
-            if not gqa:
-                k, v = expand(k), expand(v)
-            o2, l2 = cudnn_call(q, k[p:], v[p:], True)
-            if p == 0:
-                return o2[0].transpose(0, 1)
-            o1, l1 = cudnn_call(q, k[:p], v[:p], False)
-            return merge(o1, l1, o2, l2)[0].transpose(0, 1)
-        return run
-
-    def cudnn_one(q, kn, vn, cache, meta, out):
+    def flash_one_call(q, kn, vn, cache, meta, out):  # the whole context at once: the ceiling
         k, v = full_kv(meta, cache)
-        return cudnn_call(q, expand(k), expand(v), True)[0][0].transpose(0, 1)
+        o = torch.ops.aten._scaled_dot_product_flash_attention(
+            heads_first(q), heads_first(k), heads_first(v), 0.0, is_causal=True, scale=SCALE)[0]
+        return o[0].transpose(0, 1)  # FlashAttention's causal is bottom-right aligned
 
-    cands["sdpa cudnn split (gqa)"] = cudnn_split(True)
-    cands["sdpa cudnn split (expanded)"] = cudnn_split(False)
-    cands["sdpa cudnn one call, causal (alignment?)"] = cudnn_one
-
-    def efficient(q, kn, vn, cache, meta, out):
-        from torch.nn.attention import SDPBackend, sdpa_kernel
-        from torch.nn.attention.bias import causal_lower_right
-
-        k, v = full_kv(meta, cache)
-        with sdpa_kernel(SDPBackend.EFFICIENT_ATTENTION):
-            o = torch.nn.functional.scaled_dot_product_attention(
-                heads_first(q), heads_first(expand(k)), heads_first(expand(v)),
-                attn_mask=causal_lower_right(q.shape[0], k.shape[0]), scale=SCALE)
-        return o[0].transpose(0, 1)
-
-    cands["sdpa efficient (expanded)"] = efficient
+    cands["flash one call (gqa)"] = flash_one_call
 
     def gather_only(q, kn, vn, cache, meta, out):
         full_kv(meta, cache)
@@ -183,6 +143,7 @@ def main() -> None:
     gen = torch.Generator().manual_seed(0)
     torch.manual_seed(0)
     cands = make_candidates()
+    small_cands = make_candidates(small=True)  # (the long path in pieces of 512 keys)
     results = {"env": {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__,
                        "cudnn": torch.backends.cudnn.version()}, "rows": []}
 
@@ -191,7 +152,7 @@ def main() -> None:
     ref = TorchReferenceBackend(HQ, HKV, D, SCALE)
     ref.bind_kv_caches([cache.float()])
     want = ref.forward(0, q.float(), kn.float(), vn.float(), meta)
-    for name, fn in cands.items():
+    for name, fn in small_cands.items():
         try:
             got = fn(q, kn, vn, cache, meta, torch.empty_like(q))
             err = None if got is None else max_err(got, want)

@@ -201,6 +201,9 @@ class CacheConfig:
             )
 
 
+LONG_PREFILL_KERNELS = ("off", "flash", "cudnn", "math")
+
+
 @dataclass(frozen=True)
 class KernelConfig:
     """Kernel choices of the engine (every default is the measured winner on the H200; the
@@ -213,10 +216,16 @@ class KernelConfig:
     compile_ahead: bool = True  # rehearse each CUDA start-up phase with Triton compiles in parallel
     mixed_graph_tokens: int = 2048  # largest prefill/mixed step replayed from a CUDA graph (0 = none)
     plan_cache_dir: str | None = None  # where the matmul plans of earlier start-ups are kept (None = nowhere)
+    # long-context prefill chunks of eager steps on torch's fused attention (CUDA, 16-bit;
+    # attention/long_prefill.py): "flash", "cudnn", "math" or "off" (the Triton extend kernel)
+    long_prefill: str = "flash"
 
     def __post_init__(self) -> None:
         if self.mixed_graph_tokens < 0:
             raise ValueError(f"mixed_graph_tokens must be >= 0, got {self.mixed_graph_tokens}")
+        if self.long_prefill not in LONG_PREFILL_KERNELS:
+            raise ValueError(f"long_prefill must be one of {', '.join(LONG_PREFILL_KERNELS)}, "
+                             f"got {self.long_prefill!r}")
 
 
 @dataclass(frozen=True)

@@ -43,7 +43,9 @@ def kernel_config() -> KernelConfig:
     each start-up phase's Triton kernels in parallel first), and $PAGEDSERVE_MIXED_GRAPH_TOKENS
     (the largest prefill/mixed step replayed from a CUDA graph, default 2048; 0 = decode only);
     $PAGEDSERVE_PLAN_CACHE: the folder that keeps the small-batch matmul plans for later
-    start-ups (default: `matmul_plans` in `cache_dir()`; 0 = time them at every start-up)."""
+    start-ups (default: `matmul_plans` in `cache_dir()`; 0 = time them at every start-up);
+    $PAGEDSERVE_LONG_PREFILL: the kernel of long-context prefill chunks (flash, cudnn,
+    math; 0 or off: the Triton extend kernel)."""
     from pagedserve.config import KernelConfig
 
     return KernelConfig(
@@ -53,7 +55,13 @@ def kernel_config() -> KernelConfig:
         compile_ahead=_flag("PAGEDSERVE_COMPILE_AHEAD"),
         mixed_graph_tokens=int(os.environ.get("PAGEDSERVE_MIXED_GRAPH_TOKENS") or 2048),
         plan_cache_dir=_plan_cache_dir(),
+        long_prefill=_long_prefill(),
     )
+
+
+def _long_prefill() -> str:
+    env = (os.environ.get("PAGEDSERVE_LONG_PREFILL") or "flash").lower()
+    return "off" if env in ("0", "false", "no") else env
 
 
 def _plan_cache_dir() -> str | None:

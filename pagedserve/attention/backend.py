@@ -129,6 +129,12 @@ class AttentionBackend(ABC):
         """Write k/v into the cache at meta.slot_mapping (unless `kv_stored`: the caller
         already wrote them where `kv_store_target` said), then attend causally."""
 
+    def enable_long_prefill(self, kernel: str, dtype: torch.dtype, device: torch.device) -> bool:
+        """Send long-context prefill chunks to torch's fused attention `kernel`
+        (`long_prefill.py`), if this backend can; returns whether it does. Call before the
+        memory profile (the path's workspace is allocated now)."""
+        return False
+
     def kv_store_target(self, layer_idx: int, meta: AttentionMetadata) -> KVStoreTarget | None:
         """Where a caller that can write the new K/V itself (the fused RoPE kernel) puts
         them, or None if this backend stores them in `forward`."""

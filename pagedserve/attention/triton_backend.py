@@ -14,6 +14,7 @@ from pagedserve.attention.backend import (
     KVStoreTarget,
     register_backend,
 )
+from pagedserve.attention.long_prefill import LongPrefill
 from pagedserve.engine.host_copy import to_device_views
 
 
@@ -30,6 +31,9 @@ class TritonStepData:
     counts: torch.Tensor | None = None
     # New tokens of each decode row: 1, or k + 1 in a verify graph (GraphKey(B * (k + 1), k + 1))
     query_len: int = 1
+    # Eager steps: the sequences whose chunk takes the long-context path (`long_prefill.py`)
+    # instead of extend tiles, as (first token row, new tokens, context length, sequence)
+    long_chunks: tuple[tuple[int, int, int, int], ...] = ()
 
 
 def choose_num_splits(num_decodes: int, num_kv_heads: int, max_seq_len: int, num_sms: int = 132) -> int:
@@ -61,37 +65,42 @@ def decode_order(rows: np.ndarray, seq_lens: np.ndarray, num_kv_heads: int) -> n
     return rows[np.argsort(-seq_lens[rows], kind="stable")]
 
 
-def step_layout(qsl: np.ndarray, seq_lens: np.ndarray | None = None,
-                num_kv_heads: int = 1) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+def step_layout(qsl: np.ndarray, seq_lens: np.ndarray | None = None, num_kv_heads: int = 1,
+                skip: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """(decode sequence indices, tile sequence, tile start) of a step with these query starts;
-    with `seq_lens`, the decodes come in `decode_order`."""
+    with `seq_lens`, the decodes come in `decode_order`; the sequences in `skip` get no tiles."""
     dec = np.flatnonzero(np.diff(qsl) == 1)
     if seq_lens is not None:
         dec = decode_order(dec, np.asarray(seq_lens), num_kv_heads)
-    tile_seq, tile_start = extend_tiles(qsl)
+    tile_seq, tile_start = extend_tiles(qsl, skip=skip)
     return dec, tile_seq, tile_start
 
 
-def extend_tile_counts(qsl: np.ndarray, block_m: int | None = None) -> tuple[np.ndarray, np.ndarray]:
-    """(indices of the sequences with more than one new token, query tiles of `block_m`
-    tokens each needs; default block_m: the extend kernel's BLOCK_M)."""
+def extend_tile_counts(qsl: np.ndarray, block_m: int | None = None,
+                       skip: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
+    """(indices of the sequences with more than one new token, but those in `skip`; query
+    tiles of `block_m` tokens each needs; default block_m: the extend kernel's BLOCK_M)."""
     from pagedserve.kernels.paged_attention import EXTEND_BLOCK_M
 
     q_lens = np.diff(qsl)
     ext = np.flatnonzero(q_lens > 1)
+    if skip is not None and len(skip):
+        ext = np.setdiff1d(ext, skip)
     return ext, -(-q_lens[ext] // (block_m or EXTEND_BLOCK_M))
 
 
-def extend_tiles(qsl: np.ndarray, block_m: int | None = None) -> tuple[np.ndarray, np.ndarray]:
-    """Query tiles of the sequences with more than one new token: (sequence index, first flat
-    token index) per tile of `block_m` tokens (default: the extend kernel's BLOCK_M).
+def extend_tiles(qsl: np.ndarray, block_m: int | None = None,
+                 skip: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
+    """Query tiles of the sequences with more than one new token (but those in `skip`):
+    (sequence index, first flat token index) per tile of `block_m` tokens (default: the
+    extend kernel's BLOCK_M).
 
     Ordered furthest-into-its-chunk first: a tile attends to every key before it, so the
     GPU starts the longest tiles first and the short ones fill in the tail of the launch."""
     from pagedserve.kernels.paged_attention import EXTEND_BLOCK_M
 
     block_m = block_m or EXTEND_BLOCK_M
-    ext, n_tiles = extend_tile_counts(qsl, block_m)
+    ext, n_tiles = extend_tile_counts(qsl, block_m, skip)
     tile_seq = np.repeat(ext, n_tiles)
     first_tile = np.repeat(np.cumsum(n_tiles) - n_tiles, n_tiles)
     offset = (np.arange(len(tile_seq)) - first_tile) * block_m  # into the sequence's chunk
@@ -121,7 +130,8 @@ def tile_capacity(num_tokens: int, max_seqs: int, block_m: int, max_extend_seqs:
 @register_backend
 class TritonBackend(AttentionBackend):
     """The Triton kernels (`kernels/paged_attention.py`); a sliding-window layer passes its
-    window to them."""
+    window to them. With `enable_long_prefill`, an eager step's long-context chunks take
+    torch's fused attention kernels (`long_prefill.py`)."""
 
     name = "triton"
 
@@ -129,6 +139,28 @@ class TritonBackend(AttentionBackend):
                  sliding_windows: tuple[int | None, ...] | None = None) -> None:
         super().__init__(num_heads, num_kv_heads, head_dim, scale, sliding_windows)
         self._partials: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = {}
+        self.long: LongPrefill | None = None
+
+    def enable_long_prefill(self, kernel: str, dtype: torch.dtype, device: torch.device, **options) -> bool:
+        """Eager steps only (graphs keep their tiles). `dtype` is the KV cache's: an FP8
+        cache, a sliding-window model and, but for "math", a float32 one keep the extend
+        kernel. `options`: LongPrefill's thresholds and piece size."""
+        if (kernel == "off" or self.sliding_windows is not None or dtype == torch.float8_e4m3fn
+                or (kernel != "math" and dtype not in (torch.float16, torch.bfloat16))):
+            return False
+        self.long = LongPrefill(kernel, self.num_heads, self.num_kv_heads, self.head_dim, self.scale,
+                                dtype, device, **options)
+        return True
+
+    def _long(self, query_start_loc: np.ndarray, seq_lens: np.ndarray) -> np.ndarray:
+        """The sequences of an eager step that take the long-context path."""
+        if self.long is None:
+            return np.zeros(0, dtype=np.int64)
+        return self.long.chunks(query_start_loc, seq_lens)
+
+    @staticmethod
+    def _long_rows(qsl: np.ndarray, seq_lens: np.ndarray, seqs: np.ndarray) -> tuple:
+        return tuple((int(qsl[i]), int(qsl[i + 1] - qsl[i]), int(seq_lens[i]), int(i)) for i in seqs)
 
     def _splits(self, num_decodes: int, max_seq_len: int) -> int:
         """choose_num_splits for the keys a decode reads: its context, or the widest window
@@ -145,15 +177,18 @@ class TritonBackend(AttentionBackend):
         return max(1, MAX_VERIFY_ROWS // (self.num_heads // self.num_kv_heads))
 
     def prepare(self, meta: AttentionMetadata, num_splits: int | None = None) -> None:
-        """Host side: sort sequences into decodes and extend tiles; attach to meta.backend_data."""
-        dec, tile_seq, tile_start = step_layout(np.asarray(meta.query_start_loc_cpu, dtype=np.int64),
-                                                np.asarray(meta.seq_lens_cpu), self.num_kv_heads)
+        """Host side: sort sequences into decodes, extend tiles and long chunks; attach to
+        meta.backend_data."""
+        qsl, lens = np.asarray(meta.query_start_loc_cpu, dtype=np.int64), np.asarray(meta.seq_lens_cpu)
+        long = self._long(qsl, lens)
+        dec, tile_seq, tile_start = step_layout(qsl, lens, self.num_kv_heads, long)
         dec_t, tile_seq_t, tile_start_t = to_device_views(
             [dec.astype(np.int32), tile_seq.astype(np.int32), tile_start.astype(np.int32)],
             meta.query_start_loc.device)
         if num_splits is None:
             num_splits = self._splits(len(dec), meta.max_seq_len)
-        meta.backend_data = TritonStepData(dec_t, tile_seq_t, tile_start_t, num_splits)
+        meta.backend_data = TritonStepData(dec_t, tile_seq_t, tile_start_t, num_splits,
+                                           long_chunks=self._long_rows(qsl, lens, long))
 
     def eager_variants(self) -> list[dict]:
         return [{"num_splits": s} for s in (1, 2, 4, 8, 16)]  # choose_num_splits' choices
@@ -169,25 +204,29 @@ class TritonBackend(AttentionBackend):
         return {"decodes": max_seqs, "counts": 2, "tile_seq": tiles, "tile_start": tiles}
 
     def fill_step_fields(self, query_start_loc, seq_lens, key, put):
+        long = ()  # (graphs take every chunk as tiles; eager steps may send long ones elsewhere)
         if key is not None and key.uniform_query_len > 1:  # a verify graph: every sequence
             # decodes its k + 1 tokens (the graph runner checked the step is uniform)
             dec = decode_order(np.arange(len(seq_lens)), np.asarray(seq_lens), self.num_kv_heads)
             tile_seq = tile_start = np.zeros(0, dtype=np.int64)
         else:
-            dec, tile_seq, tile_start = step_layout(query_start_loc, seq_lens, self.num_kv_heads)
+            skip = self._long(query_start_loc, seq_lens) if key is None else None
+            dec, tile_seq, tile_start = step_layout(query_start_loc, seq_lens, self.num_kv_heads, skip)
+            if skip is not None:
+                long = self._long_rows(query_start_loc, seq_lens, skip)
         if key is not None and key.uniform_query_len >= 1:  # padding rows take the tail
             dec = np.concatenate([dec, np.arange(len(seq_lens), key.num_tokens // key.uniform_query_len)])
         put("decodes", dec)
         put("counts", np.array([len(dec), len(tile_seq)]))
         put("tile_seq", tile_seq)
         put("tile_start", tile_start)
-        return len(dec), len(tile_seq)
+        return len(dec), len(tile_seq), long
 
     def step_metadata(self, meta, noted, view) -> None:
-        num_decodes, num_tiles = noted
+        num_decodes, num_tiles, long = noted
         splits = self._splits(num_decodes, meta.max_seq_len)
         meta.backend_data = TritonStepData(view("decodes", num_decodes), view("tile_seq", num_tiles),
-                                           view("tile_start", num_tiles), splits)
+                                           view("tile_start", num_tiles), splits, long_chunks=long)
 
     def graph_fits(self, query_start_loc, key, max_seqs) -> bool:
         if key.uniform_query_len:
@@ -251,4 +290,7 @@ class TritonBackend(AttentionBackend):
             paged_extend(q, k, v, cache, out, data.tile_seq, data.tile_start, meta.query_start_loc,
                          meta.seq_lens, meta.block_tables, self.scale,
                          count=None if counts is None else counts[1:2], kv_scale=kv_scale, window=window)
+        for first, n, seq_len, seq in data.long_chunks:
+            rows = slice(first, first + n)
+            self.long.attend(q[rows], k[rows], v[rows], cache, meta.block_tables[seq], seq_len, out[rows])
         return out

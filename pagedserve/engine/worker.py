@@ -17,6 +17,8 @@ from collections.abc import Callable
 import torch
 
 from pagedserve.attention.backend import AttentionBackend, AttentionContext, get_backend_class
+from pagedserve.attention.long_prefill import MIN_KEYS as LONG_MIN_KEYS
+from pagedserve.attention.long_prefill import MIN_QUERIES as LONG_MIN_QUERIES
 from pagedserve.config import EngineConfig, KernelConfig, ModelConfig, resolve_dtype
 from pagedserve.distributed.tensor_parallel import SINGLE, TensorParallel
 from pagedserve.engine.cache_sizing import determine_num_blocks
@@ -74,6 +76,10 @@ class Worker:
         backend = make_backend(config.attention_backend, device, cfg, tp)
         self.kv_spec = spec = KVCacheSpec.for_model(cfg, config.cache.block_size, dtype,
                                                     config.cache.kv_cache_dtype, tp.size)
+        if self.cuda and sched.max_model_len >= LONG_MIN_KEYS and backend.enable_long_prefill(
+                kernels.long_prefill, getattr(torch, spec.dtype), device):
+            logger.info("long-context prefill chunks (%d+ tokens over %d+ keys) on %s attention",
+                        LONG_MIN_QUERIES, LONG_MIN_KEYS, kernels.long_prefill)
         self._compile_ahead = self.cuda and kernels.compile_ahead
         self.compile_ahead_seconds = 0.0
         self.model = model
