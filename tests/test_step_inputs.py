@@ -133,7 +133,7 @@ def test_mixed_key_pads_tokens_and_sequences():
 
     assert get("query_start_loc") == [0, 1, 2, 9, T, T, T, T, T]
     assert get("seq_lens") == [7, 4, 12, 9, 0, 0, 0, 0]
-    assert get("decodes")[:2] == [0, 1] and get("counts") == [2, 2] and noted == (2, 2)
+    assert get("decodes")[:2] == [0, 1] and get("counts") == [2, 2] and noted == (2, 2, ())
     assert get("logits_idx")[:3] == [0, 1, T - 1]
     assert sorted(get("tile_seq")[:2]) == [2, 3]
 
