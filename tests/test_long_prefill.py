@@ -102,6 +102,10 @@ def test_enable_long_prefill_refuses_what_it_cannot_run():
     windowed = TritonBackend(HEADS, KV_HEADS, DIM, 1.0, sliding_windows=(8, None))
     assert not windowed.enable_long_prefill("flash", torch.bfloat16, "cpu")
     assert not TorchReferenceBackend(HEADS, KV_HEADS, DIM, 1.0).enable_long_prefill("math", torch.float32, "cpu")
+    # a kernel this device lacks (torch's cuDNN attention on the CPU): a tiny call fails, so
+    # the backend keeps its extend kernel rather than failing a step later
+    cpu = TritonBackend(HEADS, KV_HEADS, DIM, 1.0)
+    assert not cpu.enable_long_prefill("cudnn", torch.bfloat16, torch.device("cpu")) and cpu.long is None
     with pytest.raises(ValueError, match="long_prefill must be one of"):
         KernelConfig(long_prefill="fa3")
 

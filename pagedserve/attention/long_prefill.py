@@ -67,6 +67,17 @@ class LongPrefill:
         # [2, piece_keys, Hkv, D]: one piece of earlier context (keys, values), contiguous
         self.workspace = torch.empty((2, piece_keys, num_kv_heads, head_dim), dtype=dtype, device=device)
 
+    def runs(self) -> bool:
+        """Whether this torch's kernel takes these heads (a tiny causal call on the device)."""
+        dev, dt = self.workspace.device, self.workspace.dtype
+        q = torch.randn(64, self.num_heads, self.head_dim, device=dev).to(dt)
+        kv = torch.randn(64, self.num_kv_heads, self.head_dim, device=dev).to(dt)
+        try:
+            out, lse = self._attend(q, kv, kv, causal=True)
+        except (RuntimeError, NotImplementedError):
+            return False
+        return out.shape == (self.num_heads, 64, self.head_dim) and bool(torch.isfinite(lse).all())
+
     def chunks(self, query_start_loc: np.ndarray, seq_lens: np.ndarray) -> np.ndarray:
         """`long_chunks` with this path's thresholds."""
         return long_chunks(query_start_loc, seq_lens, self.min_keys, self.min_queries)

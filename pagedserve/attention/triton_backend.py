@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 
 import numpy as np
@@ -16,6 +17,8 @@ from pagedserve.attention.backend import (
 )
 from pagedserve.attention.long_prefill import LongPrefill
 from pagedserve.engine.host_copy import to_device_views
+
+logger = logging.getLogger("pagedserve")
 
 
 @dataclass
@@ -148,9 +151,14 @@ class TritonBackend(AttentionBackend):
         if (kernel == "off" or self.sliding_windows is not None or dtype == torch.float8_e4m3fn
                 or (kernel != "math" and dtype not in (torch.float16, torch.bfloat16))):
             return False
-        self.long = LongPrefill(kernel, self.num_heads, self.num_kv_heads, self.head_dim, self.scale,
-                                dtype, device, **options)
-        return True
+        for expand in (False, True):  # (native GQA first; else each KV head repeated)
+            path = LongPrefill(kernel, self.num_heads, self.num_kv_heads, self.head_dim, self.scale,
+                               dtype, device, expand_kv=expand, **options)
+            if path.runs():
+                self.long = path
+                return True
+        logger.warning("torch's %s attention does not run here: long prompts keep the extend kernel", kernel)
+        return False
 
     def _long(self, query_start_loc: np.ndarray, seq_lens: np.ndarray) -> np.ndarray:
         """The sequences of an eager step that take the long-context path."""
