@@ -125,6 +125,6 @@ class LongPrefill:
             m = torch.maximum(lse, lse_p)
             w, w_p = torch.exp(lse - m), torch.exp(lse_p - m)
             total = w + w_p
-            acc = (acc * (w / total)[..., None]).add_(o_p.float() * (w_p / total)[..., None])
+            acc.mul_((w / total)[..., None]).addcmul_(o_p, (w_p / total)[..., None])  # (in place)
             lse = m + torch.log(total)
         out.copy_(acc.transpose(0, 1))

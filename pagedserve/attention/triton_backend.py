@@ -148,7 +148,8 @@ class TritonBackend(AttentionBackend):
         """Eager steps only (graphs keep their tiles). `dtype` is the KV cache's: an FP8
         cache, a sliding-window model and, but for "math", a float32 one keep the extend
         kernel. `options`: LongPrefill's thresholds and piece size."""
-        if (kernel == "off" or self.sliding_windows is not None or dtype == torch.float8_e4m3fn
+        windowed = any(w is not None for w in self.sliding_windows or ())
+        if (kernel == "off" or windowed or dtype == torch.float8_e4m3fn
                 or (kernel != "math" and dtype not in (torch.float16, torch.bfloat16))):
             return False
         for expand in (False, True):  # (native GQA first; else each KV head repeated)
