@@ -60,7 +60,9 @@ def kernel_config() -> KernelConfig:
 
 
 def _long_prefill() -> str:
-    env = (os.environ.get("PAGEDSERVE_LONG_PREFILL") or "flash").lower()
+    from pagedserve.config import KernelConfig
+
+    env = (os.environ.get("PAGEDSERVE_LONG_PREFILL") or KernelConfig.long_prefill).lower()
     return "off" if env in ("0", "false", "no") else env
 
 

@@ -118,4 +118,4 @@ def test_env_switch(monkeypatch):
     monkeypatch.setenv("PAGEDSERVE_LONG_PREFILL", "cuDNN")
     assert envs.kernel_config().long_prefill == "cudnn"
     monkeypatch.delenv("PAGEDSERVE_LONG_PREFILL")
-    assert envs.kernel_config().long_prefill == "flash"
+    assert envs.kernel_config().long_prefill == KernelConfig.long_prefill
