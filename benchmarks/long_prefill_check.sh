@@ -33,6 +33,7 @@ for s in $SECTIONS; do
                 --max-model-len $(($2 + 16)) --dataset-name random --disable-tqdm $EXTRA \
                 --output-json "$OUT/r/$name.json" > "$OUT/r/$name.log" 2>&1
             python3 -c "import json,sys; d=json.load(open(sys.argv[1])); print(sys.argv[1], 'prefill s', d['elapsed_s'], 'startup s', d['startup_s'])" "$OUT/r/$name.json" || tail -5 "$OUT/r/$name.log"
+            tar -C "$OUT" -czf "$OUT/long_prefill.tgz" r
         done; done ;;
     *) echo "unknown section $s" ;;
     esac
