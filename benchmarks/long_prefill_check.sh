@@ -12,6 +12,7 @@ set -uo pipefail
 OUT="${OUT:-long_prefill_results}"
 SECTIONS="${SECTIONS:-tests probe e2e}"
 EXTRA="${EXTRA:-}"
+SPECS="${SPECS:-1x250000 4x60000}"  # prompts x tokens
 LONG="${LONG:-off flash}"  # "best": the probe's faster kernel
 mkdir -p "$OUT/r"
 python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/pydeps .whl/*.whl || exit 1
@@ -25,8 +26,8 @@ for s in $SECTIONS; do
     e2e)
         for long in $LONG; do
             [ "$long" = best ] && long=$(cat "$OUT/r/best" 2>/dev/null || echo flash)
-            for spec in "1 250000" "4 60000"; do
-            set -- $spec
+            for spec in $SPECS; do
+            set -- ${spec/x/ }
             name="e2e_${long}_$1x$2"
             PAGEDSERVE_LONG_PREFILL=$long python3 -m pagedserve.cli bench throughput qwen3-4b-instruct-2507 \
                 --load-format dummy --dtype bfloat16 --num-prompts "$1" --input-len "$2" --output-len 1 \
