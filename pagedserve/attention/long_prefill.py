@@ -109,6 +109,9 @@ class LongPrefill:
         c = q.shape[0]
         before = seq_len - c
         acc, lse = self._attend(q, k_new, v_new, causal=True)  # [Hq, C, D], [Hq, C]
+        if before == 0:  # a whole prompt: nothing to merge
+            out.copy_(acc.transpose(0, 1))
+            return
         acc = acc.float()
         page = cache.shape[2]
         assert self.piece_keys % page == 0, "pieces must start on a page"
