@@ -60,10 +60,13 @@ def kernel_config() -> KernelConfig:
 
 
 def _long_prefill() -> str:
-    from pagedserve.config import KernelConfig
+    from pagedserve.config import LONG_PREFILL_KERNELS, KernelConfig
 
     env = (os.environ.get("PAGEDSERVE_LONG_PREFILL") or KernelConfig.long_prefill).lower()
-    return "off" if env in ("0", "false", "no") else env
+    env = "off" if env in ("0", "false", "no") else env
+    if env not in LONG_PREFILL_KERNELS:
+        raise ValueError(f"PAGEDSERVE_LONG_PREFILL={env!r}: choose one of {', '.join(LONG_PREFILL_KERNELS)}")
+    return env
 
 
 def _plan_cache_dir() -> str | None:

@@ -117,5 +117,8 @@ def test_env_switch(monkeypatch):
     assert envs.kernel_config().long_prefill == "off"
     monkeypatch.setenv("PAGEDSERVE_LONG_PREFILL", "cuDNN")
     assert envs.kernel_config().long_prefill == "cudnn"
+    monkeypatch.setenv("PAGEDSERVE_LONG_PREFILL", "fa3")
+    with pytest.raises(ValueError, match="PAGEDSERVE_LONG_PREFILL='fa3': choose one of off, flash"):
+        envs.kernel_config()
     monkeypatch.delenv("PAGEDSERVE_LONG_PREFILL")
     assert envs.kernel_config().long_prefill == KernelConfig.long_prefill
