@@ -72,8 +72,8 @@ def test_long_path_matches_extend_kernel_at_40k(kernel):
 
 def test_engine_long_prompt_on_and_off(monkeypatch):
     """Qwen3-4B preset (dummy weights, bf16): a 20,000-token prompt's chunks after the first
-    two take the long path (counted), and the greedy tokens agree with an engine on the
-    extend kernel until a near tie."""
+    take the long path (counted), on FlashAttention 2 and on cuDNN, and the greedy tokens
+    agree with an engine on the extend kernel until a near tie."""
     from pagedserve import LLM, SamplingParams
 
     prompt = [(37 * i) % 50000 + 100 for i in range(20000)]
@@ -96,9 +96,10 @@ def test_engine_long_prompt_on_and_off(monkeypatch):
         return out, calls
 
     off, off_calls = run("off")
-    on, on_calls = run("flash")
     assert off_calls == []
-    # chunks of 8,192: the second ends at 16,384 keys, the third at 20,000; 36 layers each
-    assert sorted(set(on_calls)) == [16384, 20000] and len(on_calls) == 2 * 36
-    assert_agree_until_near_tie([(list(off.token_ids), off.logprobs)], [list(on.token_ids)],
-                                [on.logprobs])
+    for kernel in ("flash", "cudnn"):  # (the step's new K/V are strided views of its qkv)
+        on, on_calls = run(kernel)
+        # chunks of 8,192: the second ends at 16,384 keys, the third at 20,000; 36 layers each
+        assert sorted(set(on_calls)) == [16384, 20000] and len(on_calls) == 2 * 36, kernel
+        assert_agree_until_near_tie([(list(off.token_ids), off.logprobs)], [list(on.token_ids)],
+                                    [on.logprobs])
