@@ -161,15 +161,13 @@ class TritonBackend(AttentionBackend):
         logger.warning("torch's %s attention does not run here: long prompts keep the extend kernel", kernel)
         return False
 
-    def _long(self, query_start_loc: np.ndarray, seq_lens: np.ndarray) -> np.ndarray:
-        """The sequences of an eager step that take the long-context path."""
+    def _long_chunks(self, qsl: np.ndarray, seq_lens: np.ndarray) -> tuple[np.ndarray | None, tuple]:
+        """An eager step's sequences that take the long-context path (None: the path is
+        off) and their `TritonStepData.long_chunks` rows."""
         if self.long is None:
-            return np.zeros(0, dtype=np.int64)
-        return self.long.chunks(query_start_loc, seq_lens)
-
-    @staticmethod
-    def _long_rows(qsl: np.ndarray, seq_lens: np.ndarray, seqs: np.ndarray) -> tuple:
-        return tuple((int(qsl[i]), int(qsl[i + 1] - qsl[i]), int(seq_lens[i]), int(i)) for i in seqs)
+            return None, ()
+        seqs = self.long.chunks(qsl, seq_lens)
+        return seqs, tuple((int(qsl[i]), int(qsl[i + 1] - qsl[i]), int(seq_lens[i]), int(i)) for i in seqs)
 
     def _splits(self, num_decodes: int, max_seq_len: int) -> int:
         """choose_num_splits for the keys a decode reads: its context, or the widest window
@@ -189,15 +187,14 @@ class TritonBackend(AttentionBackend):
         """Host side: sort sequences into decodes, extend tiles and long chunks; attach to
         meta.backend_data."""
         qsl, lens = np.asarray(meta.query_start_loc_cpu, dtype=np.int64), np.asarray(meta.seq_lens_cpu)
-        long = self._long(qsl, lens)
-        dec, tile_seq, tile_start = step_layout(qsl, lens, self.num_kv_heads, long)
+        skip, long = self._long_chunks(qsl, lens)
+        dec, tile_seq, tile_start = step_layout(qsl, lens, self.num_kv_heads, skip)
         dec_t, tile_seq_t, tile_start_t = to_device_views(
             [dec.astype(np.int32), tile_seq.astype(np.int32), tile_start.astype(np.int32)],
             meta.query_start_loc.device)
         if num_splits is None:
             num_splits = self._splits(len(dec), meta.max_seq_len)
-        meta.backend_data = TritonStepData(dec_t, tile_seq_t, tile_start_t, num_splits,
-                                           long_chunks=self._long_rows(qsl, lens, long))
+        meta.backend_data = TritonStepData(dec_t, tile_seq_t, tile_start_t, num_splits, long_chunks=long)
 
     def eager_variants(self) -> list[dict]:
         return [{"num_splits": s} for s in (1, 2, 4, 8, 16)]  # choose_num_splits' choices
@@ -219,10 +216,10 @@ class TritonBackend(AttentionBackend):
             dec = decode_order(np.arange(len(seq_lens)), np.asarray(seq_lens), self.num_kv_heads)
             tile_seq = tile_start = np.zeros(0, dtype=np.int64)
         else:
-            skip = self._long(query_start_loc, seq_lens) if key is None else None
+            skip = None
+            if key is None:
+                skip, long = self._long_chunks(query_start_loc, seq_lens)
             dec, tile_seq, tile_start = step_layout(query_start_loc, seq_lens, self.num_kv_heads, skip)
-            if skip is not None:
-                long = self._long_rows(query_start_loc, seq_lens, skip)
         if key is not None and key.uniform_query_len >= 1:  # padding rows take the tail
             dec = np.concatenate([dec, np.arange(len(seq_lens), key.num_tokens // key.uniform_query_len)])
         put("decodes", dec)
