@@ -30,7 +30,7 @@ for s in $SECTIONS; do
             set -- ${spec/x/ }
             name="e2e_${long}_$1x$2"
             PAGEDSERVE_LONG_PREFILL=$long python3 -m pagedserve.cli bench throughput qwen3-4b-instruct-2507 \
-                --load-format dummy --dtype bfloat16 --num-prompts "$1" --input-len "$2" --output-len 1 \
+                --load-format dummy --tokenizer .devtok --dtype bfloat16 --num-prompts "$1" --input-len "$2" --output-len 1 \
                 --max-model-len $(($2 + 16)) --dataset-name random --disable-tqdm $EXTRA \
                 --output-json "$OUT/r/$name.json" > "$OUT/r/$name.log" 2>&1
             python3 -c "import json,sys; d=json.load(open(sys.argv[1])); print(sys.argv[1], 'prefill s', d['elapsed_s'], 'startup s', d['startup_s'])" "$OUT/r/$name.json" || tail -5 "$OUT/r/$name.log"
