@@ -90,6 +90,40 @@ def kernel_speed(quick: bool) -> None:
     record("sampling 256 x 151936: fused, one program per row ms", one_ms, None, "{:.3f}")
 
 
+@section
+def top_k_top_p(quick: bool) -> None:
+    """One step's sampling with Qwen3's defaults (temperature 0.7, top_k 20, top_p 0.8), as the
+    engine calls it (eager), through the full sort and through the top-k window
+    (layers/top_k_top_p.py), against temperature alone (the fused kernel) and greedy. GPU ms
+    (triton's do_bench) and wall ms per call with the host's launches (synchronised)."""
+    import time
+
+    import triton.testing
+
+    from pagedserve.layers.sampler import Sampler, SamplingBatch
+    from pagedserve.sampling_params import SamplingParams
+
+    sampler, vocab = Sampler(), 151936
+    cases = {"qwen defaults, sort": dict(temperature=0.7, top_k=20, top_p=0.8),
+             "qwen defaults, window": dict(temperature=0.7, top_k=20, top_p=0.8),
+             "temperature 0.7 (fused)": dict(temperature=0.7), "greedy": dict(temperature=0.0)}
+    for n in (1, 16, 64, 256):
+        logits = (torch.randn(n, vocab, device=DEV) * 3).bfloat16()
+        for name, kw in cases.items():
+            params = [SamplingParams(**kw)] * n
+            batch = SamplingBatch.build(params, [None] * n, [[]] * n, None, vocab, DEV, num_outputs=[0] * n)
+            if name.endswith("sort"):
+                batch.top_p_within_top_k = False
+            gpu_ms = triton.testing.do_bench(lambda b=batch, x=logits: sampler(x, b), return_mode="median")
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            for _ in range(50):
+                sampler(logits, batch)
+            torch.cuda.synchronize()
+            wall_ms = (time.perf_counter() - t0) / 50 * 1e3
+            record(f"sample {n:>3} rows, {name}: GPU ms (wall {wall_ms:.3f})", gpu_ms, None, "{:.3f}")
+
+
 # ---- benchmarks ---------------------------------------------------------------------------
 
 @section
@@ -238,7 +272,7 @@ def main() -> None:
                          "exits, keeping the JSON of the sections before it (0: no limit)")
     args = ap.parse_args()
     sections = {
-        "kernel_speed": kernel_speed, "bench": bench, "startup": startup,
+        "kernel_speed": kernel_speed, "top_k_top_p": top_k_top_p, "bench": bench, "startup": startup,
         # gpu_profile.py
         "extend_tune": extend_tune, "decode_tune": decode_tune, "decode_order": decode_order,
         "decode_splits": decode_splits,

@@ -6,7 +6,7 @@
 # copied to /root/keep by the previous call, piece c and the wheels carried with this one:
 #   VLLM_DIR=.carry/vllm bash benchmarks/vllm_fp8_compare.sh
 # ENGINES (default "vllm pagedserve"): add pagedserve_kv8 for pagedserve with --kv-cache-dtype
-# fp8 as well. A later call on the same machine finds vLLM unpacked and carries nothing of it.
+# fp8 as well; vllm_bf16 and pagedserve_bf16 serve without quantization. A later call on the same machine finds vLLM unpacked and carries nothing of it.
 # Results (vLLM's result JSON per run and a table) go to $OUT (or ./compare_results).
 set -uo pipefail
 OUT="${OUT:-compare_results}"
@@ -34,13 +34,14 @@ bench() {  # engine name, served model id
 }
 for engine in $ENGINES; do
     t0=$(date +%s)
-    if [ $engine = vllm ]; then
-        $VLLM serve /tmp/qwen3 --load-format dummy --tokenizer .devtok --quantization fp8 --port $PORT \
+    q="--quantization fp8"; [[ $engine == *_bf16 ]] && q=""
+    if [[ $engine == vllm* ]]; then
+        $VLLM serve /tmp/qwen3 --load-format dummy --tokenizer .devtok $q --port $PORT \
             > "$OUT/vllm_server.log" 2>&1 &
     else
         kv=""; [ $engine = pagedserve_kv8 ] && kv="--kv-cache-dtype fp8"
         env PYTHONPATH="$PWD:/tmp/pydeps" python3 -m pagedserve.cli serve qwen3-4b-instruct-2507 \
-            --load-format dummy --tokenizer .devtok --quantization fp8 $kv --port $PORT \
+            --load-format dummy --tokenizer .devtok $q $kv --port $PORT \
             > "$OUT/${engine}_server.log" 2>&1 &
     fi
     SERVER=$!
@@ -52,12 +53,13 @@ for engine in $ENGINES; do
 done
 python3 - "$OUT" <<'PY'
 import json, os, sys
-print(f"{'engine':<11} {'c':>4} {'out tok/s':>10} {'TTFT p50':>9} {'TPOT p50':>9} {'failed':>6}")
-for engine in ("pagedserve", "pagedserve_kv8", "vllm"):
+print(f"{'engine':<15} {'c':>4} {'out tok/s':>10} {'TTFT p50':>9} {'TPOT p50':>9} {'failed':>6}")
+for engine in ("pagedserve", "pagedserve_kv8", "vllm", "pagedserve_bf16", "vllm_bf16"):
     for c in (1, 16, 64, 256):
         path = os.path.join(sys.argv[1], f"{engine}_c{c}.json")
         if os.path.exists(path):
             r = json.load(open(path))
-            print(f"{engine:<11} {c:>4} {r['output_throughput']:>10.0f} {r['median_ttft_ms']:>9.1f} "
+            print(f"{engine:<15} {c:>4} {r['output_throughput']:>10.0f} {r['median_ttft_ms']:>9.1f} "
                   f"{r['median_tpot_ms']:>9.2f} {r.get('failed', 0):>6}")
 PY
+tar -C "$OUT" -czf "$OUT/compare.tgz" --exclude compare.tgz .

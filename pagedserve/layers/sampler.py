@@ -28,6 +28,7 @@ from pagedserve.layers.sampling_tables import (
     pad_tokens,
     scalar_row,
 )
+from pagedserve.layers.top_k_top_p import apply_top_k_top_p
 from pagedserve.sampling_params import SamplingParams
 
 
@@ -70,6 +71,8 @@ class SamplingBatch:
     # [N, ceil(V / 32)] int32: bit t of row i set = token t allowed (structured output fills
     # it for constrained rows; unconstrained rows are all ones); None = no row constrained
     allowed_token_mask: Tensor | None = None
+    # every row with top_p < 1 also has a top_k (top_k_top_p.py then needs no sort)
+    top_p_within_top_k: bool = False
 
     @property
     def need_top_k_top_p(self) -> bool:
@@ -102,7 +105,7 @@ class SamplingBatch:
         need_penalties = any(p.uses_penalties for p in params)
         need_rep = need_penalties and any(p.repetition_penalty != 1.0 for p in params)
         temperature = top_p = top_k = min_p = rep = pres = freq = None
-        need_top_k = need_top_p = need_min_p = False
+        need_top_k = need_top_p = need_min_p = top_p_within_top_k = False
         max_top_k = vocab_size
         if not all_greedy or need_penalties:
             rows = [scalar_row(p, g, vocab_size) for p, g in zip(params, greedy, strict=True)]
@@ -113,6 +116,7 @@ class SamplingBatch:
             active_k = [r[2] for r in rows if r[2] < vocab_size]
             need_top_k = bool(active_k)
             need_top_p = any(r[1] < 1.0 for r in rows)
+            top_p_within_top_k = all(r[2] < vocab_size for r in rows if r[1] < 1.0)
             need_min_p = any(r[3] > 0.0 for r in rows)
             if need_top_k:
                 top_k, max_top_k = k_col.long(), int(max(active_k))
@@ -144,6 +148,7 @@ class SamplingBatch:
             any_unseeded_random=len(seeded) < n - sum(greedy),
             need_top_k=need_top_k, need_top_p=need_top_p, need_min_p=need_min_p,
             need_penalties=need_penalties, bias=bias, allowed=allowed,
+            top_p_within_top_k=top_p_within_top_k,
         )
 
 
@@ -182,33 +187,6 @@ def apply_penalties(logits: Tensor, batch: SamplingBatch) -> Tensor:
         logits = torch.where(seen, penalised, logits)
     logits = logits - batch.frequency_penalty.unsqueeze(1) * out_counts
     return logits - batch.presence_penalty.unsqueeze(1) * (out_counts > 0).to(logits.dtype)
-
-
-def apply_top_k_top_p(logits: Tensor, batch: SamplingBatch) -> Tensor:
-    """Mask (to -inf) tokens outside each row's top-k, then outside its top-p nucleus.
-
-    logits: [N, V] float32, already divided by temperature. Tokens tied with the k-th value
-    are kept. Top-p keeps the smallest prefix of the sorted tokens whose mass reaches top_p.
-    """
-    neg_inf = float("-inf")
-    if not batch.need_top_p:  # top-k alone: a partial top-k beats a full sort
-        assert batch.top_k is not None
-        k = batch.top_k.clamp(max=batch.max_top_k)  # [N]
-        top = torch.topk(logits, batch.max_top_k, dim=-1).values  # [N, max_top_k]
-        kth = top.gather(1, (k - 1).unsqueeze(1))  # [N, 1]
-        kth = kth.masked_fill((batch.top_k >= batch.vocab_size).unsqueeze(1), neg_inf)
-        return logits.masked_fill(logits < kth, neg_inf)
-    assert batch.top_p is not None
-    sorted_logits, order = logits.sort(dim=-1, descending=True)  # [N, V] each
-    if batch.top_k is not None:
-        kth = sorted_logits.gather(1, (batch.top_k - 1).unsqueeze(1))  # [N, 1]
-        sorted_logits = sorted_logits.masked_fill(sorted_logits < kth, neg_inf)
-    probs = sorted_logits.softmax(dim=-1)  # [N, V]
-    mass_before = probs.cumsum(dim=-1) - probs  # [N, V]: mass of strictly better tokens
-    # Rows with top_p == 1 must keep everything despite cumsum rounding.
-    top_p = batch.top_p.masked_fill(batch.top_p >= 1.0, float("inf")).unsqueeze(1)  # [N, 1]
-    sorted_logits = sorted_logits.masked_fill(mass_before >= top_p, neg_inf)
-    return torch.empty_like(logits).scatter_(1, order, sorted_logits)
 
 
 def _exponential_noise(probs: Tensor, batch: SamplingBatch) -> Tensor:
