@@ -100,20 +100,27 @@ def top_k_top_p(quick: bool) -> None:
 
     import triton.testing
 
+    from pagedserve.layers import top_k_top_p as tkp
     from pagedserve.layers.sampler import Sampler, SamplingBatch
     from pagedserve.sampling_params import SamplingParams
 
     sampler, vocab = Sampler(), 151936
-    cases = {"qwen defaults, sort": dict(temperature=0.7, top_k=20, top_p=0.8),
-             "qwen defaults, window": dict(temperature=0.7, top_k=20, top_p=0.8),
-             "temperature 0.7 (fused)": dict(temperature=0.7), "greedy": dict(temperature=0.0)}
+    qwen = dict(temperature=0.7, top_k=20, top_p=0.8)
+    # name: (sampling params, path: "sort" / "window" / None, logits dtype)
+    cases = {"qwen defaults, sort fp32": (qwen, "sort", torch.float32),
+             "qwen defaults, sort bf16 keys": (qwen, "sort", torch.bfloat16),
+             "qwen defaults, window fp32": (qwen, "window", torch.float32),
+             "qwen defaults, window bf16 keys": (qwen, "window", torch.bfloat16),
+             "temperature 0.7 (fused)": (dict(temperature=0.7), None, torch.bfloat16),
+             "greedy": (dict(temperature=0.0), None, torch.bfloat16)}
+    tkp.WINDOW_MIN_ROWS = 1  # (each case picks its path itself)
     for n in (1, 16, 64, 256):
-        logits = (torch.randn(n, vocab, device=DEV) * 3).bfloat16()
-        for name, kw in cases.items():
+        base = torch.randn(n, vocab, device=DEV) * 3
+        for name, (kw, path, dtype) in cases.items():
+            logits = base.to(dtype)
             params = [SamplingParams(**kw)] * n
             batch = SamplingBatch.build(params, [None] * n, [[]] * n, None, vocab, DEV, num_outputs=[0] * n)
-            if name.endswith("sort"):
-                batch.top_p_within_top_k = False
+            batch.top_p_within_top_k = batch.top_p_within_top_k and path == "window"
             gpu_ms = triton.testing.do_bench(lambda b=batch, x=logits: sampler(x, b), return_mode="median")
             torch.cuda.synchronize()
             t0 = time.perf_counter()

@@ -26,7 +26,7 @@ def kept_values(masked):
 def check_same(logits, params):
     batch = batch_of(params, logits.shape[-1])
     assert batch.top_p_within_top_k and batch.need_top_p
-    window, full = tkp._window(logits, batch), tkp._sorted(logits, batch)
+    window, full = tkp._window(logits, batch, logits), tkp._sorted(logits, batch, logits)
     assert kept_values(window) == kept_values(full)
     # kept tokens keep their logits; the rest are -inf
     assert torch.equal(torch.where(torch.isfinite(window), window, 0),
@@ -78,10 +78,28 @@ def test_top_p_without_top_k_takes_the_sort(monkeypatch):
     batch = batch_of(params, 50)
     assert batch.need_top_p and not batch.top_p_within_top_k
     called = []
-    monkeypatch.setattr(tkp, "_sorted", lambda logits, b: called.append(1) or logits)
+    monkeypatch.setattr(tkp, "_sorted", lambda logits, b, keys: called.append(1) or logits)
     tkp.apply_top_k_top_p(torch.randn(2, 50), batch)
     assert called == [1]
     # a top_k wider than the window's limit takes it too
     wide = batch_of([SamplingParams(top_k=tkp.WINDOW_MAX_K + 1, top_p=0.5)], 5000)
     tkp.apply_top_k_top_p(torch.randn(1, 5000), wide)
     assert called == [1, 1]
+
+
+@pytest.mark.parametrize("path", ["window", "sorted", "top_k_only"])
+def test_bf16_keys_keep_the_same_tokens(path):
+    """Selecting on the bf16 logits (before temperature) keeps exactly the tokens that the
+    float32 scaled logits keep: scaling by 1 / T keeps distinct bf16 values distinct."""
+    g = torch.Generator().manual_seed(7)
+    raw = (torch.randn(20, 2000, generator=g) * 2).bfloat16()  # many exact ties
+    temps = torch.rand(20, 1, generator=g) + 0.3
+    scaled = raw.float() / temps
+    params = [SamplingParams(top_k=int(k), top_p=1.0 if path == "top_k_only" else 0.6)
+              for k in torch.randint(1, 200, (20,), generator=g)]
+    batch = batch_of(params, 2000)
+    fn = {"window": tkp._window, "sorted": tkp._sorted, "top_k_only": tkp._top_k_only}[path]
+    with_keys, without = fn(scaled, batch, raw), fn(scaled, batch, scaled)
+    assert kept_values(with_keys) == kept_values(without)
+    if path != "sorted":  # (the sort orders equal keys arbitrarily: same values, maybe other ids)
+        assert torch.equal(with_keys, without)

@@ -210,6 +210,13 @@ def temperature_only(batch: SamplingBatch) -> bool:
                 or batch.allowed_token_mask is not None)
 
 
+def constrained(batch: SamplingBatch) -> bool:
+    """Whether `Sampler.constrain` changes any logit (penalties, biases, bans, allowed ids or
+    an allowed-token mask)."""
+    return (batch.need_penalties or batch.bias is not None or batch.ban_rows is not None
+            or batch.allowed is not None or batch.allowed_token_mask is not None)
+
+
 def apply_token_bitmask(logits: Tensor, mask: Tensor) -> Tensor:
     """-inf where a token is not allowed: logits [N, V] float32, mask [N, ceil(V / 32)] int32
     (bit t % 32 of word t // 32 set = token t allowed). Returns a new tensor."""
@@ -241,6 +248,9 @@ class Sampler:
 
     def __call__(self, logits: Tensor, batch: SamplingBatch) -> SamplerOutput:
         assert logits.shape == (batch.num_rows, batch.vocab_size), (logits.shape, batch.num_rows)
+        # the logits in their own dtype order the vocabulary as the scaled ones do when nothing
+        # constrains them: top-k / top-p sort or select those (bf16: half the bytes)
+        keys = logits if logits.dtype in (torch.bfloat16, torch.float16) and not constrained(batch) else None
         logits = logits.float()  # [N, V]
         raw_logits = logits
         if logits.is_cuda and temperature_only(batch) and self.fused:
@@ -255,7 +265,7 @@ class Sampler:
         else:
             logits = self.constrain(logits, batch)
             # [N] int64
-            token_ids = logits.argmax(dim=-1) if batch.all_greedy else self._sample(logits, batch)
+            token_ids = logits.argmax(dim=-1) if batch.all_greedy else self._sample(logits, batch, keys)
             checked = check_finite(raw_logits, token_ids)
         logprobs = ids = None
         if batch.max_num_logprobs is not None:
@@ -299,14 +309,15 @@ class Sampler:
         return logits
 
     @staticmethod
-    def _probs(logits: Tensor, batch: SamplingBatch) -> Tensor:
+    def _probs(logits: Tensor, batch: SamplingBatch, keys: Tensor | None = None) -> Tensor:
         """[N, V] unnormalised probabilities of the random rows (temperature, top-k, top-p,
-        min-p); greedy rows get temperature 1 (their value is not used)."""
+        min-p); greedy rows get temperature 1 (their value is not used). `keys`: see
+        `apply_top_k_top_p`."""
         assert batch.temperature is not None and batch.min_p is not None
         temperature = batch.temperature.masked_fill(batch.temperature == 0, 1.0).unsqueeze(1)  # [N, 1]
         scaled = logits / temperature  # [N, V]
         if batch.need_top_k_top_p:
-            scaled = apply_top_k_top_p(scaled, batch)
+            scaled = apply_top_k_top_p(scaled, batch, keys)
         probs = scaled.softmax(dim=-1)  # [N, V]
         if batch.need_min_p:
             floor = batch.min_p.unsqueeze(1) * probs.amax(dim=-1, keepdim=True)  # [N, 1]
@@ -314,8 +325,8 @@ class Sampler:
         return probs
 
     @classmethod
-    def _sample(cls, logits: Tensor, batch: SamplingBatch) -> Tensor:
-        probs = cls._probs(logits, batch)
+    def _sample(cls, logits: Tensor, batch: SamplingBatch, keys: Tensor | None = None) -> Tensor:
+        probs = cls._probs(logits, batch, keys)
         sampled = (probs / _exponential_noise(probs, batch)).argmax(dim=-1)  # [N]
         if batch.all_random:
             return sampled
