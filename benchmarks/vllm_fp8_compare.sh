@@ -19,6 +19,9 @@ if [ ! -d /tmp/vllm/vllm ]; then
 fi
 python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/pydeps .whl/*.whl || exit 1
 cp pagedserve/models/presets/qwen3-4b-instruct-2507.json /tmp/qwen3/config.json
+# the model's sampling defaults (temperature 0.7, top_k 20, top_p 0.8), which pagedserve's preset
+# applies: without them vLLM samples at temperature 1 alone, a cheaper step than top-k + top-p
+cp pagedserve/models/presets/qwen3-4b-instruct-2507.generation_config.json /tmp/qwen3/generation_config.json
 VLLM="env VLLM_USE_FLASHINFER_SAMPLER=0 PYTHONPATH=/tmp/vllm:/tmp/vsite python3 -m vllm.entrypoints.cli.main"
 PORT=8000
 wait_ready() { for _ in $(seq 400); do curl -sf http://127.0.0.1:$PORT/health > /dev/null && return 0; sleep 1; done; return 1; }
