@@ -93,8 +93,8 @@ def kernel_speed(quick: bool) -> None:
 @section
 def top_k_top_p(quick: bool) -> None:
     """One step's sampling with Qwen3's defaults (temperature 0.7, top_k 20, top_p 0.8), as the
-    engine calls it (eager), through the full sort and through the top-k window
-    (layers/top_k_top_p.py), against temperature alone (the fused kernel) and greedy. GPU ms
+    engine calls it (eager): the fused kernel (kernels/top_k_top_p_sampling.py), the torch
+    path's sort and top-k window (layers/top_k_top_p.py); temperature alone and greedy beside. GPU ms
     (triton's do_bench) and wall ms per call with the host's launches (synchronised)."""
     import time
 
@@ -104,13 +104,14 @@ def top_k_top_p(quick: bool) -> None:
     from pagedserve.layers.sampler import Sampler, SamplingBatch
     from pagedserve.sampling_params import SamplingParams
 
-    sampler, vocab = Sampler(), 151936
+    vocab = 151936
+    fused, unfused = Sampler(fused=True), Sampler(fused=False)
     qwen = dict(temperature=0.7, top_k=20, top_p=0.8)
-    # name: (sampling params, path: "sort" / "window" / None, logits dtype)
-    cases = {"qwen defaults, sort fp32": (qwen, "sort", torch.float32),
-             "qwen defaults, sort bf16 keys": (qwen, "sort", torch.bfloat16),
-             "qwen defaults, window fp32": (qwen, "window", torch.float32),
-             "qwen defaults, window bf16 keys": (qwen, "window", torch.bfloat16),
+    # name: (sampling params, torch path: "sort" / "window" / None = the fused kernels, logits dtype)
+    cases = {"qwen defaults, fused kernel": (qwen, None, torch.bfloat16),
+             "qwen defaults, torch sort fp32": (qwen, "sort", torch.float32),
+             "qwen defaults, torch sort bf16 keys": (qwen, "sort", torch.bfloat16),
+             "qwen defaults, torch window bf16 keys": (qwen, "window", torch.bfloat16),
              "temperature 0.7 (fused)": (dict(temperature=0.7), None, torch.bfloat16),
              "greedy": (dict(temperature=0.0), None, torch.bfloat16)}
     tkp.WINDOW_MIN_ROWS = 1  # (each case picks its path itself)
@@ -121,7 +122,8 @@ def top_k_top_p(quick: bool) -> None:
             params = [SamplingParams(**kw)] * n
             batch = SamplingBatch.build(params, [None] * n, [[]] * n, None, vocab, DEV, num_outputs=[0] * n)
             batch.top_p_within_top_k = batch.top_p_within_top_k and path == "window"
-            gpu_ms = triton.testing.do_bench(lambda b=batch, x=logits: sampler(x, b), return_mode="median")
+            sampler = unfused if path else fused
+            gpu_ms = triton.testing.do_bench(lambda b=batch, x=logits, f=sampler: f(x, b), return_mode="median")
             torch.cuda.synchronize()
             t0 = time.perf_counter()
             for _ in range(50):

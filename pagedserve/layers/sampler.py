@@ -210,6 +210,13 @@ def temperature_only(batch: SamplingBatch) -> bool:
                 or batch.allowed_token_mask is not None)
 
 
+def fused_top_k_top_p(batch: SamplingBatch) -> bool:
+    """Whether the top-k / top-p kernel samples this batch: some random row uses top-k or
+    top-p, and no row has constraints, min-p or a seed of its own."""
+    return (batch.need_top_k_top_p and not batch.all_greedy and not constrained(batch)
+            and not batch.need_min_p and not batch.seeded)
+
+
 def constrained(batch: SamplingBatch) -> bool:
     """Whether `Sampler.constrain` changes any logit (penalties, biases, bans, allowed ids or
     an allowed-token mask)."""
@@ -236,9 +243,11 @@ def check_finite(logits: Tensor, token_ids: Tensor) -> Tensor:
 class Sampler:
     """Samples one token per row from [N, V] logits with each row's own parameters.
 
-    Never modifies the logits in place (they may be a CUDA-graph output buffer). Batches
-    that only use temperatures run on one fused kernel on the GPU (`kernels/sampling.py`),
-    keyed by a seed drawn from torch's default generator at construction plus a step count.
+    Never modifies the logits in place (they may be a CUDA-graph output buffer). On the GPU,
+    batches that only use temperatures run on one fused kernel (`kernels/sampling.py`), and
+    batches with top-k or top-p but no constraints, min-p or seeds on another
+    (`kernels/top_k_top_p_sampling.py`); both are keyed by a seed drawn from torch's default
+    generator at construction plus a step count.
     """
 
     def __init__(self, fused: bool = True) -> None:
@@ -248,28 +257,39 @@ class Sampler:
 
     def __call__(self, logits: Tensor, batch: SamplingBatch) -> SamplerOutput:
         assert logits.shape == (batch.num_rows, batch.vocab_size), (logits.shape, batch.num_rows)
-        # the logits in their own dtype order the vocabulary as the scaled ones do when nothing
-        # constrains them: top-k / top-p sort or select those (bf16: half the bytes)
-        keys = logits if logits.dtype in (torch.bfloat16, torch.float16) and not constrained(batch) else None
-        logits = logits.float()  # [N, V]
-        raw_logits = logits
-        if logits.is_cuda and temperature_only(batch) and self.fused:
+        source = logits  # [N, V] in the model's dtype (the fused kernels read it as it is)
+        if logits.is_cuda and self.fused and fused_top_k_top_p(batch):
+            # one kernel: top-k, top-p, temperature and the race, no sort
+            from pagedserve.kernels.top_k_top_p_sampling import sample_top_k_top_p
+
+            assert batch.temperature is not None and batch.top_p is not None
+            self._fused_calls += 1
+            top_k = batch.top_k if batch.top_k is not None else torch.full_like(
+                batch.temperature, batch.vocab_size, dtype=torch.int64)
+            checked = torch.empty(batch.num_rows, dtype=torch.int64, device=logits.device)
+            token_ids = sample_top_k_top_p(source, batch.temperature, top_k, batch.top_p,
+                                           self._seed + self._fused_calls, checked=checked)
+        elif logits.is_cuda and temperature_only(batch) and self.fused:
             # one kernel: the Gumbel race (argmax for greedy rows) and the NaN/Inf check
             from pagedserve.kernels.sampling import sample_with_temperature
 
             assert batch.temperature is not None
             self._fused_calls += 1
             checked = torch.empty(batch.num_rows, dtype=torch.int64, device=logits.device)
-            token_ids = sample_with_temperature(logits, batch.temperature,
+            token_ids = sample_with_temperature(source, batch.temperature,
                                                 self._seed + self._fused_calls, checked=checked)
         else:
+            # bf16 / fp16 logits order the vocabulary as the scaled float32 ones do when nothing
+            # constrains them: top-k / top-p select or sort those (half the bytes)
+            keys = source if source.dtype in (torch.bfloat16, torch.float16) and not constrained(batch) else None
+            raw_logits = logits = source.float()  # [N, V]
             logits = self.constrain(logits, batch)
             # [N] int64
             token_ids = logits.argmax(dim=-1) if batch.all_greedy else self._sample(logits, batch, keys)
             checked = check_finite(raw_logits, token_ids)
         logprobs = ids = None
         if batch.max_num_logprobs is not None:
-            logprobs, ids = self.token_logprobs(raw_logits, token_ids, batch.max_num_logprobs)
+            logprobs, ids = self.token_logprobs(source.float(), token_ids, batch.max_num_logprobs)
         return SamplerOutput(token_ids=token_ids, checked_token_ids=checked, logprobs=logprobs,
                              logprob_token_ids=ids)
 
