@@ -30,7 +30,7 @@ import triton.language as tl
 
 from pagedserve.kernels._utils import check_dtype
 
-_BLOCK = 1024  # tokens per iteration
+_BLOCK = 512  # tokens per iteration
 _WAYS = 16  # thresholds per search pass
 
 
@@ -107,12 +107,12 @@ def _top_k_top_p_kernel(
         while lo < hi:
             step = (hi - lo + WAYS) // WAYS
             thr = lo + tl.arange(0, WAYS).to(tl.int64) * step  # [WAYS]
-            counts = tl.zeros([WAYS], tl.int64)
+            counts = tl.zeros([BLOCK, WAYS], tl.int32)  # (summed over lanes once, after the pass)
             for v0 in range(0, V, BLOCK):
                 x, ok = _load(row_ptr, v0 + lanes, V)
                 key = tl.where(ok, _keys(x, SHIFT), -(2**41))
-                counts += tl.sum((key[:, None] >= thr[None, :]).to(tl.int64), axis=0)
-            lo, hi = _narrow(lo, hi, counts, k, WAYS)
+                counts += (key[:, None] >= thr[None, :]).to(tl.int32)
+            lo, hi = _narrow(lo, hi, tl.sum(counts, axis=0).to(tl.int64), k, WAYS)
         tau = lo
         # 3. Z: the weight at or above tau
         z = tl.zeros([BLOCK], tl.float32)
@@ -130,13 +130,13 @@ def _top_k_top_p_kernel(
         while lo < hi:
             step = (hi - lo + WAYS) // WAYS
             thr = lo + tl.arange(0, WAYS).to(tl.int64) * step  # [WAYS]
-            mass = tl.zeros([WAYS], tl.float32)
+            mass = tl.zeros([BLOCK, WAYS], tl.float32)
             for v0 in range(0, V, BLOCK):
                 x, ok = _load(row_ptr, v0 + lanes, V)
                 key = tl.where(ok, _keys(x, SHIFT), -(2**41))
                 w = tl.where(ok & (key >= tau), tl.exp((x - top) * inv_t), 0.0)
-                mass += tl.sum(tl.where(key[:, None] >= thr[None, :], w[:, None], 0.0), axis=0)
-            lo, hi = _narrow(lo, hi, mass, target, WAYS)
+                mass += tl.where(key[:, None] >= thr[None, :], w[:, None], 0.0)
+            lo, hi = _narrow(lo, hi, tl.sum(mass, axis=0), target, WAYS)
         theta = lo
         # 5. the tokens tied at theta: how many, their weight, the weight above them
         ties = tl.zeros([BLOCK], tl.int32)
