@@ -105,7 +105,7 @@ def top_k_top_p(quick: bool) -> None:
     from pagedserve.sampling_params import SamplingParams
 
     vocab = 151936
-    fused, unfused = Sampler(fused=True), Sampler(fused=False)
+    fused, unfused = Sampler(fused=True, fused_top_k_top_p=True), Sampler(fused=False)
     qwen = dict(temperature=0.7, top_k=20, top_p=0.8)
     # name: (sampling params, torch path: "sort" / "window" / None = the fused kernels, logits dtype)
     cases = {"qwen defaults, fused kernel": (qwen, None, torch.bfloat16),

@@ -99,7 +99,7 @@ class Worker:
             from pagedserve.spec_decode.draft_model import DraftRunner
 
             drafter = DraftRunner(*draft, num_blocks, sched, config.speculative.num_speculative_tokens)
-        self.runner = ModelRunner(model, backend, spec, num_blocks, Sampler(fused=kernels.fused_sampling),
+        self.runner = ModelRunner(model, backend, spec, num_blocks, Sampler(kernels.fused_sampling, kernels.top_k_top_p_kernel),
                                   sched, config.speculative, drafter)
         self.num_blocks = num_blocks
 

@@ -245,20 +245,21 @@ class Sampler:
 
     Never modifies the logits in place (they may be a CUDA-graph output buffer). On the GPU,
     batches that only use temperatures run on one fused kernel (`kernels/sampling.py`), and
-    batches with top-k or top-p but no constraints, min-p or seeds on another
-    (`kernels/top_k_top_p_sampling.py`); both are keyed by a seed drawn from torch's default
+    with `fused_top_k_top_p`, batches with top-k or top-p but no constraints, min-p or seeds
+    on another (`kernels/top_k_top_p_sampling.py`); both are keyed by a seed drawn from torch's default
     generator at construction plus a step count.
     """
 
-    def __init__(self, fused: bool = True) -> None:
+    def __init__(self, fused: bool = True, fused_top_k_top_p: bool = False) -> None:
         self.fused = fused  # KernelConfig.fused_sampling
+        self.fused_top_k_top_p = fused and fused_top_k_top_p  # KernelConfig.top_k_top_p_kernel
         self._seed = int(torch.randint(2**31 - 1, (1,)).item())
         self._fused_calls = 0
 
     def __call__(self, logits: Tensor, batch: SamplingBatch) -> SamplerOutput:
         assert logits.shape == (batch.num_rows, batch.vocab_size), (logits.shape, batch.num_rows)
         source = logits  # [N, V] in the model's dtype (the fused kernels read it as it is)
-        if logits.is_cuda and self.fused and fused_top_k_top_p(batch):
+        if logits.is_cuda and self.fused_top_k_top_p and fused_top_k_top_p(batch):
             # one kernel: top-k, top-p, temperature and the race, no sort
             from pagedserve.kernels.top_k_top_p_sampling import sample_top_k_top_p
 

@@ -58,11 +58,11 @@ def test_sampler_takes_the_kernel(monkeypatch):
     logits = (torch.randn(8, VOCAB, device=DEV) * 3).bfloat16()
     params = [SamplingParams(temperature=0.7, top_k=20, top_p=0.8)] * 4 + [SamplingParams(temperature=0)] * 4
     batch = SamplingBatch.build(params, [None] * 8, [[]] * 8, [[]] * 8, VOCAB, DEV)
-    out = Sampler()(logits, batch)
+    out = Sampler(fused_top_k_top_p=True)(logits, batch)
     assert calls == [1]
     assert torch.equal(out.token_ids[4:], logits[4:].float().argmax(-1))
     top20 = logits[:4].float().topk(20, dim=-1).indices
     assert (out.token_ids[:4, None] == top20).any(-1).all()
     biased = [SamplingParams(temperature=0.7, top_k=20, logit_bias={5: 100.0})]
-    Sampler()(logits[:1], SamplingBatch.build(biased, [None], [[]], [[]], VOCAB, DEV))
+    Sampler(fused_top_k_top_p=True)(logits[:1], SamplingBatch.build(biased, [None], [[]], [[]], VOCAB, DEV))
     assert calls == [1]  # a constrained batch keeps the torch path
