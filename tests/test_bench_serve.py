@@ -385,8 +385,25 @@ def test_a_chunk_with_choices_is_output_even_without_text(first):
         def post(self, url, json):
             return Resp()
 
-    args = SimpleNamespace(temperature=0.0, ignore_eos=True, endpoint="completions")
+    args = SimpleNamespace(temperature=0.0, top_p=None, top_k=None, ignore_eos=True, endpoint="completions")
     rec = asyncio.run(send_one(Session(), "http://x", BenchRequest([1, 2, 3], 2), args, "m"))
     assert rec.ok and rec.output_tokens == 2
     assert 0.04 < rec.ttft < 0.2, rec.ttft  # the first chunk, not the first text (0.25 s)
     assert len(rec.chunk_times) == 2 and rec.itls[0] > 0.15
+
+
+def test_sampling_fields_are_sent_only_when_given():
+    """As vLLM's client: without --temperature / --top-p / --top-k the request carries none,
+    so the server's defaults (the model's generation_config) apply."""
+    import argparse
+
+    from pagedserve.bench.serve import BenchRequest, _body
+    from pagedserve.bench.serve_args import add_serve_bench_args
+
+    parser = argparse.ArgumentParser()
+    add_serve_bench_args(parser)
+    req = BenchRequest([1, 2, 3], 4)
+    _, plain = _body(req, parser.parse_args([]), "m")
+    assert not {"temperature", "top_p", "top_k"} & plain.keys()
+    _, given = _body(req, parser.parse_args(["--temperature", "0", "--top-p", "0.9", "--top-k", "5"]), "m")
+    assert (given["temperature"], given["top_p"], given["top_k"]) == (0.0, 0.9, 5)

@@ -75,8 +75,10 @@ def response_format(args) -> dict | None:
 
 def _body(req: BenchRequest, args, model: str) -> tuple[str, dict]:
     common = {"model": model, "max_tokens": req.output_len, "stream": True,
-              "stream_options": {"include_usage": True}, "temperature": args.temperature,
-              "ignore_eos": args.ignore_eos}
+              "stream_options": {"include_usage": True}, "ignore_eos": args.ignore_eos}
+    for field in ("temperature", "top_p", "top_k"):  # only those given (else: server defaults)
+        if getattr(args, field) is not None:
+            common[field] = getattr(args, field)
     fmt = response_format(args)
     if fmt is not None:
         common["response_format"] = fmt

@@ -121,7 +121,12 @@ def add_serve_bench_args(p: argparse.ArgumentParser) -> None:
                       help="run one level per value, e.g. 1,16,64,256")
     load.add_argument("--num-warmups", "--warmup", dest="warmup", type=types.non_negative_int,
                       default=2, help="requests sent first, not measured")
-    load.add_argument("--temperature", type=float, default=0.0)
+    # sampling fields go out only when given, as with vLLM's client: else the server's defaults
+    # apply (for most models their generation_config.json: e.g. Qwen3's top-k 20, top-p 0.8)
+    load.add_argument("--temperature", type=float, default=None,
+                      help="sent with every request (default: not sent; the server's default)")
+    load.add_argument("--top-p", type=float, default=None, help="sent when given")
+    load.add_argument("--top-k", type=int, default=None, help="sent when given")
     load.add_argument("--ignore-eos", action=argparse.BooleanOptionalAction, default=None,
                       help="ask the server to generate every output to its full length "
                            "(default: on for the random dataset, as vLLM does; off otherwise)")

@@ -78,7 +78,9 @@ def _measure(args, base_url: str, server_usage=None) -> dict:
         **args.metadata,
         "benchmark": "serve", "label": args.label or model, "base_url": base_url, "model": model,
         "endpoint": args.endpoint, "backend": args.backend, "date": time.strftime("%Y-%m-%d %H:%M:%S"),
-        "dataset": dataset, "ignore_eos": args.ignore_eos, "temperature": args.temperature,
+        "dataset": dataset, "ignore_eos": args.ignore_eos,
+        # None: not sent, the server's default applied
+        "temperature": args.temperature, "top_p": args.top_p, "top_k": args.top_k,
         "json_schema": args.json_schema, "unique_schemas": args.unique_schemas,
         # the server's number formats: as it reports them (pagedserve's model card), else read
         # from the --launch command, else not known here
