@@ -30,6 +30,6 @@ V --max-concurrency 1 --num-prompts 8 --seed 0
 V --max-concurrency 4 --num-prompts 32 --seed 0
 V --max-concurrency 4 --num-prompts 32 --seed 4
 echo "pagedserve bench serve --concurrency-sweep 1,4 --num-prompts-per-level 8,32 --seed 0"
-$PS bench serve --port "$PORT" --dataset random --input-len 256 --output-len 4 --ignore-eos --no-progress \
+$PS bench serve --port "$PORT" --dataset random --input-len 256 --output-len 4 --ignore-eos --no-progress --temperature 0 \
     --concurrency-sweep 1,4 --num-prompts-per-level 8,32 --warmup 0 2>&1 | grep -E "TTFT"
 hits

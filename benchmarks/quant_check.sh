@@ -52,7 +52,7 @@ if has serve; then
     python3 -m pagedserve.cli serve $MODEL $SERVE_FLAGS --port $PORT --log-level INFO > "$OUT/server.log" 2>&1 &
     SERVER=$!
     for _ in $(seq 400); do curl -sf http://127.0.0.1:$PORT/health > /dev/null && break; sleep 1; done
-    BENCH="python3 -m pagedserve.cli bench serve --base-url http://127.0.0.1:$PORT --no-progress --input-len 1024 --output-len 128"
+    BENCH="python3 -m pagedserve.cli bench serve --base-url http://127.0.0.1:$PORT --no-progress --temperature 0 --input-len 1024 --output-len 128"
     for c in ${CONCURRENCY:-1 16 64 256}; do
         n=$((c * 4 > 32 ? c * 4 : 32)); [ $c -ge 256 ] && n=512
         $BENCH --max-concurrency $c --num-prompts $n --warmup $((c < 8 ? 2 : 8)) --seed $((c + 3)) \

@@ -21,7 +21,7 @@ export PYTHONPATH="$PWD:/tmp/pydeps"
 MODEL="${MODEL:-qwen3-4b-instruct-2507}"
 PORT=8000
 SERVE="python3 -m pagedserve.cli serve $MODEL --load-format dummy --tokenizer .devtok --port $PORT --log-level WARNING ${SERVE_ARGS:-}"
-BENCH="python3 -m pagedserve.cli bench serve --base-url http://127.0.0.1:$PORT --no-progress"
+BENCH="python3 -m pagedserve.cli bench serve --base-url http://127.0.0.1:$PORT --no-progress --temperature 0"
 tag="$(echo "$MODEL" | cut -d- -f1)"
 
 run() {  # name, then bench flags

@@ -63,7 +63,7 @@ if has serve; then
             else dset="--dataset-name short --output-len 256"; fi
             $PS bench serve --launch "python3 -m pagedserve.cli serve --port 8011 $flags" --port 8011 \
                 --launch-log "$OUT/server_${spec}_$data.log" --backend openai-chat $dset \
-                --concurrency-sweep 1,16 --num-prompts-per-level 16,64 --no-progress \
+                --concurrency-sweep 1,16 --num-prompts-per-level 16,64 --no-progress --temperature 0 \
                 --save-result "$OUT/serve_${spec}_$data.json" > "$OUT/serve_${spec}_$data.log" 2>&1
         done
     done

@@ -29,7 +29,7 @@ for v in $VARIANTS; do
         server=$!
         for _ in $(seq 300); do curl -sf http://127.0.0.1:8000/health > /dev/null && break; sleep 1; done
         for c in ${CONCURRENCY:-16 64}; do
-            python3 -m pagedserve.cli bench serve --base-url http://127.0.0.1:8000 --no-progress --input-len "$IN" \
+            python3 -m pagedserve.cli bench serve --base-url http://127.0.0.1:8000 --no-progress --temperature 0 --input-len "$IN" \
                 --output-len "$OUTLEN" --max-concurrency $c --num-prompts $((c * 4)) --warmup 8 --seed $((c + 3)) \
                 --save-result "$OUT/p/serve_${v}_c$c.json" > "$OUT/p/serve_${v}_c$c.log" 2>&1
             python3 -c "import json,sys; r=json.load(open(sys.argv[1]))['runs'][0]; print('$v c$c out tok/s %.0f TTFT p50 %.1f TPOT p50 %.2f failed %d' % (r['output_throughput'], r['ttft_ms']['median'], r['tpot_ms']['median'], r['failed']))" "$OUT/p/serve_${v}_c$c.json" || tail -3 "$OUT/p/serve_${v}_c$c.log"

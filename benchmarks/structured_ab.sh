@@ -21,7 +21,7 @@ if [ "${SKIP_TESTS:-0}" != 1 ]; then
     tail -1 "$OUT/pytest.log"
 fi
 PORT=8000
-BENCH="python3 -m pagedserve.cli bench serve --base-url http://127.0.0.1:$PORT --no-progress --input-len 1024 --output-len 128 --max-concurrency 64 --warmup 8"
+BENCH="python3 -m pagedserve.cli bench serve --base-url http://127.0.0.1:$PORT --no-progress --temperature 0 --input-len 1024 --output-len 128 --max-concurrency 64 --warmup 8"
 read -r -a VARS <<< "${VARIANTS:-base=.cache/ab_old head=.}"
 ROUNDS="${ROUNDS:-2}"; PROMPTS="${PROMPTS:-512}"
 for round in $(seq "$ROUNDS"); do

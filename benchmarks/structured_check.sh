@@ -23,7 +23,7 @@ PAGEDSERVE_STEP_TIMES=200 python3 -m pagedserve.cli serve qwen3-4b-instruct-2507
     --port $PORT --log-level INFO --disable-log-requests > "$OUT/server.log" 2>&1 &
 SERVER=$!
 for _ in $(seq 300); do curl -sf http://127.0.0.1:$PORT/health > /dev/null && break; sleep 1; done
-BENCH="python3 -m pagedserve.cli bench serve --base-url http://127.0.0.1:$PORT --no-progress --input-len 1024 --output-len 128"
+BENCH="python3 -m pagedserve.cli bench serve --base-url http://127.0.0.1:$PORT --no-progress --temperature 0 --input-len 1024 --output-len 128"
 run() {  # name, then bench flags
     echo "=== $1 ==="
     local name="$1"; shift
