@@ -100,6 +100,7 @@ def top_k_top_p(quick: bool) -> None:
 
     import triton.testing
 
+    from pagedserve.kernels import top_k_top_p_sampling as kernel
     from pagedserve.layers import top_k_top_p as tkp
     from pagedserve.layers.sampler import Sampler, SamplingBatch
     from pagedserve.sampling_params import SamplingParams
@@ -114,7 +115,7 @@ def top_k_top_p(quick: bool) -> None:
              "qwen defaults, torch window bf16 keys": (qwen, "window", torch.bfloat16),
              "temperature 0.7 (fused)": (dict(temperature=0.7), None, torch.bfloat16),
              "greedy": (dict(temperature=0.0), None, torch.bfloat16)}
-    tkp.WINDOW_MIN_ROWS = 1  # (each case picks its path itself)
+    tkp.WINDOW_MIN_ROWS = kernel.MIN_ROWS = 1  # (each case picks its path itself)
     for n in (1, 16, 64, 256):
         base = torch.randn(n, vocab, device=DEV) * 3
         for name, (kw, path, dtype) in cases.items():

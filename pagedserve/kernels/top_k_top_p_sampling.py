@@ -30,18 +30,21 @@ import triton.language as tl
 
 from pagedserve.kernels._utils import check_dtype
 
+# Rows from which the Sampler takes this kernel (when switched on): one program per row, so a
+# small batch leaves most SMs idle where torch's sort spreads over them (to be measured)
+MIN_ROWS = 64
 _BLOCK = 512  # tokens per iteration
 _WAYS = 16  # thresholds per search pass
 
 
 @triton.jit
 def _keys(x, SHIFT: tl.constexpr):
-    """int64 keys in the order of the float32 values x (-0 counts as +0); SHIFT drops the
+    """int32 keys in the order of the float32 values x (-0 counts as +0); SHIFT drops the
     low bits a 16-bit input leaves zero, so that distinct inputs keep distinct keys."""
     x = x + 0.0
     bits = x.to(tl.int32, bitcast=True)
     key = bits ^ ((bits >> 31) & 0x7FFFFFFF)
-    return (key >> SHIFT).to(tl.int64)
+    return key >> SHIFT
 
 
 @triton.jit
@@ -49,6 +52,14 @@ def _load(row_ptr, ids, V):
     """float32 logits of tokens ids (-inf past the vocabulary) and the in-vocabulary mask."""
     ok = ids < V
     return tl.load(row_ptr + ids, mask=ok, other=float("-inf")).to(tl.float32), ok
+
+
+@triton.jit
+def _thresholds(lo, hi, WAYS: tl.constexpr):
+    """[WAYS] int32 thresholds lo + j * step over the open interval [lo, hi] (int64 scalars);
+    those past hi are clamped to it (_narrow ignores them)."""
+    step = (hi - lo + WAYS) // WAYS
+    return tl.minimum(lo + tl.arange(0, WAYS).to(tl.int64) * step, hi).to(tl.int32)
 
 
 @triton.jit
@@ -83,8 +94,8 @@ def _top_k_top_p_kernel(
     # 1. max value (and its first id), min / max key, NaN or Inf
     best = tl.full([BLOCK], float("-inf"), tl.float32)
     best_id = tl.zeros([BLOCK], tl.int32)
-    kmin = tl.full([BLOCK], 2**40, tl.int64)
-    kmax = tl.full([BLOCK], -(2**40), tl.int64)
+    kmin = tl.full([BLOCK], 2**31 - 1, tl.int32)
+    kmax = tl.full([BLOCK], -(2**31), tl.int32)
     bad = tl.zeros([BLOCK], tl.int32)
     for v0 in range(0, V, BLOCK):
         x, ok = _load(row_ptr, v0 + lanes, V)
@@ -102,18 +113,16 @@ def _top_k_top_p_kernel(
     if (t > 0.0) & (row_bad == 0):
         inv_t = 1.0 / t
         # 2. tau: the k-th largest key (count(key >= lo) >= k > count(key > hi))
-        lo = tl.min(kmin, axis=0)
-        hi = tl.max(kmax, axis=0)
+        lo = tl.min(kmin, axis=0).to(tl.int64)
+        hi = tl.max(kmax, axis=0).to(tl.int64)
         while lo < hi:
-            step = (hi - lo + WAYS) // WAYS
-            thr = lo + tl.arange(0, WAYS).to(tl.int64) * step  # [WAYS]
+            thr = _thresholds(lo, hi, WAYS)  # [WAYS]
             counts = tl.zeros([BLOCK, WAYS], tl.int32)  # (summed over lanes once, after the pass)
             for v0 in range(0, V, BLOCK):
                 x, ok = _load(row_ptr, v0 + lanes, V)
-                key = tl.where(ok, _keys(x, SHIFT), -(2**41))
-                counts += (key[:, None] >= thr[None, :]).to(tl.int32)
+                counts += ((_keys(x, SHIFT)[:, None] >= thr[None, :]) & ok[:, None]).to(tl.int32)
             lo, hi = _narrow(lo, hi, tl.sum(counts, axis=0).to(tl.int64), k, WAYS)
-        tau = lo
+        tau = lo.to(tl.int32)
         # 3. Z: the weight at or above tau
         z = tl.zeros([BLOCK], tl.float32)
         for v0 in range(0, V, BLOCK):
@@ -123,21 +132,20 @@ def _top_k_top_p_kernel(
         total = tl.sum(z, axis=0)
         # 4. theta: the largest key whose weight at or above reaches top_p x Z
         target = p * total
-        lo = tau
-        hi = tl.max(kmax, axis=0)
+        lo = tau.to(tl.int64)
+        hi = tl.max(kmax, axis=0).to(tl.int64)
         if p >= 1.0:
             hi = lo
         while lo < hi:
-            step = (hi - lo + WAYS) // WAYS
-            thr = lo + tl.arange(0, WAYS).to(tl.int64) * step  # [WAYS]
+            thr = _thresholds(lo, hi, WAYS)  # [WAYS]
             mass = tl.zeros([BLOCK, WAYS], tl.float32)
             for v0 in range(0, V, BLOCK):
                 x, ok = _load(row_ptr, v0 + lanes, V)
-                key = tl.where(ok, _keys(x, SHIFT), -(2**41))
+                key = _keys(x, SHIFT)
                 w = tl.where(ok & (key >= tau), tl.exp((x - top) * inv_t), 0.0)
                 mass += tl.where(key[:, None] >= thr[None, :], w[:, None], 0.0)
             lo, hi = _narrow(lo, hi, tl.sum(mass, axis=0), target, WAYS)
-        theta = lo
+        theta = lo.to(tl.int32)
         # 5. the tokens tied at theta: how many, their weight, the weight above them
         ties = tl.zeros([BLOCK], tl.int32)
         above = tl.zeros([BLOCK], tl.float32)

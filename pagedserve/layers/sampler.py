@@ -212,9 +212,12 @@ def temperature_only(batch: SamplingBatch) -> bool:
 
 def fused_top_k_top_p(batch: SamplingBatch) -> bool:
     """Whether the top-k / top-p kernel samples this batch: some random row uses top-k or
-    top-p, and no row has constraints, min-p or a seed of its own."""
+    top-p, no row has constraints, min-p or a seed of its own, and the batch has at least
+    the kernel's MIN_ROWS rows."""
+    from pagedserve.kernels.top_k_top_p_sampling import MIN_ROWS
+
     return (batch.need_top_k_top_p and not batch.all_greedy and not constrained(batch)
-            and not batch.need_min_p and not batch.seeded)
+            and not batch.need_min_p and not batch.seeded and batch.num_rows >= MIN_ROWS)
 
 
 def constrained(batch: SamplingBatch) -> bool:

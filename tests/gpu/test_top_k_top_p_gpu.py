@@ -51,6 +51,7 @@ def test_sampler_takes_the_kernel(monkeypatch):
     from pagedserve.layers.sampler import Sampler, SamplingBatch
     from pagedserve.sampling_params import SamplingParams
 
+    monkeypatch.setattr(top_k_top_p_sampling, "MIN_ROWS", 8)
     calls = []
     real = top_k_top_p_sampling.sample_top_k_top_p
     monkeypatch.setattr(top_k_top_p_sampling, "sample_top_k_top_p",
