@@ -221,7 +221,7 @@ class KernelConfig:
     mixed_graph_tokens: int = 2048  # largest prefill/mixed step replayed from a CUDA graph (0 = none)
     plan_cache_dir: str | None = None  # where the matmul plans of earlier start-ups are kept (None = nowhere)
     # long-context prefill chunks of eager steps on torch's fused attention (CUDA, 16-bit;
-    # attention/long_prefill.py): "cudnn" (measured fastest: 1.85x the Triton extend kernel on
+    # attention/long_prefill.py): "cudnn" (measured fastest: 1.83x the Triton extend kernel on
     # a 250,000-token prompt), "flash", "math" or "off" (the Triton extend kernel)
     long_prefill: str = "cudnn"
 
