@@ -204,10 +204,8 @@ def temperature_only(batch: SamplingBatch) -> bool:
     """Whether every random row of `batch` samples with a temperature alone, from the default
     generator: no penalties, biases, bans, top-k, top-p, min-p or seed (the fused kernel's
     case)."""
-    return not (batch.all_greedy or batch.need_penalties or batch.bias is not None
-                or batch.ban_rows is not None or batch.allowed is not None
-                or batch.need_top_k_top_p or batch.need_min_p or batch.seeded
-                or batch.allowed_token_mask is not None)
+    return not (batch.all_greedy or constrained(batch) or batch.need_top_k_top_p
+                or batch.need_min_p or batch.seeded)
 
 
 def fused_top_k_top_p(batch: SamplingBatch) -> bool:

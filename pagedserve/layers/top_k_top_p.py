@@ -80,7 +80,6 @@ def _window(logits: Tensor, batch: SamplingBatch, keys: Tensor) -> Tensor:
     """Top-k then top-p from the max_top_k largest logits of each row. Every row with
     top_p < 1 has an active top_k (batch.top_p_within_top_k); rows without one keep all."""
     assert batch.top_k is not None
-    n, vocab = logits.shape
     width = batch.max_top_k
     keep_all = (batch.top_k >= batch.vocab_size).unsqueeze(1)  # [N, 1]
     k = batch.top_k.clamp(max=width).unsqueeze(1)  # [N, 1]
@@ -108,5 +107,4 @@ def _window(logits: Tensor, batch: SamplingBatch, keys: Tensor) -> Tensor:
     keep = torch.zeros_like(tied).scatter_(1, ids, keep_window)  # [N, V]
     keep |= tied_outside & (rank <= num_extra)
     keep |= keep_all
-    assert keep.shape == (n, vocab)
     return logits.masked_fill(~keep, float("-inf"))
