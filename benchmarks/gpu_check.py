@@ -92,15 +92,14 @@ def kernel_speed(quick: bool) -> None:
 
 @section
 def top_k_top_p(quick: bool) -> None:
-    """One step's sampling with Qwen3's defaults (temperature 0.7, top_k 20, top_p 0.8), as the
-    engine calls it (eager): the fused kernel (kernels/top_k_top_p_sampling.py), the torch
+    """One step's sampling with Qwen3's defaults (temperature 0.7, top_k 20, top_p 0.8) and a
+    wide top-k, as the engine calls it (eager): the fused kernel (kernels/top_k_top_p_sampling.py), the torch
     path's sort and top-k window (layers/top_k_top_p.py); temperature alone and greedy beside. GPU ms
     (triton's do_bench) and wall ms per call with the host's launches (synchronised)."""
     import time
 
     import triton.testing
 
-    from pagedserve.kernels import top_k_top_p_sampling as kernel
     from pagedserve.layers import top_k_top_p as tkp
     from pagedserve.layers.sampler import Sampler, SamplingBatch
     from pagedserve.sampling_params import SamplingParams
@@ -108,14 +107,17 @@ def top_k_top_p(quick: bool) -> None:
     vocab = 151936
     fused, unfused = Sampler(fused=True, fused_top_k_top_p=True), Sampler(fused=False)
     qwen = dict(temperature=0.7, top_k=20, top_p=0.8)
+    wide = dict(temperature=1.0, top_k=1000, top_p=0.95)  # the candidate list nearly full
     # name: (sampling params, torch path: "sort" / "window" / None = the fused kernels, logits dtype)
     cases = {"qwen defaults, fused kernel": (qwen, None, torch.bfloat16),
              "qwen defaults, torch sort fp32": (qwen, "sort", torch.float32),
              "qwen defaults, torch sort bf16 keys": (qwen, "sort", torch.bfloat16),
              "qwen defaults, torch window bf16 keys": (qwen, "window", torch.bfloat16),
+             "top_k 1000 top_p 0.95, fused kernel": (wide, None, torch.bfloat16),
+             "top_k 1000 top_p 0.95, torch sort bf16 keys": (wide, "sort", torch.bfloat16),
              "temperature 0.7 (fused)": (dict(temperature=0.7), None, torch.bfloat16),
              "greedy": (dict(temperature=0.0), None, torch.bfloat16)}
-    tkp.WINDOW_MIN_ROWS = kernel.MIN_ROWS = 1  # (each case picks its path itself)
+    tkp.WINDOW_MIN_ROWS = 1  # (each case picks its path itself)
     for n in (1, 16, 64, 256):
         base = torch.randn(n, vocab, device=DEV) * 3
         for name, (kw, path, dtype) in cases.items():

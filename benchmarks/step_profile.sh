@@ -6,9 +6,11 @@
 # table) with a step trace ($PAGEDSERVE_STEP_TRACE), summed up by benchmarks/step_trace_summary.py:
 # busy time by step kind (decode only, decode + prefill, prefill only) and a fit of step time
 # against its make-up. Variants: bf16, fp8 (--quantization fp8), fp8kv (fp8 + --kv-cache-dtype
-# fp8). EXTRA passes more engine flags to all. MODE=serve instead starts `pagedserve serve`
-# per variant and measures it with `pagedserve bench serve` (IN / OUTLEN tokens) at each level
-# of CONCURRENCY (default "16 64"), the trace cut into one segment per level.
+# fp8); a trailing "k" (bf16k, fp8k) also switches on the top-k / top-p sampling kernel
+# ($PAGEDSERVE_TOP_K_TOP_P_KERNEL=1). EXTRA passes more engine flags to all. MODE=serve instead
+# starts `pagedserve serve` per variant and measures it with `pagedserve bench serve` (IN /
+# OUTLEN tokens) at each level of CONCURRENCY (default "16 64"), the trace cut into one segment
+# per level; greedy, or the model's sampling defaults with SAMPLING=defaults.
 # Results: $OUT/step_profile.tgz.
 set -uo pipefail
 OUT="${OUT:-step_profile_results}"
@@ -18,8 +20,12 @@ mkdir -p "$OUT/p"
 python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/pydeps .whl/*.whl 2>/dev/null || exit 1
 export PYTHONPATH="$PWD:/tmp/pydeps" PS_TOKENIZER="$PWD/.devtok"
 nvidia-smi --query-gpu=name --format=csv,noheader | tee "$OUT/p/gpu.txt"
+sampling="--temperature 0"
+[ "${SAMPLING:-greedy}" = defaults ] && sampling=""
 for v in $VARIANTS; do
-    case $v in
+    export PAGEDSERVE_TOP_K_TOP_P_KERNEL=0
+    case $v in *k) export PAGEDSERVE_TOP_K_TOP_P_KERNEL=1 ;; esac
+    case ${v%k} in
     bf16) flags="" ;; fp8) flags="--quantization fp8" ;; fp8kv) flags="--quantization fp8 --kv-cache-dtype fp8" ;;
     *) echo "unknown variant $v"; continue ;;
     esac
@@ -29,7 +35,7 @@ for v in $VARIANTS; do
         server=$!
         for _ in $(seq 300); do curl -sf http://127.0.0.1:8000/health > /dev/null && break; sleep 1; done
         for c in ${CONCURRENCY:-16 64}; do
-            python3 -m pagedserve.cli bench serve --base-url http://127.0.0.1:8000 --no-progress --temperature 0 --input-len "$IN" \
+            python3 -m pagedserve.cli bench serve --base-url http://127.0.0.1:8000 --no-progress $sampling --input-len "$IN" \
                 --output-len "$OUTLEN" --max-concurrency $c --num-prompts $((c * 4)) --warmup 8 --seed $((c + 3)) \
                 --save-result "$OUT/p/serve_${v}_c$c.json" > "$OUT/p/serve_${v}_c$c.log" 2>&1
             python3 -c "import json,sys; r=json.load(open(sys.argv[1]))['runs'][0]; print('$v c$c out tok/s %.0f TTFT p50 %.1f TPOT p50 %.2f failed %d' % (r['output_throughput'], r['ttft_ms']['median'], r['tpot_ms']['median'], r['failed']))" "$OUT/p/serve_${v}_c$c.json" || tail -3 "$OUT/p/serve_${v}_c$c.log"

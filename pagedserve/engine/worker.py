@@ -199,7 +199,7 @@ class Worker:
         """Kernel variants no warm-up step reaches: the attention backend's eager variants
         (e.g. every split-KV count of the Triton decode kernel: measured on the H200, each
         first use otherwise stalls a serving step by about half a second) and the fused
-        temperature sampler (the warm-up's requests are greedy)."""
+        samplers (the warm-up's requests are greedy), on logits in the model's dtype."""
         if not self.cuda:
             return
         runner, backend = self.runner, self.runner.backend
@@ -214,8 +214,14 @@ class Worker:
             from pagedserve.kernels.sampling import sample_with_temperature
 
             for rows in sorted({1, max_num_seqs}):
-                logits = torch.zeros(rows, self.model_config.vocab_size, device=self.device)
-                sample_with_temperature(logits, torch.ones(rows, device=self.device), seed=1)
+                logits = torch.zeros(rows, self.model_config.vocab_size, device=self.device, dtype=self.dtype)
+                ones = torch.ones(rows, device=self.device)
+                sample_with_temperature(logits, ones, seed=1)
+                if runner.sampler.fused_top_k_top_p and self.dtype == torch.bfloat16:
+                    from pagedserve.kernels.top_k_top_p_sampling import sample_top_k_top_p
+
+                    sample_top_k_top_p(logits, ones, torch.ones(rows, device=self.device, dtype=torch.int64),
+                                       ones, seed=1)
 
     def report_late_compiles(self) -> None:
         """From now on, log every Triton kernel variant first launched (a warm-up gap)."""

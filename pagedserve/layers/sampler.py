@@ -73,6 +73,8 @@ class SamplingBatch:
     allowed_token_mask: Tensor | None = None
     # every row with top_p < 1 also has a top_k (top_k_top_p.py then needs no sort)
     top_p_within_top_k: bool = False
+    # every random row has a top_k (the top-k / top-p kernel's case)
+    top_k_on_random_rows: bool = False
 
     @property
     def need_top_k_top_p(self) -> bool:
@@ -105,7 +107,7 @@ class SamplingBatch:
         need_penalties = any(p.uses_penalties for p in params)
         need_rep = need_penalties and any(p.repetition_penalty != 1.0 for p in params)
         temperature = top_p = top_k = min_p = rep = pres = freq = None
-        need_top_k = need_top_p = need_min_p = top_p_within_top_k = False
+        need_top_k = need_top_p = need_min_p = top_p_within_top_k = top_k_on_random_rows = False
         max_top_k = vocab_size
         if not all_greedy or need_penalties:
             rows = [scalar_row(p, g, vocab_size) for p, g in zip(params, greedy, strict=True)]
@@ -117,6 +119,7 @@ class SamplingBatch:
             need_top_k = bool(active_k)
             need_top_p = any(r[1] < 1.0 for r in rows)
             top_p_within_top_k = all(r[2] < vocab_size for r in rows if r[1] < 1.0)
+            top_k_on_random_rows = all(r[2] < vocab_size for r, g in zip(rows, greedy, strict=True) if not g)
             need_min_p = any(r[3] > 0.0 for r in rows)
             if need_top_k:
                 top_k, max_top_k = k_col.long(), int(max(active_k))
@@ -148,7 +151,7 @@ class SamplingBatch:
             any_unseeded_random=len(seeded) < n - sum(greedy),
             need_top_k=need_top_k, need_top_p=need_top_p, need_min_p=need_min_p,
             need_penalties=need_penalties, bias=bias, allowed=allowed,
-            top_p_within_top_k=top_p_within_top_k,
+            top_p_within_top_k=top_p_within_top_k, top_k_on_random_rows=top_k_on_random_rows,
         )
 
 
@@ -209,13 +212,13 @@ def temperature_only(batch: SamplingBatch) -> bool:
 
 
 def fused_top_k_top_p(batch: SamplingBatch) -> bool:
-    """Whether the top-k / top-p kernel samples this batch: some random row uses top-k or
-    top-p, no row has constraints, min-p or a seed of its own, and the batch has at least
-    the kernel's MIN_ROWS rows."""
-    from pagedserve.kernels.top_k_top_p_sampling import MIN_ROWS
+    """Whether the top-k / top-p kernel can sample this batch: every random row has a top_k of
+    at most the kernel's CAP, and no row has constraints, min-p or a seed of its own."""
+    from pagedserve.kernels.top_k_top_p_sampling import CAP
 
-    return (batch.need_top_k_top_p and not batch.all_greedy and not constrained(batch)
-            and not batch.need_min_p and not batch.seeded and batch.num_rows >= MIN_ROWS)
+    return (batch.need_top_k and not batch.all_greedy and batch.top_k_on_random_rows
+            and batch.max_top_k <= CAP and not constrained(batch) and not batch.need_min_p
+            and not batch.seeded)
 
 
 def constrained(batch: SamplingBatch) -> bool:
@@ -260,16 +263,15 @@ class Sampler:
     def __call__(self, logits: Tensor, batch: SamplingBatch) -> SamplerOutput:
         assert logits.shape == (batch.num_rows, batch.vocab_size), (logits.shape, batch.num_rows)
         source = logits  # [N, V] in the model's dtype (the fused kernels read it as it is)
-        if logits.is_cuda and self.fused_top_k_top_p and fused_top_k_top_p(batch):
-            # one kernel: top-k, top-p, temperature and the race, no sort
+        if (logits.is_cuda and logits.dtype == torch.bfloat16 and self.fused_top_k_top_p
+                and fused_top_k_top_p(batch)):
+            # a radix select instead of a sort: top-k, top-p, temperature and the race
             from pagedserve.kernels.top_k_top_p_sampling import sample_top_k_top_p
 
-            assert batch.temperature is not None and batch.top_p is not None
+            assert batch.temperature is not None and batch.top_p is not None and batch.top_k is not None
             self._fused_calls += 1
-            top_k = batch.top_k if batch.top_k is not None else torch.full_like(
-                batch.temperature, batch.vocab_size, dtype=torch.int64)
             checked = torch.empty(batch.num_rows, dtype=torch.int64, device=logits.device)
-            token_ids = sample_top_k_top_p(source, batch.temperature, top_k, batch.top_p,
+            token_ids = sample_top_k_top_p(source, batch.temperature, batch.top_k, batch.top_p,
                                            self._seed + self._fused_calls, checked=checked)
         elif logits.is_cuda and temperature_only(batch) and self.fused:
             # one kernel: the Gumbel race (argmax for greedy rows) and the NaN/Inf check

@@ -1,6 +1,7 @@
 """The top-k + top-p sampling kernel on the GPU (kernels/top_k_top_p_sampling.py), at Qwen3's
-vocabulary in bf16: its draws follow the torch path's distribution, and the Sampler takes it
-for unconstrained batches with top-k or top-p (run: `python3 -m pytest tests/gpu -q`)."""
+vocabulary in bf16: its draws follow the torch path's distribution (also with many tied
+logits, compared value by value), and the Sampler takes it for unconstrained batches whose
+random rows all have a top-k (run: `python3 -m pytest tests/gpu -q`)."""
 
 from __future__ import annotations
 
@@ -26,19 +27,18 @@ def reference(row, temperature, top_k, top_p):
     return top_k_top_p._sorted(scaled, batch, row.unsqueeze(0)).softmax(-1)[0].double().cpu()
 
 
-@pytest.mark.parametrize("temperature,top_k,top_p", [(0.7, 20, 0.8), (1.0, 0, 0.9), (1.2, 50, 1.0)])
-def test_draws_follow_the_torch_distribution(temperature, top_k, top_p):
+def draws(row, n, temperature, top_k, top_p):
+    """[n] tokens from n copies of `row`, in two launches of n / 2 rows."""
     from pagedserve.kernels.top_k_top_p_sampling import sample_top_k_top_p
 
-    torch.manual_seed(1)
-    row = (torch.randn(VOCAB, device=DEV) * 3).bfloat16()
-    n = 16384
-    tokens = torch.cat([sample_top_k_top_p(
-        row.expand(n // 2, VOCAB).contiguous(), torch.full((n // 2,), temperature, device=DEV),
-        torch.full((n // 2,), top_k or VOCAB, device=DEV, dtype=torch.int64),
-        torch.full((n // 2,), top_p, device=DEV), seed) for seed in (3, 4)])
-    freq = torch.bincount(tokens, minlength=VOCAB).double().cpu() / n
-    probs = reference(row, temperature, top_k, top_p)
+    half = n // 2
+    return torch.cat([sample_top_k_top_p(
+        row.expand(half, VOCAB).contiguous(), torch.full((half,), temperature, device=DEV),
+        torch.full((half,), top_k, device=DEV, dtype=torch.int64),
+        torch.full((half,), top_p, device=DEV), seed) for seed in (3, 4)])
+
+
+def assert_fits(freq, probs, n):
     assert freq[probs == 0].sum() == 0, "sampled a token outside the nucleus"
     keep = probs > 0
     chi2 = (n * (freq[keep] - probs[keep]) ** 2 / probs[keep]).sum().item()
@@ -46,24 +46,54 @@ def test_draws_follow_the_torch_distribution(temperature, top_k, top_p):
     assert chi2 < df + 6 * math.sqrt(2 * df) + 10, (chi2, df)
 
 
+@pytest.mark.parametrize("temperature,top_k,top_p", [(0.7, 20, 0.8), (1.0, 1024, 0.9), (1.2, 50, 1.0)])
+def test_draws_follow_the_torch_distribution(temperature, top_k, top_p):
+    torch.manual_seed(1)
+    row = (torch.randn(VOCAB, device=DEV) * 3).bfloat16()
+    n = 16384
+    freq = torch.bincount(draws(row, n, temperature, top_k, top_p), minlength=VOCAB).double().cpu() / n
+    assert_fits(freq, reference(row, temperature, top_k, top_p), n)
+
+
+@pytest.mark.parametrize("top_k,top_p", [(20, 0.8), (40, 1.0)])
+def test_tied_logits_value_by_value(top_k, top_p):
+    """Logits rounded to steps of 0.5: hundreds of tokens share each value, so ties straddle
+    the k-th logit (and overflow the candidate list) and the top-p cut. Which tied tokens a cut
+    keeps is unspecified, so the mass per logit value is compared."""
+    torch.manual_seed(2)
+    row = ((torch.randn(VOCAB, device=DEV) * 2).round() / 2).bfloat16()
+    n = 16384
+    tokens = draws(row, n, 1.0, top_k, top_p)
+    probs = reference(row, 1.0, top_k, top_p)
+    values, group = torch.unique(row.float().cpu(), return_inverse=True)
+    freq = torch.zeros(len(values), dtype=torch.float64).index_add_(
+        0, group[tokens.cpu()], torch.full((n,), 1.0 / n, dtype=torch.float64))
+    expected = torch.zeros(len(values), dtype=torch.float64).index_add_(0, group, probs)
+    assert_fits(freq, expected, n)
+
+
 def test_sampler_takes_the_kernel(monkeypatch):
     from pagedserve.kernels import top_k_top_p_sampling
     from pagedserve.layers.sampler import Sampler, SamplingBatch
     from pagedserve.sampling_params import SamplingParams
 
-    monkeypatch.setattr(top_k_top_p_sampling, "MIN_ROWS", 8)
     calls = []
     real = top_k_top_p_sampling.sample_top_k_top_p
     monkeypatch.setattr(top_k_top_p_sampling, "sample_top_k_top_p",
                         lambda *a, **k: calls.append(1) or real(*a, **k))
     logits = (torch.randn(8, VOCAB, device=DEV) * 3).bfloat16()
-    params = [SamplingParams(temperature=0.7, top_k=20, top_p=0.8)] * 4 + [SamplingParams(temperature=0)] * 4
-    batch = SamplingBatch.build(params, [None] * 8, [[]] * 8, [[]] * 8, VOCAB, DEV)
-    out = Sampler(fused_top_k_top_p=True)(logits, batch)
+
+    def sample(params, rows=logits):
+        n = len(params)
+        return Sampler(fused_top_k_top_p=True)(rows[:n], SamplingBatch.build(
+            params, [None] * n, [[]] * n, [[]] * n, VOCAB, DEV))
+
+    out = sample([SamplingParams(temperature=0.7, top_k=20, top_p=0.8)] * 4 + [SamplingParams(temperature=0)] * 4)
     assert calls == [1]
     assert torch.equal(out.token_ids[4:], logits[4:].float().argmax(-1))
     top20 = logits[:4].float().topk(20, dim=-1).indices
     assert (out.token_ids[:4, None] == top20).any(-1).all()
-    biased = [SamplingParams(temperature=0.7, top_k=20, logit_bias={5: 100.0})]
-    Sampler(fused_top_k_top_p=True)(logits[:1], SamplingBatch.build(biased, [None], [[]], [[]], VOCAB, DEV))
-    assert calls == [1]  # a constrained batch keeps the torch path
+    sample([SamplingParams(temperature=0.7, top_k=20, logit_bias={5: 100.0})])  # constrained
+    sample([SamplingParams(temperature=0.7, top_k=20), SamplingParams(temperature=0.7, top_p=0.9)])  # no top_k
+    sample([SamplingParams(temperature=0.7, top_k=2000)])  # past the candidate list
+    assert calls == [1]  # those keep the torch path
