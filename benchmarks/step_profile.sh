@@ -6,8 +6,8 @@
 # table) with a step trace ($PAGEDSERVE_STEP_TRACE), summed up by benchmarks/step_trace_summary.py:
 # busy time by step kind (decode only, decode + prefill, prefill only) and a fit of step time
 # against its make-up. Variants: bf16, fp8 (--quantization fp8), fp8kv (fp8 + --kv-cache-dtype
-# fp8); a trailing "k" (bf16k, fp8k) also switches on the top-k / top-p sampling kernel
-# ($PAGEDSERVE_TOP_K_TOP_P_KERNEL=1). EXTRA passes more engine flags to all. MODE=serve instead
+# fp8); a trailing "t" (bf16t, fp8t) samples top-k / top-p with torch instead of the kernel
+# ($PAGEDSERVE_TOP_K_TOP_P_KERNEL=0). EXTRA passes more engine flags to all. MODE=serve instead
 # starts `pagedserve serve` per variant and measures it with `pagedserve bench serve` (IN /
 # OUTLEN tokens) at each level of CONCURRENCY (default "16 64"), the trace cut into one segment
 # per level; greedy, or the model's sampling defaults with SAMPLING=defaults.
@@ -23,9 +23,9 @@ nvidia-smi --query-gpu=name --format=csv,noheader | tee "$OUT/p/gpu.txt"
 sampling="--temperature 0"
 [ "${SAMPLING:-greedy}" = defaults ] && sampling=""
 for v in $VARIANTS; do
-    export PAGEDSERVE_TOP_K_TOP_P_KERNEL=0
-    case $v in *k) export PAGEDSERVE_TOP_K_TOP_P_KERNEL=1 ;; esac
-    case ${v%k} in
+    export PAGEDSERVE_TOP_K_TOP_P_KERNEL=1
+    case $v in *t) export PAGEDSERVE_TOP_K_TOP_P_KERNEL=0 ;; esac
+    case ${v%t} in
     bf16) flags="" ;; fp8) flags="--quantization fp8" ;; fp8kv) flags="--quantization fp8 --kv-cache-dtype fp8" ;;
     *) echo "unknown variant $v"; continue ;;
     esac

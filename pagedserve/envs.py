@@ -38,8 +38,8 @@ def kernel_config() -> KernelConfig:
     """The engine's kernel switches (each default is the measured winner; 0 turns one off):
     $PAGEDSERVE_SKINNY_MATMUL (time the skinny Triton matmul against cuBLAS per weight shape
     at start-up), $PAGEDSERVE_PDL (programmatic dependent launch), $PAGEDSERVE_FUSED_SAMPLING
-    (one Triton kernel samples temperature-only batches), $PAGEDSERVE_TOP_K_TOP_P_KERNEL=1
-    (another samples top-k / top-p batches; off by default), $PAGEDSERVE_WEIGHT_PREFETCH (L2
+    (one Triton kernel samples temperature-only batches), $PAGEDSERVE_TOP_K_TOP_P_KERNEL
+    (another samples batches whose random rows all have a top-k), $PAGEDSERVE_WEIGHT_PREFETCH (L2
     weight prefetch beside small decode graphs on Hopper), $PAGEDSERVE_COMPILE_AHEAD (compile
     each start-up phase's Triton kernels in parallel first), and $PAGEDSERVE_MIXED_GRAPH_TOKENS
     (the largest prefill/mixed step replayed from a CUDA graph, default 2048; 0 = decode only);
@@ -52,7 +52,7 @@ def kernel_config() -> KernelConfig:
     return KernelConfig(
         skinny_matmul=_flag("PAGEDSERVE_SKINNY_MATMUL"), pdl=_flag("PAGEDSERVE_PDL"),
         fused_sampling=_flag("PAGEDSERVE_FUSED_SAMPLING"),
-        top_k_top_p_kernel=(os.environ.get("PAGEDSERVE_TOP_K_TOP_P_KERNEL") or "0") != "0",
+        top_k_top_p_kernel=(os.environ.get("PAGEDSERVE_TOP_K_TOP_P_KERNEL") or "1") != "0",
         weight_prefetch=_flag("PAGEDSERVE_WEIGHT_PREFETCH"),
         compile_ahead=_flag("PAGEDSERVE_COMPILE_AHEAD"),
         mixed_graph_tokens=int(os.environ.get("PAGEDSERVE_MIXED_GRAPH_TOKENS") or 2048),

@@ -106,13 +106,13 @@ def test_bf16_keys_keep_the_same_tokens(path):
 
 
 def test_kernel_switch(monkeypatch):
-    """The top-k / top-p kernel is off unless $PAGEDSERVE_TOP_K_TOP_P_KERNEL=1 (and then only
-    where fused sampling is on)."""
+    """The top-k / top-p kernel is on unless $PAGEDSERVE_TOP_K_TOP_P_KERNEL=0 (and only where
+    fused sampling is on)."""
     from pagedserve import envs
     from pagedserve.layers.sampler import Sampler
 
     monkeypatch.delenv("PAGEDSERVE_TOP_K_TOP_P_KERNEL", raising=False)
-    assert envs.kernel_config().top_k_top_p_kernel is False
-    monkeypatch.setenv("PAGEDSERVE_TOP_K_TOP_P_KERNEL", "1")
     assert envs.kernel_config().top_k_top_p_kernel is True
+    monkeypatch.setenv("PAGEDSERVE_TOP_K_TOP_P_KERNEL", "0")
+    assert envs.kernel_config().top_k_top_p_kernel is False
     assert Sampler(True, True).fused_top_k_top_p and not Sampler(False, True).fused_top_k_top_p

@@ -42,12 +42,14 @@ class LMHead(ParamAttrsModule):
         return self.weight if tied is None else tied.weight
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """hidden [N, hidden] -> float32 logits [N, vocab] (a plain method: no module-call cost)."""
+        """hidden [N, hidden] -> logits [N, vocab] in the weights' dtype (a plain method: no
+        module-call cost). bf16 logits stay bf16: the samplers read them as they are, and a
+        float32 copy would cost a pass over [N, vocab] each step."""
         if self.packed_weight is not None:
-            logits = packed_linear(hidden, self.packed_weight).float()
+            logits = packed_linear(hidden, self.packed_weight)
         else:
             tied = self.tied_to
-            logits = matmul(hidden, self.weight if tied is None else tied.weight, self.skinny_plan).float()
+            logits = matmul(hidden, self.weight if tied is None else tied.weight, self.skinny_plan)
         return self.tp.all_gather(logits)  # [N, vocab / size] -> [N, vocab]
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:

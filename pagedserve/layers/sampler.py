@@ -254,7 +254,7 @@ class Sampler:
     generator at construction plus a step count.
     """
 
-    def __init__(self, fused: bool = True, fused_top_k_top_p: bool = False) -> None:
+    def __init__(self, fused: bool = True, fused_top_k_top_p: bool = True) -> None:
         self.fused = fused  # KernelConfig.fused_sampling
         self.fused_top_k_top_p = fused and fused_top_k_top_p  # KernelConfig.top_k_top_p_kernel
         self._seed = int(torch.randint(2**31 - 1, (1,)).item())

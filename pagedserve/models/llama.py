@@ -146,7 +146,8 @@ class LlamaForCausalLM(nn.Module):
     """Llama-family decoder over a flattened token batch.
 
     forward(input_ids [T], positions [T], attn) -> hidden states [T, hidden];
-    compute_logits(hidden [N, hidden]) -> float32 logits [N, vocab].
+    compute_logits(hidden [N, hidden]) -> logits [N, vocab] in the model's dtype (float32 with
+    a logit softcap).
     `linear_method` sets the weight format of every decoder projection (default: unquantized).
     `tp`: this process's place among tensor-parallel ranks (`distributed/tensor_parallel.py`;
     each holds its share of the heads, features and vocabulary, the logits come out whole).
@@ -218,9 +219,9 @@ class LlamaForCausalLM(nn.Module):
         return self.lm_head.logits_weight()
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        logits = self.lm_head.logits(hidden)  # [N, hidden] -> float32 [N, vocab]
+        logits = self.lm_head.logits(hidden)  # [N, hidden] -> [N, vocab], the model's dtype
         cap = self.config.final_logit_softcapping
-        return logits if not cap else torch.tanh(logits / cap) * cap
+        return logits if not cap else torch.tanh(logits.float() / cap) * cap  # (float32)
 
     # ---- weight loading -------------------------------------------------------------
 

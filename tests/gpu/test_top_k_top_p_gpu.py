@@ -1,7 +1,9 @@
 """The top-k + top-p sampling kernel on the GPU (kernels/top_k_top_p_sampling.py), at Qwen3's
-vocabulary in bf16: its draws follow the torch path's distribution (also with many tied
-logits, compared value by value), and the Sampler takes it for unconstrained batches whose
-random rows all have a top-k (run: `python3 -m pytest tests/gpu -q`)."""
+vocabulary in bf16: its draws follow the torch path's distribution, and the Sampler takes it
+for unconstrained batches whose random rows all have a top-k (run: `python3 -m pytest tests/gpu
+-q`). bf16 logits tie often, and which of the tokens tied at the top-p cut are kept is
+unspecified (torch's sort keeps some, the kernel draws each with a share), so the mass is
+compared per logit value; a row of distinct values checks single tokens."""
 
 from __future__ import annotations
 
@@ -38,8 +40,17 @@ def draws(row, n, temperature, top_k, top_p):
         torch.full((half,), top_p, device=DEV), seed) for seed in (3, 4)])
 
 
+def assert_fits_by_value(row, tokens, probs):
+    """The draws' mass per distinct logit value of `row` against the reference's."""
+    n = len(tokens)
+    values, group = torch.unique(row.float().cpu(), return_inverse=True)
+    freq = torch.zeros(len(values), dtype=torch.float64).index_add_(
+        0, group[tokens.cpu()], torch.full((n,), 1.0 / n, dtype=torch.float64))
+    assert_fits(freq, torch.zeros(len(values), dtype=torch.float64).index_add_(0, group, probs), n)
+
+
 def assert_fits(freq, probs, n):
-    assert freq[probs == 0].sum() == 0, "sampled a token outside the nucleus"
+    assert freq[probs == 0].sum() == 0, "sampled outside the nucleus"
     keep = probs > 0
     chi2 = (n * (freq[keep] - probs[keep]) ** 2 / probs[keep]).sum().item()
     df = int(keep.sum()) - 1
@@ -50,9 +61,21 @@ def assert_fits(freq, probs, n):
 def test_draws_follow_the_torch_distribution(temperature, top_k, top_p):
     torch.manual_seed(1)
     row = (torch.randn(VOCAB, device=DEV) * 3).bfloat16()
+    assert_fits_by_value(row, draws(row, 16384, temperature, top_k, top_p),
+                         reference(row, temperature, top_k, top_p))
+
+
+@pytest.mark.parametrize("top_k,top_p", [(20, 0.8), (300, 0.95)])
+def test_distinct_logits_token_by_token(top_k, top_p):
+    """500 tokens at random ids hold 500 consecutive bf16 values (1.0 up to about 15), the rest
+    -10: no ties among the tokens that can be drawn, so each is checked on its own."""
+    torch.manual_seed(3)
+    row = torch.full((VOCAB,), -10.0, device=DEV).bfloat16()
+    bits = torch.arange(0x3F80, 0x3F80 + 500, dtype=torch.int16, device=DEV)  # 1.0 = 0x3F80
+    row[torch.randperm(VOCAB, device=DEV)[:500]] = bits.view(torch.bfloat16)
     n = 16384
-    freq = torch.bincount(draws(row, n, temperature, top_k, top_p), minlength=VOCAB).double().cpu() / n
-    assert_fits(freq, reference(row, temperature, top_k, top_p), n)
+    freq = torch.bincount(draws(row, n, 1.0, top_k, top_p), minlength=VOCAB).double().cpu() / n
+    assert_fits(freq, reference(row, 1.0, top_k, top_p), n)
 
 
 @pytest.mark.parametrize("top_k,top_p", [(20, 0.8), (40, 1.0)])
@@ -62,14 +85,7 @@ def test_tied_logits_value_by_value(top_k, top_p):
     keeps is unspecified, so the mass per logit value is compared."""
     torch.manual_seed(2)
     row = ((torch.randn(VOCAB, device=DEV) * 2).round() / 2).bfloat16()
-    n = 16384
-    tokens = draws(row, n, 1.0, top_k, top_p)
-    probs = reference(row, 1.0, top_k, top_p)
-    values, group = torch.unique(row.float().cpu(), return_inverse=True)
-    freq = torch.zeros(len(values), dtype=torch.float64).index_add_(
-        0, group[tokens.cpu()], torch.full((n,), 1.0 / n, dtype=torch.float64))
-    expected = torch.zeros(len(values), dtype=torch.float64).index_add_(0, group, probs)
-    assert_fits(freq, expected, n)
+    assert_fits_by_value(row, draws(row, 16384, 1.0, top_k, top_p), reference(row, 1.0, top_k, top_p))
 
 
 def test_sampler_takes_the_kernel(monkeypatch):
