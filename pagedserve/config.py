@@ -213,7 +213,7 @@ class KernelConfig:
     pdl: bool = True  # programmatic dependent launch of the Triton kernels (compute capability 9.0+)
     fused_sampling: bool = True  # temperature-only batches sampled by one Triton kernel
     # batches whose random rows all have a top-k (<= 1,024) sampled by the Triton radix select
-    # (kernels/top_k_top_p_sampling.py; H100: 3-7x faster than torch's sort, docs/performance.md)
+    # (kernels/top_k_top_p_sampling.py; H100: 2-6x faster than torch's sort or top-k window)
     top_k_top_p_kernel: bool = True
     weight_prefetch: bool = True  # L2 weight prefetch beside decode graphs of up to 16 rows (Hopper)
     compile_ahead: bool = True  # rehearse each CUDA start-up phase with Triton compiles in parallel

@@ -55,9 +55,10 @@ def _keys(x):
 
 
 @triton.jit
-def _row_k(TEMP, TOP_K, row):
-    """The row's k: its top_k, or 1 for a greedy row (its k-th largest is the max)."""
-    return tl.where(tl.load(TEMP + row) == 0.0, 1, tl.load(TOP_K + row).to(tl.int32))
+def _row_k(TEMP, TOP_K, row, V, CAP: tl.constexpr):
+    """The row's k: its top_k in [1, min(V, CAP)], or 1 for a greedy row (the max)."""
+    k = tl.minimum(tl.maximum(tl.load(TOP_K + row), 1), tl.minimum(V, CAP)).to(tl.int32)
+    return tl.where(tl.load(TEMP + row) == 0.0, 1, k)
 
 
 @triton.jit
@@ -91,13 +92,13 @@ def _high_kernel(LOGITS, stride_l, SCRATCH, V, per_prog, BLOCK: tl.constexpr, WI
 
 @triton.jit
 def _low_kernel(LOGITS, stride_l, TEMP, TOP_K, SCRATCH, V, per_prog, BLOCK: tl.constexpr,
-                WIDTH: tl.constexpr):
+                WIDTH: tl.constexpr, CAP: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     start = tl.program_id(1) * per_prog
     end = tl.minimum(V, start + per_prog)
     lanes, bins = tl.arange(0, BLOCK), tl.arange(0, 256)
     base = SCRATCH + row * WIDTH
-    high, _ = _pick(tl.load(base + bins), _row_k(TEMP, TOP_K, row))
+    high, _ = _pick(tl.load(base + bins), _row_k(TEMP, TOP_K, row, V, CAP))
     hist = tl.zeros([256], tl.int32)
     for v0 in range(start, end, BLOCK):
         ok = v0 + lanes < end
@@ -118,7 +119,7 @@ def _gather_kernel(LOGITS, stride_l, TEMP, TOP_K, SCRATCH, CAND_X, CAND_ID, V, p
     end = tl.minimum(V, start + per_prog)
     lanes, bins = tl.arange(0, BLOCK), tl.arange(0, 256)
     base = SCRATCH + row * WIDTH
-    k = _row_k(TEMP, TOP_K, row)
+    k = _row_k(TEMP, TOP_K, row, V, CAP)
     high, above_high = _pick(tl.load(base + bins), k)
     low_hist = tl.load(base + 256 + bins)
     low, above_low = _pick(low_hist, k - above_high)
@@ -263,13 +264,13 @@ def sample_top_k_top_p(logits: torch.Tensor, temperature: torch.Tensor, top_k: t
     cand_x = torch.empty(n, CAP, dtype=torch.float32, device=logits.device)
     cand_id = torch.empty(n, CAP, dtype=torch.int32, device=logits.device)
     temperature, top_p = temperature.contiguous(), top_p.contiguous()
-    top_k = top_k.clamp(1, min(vocab, CAP)).contiguous()
+    top_k = top_k.contiguous()
     blocks = triton.cdiv(vocab, _BLOCK)
     per_prog = triton.cdiv(blocks, min(blocks, triton.cdiv(_TARGET_PROGRAMS, n))) * _BLOCK
     grid = (n, triton.cdiv(vocab, per_prog))
     common = dict(BLOCK=_BLOCK, WIDTH=_WIDTH)
     _high_kernel[grid](logits, logits.stride(0), scratch, vocab, per_prog, BAD=_BAD, **common)
-    _low_kernel[grid](logits, logits.stride(0), temperature, top_k, scratch, vocab, per_prog, **common)
+    _low_kernel[grid](logits, logits.stride(0), temperature, top_k, scratch, vocab, per_prog, CAP=CAP, **common)
     _gather_kernel[grid](logits, logits.stride(0), temperature, top_k, scratch, cand_x, cand_id, vocab,
                          per_prog, CAP=CAP, ABOVE_SLOTS=_ABOVE_SLOTS, TIE_SLOTS=_TIE_SLOTS, TAU=_TAU,
                          NUM_ABOVE=_NUM_ABOVE, NUM_TIES=_NUM_TIES, **common)

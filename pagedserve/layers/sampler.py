@@ -249,9 +249,9 @@ class Sampler:
 
     Never modifies the logits in place (they may be a CUDA-graph output buffer). On the GPU,
     batches that only use temperatures run on one fused kernel (`kernels/sampling.py`), and
-    with `fused_top_k_top_p`, batches with top-k or top-p but no constraints, min-p or seeds
-    on another (`kernels/top_k_top_p_sampling.py`); both are keyed by a seed drawn from torch's default
-    generator at construction plus a step count.
+    with `fused_top_k_top_p`, bf16 batches whose random rows all have a top-k (and no
+    constraints, min-p or seeds) on a radix select (`kernels/top_k_top_p_sampling.py`); both
+    are keyed by a seed drawn from torch's default generator at construction plus a step count.
     """
 
     def __init__(self, fused: bool = True, fused_top_k_top_p: bool = True) -> None:
