@@ -62,6 +62,13 @@ def _row_k(TEMP, TOP_K, row, V, CAP: tl.constexpr):
 
 
 @triton.jit
+def _segment(V, per_prog):
+    """(row, first token, end) of this program's share of its row (grid: rows x segments)."""
+    start = tl.program_id(1) * per_prog
+    return tl.program_id(0).to(tl.int64), start, tl.minimum(V, start + per_prog)
+
+
+@triton.jit
 def _pick(hist, k):
     """(bin, count above it): the bin of [256] counts (ascending keys) holding the k-th largest."""
     bins = tl.arange(0, 256)
@@ -73,9 +80,7 @@ def _pick(hist, k):
 @triton.jit
 def _high_kernel(LOGITS, stride_l, SCRATCH, V, per_prog, BLOCK: tl.constexpr, WIDTH: tl.constexpr,
                  BAD: tl.constexpr):
-    row = tl.program_id(0).to(tl.int64)
-    start = tl.program_id(1) * per_prog
-    end = tl.minimum(V, start + per_prog)
+    row, start, end = _segment(V, per_prog)
     lanes, bins = tl.arange(0, BLOCK), tl.arange(0, 256)
     hist = tl.zeros([256], tl.int32)
     bad = tl.zeros([BLOCK], tl.int32)
@@ -93,9 +98,7 @@ def _high_kernel(LOGITS, stride_l, SCRATCH, V, per_prog, BLOCK: tl.constexpr, WI
 @triton.jit
 def _low_kernel(LOGITS, stride_l, TEMP, TOP_K, SCRATCH, V, per_prog, BLOCK: tl.constexpr,
                 WIDTH: tl.constexpr, CAP: tl.constexpr):
-    row = tl.program_id(0).to(tl.int64)
-    start = tl.program_id(1) * per_prog
-    end = tl.minimum(V, start + per_prog)
+    row, start, end = _segment(V, per_prog)
     lanes, bins = tl.arange(0, BLOCK), tl.arange(0, 256)
     base = SCRATCH + row * WIDTH
     high, _ = _pick(tl.load(base + bins), _row_k(TEMP, TOP_K, row, V, CAP))
@@ -114,9 +117,7 @@ def _gather_kernel(LOGITS, stride_l, TEMP, TOP_K, SCRATCH, CAND_X, CAND_ID, V, p
                    BLOCK: tl.constexpr, WIDTH: tl.constexpr, CAP: tl.constexpr,
                    ABOVE_SLOTS: tl.constexpr, TIE_SLOTS: tl.constexpr, TAU: tl.constexpr,
                    NUM_ABOVE: tl.constexpr, NUM_TIES: tl.constexpr):
-    row = tl.program_id(0).to(tl.int64)
-    start = tl.program_id(1) * per_prog
-    end = tl.minimum(V, start + per_prog)
+    row, start, end = _segment(V, per_prog)
     lanes, bins = tl.arange(0, BLOCK), tl.arange(0, 256)
     base = SCRATCH + row * WIDTH
     k = _row_k(TEMP, TOP_K, row, V, CAP)
