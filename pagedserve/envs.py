@@ -52,7 +52,7 @@ def kernel_config() -> KernelConfig:
     return KernelConfig(
         skinny_matmul=_flag("PAGEDSERVE_SKINNY_MATMUL"), pdl=_flag("PAGEDSERVE_PDL"),
         fused_sampling=_flag("PAGEDSERVE_FUSED_SAMPLING"),
-        top_k_top_p_kernel=(os.environ.get("PAGEDSERVE_TOP_K_TOP_P_KERNEL") or "1") != "0",
+        top_k_top_p_kernel=_flag("PAGEDSERVE_TOP_K_TOP_P_KERNEL"),
         weight_prefetch=_flag("PAGEDSERVE_WEIGHT_PREFETCH"),
         compile_ahead=_flag("PAGEDSERVE_COMPILE_AHEAD"),
         mixed_graph_tokens=int(os.environ.get("PAGEDSERVE_MIXED_GRAPH_TOKENS") or 2048),

@@ -43,8 +43,14 @@ CAP = 1024  # candidates per row: the largest top_k this kernel serves
 _BLOCK = 2048  # tokens per iteration of the histogram and gather passes
 _CHUNK = 16  # candidates compared with all others at a time (the top-p cut)
 _TARGET_PROGRAMS = 512  # programs per pass over a batch (a few per SM): sets the row split
-_WIDTH = 520  # int32 scratch per row: two histograms, then the counters below
-_BAD, _ABOVE_SLOTS, _TIE_SLOTS, _TAU, _NUM_ABOVE, _NUM_TIES = 512, 513, 514, 515, 516, 517
+# int32 scratch per row: the two histograms [0, 512), then these counters
+_WIDTH: tl.constexpr = tl.constexpr(520)
+_BAD: tl.constexpr = tl.constexpr(512)  # NaN / Inf seen
+_ABOVE_SLOTS: tl.constexpr = tl.constexpr(513)  # candidate slots taken by tokens above tau
+_TIE_SLOTS: tl.constexpr = tl.constexpr(514)  # and by tokens tied at it
+_TAU: tl.constexpr = tl.constexpr(515)  # the k-th largest key
+_NUM_ABOVE: tl.constexpr = tl.constexpr(516)  # tokens above it
+_NUM_TIES: tl.constexpr = tl.constexpr(517)  # tokens tied at it
 
 
 @triton.jit
@@ -78,8 +84,7 @@ def _pick(hist, k):
 
 
 @triton.jit
-def _high_kernel(LOGITS, stride_l, SCRATCH, V, per_prog, BLOCK: tl.constexpr, WIDTH: tl.constexpr,
-                 BAD: tl.constexpr):
+def _high_kernel(LOGITS, stride_l, SCRATCH, V, per_prog, BLOCK: tl.constexpr):
     row, start, end = _segment(V, per_prog)
     lanes, bins = tl.arange(0, BLOCK), tl.arange(0, 256)
     hist = tl.zeros([256], tl.int32)
@@ -90,17 +95,17 @@ def _high_kernel(LOGITS, stride_l, SCRATCH, V, per_prog, BLOCK: tl.constexpr, WI
         bad = bad | (ok & ((x != x) | (tl.abs(x) == float("inf")))).to(tl.int32)
         hist += tl.histogram(tl.where(ok, _keys(x) >> 8, 0), 256)
         hist -= tl.where(bins == 0, BLOCK - tl.sum(ok.to(tl.int32), axis=0), 0)  # the padding
-    base = SCRATCH + row * WIDTH
+    base = SCRATCH + row * _WIDTH
     tl.atomic_add(base + bins, hist)
-    tl.atomic_max(base + BAD, tl.max(bad, axis=0))
+    tl.atomic_max(base + _BAD, tl.max(bad, axis=0))
 
 
 @triton.jit
 def _low_kernel(LOGITS, stride_l, TEMP, TOP_K, SCRATCH, V, per_prog, BLOCK: tl.constexpr,
-                WIDTH: tl.constexpr, CAP: tl.constexpr):
+                CAP: tl.constexpr):
     row, start, end = _segment(V, per_prog)
     lanes, bins = tl.arange(0, BLOCK), tl.arange(0, 256)
-    base = SCRATCH + row * WIDTH
+    base = SCRATCH + row * _WIDTH
     high, _ = _pick(tl.load(base + bins), _row_k(TEMP, TOP_K, row, V, CAP))
     hist = tl.zeros([256], tl.int32)
     for v0 in range(start, end, BLOCK):
@@ -114,12 +119,10 @@ def _low_kernel(LOGITS, stride_l, TEMP, TOP_K, SCRATCH, V, per_prog, BLOCK: tl.c
 
 @triton.jit
 def _gather_kernel(LOGITS, stride_l, TEMP, TOP_K, SCRATCH, CAND_X, CAND_ID, V, per_prog,
-                   BLOCK: tl.constexpr, WIDTH: tl.constexpr, CAP: tl.constexpr,
-                   ABOVE_SLOTS: tl.constexpr, TIE_SLOTS: tl.constexpr, TAU: tl.constexpr,
-                   NUM_ABOVE: tl.constexpr, NUM_TIES: tl.constexpr):
+                   BLOCK: tl.constexpr, CAP: tl.constexpr):
     row, start, end = _segment(V, per_prog)
     lanes, bins = tl.arange(0, BLOCK), tl.arange(0, 256)
-    base = SCRATCH + row * WIDTH
+    base = SCRATCH + row * _WIDTH
     k = _row_k(TEMP, TOP_K, row, V, CAP)
     high, above_high = _pick(tl.load(base + bins), k)
     low_hist = tl.load(base + 256 + bins)
@@ -127,9 +130,9 @@ def _gather_kernel(LOGITS, stride_l, TEMP, TOP_K, SCRATCH, CAND_X, CAND_ID, V, p
     tau = high * 256 + low
     num_above = above_high + above_low  # < k
     if tl.program_id(1) == 0:
-        tl.store(base + TAU, tau)
-        tl.store(base + NUM_ABOVE, num_above)
-        tl.store(base + NUM_TIES, tl.sum(tl.where(bins == low, low_hist, 0), axis=0))
+        tl.store(base + _TAU, tau)
+        tl.store(base + _NUM_ABOVE, num_above)
+        tl.store(base + _NUM_TIES, tl.sum(tl.where(bins == low, low_hist, 0), axis=0))
     for v0 in range(start, end, BLOCK):
         ids = v0 + lanes
         ok = ids < end
@@ -138,8 +141,8 @@ def _gather_kernel(LOGITS, stride_l, TEMP, TOP_K, SCRATCH, CAND_X, CAND_ID, V, p
         above = (ok & (key > tau)).to(tl.int32)
         tie = (ok & (key == tau)).to(tl.int32)
         # slots: those above tau from 0 (all fit: fewer than k <= CAP), ties from num_above on
-        first_above = tl.atomic_add(base + ABOVE_SLOTS, tl.sum(above, axis=0))
-        first_tie = num_above + tl.atomic_add(base + TIE_SLOTS, tl.sum(tie, axis=0))
+        first_above = tl.atomic_add(base + _ABOVE_SLOTS, tl.sum(above, axis=0))
+        first_tie = num_above + tl.atomic_add(base + _TIE_SLOTS, tl.sum(tie, axis=0))
         slot = tl.where(above != 0, first_above + tl.cumsum(above, axis=0),
                         first_tie + tl.cumsum(tie, axis=0)) - 1
         keep = ((above | tie) != 0) & (slot < CAP)
@@ -165,17 +168,15 @@ def _nth_tie(row_ptr, V, tau, j, BLOCK: tl.constexpr):
 
 @triton.jit(do_not_specialize=["seed"])
 def _finish_kernel(LOGITS, stride_l, TEMP, TOP_P, SCRATCH, CAND_X, CAND_ID, OUT, CHECKED,
-                   V, num_rows, seed, WIDTH: tl.constexpr, CAP: tl.constexpr, BAD: tl.constexpr,
-                   TAU: tl.constexpr, NUM_ABOVE: tl.constexpr, NUM_TIES: tl.constexpr,
-                   BLOCK: tl.constexpr, CHUNK: tl.constexpr):
+                   V, num_rows, seed, CAP: tl.constexpr, BLOCK: tl.constexpr, CHUNK: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
-    base = SCRATCH + row * WIDTH
+    base = SCRATCH + row * _WIDTH
     t = tl.load(TEMP + row)
     p = tl.load(TOP_P + row)
-    bad = tl.load(base + BAD)
-    tau = tl.load(base + TAU)
-    num_above = tl.load(base + NUM_ABOVE)
-    num_ties = tl.load(base + NUM_TIES)
+    bad = tl.load(base + _BAD)
+    tau = tl.load(base + _TAU)
+    num_above = tl.load(base + _NUM_ABOVE)
+    num_ties = tl.load(base + _NUM_TIES)
     overflow = num_above + num_ties > CAP  # some tokens tied at tau are not candidates
     lanes = tl.arange(0, CAP)
     stored = tl.minimum(num_above + num_ties, CAP)
@@ -261,7 +262,7 @@ def sample_top_k_top_p(logits: torch.Tensor, temperature: torch.Tensor, top_k: t
         return out
     if logits.stride(-1) != 1:
         logits = logits.contiguous()
-    scratch = torch.zeros(n, _WIDTH, dtype=torch.int32, device=logits.device)
+    scratch = torch.zeros(n, _WIDTH.value, dtype=torch.int32, device=logits.device)
     cand_x = torch.empty(n, CAP, dtype=torch.float32, device=logits.device)
     cand_id = torch.empty(n, CAP, dtype=torch.int32, device=logits.device)
     temperature, top_p = temperature.contiguous(), top_p.contiguous()
@@ -269,13 +270,11 @@ def sample_top_k_top_p(logits: torch.Tensor, temperature: torch.Tensor, top_k: t
     blocks = triton.cdiv(vocab, _BLOCK)
     per_prog = triton.cdiv(blocks, min(blocks, triton.cdiv(_TARGET_PROGRAMS, n))) * _BLOCK
     grid = (n, triton.cdiv(vocab, per_prog))
-    common = dict(BLOCK=_BLOCK, WIDTH=_WIDTH)
-    _high_kernel[grid](logits, logits.stride(0), scratch, vocab, per_prog, BAD=_BAD, **common)
-    _low_kernel[grid](logits, logits.stride(0), temperature, top_k, scratch, vocab, per_prog, CAP=CAP, **common)
+    _high_kernel[grid](logits, logits.stride(0), scratch, vocab, per_prog, BLOCK=_BLOCK)
+    _low_kernel[grid](logits, logits.stride(0), temperature, top_k, scratch, vocab, per_prog,
+                      BLOCK=_BLOCK, CAP=CAP)
     _gather_kernel[grid](logits, logits.stride(0), temperature, top_k, scratch, cand_x, cand_id, vocab,
-                         per_prog, CAP=CAP, ABOVE_SLOTS=_ABOVE_SLOTS, TIE_SLOTS=_TIE_SLOTS, TAU=_TAU,
-                         NUM_ABOVE=_NUM_ABOVE, NUM_TIES=_NUM_TIES, **common)
+                         per_prog, BLOCK=_BLOCK, CAP=CAP)
     _finish_kernel[(n,)](logits, logits.stride(0), temperature, top_p, scratch, cand_x, cand_id, out,
-                         checked, vocab, n, seed % (2**31), WIDTH=_WIDTH, CAP=CAP, BAD=_BAD, TAU=_TAU,
-                         NUM_ABOVE=_NUM_ABOVE, NUM_TIES=_NUM_TIES, BLOCK=_BLOCK, CHUNK=_CHUNK, num_warps=8)
+                         checked, vocab, n, seed % (2**31), CAP=CAP, BLOCK=_BLOCK, CHUNK=_CHUNK, num_warps=8)
     return out
