@@ -35,6 +35,20 @@ bench() {  # engine name, served model id
         grep -E "Output token throughput|Median TTFT|Median TPOT|Failed" "$OUT/$1_c$c.log" | tr '\n' ' '; echo " <- $1 c$c"
     done
 }
+report() {  # the table so far, and every file in one archive (a cut-off call still returns both)
+python3 - "$OUT" <<'PY'
+import json, os, sys
+print(f"{'engine':<15} {'c':>4} {'out tok/s':>10} {'TTFT p50':>9} {'TPOT p50':>9} {'failed':>6}")
+for engine in ("pagedserve", "pagedserve_kv8", "vllm", "pagedserve_bf16", "vllm_bf16"):
+    for c in (1, 16, 64, 256):
+        path = os.path.join(sys.argv[1], f"{engine}_c{c}.json")
+        if os.path.exists(path):
+            r = json.load(open(path))
+            print(f"{engine:<15} {c:>4} {r['output_throughput']:>10.0f} {r['median_ttft_ms']:>9.1f} "
+                  f"{r['median_tpot_ms']:>9.2f} {r.get('failed', 0):>6}")
+PY
+tar -C "$OUT" -czf "$OUT/compare.tgz" --exclude compare.tgz .
+}
 for engine in $ENGINES; do
     t0=$(date +%s)
     q="--quantization fp8"; [[ $engine == *_bf16 ]] && q=""
@@ -53,16 +67,6 @@ for engine in $ENGINES; do
     id=$(curl -s http://127.0.0.1:$PORT/v1/models | python3 -c "import json,sys; print(json.load(sys.stdin)['data'][0]['id'])")
     bench $engine "$id"
     kill -TERM $SERVER; wait $SERVER; sleep 3
+    report > "$OUT/table.txt"
 done
-python3 - "$OUT" <<'PY'
-import json, os, sys
-print(f"{'engine':<15} {'c':>4} {'out tok/s':>10} {'TTFT p50':>9} {'TPOT p50':>9} {'failed':>6}")
-for engine in ("pagedserve", "pagedserve_kv8", "vllm", "pagedserve_bf16", "vllm_bf16"):
-    for c in (1, 16, 64, 256):
-        path = os.path.join(sys.argv[1], f"{engine}_c{c}.json")
-        if os.path.exists(path):
-            r = json.load(open(path))
-            print(f"{engine:<15} {c:>4} {r['output_throughput']:>10.0f} {r['median_ttft_ms']:>9.1f} "
-                  f"{r['median_tpot_ms']:>9.2f} {r.get('failed', 0):>6}")
-PY
-tar -C "$OUT" -czf "$OUT/compare.tgz" --exclude compare.tgz .
+cat "$OUT/table.txt"
