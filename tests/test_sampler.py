@@ -60,6 +60,24 @@ def test_all_greedy_build_creates_no_tensors():
     assert mixed.prompt_token_ids is None and mixed.output_token_ids is None
 
 
+@pytest.mark.parametrize("n", [1, 2, 3, 5, 16, 17])
+def test_scalar_columns_are_contiguous_and_16_byte_aligned(device, n):
+    """Triton compiles a kernel variant per pointer alignment: every per-row scalar a kernel
+    reads must start 16 bytes aligned whatever the batch size, or a new batch size compiles
+    the sampling kernel again mid-serving (a single row's top_p once did)."""
+    params = [SamplingParams(temperature=0.7, top_k=20, top_p=0.8, min_p=0.1, repetition_penalty=1.1,
+                             presence_penalty=0.5, frequency_penalty=0.2, seed=None) for _ in range(n)]
+    batch = make_batch(params, device, 50)
+    cols = {"temperature": (batch.temperature, 0.7), "top_p": (batch.top_p, 0.8), "min_p": (batch.min_p, 0.1),
+            "repetition_penalty": (batch.repetition_penalty, 1.1),
+            "presence_penalty": (batch.presence_penalty, 0.5), "frequency_penalty": (batch.frequency_penalty, 0.2)}
+    for name, (col, value) in cols.items():
+        assert col.shape == (n,) and col.is_contiguous() and col.stride() == (1,), name
+        assert col.data_ptr() % 16 == 0, name
+        assert torch.allclose(col.cpu(), torch.full((n,), value)), name
+    assert batch.top_k.tolist() == [20] * n
+
+
 @pytest.mark.parametrize("kw", [dict(top_k=1), dict(top_p=1e-6), dict(min_p=1.0),
                                 dict(top_k=3, top_p=1e-6), dict(min_p=1.0, top_k=5)])
 def test_narrowing_to_one_token_equals_greedy(device, kw):

@@ -166,7 +166,8 @@ def _nth_tie(row_ptr, V, tau, j, BLOCK: tl.constexpr):
     return found
 
 
-@triton.jit(do_not_specialize=["seed"])
+# the seed changes every call, the row count often: neither may compile a variant of its own
+@triton.jit(do_not_specialize=["seed", "num_rows"])
 def _finish_kernel(LOGITS, stride_l, TEMP, TOP_P, SCRATCH, CAND_X, CAND_ID, OUT, CHECKED,
                    V, num_rows, seed, CAP: tl.constexpr, BLOCK: tl.constexpr, CHUNK: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)

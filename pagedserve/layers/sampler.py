@@ -27,6 +27,7 @@ from pagedserve.layers.sampling_tables import (
     bias_table,
     pad_tokens,
     scalar_row,
+    scalar_table,
 )
 from pagedserve.layers.top_k_top_p import apply_top_k_top_p
 from pagedserve.sampling_params import SamplingParams
@@ -111,10 +112,8 @@ class SamplingBatch:
         max_top_k = vocab_size
         if not all_greedy or need_penalties:
             rows = [scalar_row(p, g, vocab_size) for p, g in zip(params, greedy, strict=True)]
-            # [N, 7] -> one host-to-device copy for all scalars (top_k is exact in float32:
-            # vocab sizes are far below 2**24), then [7, N] column views.
-            table = to_device(torch.tensor(rows, dtype=torch.float32), device)
-            temperature, top_p, k_col, min_p, rep, pres, freq = table.t().unbind(0)
+            table = scalar_table(rows, device)  # [7, N]
+            temperature, top_p, k_col, min_p, rep, pres, freq = table.unbind(0)
             active_k = [r[2] for r in rows if r[2] < vocab_size]
             need_top_k = bool(active_k)
             need_top_p = any(r[1] < 1.0 for r in rows)

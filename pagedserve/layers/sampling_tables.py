@@ -25,6 +25,20 @@ def scalar_row(p: SamplingParams, greedy: bool, vocab_size: int) -> tuple[float,
             p.frequency_penalty)
 
 
+def scalar_table(rows: Sequence[tuple[float, ...]], device: torch.device | str) -> Tensor:
+    """[7, N] float32 on `device`, row j the j-th field of every `scalar_row`, in one
+    host-to-device copy (top_k is exact in float32: vocab sizes are far below 2**24).
+
+    The copy is [7, W] with W = N rounded up to 4, so each of the seven rows starts 16 bytes
+    aligned whatever N is: Triton compiles a kernel variant per pointer alignment, and a
+    misaligned top_p (a column of an [N, 7] table when N = 1) compiled the top-k / top-p
+    kernel again in the middle of serving."""
+    n = len(rows)
+    host = torch.zeros(7, -(-n // 4) * 4, dtype=torch.float32)  # [7, W]
+    host[:, :n] = torch.tensor(rows, dtype=torch.float32).t()
+    return to_device(host, device)[:, :n]
+
+
 def bias_table(params: Sequence[SamplingParams],
                device: torch.device | str) -> tuple[Tensor, Tensor, Tensor] | None:
     """Each row's logit_bias as (rows, token ids, biases), one host-to-device copy."""

@@ -4,6 +4,7 @@ path through the graphs (a tiny random Qwen3 in bf16, so the engine starts in se
 
 from __future__ import annotations
 
+import logging
 import os
 
 import pytest
@@ -25,6 +26,25 @@ def llm(tmp_path_factory):
     return LLM(str(folder), dtype="bfloat16", max_model_len=256, max_num_seqs=8,
                max_num_batched_tokens=512, kv_cache_memory=64 << 20,
                tokenizer=os.environ.get("PS_TOKENIZER"))
+
+
+def test_serving_compiles_no_kernel_after_start_up(llm, caplog):
+    """The warm-up compiles every Triton variant that serving launches: greedy and sampling
+    with top-k + top-p (its kernel) at 1, 3 and 8 rows log no first launch after start-up.
+    A variant another test launched earlier in the process would hide a gap, so this is the
+    first test of the first file of tests/gpu that starts an engine."""
+    from pagedserve import SamplingParams
+
+    defaults = SamplingParams(temperature=0.7, top_k=20, top_p=0.8, max_tokens=6, ignore_eos=True)
+    greedy = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    with caplog.at_level(logging.INFO, logger="pagedserve.kernels.compile_ahead"):
+        for n in (1, 3, 8):
+            for params in (defaults, greedy):
+                outs = llm.generate([[5 + i] * (9 + i) for i in range(n)], params, use_tqdm=False)
+                assert all(len(o.outputs[0].token_ids) == 6 for o in outs)
+    late = [r.getMessage()[:300] for r in caplog.records if "first time after start-up" in r.getMessage()]
+    assert not late, late
+    llm.check_no_leaks()
 
 
 def test_the_logits_plan_is_applied_and_agrees_with_cublas(llm):
