@@ -16,7 +16,7 @@ OUT="${OUT:-structured_results}"
 mkdir -p "$OUT"
 python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/pydeps .whl/*.whl || exit 1
 export PYTHONPATH="$PWD:/tmp/pydeps" PS_TOKENIZER=.devtok
-python3 -m pytest -p no:cacheprovider tests/gpu/test_structured_gpu.py tests/gpu/test_engine_gpu.py \
+python3 -m pytest -rA -p no:cacheprovider tests/gpu/test_engine_gpu.py tests/gpu/test_structured_gpu.py \
     > "$OUT/pytest.log" 2>&1
 PORT=8000
 PAGEDSERVE_STEP_TIMES=200 python3 -m pagedserve.cli serve qwen3-4b-instruct-2507 --load-format dummy --tokenizer .devtok \
@@ -59,7 +59,7 @@ run unique_c64 --max-concurrency 64 --num-prompts 256 --warmup 8 --json-schema $
 kill -TERM $SERVER; wait $SERVER
 grep "host ms per step" "$OUT/server.log" | tail -12 | cut -c1-400
 tail -5 "$OUT/server.log"
-grep -E "[0-9]+ (passed|failed)" "$OUT/pytest.log" | tail -3
+grep -E "^(PASSED|FAILED|ERROR)|[0-9]+ (passed|failed)" "$OUT/pytest.log" | tail -20
 python3 - "$OUT" <<'PY'
 import json, sys, glob, os
 print(f"{'run':<22} {'out tok/s':>10} {'TTFT p50':>9} {'TTFT p99':>9} {'TPOT p50':>9} {'failed':>6}")
