@@ -1,4 +1,5 @@
-"""Long prompts are tokenized in a worker thread, so other streams keep flowing."""
+"""Prompts are tokenized in worker threads, so other streams keep flowing and a burst of prompts
+is tokenized on several cores."""
 
 from __future__ import annotations
 
@@ -30,7 +31,7 @@ def test_long_prompts_are_tokenized_off_the_event_loop():
     import time
     from types import SimpleNamespace
 
-    from pagedserve.server.serving import OFFLOAD_CHARS, Server
+    from pagedserve.server.serving import ENCODE_OFFLOAD_CHARS, Server
 
     def slow_encode(text, add_special_tokens, param):
         time.sleep(0.3)  # a tokenizer holding the thread
@@ -41,10 +42,30 @@ def test_long_prompts_are_tokenized_off_the_event_loop():
     def run(n_chars):
         return run_counting_ticks(lambda: Server.encode_async(fake, "x" * n_chars, True, "prompt"), 0.01)
 
-    ids, ticks = run(OFFLOAD_CHARS)
-    assert ids == [OFFLOAD_CHARS] and ticks >= 10  # the loop ran during the 0.3 s encode
+    ids, ticks = run(ENCODE_OFFLOAD_CHARS)
+    assert ids == [ENCODE_OFFLOAD_CHARS] and ticks >= 10  # the loop ran during the 0.3 s encode
     ids, ticks = run(10)
     assert ids == [10] and ticks == 0  # short prompts stay inline (no thread hop)
+
+
+def test_the_real_tokenizer_lets_the_loop_run_while_it_encodes(smollm2_dir):
+    """The offload only helps if the tokenizer releases the GIL while it works (Transformers'
+    fast tokenizer encodes through the Rust `encode_batch`, which does): the event loop keeps
+    turning while a 200,000-character prompt is tokenized in its thread. A tokenizer call that
+    held the GIL (the Rust `Tokenizer.encode`) gives the loop no turn at all."""
+    import random
+    from types import SimpleNamespace
+
+    from pagedserve.server.serving import Server
+    from pagedserve.tokenizer import Tokenizer
+
+    tok = Tokenizer.from_pretrained(smollm2_dir)
+    rng = random.Random(0)
+    text = tok.decode([rng.randrange(1000, tok.known_vocab_size) for _ in range(30_000)])
+    server = SimpleNamespace(encode=lambda t, add, param: tok.encode(t, add), check_size=lambda n, p: None)
+    ids, ticks = run_counting_ticks(lambda: Server.encode_async(server, text, False, "prompt"), 0.001)
+    assert ids == tok.encode(text)
+    assert ticks >= 10, ticks  # about 80 on the development machine; 0 if the GIL were held
 
 
 def test_text_too_big_for_the_context_is_refused_before_tokenizing():
