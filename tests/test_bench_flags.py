@@ -148,6 +148,37 @@ def test_random_prefix_and_fixed_file_output_lengths(tmp_path):
     assert _serve(f"--dataset-path {data} --sharegpt-output-len 7").file_output_len == 7
 
 
+def test_random_prompts_as_text_decode_the_same_ids(smollm2_dir):
+    from pagedserve.bench.datasets import text_decoder
+
+    decode, vocab = text_decoder(smollm2_dir)
+    ids = random_dataset(3, 12, 4, 0.0, seed=2)
+    texts = random_dataset(3, 12, 4, 0.0, seed=2, decode=decode)
+    assert vocab == 49152 and [t.output_len for t in texts] == [4] * 3
+    assert [t.prompt for t in texts] == [decode(r.prompt) for r in ids]
+    assert all(isinstance(t.prompt, str) and t.input_len is None for t in texts)
+    with pytest.raises(ValueError, match="needs --tokenizer DIR"):
+        _serve("--random-as-text")
+    with pytest.raises(ValueError, match="for --dataset-name random, not short"):
+        _serve(f"--dataset-name short --random-as-text --tokenizer {smollm2_dir}")
+    assert _serve(f"--random-as-text --tokenizer {smollm2_dir}").random_as_text
+
+
+def test_random_prompts_as_text_are_tokenized_by_the_server(server, smollm2_dir, tmp_path, capsys):
+    """What vllm bench serve sends: the random ids' text, which the server tokenizes (so the
+    input token count is the server's, about the asked length)."""
+    code = main(["bench", "serve", "--base-url", server.url, "--dataset-name", "random",
+                 "--random-input-len", "24", "--random-output-len", "2", "--num-prompts", "2",
+                 "--num-warmups", "0", "--disable-tqdm", "--random-as-text", "--tokenizer", str(smollm2_dir),
+                 "--save-result", str(tmp_path / "r.json")])
+    assert code == 0
+    result = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    run = result["runs"][0]
+    assert run["completed"] == 2 and run["failed"] == 0
+    assert 2 * 12 <= run["input_tokens"] <= 2 * 48  # re-tokenized text: near 24 tokens each
+    assert result["dataset"]["prompts_as_text"] == str(smollm2_dir)
+
+
 def test_extra_percentiles_are_saved_beside_the_usual_ones():
     s = summarize([i / 1000 for i in range(1, 101)], [25, 99.9, 99])
     assert set(s) == {"mean", "median", "p25", "p90", "p95", "p99", "p99.9"}

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import random
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -46,10 +47,13 @@ def _lengths(n: int, mean: int, ratio: float, rng: random.Random) -> list[int]:
 
 
 def random_dataset(n: int, input_len: int, output_len: int, range_ratio: float, seed: int,
-                   text: bool = False, vocab_cap: int = 32000, prefix_len: int = 0) -> list[BenchRequest]:
+                   text: bool = False, vocab_cap: int = 32000, prefix_len: int = 0,
+                   decode: Callable[[list[int]], str] | None = None) -> list[BenchRequest]:
     """Random prompts, lengths uniform in len*(1-r)..len*(1+r); token ids below vocab_cap
     (exact lengths) or text of about input_len words. With `prefix_len` (vLLM's
-    --random-prefix-len) every prompt starts with the same prefix_len tokens (words)."""
+    --random-prefix-len) every prompt starts with the same prefix_len tokens (words).
+    `decode` (ids -> text): the random ids go as their text, which the server tokenizes (as
+    `vllm bench serve` sends its random prompts; about input_len tokens, not exactly)."""
     rng = random.Random(seed)
     ins, outs = _lengths(n, input_len, range_ratio, rng), _lengths(n, output_len, range_ratio, rng)
     if text:
@@ -57,8 +61,19 @@ def random_dataset(n: int, input_len: int, output_len: int, range_ratio: float, 
         return [BenchRequest(" ".join(prefix + [rng.choice(_WORDS) for _ in range(i)]), o)
                 for i, o in zip(ins, outs)]
     ids = [rng.randrange(10, vocab_cap) for _ in range(prefix_len)]
-    return [BenchRequest(ids + [rng.randrange(10, vocab_cap) for _ in range(i)], o, prefix_len + i)
+    reqs = [BenchRequest(ids + [rng.randrange(10, vocab_cap) for _ in range(i)], o, prefix_len + i)
             for i, o in zip(ins, outs)]
+    if decode is not None:
+        reqs = [BenchRequest(decode(r.prompt), r.output_len) for r in reqs]  # type: ignore[arg-type]
+    return reqs
+
+
+def text_decoder(tokenizer_dir: str) -> tuple[Callable[[list[int]], str], int]:
+    """(ids -> text, vocabulary size) of the `tokenizer.json` in `tokenizer_dir`."""
+    from tokenizers import Tokenizer
+
+    tok = Tokenizer.from_file(str(Path(tokenizer_dir) / "tokenizer.json"))
+    return (lambda ids: tok.decode(ids, skip_special_tokens=False)), tok.get_vocab_size()
 
 
 def prefix_dataset(n: int, prefix_len: int, input_len: int, output_len: int, num_prefixes: int,

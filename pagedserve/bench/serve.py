@@ -28,6 +28,7 @@ from pagedserve.bench.datasets import (
     prefix_dataset,
     random_dataset,
     short_dataset,
+    text_decoder,
 )
 from pagedserve.bench.serve_metrics import RequestRecord, compute_metrics, parse_goodput
 
@@ -49,8 +50,10 @@ def build_dataset(args, seed: int | None = None) -> list[BenchRequest]:
     n = args.num_prompts + args.warmup
     seed = args.seed if seed is None else seed
     if args.dataset == "random":
+        decode, vocab = text_decoder(args.tokenizer) if args.random_as_text else (None, 32000)
         return random_dataset(n, args.input_len, args.output_len, args.range_ratio, seed,
-                              text=args.endpoint == "chat", prefix_len=args.random_prefix_len)
+                              text=args.endpoint == "chat" and decode is None, vocab_cap=min(vocab, 32000),
+                              prefix_len=args.random_prefix_len, decode=decode)
     if args.dataset == "prefix":
         return prefix_dataset(n, args.prefix_len, args.input_len, args.output_len,
                               args.num_prefixes, seed)

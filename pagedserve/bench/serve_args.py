@@ -52,7 +52,8 @@ def add_serve_bench_args(p: argparse.ArgumentParser) -> None:
     target.add_argument("--served-model-name", default=None,
                         help="the model name sent in requests, when it differs from --model")
     target.add_argument("--tokenizer", default=None,
-                        help="accepted for vLLM command lines and unused: prompts are token ids "
+                        help="a folder with tokenizer.json, for --random-as-text; otherwise "
+                             "accepted for vLLM command lines and unused: prompts are token ids "
                              "(or words) and token counts come from the server's usage")
     target.add_argument("--trust-remote-code", action="store_true",
                         help="accepted for vLLM command lines and unused")
@@ -85,6 +86,9 @@ def add_serve_bench_args(p: argparse.ArgumentParser) -> None:
                       help="output tokens (max_tokens) per request")
     data.add_argument("--random-range-ratio", "--range-ratio", dest="range_ratio", type=float,
                       default=0.0, help="random: lengths uniform in len*(1-r)..len*(1+r)")
+    data.add_argument("--random-as-text", action="store_true",
+                      help="random: send each prompt's random ids as their text (decoded with "
+                           "--tokenizer), which the server tokenizes, as vllm bench serve does")
     data.add_argument("--random-prefix-len", type=types.non_negative_int, default=0,
                       help="random: tokens of one prefix shared by every prompt, before its "
                            "random part")
@@ -197,6 +201,12 @@ def _resolve_dataset(args: argparse.Namespace) -> None:
     else:
         raise ValueError(f"--dataset-name {name!r}: use one of {', '.join(DATASET_NAMES)} "
                          "(sharegpt and custom with --dataset-path), or a file that exists")
+    if args.random_as_text:
+        if args.dataset != "random":
+            raise ValueError(f"--random-as-text is for --dataset-name random, not {args.dataset_name}")
+        if not args.tokenizer or not (Path(args.tokenizer) / "tokenizer.json").is_file():
+            raise ValueError("--random-as-text needs --tokenizer DIR, a folder with tokenizer.json "
+                             f"(got {args.tokenizer!r})")
     if args.dataset == "prefix":
         defaults = PREFIX_REPETITION if args.dataset_name == "prefix_repetition" else PREFIX
         if args.prefix_len is None:

@@ -74,6 +74,8 @@ def _measure(args, base_url: str, server_usage=None) -> dict:
         dataset.update(prefix_len=args.prefix_len, num_prefixes=args.num_prefixes)
     if args.random_prefix_len:
         dataset["random_prefix_len"] = args.random_prefix_len
+    if args.random_as_text:
+        dataset["prompts_as_text"] = args.tokenizer  # the tokenizer that decoded the random ids
     result = {
         **args.metadata,
         "benchmark": "serve", "label": args.label or model, "base_url": base_url, "model": model,
