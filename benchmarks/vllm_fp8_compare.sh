@@ -10,19 +10,14 @@
 # Results (vLLM's result JSON per run and a table) go to $OUT (or ./compare_results).
 set -uo pipefail
 OUT="${OUT:-compare_results}"
-VLLM_DIR="${VLLM_DIR:-.carry/vllm}"
 ENGINES="${ENGINES:-vllm pagedserve}"
-mkdir -p "$OUT" /tmp/vllm /tmp/qwen3
-if [ ! -d /tmp/vllm/vllm ]; then
-    cat /root/keep/piece.a /root/keep/piece.b "$VLLM_DIR/piece.c" | xz -d | tar -x -C /tmp/vllm || exit 1
-    python3 -m pip install -q --no-index --no-deps --target /tmp/vsite "$VLLM_DIR"/wheels/*.whl || exit 1
-fi
+mkdir -p "$OUT" /tmp/qwen3
+source benchmarks/vllm_env.sh || exit 1
 python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/pydeps .whl/*.whl || exit 1
 cp pagedserve/models/presets/qwen3-4b-instruct-2507.json /tmp/qwen3/config.json
 # the model's sampling defaults (temperature 0.7, top_k 20, top_p 0.8), which pagedserve's preset
 # applies: without them vLLM samples at temperature 1 alone, a cheaper step than top-k + top-p
 cp pagedserve/models/presets/qwen3-4b-instruct-2507.generation_config.json /tmp/qwen3/generation_config.json
-VLLM="env VLLM_USE_FLASHINFER_SAMPLER=0 PYTHONPATH=/tmp/vllm:/tmp/vsite python3 -m vllm.entrypoints.cli.main"
 PORT=8000
 wait_ready() { for _ in $(seq 400); do curl -sf http://127.0.0.1:$PORT/health > /dev/null && return 0; sleep 1; done; return 1; }
 bench() {  # engine name, served model id
