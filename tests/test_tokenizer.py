@@ -284,3 +284,17 @@ def test_encode_falls_back_to_transformers_where_they_differ(smollm2_dir):
     tok = Tokenizer(Shouting(tokenizer_file=str(smollm2_dir / "tokenizer.json")))
     assert tok._raw_encode.__name__ == "slow"
     assert tok.encode("hello") == tok.hf.encode("HELLO", add_special_tokens=False)
+
+
+def test_encode_keeps_transformers_where_tokenizer_json_truncates(smollm2_dir):
+    """A tokenizer.json may turn on truncation or padding, which Transformers' `encode` turns
+    off and the Rust tokenizer alone would apply: such tokenizers keep Transformers' encode."""
+    from tokenizers import Tokenizer as RustTokenizer
+    from transformers import PreTrainedTokenizerFast
+
+    rust = RustTokenizer.from_file(str(smollm2_dir / "tokenizer.json"))
+    rust.enable_truncation(8)
+    tok = Tokenizer(PreTrainedTokenizerFast(tokenizer_object=rust))
+    assert tok._raw_encode.__name__ == "slow"
+    text = "one two three four five six seven eight nine ten eleven twelve"
+    assert len(tok.encode(text)) > 8 and tok.encode(text) == tok.hf.encode(text, add_special_tokens=False)

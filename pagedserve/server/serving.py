@@ -29,9 +29,9 @@ from pagedserve.tokenizer import IncrementalDetokenizer
 
 OFFLOAD_CHARS = 16_384  # id lists at least this long are decoded in pieces between turns of the loop
 # Texts at least this long are tokenized in a worker thread. The Rust tokenizer releases the GIL
-# (Transformers' fast tokenizer encodes through `encode_batch`), so prompts arriving together
-# are tokenized on several cores, and the loop keeps streaming meanwhile; a shorter text costs
-# less than the thread hop (about 0.1 ms).
+# while it encodes (`Tokenizer.encode`), so prompts arriving together are tokenized on several
+# cores, and the loop keeps streaming meanwhile; a shorter text costs less than the thread hop
+# (about 0.1 ms).
 ENCODE_OFFLOAD_CHARS = 1_024
 DECODE_PIECE = 8192  # ids decoded between two turns of the event loop
 # A text longer than max_model_len x max_token_bytes x this cannot fit the context, whatever
