@@ -6,7 +6,9 @@
 # copied to /root/keep by the previous call, piece c and the wheels carried with this one:
 #   VLLM_DIR=.carry/vllm bash benchmarks/vllm_fp8_compare.sh
 # ENGINES (default "vllm pagedserve"): add pagedserve_kv8 for pagedserve with --kv-cache-dtype
-# fp8 as well; vllm_bf16 and pagedserve_bf16 serve without quantization. A later call on the same machine finds vLLM unpacked and carries nothing of it.
+# fp8 as well; vllm_bf16 and pagedserve_bf16 serve without quantization; a pagedserve name ending
+# in _bN (pagedserve_bf16_b16384) serves with --max-num-batched-tokens N. A later call on the same
+# machine finds vLLM unpacked and carries nothing of it.
 # Results (vLLM's result JSON per run and a table) go to $OUT (or ./compare_results).
 set -uo pipefail
 OUT="${OUT:-compare_results}"
@@ -33,27 +35,30 @@ bench() {  # engine name, served model id
 report() {  # the table so far, and every file in one archive (a cut-off call still returns both)
 python3 - "$OUT" <<'PY'
 import json, os, sys
-print(f"{'engine':<15} {'c':>4} {'out tok/s':>10} {'TTFT p50':>9} {'TPOT p50':>9} {'failed':>6}")
-for engine in ("pagedserve", "pagedserve_kv8", "vllm", "pagedserve_bf16", "vllm_bf16"):
+print(f"{'engine':<24} {'c':>4} {'out tok/s':>10} {'TTFT p50':>9} {'TPOT p50':>9} {'failed':>6}")
+engines = sorted({name.rsplit("_c", 1)[0] for name in os.listdir(sys.argv[1])
+                  if name.endswith(".json") and "_c" in name})
+for engine in engines:
     for c in (1, 16, 64, 256):
         path = os.path.join(sys.argv[1], f"{engine}_c{c}.json")
         if os.path.exists(path):
             r = json.load(open(path))
-            print(f"{engine:<15} {c:>4} {r['output_throughput']:>10.0f} {r['median_ttft_ms']:>9.1f} "
+            print(f"{engine:<24} {c:>4} {r['output_throughput']:>10.0f} {r['median_ttft_ms']:>9.1f} "
                   f"{r['median_tpot_ms']:>9.2f} {r.get('failed', 0):>6}")
 PY
 tar -C "$OUT" -czf "$OUT/compare.tgz" --exclude compare.tgz .
 }
 for engine in $ENGINES; do
     t0=$(date +%s)
-    q="--quantization fp8"; [[ $engine == *_bf16 ]] && q=""
+    q="--quantization fp8"; [[ $engine == *_bf16* ]] && q=""
     if [[ $engine == vllm* ]]; then
         $VLLM serve /tmp/qwen3 --load-format dummy --tokenizer .devtok $q --port $PORT \
             > "$OUT/vllm_server.log" 2>&1 &
     else
         kv=""; [ $engine = pagedserve_kv8 ] && kv="--kv-cache-dtype fp8"
+        budget=""; [[ $engine =~ _b([0-9]+)$ ]] && budget="--max-num-batched-tokens ${BASH_REMATCH[1]}"
         env PYTHONPATH="$PWD:/tmp/pydeps" python3 -m pagedserve.cli serve qwen3-4b-instruct-2507 \
-            --load-format dummy --tokenizer .devtok $q $kv --port $PORT \
+            --load-format dummy --tokenizer .devtok $q $kv $budget --port $PORT \
             > "$OUT/${engine}_server.log" 2>&1 &
     fi
     SERVER=$!
