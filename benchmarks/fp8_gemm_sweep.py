@@ -5,7 +5,8 @@
 For each shape and row count: bf16 cuBLAS (`F.linear`), the per-token quantization launch
 alone (`kernels/fp8_quant.py`), and the FP8 fallback product (that quantization, then
 `torch._scaled_mm` with row-wise scales), and from 64 rows each setting of the Triton FP8 GEMM
-(`kernels/fp8_gemm.py`, quantization included) that the start-up plan may pick, with the best.
+(`kernels/fp8_gemm.py`, quantization included), below 64 rows each setting of the skinny kernel
+(`layers/skinny.py`), that the start-up plan may pick, with the best.
 Microseconds per call, from CUDA-graph replays of 20 calls that cycle through COPIES copies of
 the weight (more bytes than the L2 holds, as a step's 36 layers: one weight replayed would be
 read from the L2 and flatter the kernels that re-read it).
@@ -56,7 +57,7 @@ def main() -> None:
 
     from pagedserve.bench.run_info import device_name, git_commit
     from pagedserve.kernels.fp8_quant import quantize_rows_fp8
-    from pagedserve.layers.skinny import _candidates, skinny
+    from pagedserve.layers.skinny import _candidates, row_bucket, skinny
     from pagedserve.quantization.fp8 import fp8_scaled_mm, quantize_rows
 
     rows_out = []
@@ -72,7 +73,7 @@ def main() -> None:
             quant = graph_us(lambda i, x=x: quantize_rows_fp8(x))
             fp8 = graph_us(lambda i, x=x, wq=wq, ws=ws: fp8_scaled_mm(x, wq[i % COPIES], ws[i % COPIES]))
             triton_us = {}
-            for cfg in (_candidates(max(m, 128), fp8=True) if m >= 64 else []):
+            for cfg in _candidates(max(m, 128) if m >= 64 else row_bucket(m), fp8=True):
                 triton_us[str(tuple(cfg))] = round(graph_us(
                     lambda i, x=x, cfg=cfg, wq=wq, ws=ws: skinny(x, wq[i % COPIES], cfg, ws[i % COPIES])), 2)
             best = min(triton_us, key=triton_us.get) if triton_us else None
@@ -81,6 +82,9 @@ def main() -> None:
                              "quant_us": round(quant, 2), "fp8_us": round(fp8, 2), "triton_us": triton_us})
             print(f"{name:<14} {m:>5} {bf16:>9.1f} {quant:>9.1f} {fp8:>9.1f} {fp8 / bf16:>9.2f} "
                   f"{tri:>9.1f} {tri / bf16:>9.2f}  {best or ''}", flush=True)
+            if m == 1:  # every one-row setting, with the bytes it reads per second
+                for setting, us in triton_us.items():
+                    print(f"    {setting}: {us:.1f} us, {n * k / us / 1e6:.2f} TB/s of e4m3 weight")
     if args.out:
         with open(args.out, "w") as f:
             json.dump({"benchmark": "fp8_gemm_sweep", "gpu": device_name("cuda"), "commit": git_commit(),
