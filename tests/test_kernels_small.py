@@ -584,33 +584,3 @@ def test_skinny_matmul_with_an_fp8_weight(M):
         torch.testing.assert_close(got.double(), expected, rtol=1e-2, atol=3e-2, msg=str(cfg))
     with pytest.raises(ValueError, match="float32 scale"):
         skinny_matmul(x, w, _skinny_configs(M)[0])
-
-
-def test_skinny_matmul_reads_an_fp8_weight_as_words():
-    """The one-row setting that reads an e4m3 weight 4 bytes a word and widens it by integer
-    operations: every finite e4m3 value (subnormals, zeros of both signs, +-448) in every byte
-    position, x from 1e-6 to 1e3, split-K with uneven and empty slices, ragged N and K,
-    against a float64 product of the dequantized weight; settings it cannot take are refused."""
-    from pagedserve.kernels.skinny_gemm import SkinnyConfig, skinny_matmul
-
-    finite = torch.tensor([b for b in range(256) if b & 0x7F != 0x7F], dtype=torch.uint8)  # 254 values
-    for n, k in ((40, 72), (33, 200), (7, 508)):
-        gen = torch.Generator().manual_seed(n)
-        w = finite[torch.randint(0, len(finite), (n, k), generator=gen)].view(torch.float8_e4m3fn)
-        w[0, : len(finite)] = finite[: k].view(torch.float8_e4m3fn) if k < len(finite) else finite.view(torch.float8_e4m3fn)
-        x = (torch.randn(1, k, generator=gen) * 10.0 ** torch.randint(-6, 4, (1, k), generator=gen)).to(torch.float16)
-        scale = (torch.rand(n, generator=gen) + 0.5) * 1e-4  # float32 [N] (the fp16 product stays finite)
-        expected = x.double() @ (w.double() * scale.double()[:, None]).t()  # [1, N]
-        for cfg in (SkinnyConfig(8, 32, 4, 1, False, 1, False, True), SkinnyConfig(4, 16, 2, 1, False, 2, False, True),
-                    SkinnyConfig(2, 64, 2, 1, False, 3, False, True), SkinnyConfig(16, 128, 4, 1, False, 1, False, True)):
-            out = torch.full((1, n), float("nan"), dtype=torch.float16)
-            got = skinny_matmul(x, w, cfg, out, scale=scale)
-            assert not torch.isnan(got).any(), f"{cfg}: some elements were not written"
-            torch.testing.assert_close(got.double(), expected, rtol=2e-3, atol=1e-3 * expected.abs().max().item(),
-                                       msg=str(cfg))
-    words = SkinnyConfig(8, 32, 4, 1, False, 1, False, True)
-    w = torch.randn(40, 72).to(torch.float8_e4m3fn)
-    for bad_x, bad_w in ((torch.randn(2, 72).half(), w), (torch.randn(1, 70).half(), w[:, :70]),
-                         (torch.randn(1, 72).half(), w.half())):
-        with pytest.raises(ValueError):
-            skinny_matmul(bad_x, bad_w, words, scale=torch.ones(40) if bad_w.dtype != torch.float16 else None)

@@ -93,67 +93,6 @@ def _skinny_kernel(
     _signal(PROGRESS, SIGNAL_AT, pid_n, split)
 
 
-# An e4m3 byte's low 7 bits moved to a float32's bits 26..20 give its value times 2^-120,
-# subnormals included (both formats' subnormal steps differ by that same power of two).
-_X_UP: tl.constexpr = 18446744073709551616.0  # 2^64: x is scaled by it, so products stay normal
-_Y_UP: tl.constexpr = 72057594037927936.0  # 2^56 = 2^(120 - 64): the sum's way back
-
-
-@triton.jit
-def _e4m3_byte_fma(acc, words, x, BYTE: tl.constexpr):
-    """acc + (byte BYTE of each int32 word, an e4m3 number, as float32 times 2^-120) * x."""
-    bits = ((words << (24 - 8 * BYTE)) >> 4) & -2014314496  # sign to bit 31, e4m3 bits 6..0 to 26..20 (0x87F00000)
-    return acc + bits.to(tl.float32, bitcast=True) * x[None, :]
-
-
-@triton.jit(do_not_specialize=["SIGNAL_AT"])
-def _skinny_e4m3_words_kernel(
-    X, W, Y, W_SCALE,  # x [1, K] bf16/fp16; W int32 [N, K // 4] (the e4m3 weight's bytes, 4 a word); y [1, N]; float32 [N]
-    PARTIAL, LOCKS, PROGRESS, SIGNAL_AT,  # as _skinny_kernel
-    N, K, K_PER_SPLIT, stride_wn,  # stride_wn in words
-    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr, EVEN_K: tl.constexpr,
-    PDL: tl.constexpr,
-):
-    """One row of x times an e4m3 weight, widened by integer operations instead of conversion
-    instructions (which Hopper issues at a sixteenth of its FMA rate: the conversion path
-    reads e4m3 weights at well below the memory bandwidth). Each 32-bit word holds 4 weights;
-    byte j of a word multiplies x's column 4i + j. A weight's float32 stand-in is its value
-    times 2^-120 (exact, subnormals included; an e4m3 NaN would read as a finite number) and
-    x is scaled by 2^64, so every product is a normal float32; the sum is scaled back by 2^56
-    (both exact powers of two) before the weight's scale."""
-    pdl.wait_and_release(PDL)
-    pid_n = tl.program_id(0)
-    split = tl.program_id(1)
-    k_start = split * K_PER_SPLIT
-    k_end = tl.minimum(K, k_start + K_PER_SPLIT)
-    WORDS: tl.constexpr = BLOCK_K // 4
-    rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)  # [BLOCK_N] output columns
-    rn_load = tl.where(rn < N, rn, 0)  # past the end: read row 0, never stored
-    rw = tl.arange(0, WORDS)
-    w_ptrs = W + rn_load[:, None] * stride_wn + (k_start // 4 + rw)[None, :]  # [BLOCK_N, WORDS]
-    x_ptrs = X + k_start + 4 * rw  # [WORDS]: x[4i]; + j for x[4i + j]
-    acc = tl.zeros([BLOCK_N, WORDS], dtype=tl.float32)
-    for k0 in range(k_start, k_end, BLOCK_K):
-        if EVEN_K:
-            words = tl.load(w_ptrs)
-            x0, x1 = tl.load(x_ptrs), tl.load(x_ptrs + 1)
-            x2, x3 = tl.load(x_ptrs + 2), tl.load(x_ptrs + 3)
-        else:  # K is a multiple of 4: a word is wholly in or out
-            ok = (k0 + 4 * rw) < k_end
-            words = tl.load(w_ptrs, mask=ok[None, :], other=0)
-            x0, x1 = tl.load(x_ptrs, mask=ok, other=0.0), tl.load(x_ptrs + 1, mask=ok, other=0.0)
-            x2, x3 = tl.load(x_ptrs + 2, mask=ok, other=0.0), tl.load(x_ptrs + 3, mask=ok, other=0.0)
-        acc = _e4m3_byte_fma(acc, words, x0.to(tl.float32) * _X_UP, 0)
-        acc = _e4m3_byte_fma(acc, words, x1.to(tl.float32) * _X_UP, 1)
-        acc = _e4m3_byte_fma(acc, words, x2.to(tl.float32) * _X_UP, 2)
-        acc = _e4m3_byte_fma(acc, words, x3.to(tl.float32) * _X_UP, 3)
-        w_ptrs += WORDS
-        x_ptrs += BLOCK_K
-    y = (tl.sum(acc, axis=1) * _Y_UP) * tl.load(W_SCALE + rn_load)  # [BLOCK_N]
-    _store(y[:, None], Y, PARTIAL, LOCKS, rn, tl.arange(0, 1), 1, N, N, pid_n, split, SPLIT_K)
-    _signal(PROGRESS, SIGNAL_AT, pid_n, split)
-
-
 @triton.jit
 def _signal(PROGRESS, SIGNAL_AT, pid_n, split):
     """Progress for `kernels/weight_prefetch.py`: the program numbered SIGNAL_AT (in launch
@@ -226,8 +165,6 @@ class SkinnyConfig(NamedTuple):
     use_dot: bool
     split_k: int = 1
     tma: bool = False  # tensor-core path only: tiles loaded by TMA (_skinny_tma_kernel)
-    words: bool = False  # one-row FMA path on an e4m3 weight only: read as 32-bit words,
-    # widened by integer operations (_skinny_e4m3_words_kernel)
 
 
 MAX_ROWS = 256  # x rows a tensor-core program takes (padded to 16, 32, ..., 256: tl.dot needs >= 16)
@@ -259,7 +196,7 @@ def skinny_matmul(x: torch.Tensor, weight: torch.Tensor, cfg: SkinnyConfig,
     An FMA setting takes M == 1 only; a dot setting takes M <= MAX_ROWS. With split_k > 1
     the K dimension is cut into that many slices summed in a fixed order (deterministic).
     """
-    block_n, block_k, num_warps, num_stages, use_dot, split_k, tma, words = cfg
+    block_n, block_k, num_warps, num_stages, use_dot, split_k, tma = cfg
     rows, k = x.shape
     n = weight.shape[0]
     fp8_x = x.dtype == torch.float8_e4m3fn
@@ -286,10 +223,6 @@ def skinny_matmul(x: torch.Tensor, weight: torch.Tensor, cfg: SkinnyConfig,
         raise ValueError(f"{cfg} cannot take {rows} rows")
     if tma and not use_dot:
         raise ValueError(f"{cfg}: TMA loads are for the tensor-core path")
-    if words and (use_dot or weight.dtype != torch.float8_e4m3fn or fp8_x or k % 4 or block_k % 4
-                  or weight.stride(0) % 4 or weight.storage_offset() % 4):
-        raise ValueError(f"{cfg}: 32-bit words are for one row times an e4m3 weight whose K and "
-                         "rows are multiples of 4 bytes")
     block_m = max(16, next_pow2(rows)) if use_dot else 1
     out_dtype = torch.bfloat16 if fp8_x else x.dtype
     y = torch.empty((rows, n), dtype=out_dtype, device=x.device) if out is None else out
@@ -304,14 +237,6 @@ def skinny_matmul(x: torch.Tensor, weight: torch.Tensor, cfg: SkinnyConfig,
     prefetcher = weight_prefetch.active()  # set while a decode graph with the prefetch is made
     progress, signal_at = (prefetcher.signal(weight, n_blocks * split_k) if prefetcher is not None
                            else (_locks(x.device, 1), -1))  # int32 either way: one compiled variant
-    if words:
-        _skinny_e4m3_words_kernel[(n_blocks, split_k)](
-            x, weight.view(torch.int32), y, scale, partial, locks, progress, signal_at,
-            n, k, k_per_split, weight.stride(0) // 4, BLOCK_N=block_n, BLOCK_K=block_k,
-            SPLIT_K=split_k, EVEN_K=k % block_k == 0, num_warps=num_warps, num_stages=num_stages,
-            **pdl.launch_options(x),
-        )
-        return y
     if tma and tma_ok(x) and tma_ok(weight):
         from triton.tools.tensor_descriptor import TensorDescriptor
 

@@ -8,9 +8,8 @@ fastest; `matmul` then follows such a plan. Without a plan (CPU, float32, or tur
 everything is plain `F.linear`. `layers/linear.py` plans a whole model with these.
 
 FP8 weights (`quantization/fp8.py`) are planned the same way: the skinny kernel reads the e4m3
-weight (half the bytes) and widens it in registers, by conversion instructions or by integer
-operations on 32-bit words of 4 weights, leaving x in bf16 (weight-only FP8, as exact as the
-weight's rounding allows) for one row, and quantizes x per token for the FP8
+weight (half the bytes) and widens it in registers, leaving x in bf16 (weight-only FP8, as
+exact as the weight's rounding allows) for one row, and quantizes x per token for the FP8
 tensor cores from two; an FP8 weight's plan goes on to 1,024 rows, where the Triton FP8 GEMM
 (`kernels/fp8_gemm.py`) is timed too. The fallback they are timed against quantizes x per
 token and multiplies on the FP8 tensor cores with cuBLAS (`torch._scaled_mm`).
@@ -110,13 +109,10 @@ def _candidates(rows: int, fp8: bool = False) -> list:
         return [Fp8GemmConfig(64, 32, 128, 4, 6), Fp8GemmConfig(64, 64, 128, 4, 4, tma=True),
                 Fp8GemmConfig(64, 128, 256, 4, 4, tma=True)]
     if fp8:  # e4m3 weights (H200 plans: the one-row FMA settings of bf16 or a 2,048-wide one,
-        # the tensor-core ones with twice bf16's BLOCK_K for the same bytes); for one row also
-        # the weight read as 32-bit words and widened by integer operations
+        # the tensor-core ones with twice bf16's BLOCK_K for the same bytes)
         if rows == 1:
             return [SkinnyConfig(8, 512, 4, 1, False, 1), SkinnyConfig(2, 1024, 4, 1, False, 1),
-                    SkinnyConfig(4, 2048, 4, 1, False, 1), SkinnyConfig(8, 512, 4, 1, False, 1, False, True),
-                    SkinnyConfig(4, 1024, 4, 1, False, 1, False, True),
-                    SkinnyConfig(16, 512, 4, 1, False, 1, False, True)]
+                    SkinnyConfig(4, 2048, 4, 1, False, 1)]
         return [SkinnyConfig(64, 256, 4, 4, True, 1), SkinnyConfig(64, 128, 4, 6, True, 4, True),
                 SkinnyConfig(64, 128, 4, 4, True, 1, True)]
     dot = [SkinnyConfig(64, 64, 4, 6, True, 4, True), SkinnyConfig(64, 128, 4, 4, True, 1),
