@@ -157,6 +157,13 @@ def test_random_prompts_as_text_decode_the_same_ids(smollm2_dir):
     assert vocab == 49152 and [t.output_len for t in texts] == [4] * 3
     assert [t.prompt for t in texts] == [decode(r.prompt) for r in ids]
     assert all(isinstance(t.prompt, str) and t.input_len is None for t in texts)
+    # each text encodes back to the asked length, as vllm bench serve's random prompts do
+    from tokenizers import Tokenizer
+
+    tok = Tokenizer.from_file(str(smollm2_dir / "tokenizer.json"))
+    for n in (12, 300):
+        prompts = random_dataset(20, n, 4, 0.0, seed=n, decode=decode)
+        assert [len(tok.encode(t.prompt, add_special_tokens=False).ids) for t in prompts] == [n] * 20
     with pytest.raises(ValueError, match="needs --tokenizer DIR"):
         _serve("--random-as-text")
     with pytest.raises(ValueError, match="for --dataset-name random, not short"):
@@ -166,7 +173,7 @@ def test_random_prompts_as_text_decode_the_same_ids(smollm2_dir):
 
 def test_random_prompts_as_text_are_tokenized_by_the_server(server, smollm2_dir, tmp_path, capsys):
     """What vllm bench serve sends: the random ids' text, which the server tokenizes (so the
-    input token count is the server's, about the asked length)."""
+    input token count is the server's: the asked length)."""
     code = main(["bench", "serve", "--base-url", server.url, "--dataset-name", "random",
                  "--random-input-len", "24", "--random-output-len", "2", "--num-prompts", "2",
                  "--num-warmups", "0", "--disable-tqdm", "--random-as-text", "--tokenizer", str(smollm2_dir),
@@ -175,7 +182,7 @@ def test_random_prompts_as_text_are_tokenized_by_the_server(server, smollm2_dir,
     result = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     run = result["runs"][0]
     assert run["completed"] == 2 and run["failed"] == 0
-    assert 2 * 12 <= run["input_tokens"] <= 2 * 48  # re-tokenized text: near 24 tokens each
+    assert run["input_tokens"] == 2 * 24  # the text re-tokenizes to the asked length
     assert result["dataset"]["prompts_as_text"] == str(smollm2_dir)
 
 

@@ -52,8 +52,9 @@ def random_dataset(n: int, input_len: int, output_len: int, range_ratio: float, 
     """Random prompts, lengths uniform in len*(1-r)..len*(1+r); token ids below vocab_cap
     (exact lengths) or text of about input_len words. With `prefix_len` (vLLM's
     --random-prefix-len) every prompt starts with the same prefix_len tokens (words).
-    `decode` (ids -> text): the random ids go as their text, which the server tokenizes (as
-    `vllm bench serve` sends its random prompts; about input_len tokens, not exactly)."""
+    `decode` (ids -> text, `text_decoder`): the random ids go as text that the server
+    tokenizes, as `vllm bench serve` sends its random prompts (the text re-tokenizes to the
+    asked length where `decode` gets it there)."""
     rng = random.Random(seed)
     ins, outs = _lengths(n, input_len, range_ratio, rng), _lengths(n, output_len, range_ratio, rng)
     if text:
@@ -68,12 +69,33 @@ def random_dataset(n: int, input_len: int, output_len: int, range_ratio: float, 
     return reqs
 
 
+TEXT_LENGTH_TRIES = 10  # decode / re-encode rounds that bring a random text to its length
+
+
 def text_decoder(tokenizer_dir: str) -> tuple[Callable[[list[int]], str], int]:
-    """(ids -> text, vocabulary size) of the `tokenizer.json` in `tokenizer_dir`."""
+    """(ids -> text, vocabulary size) of the `tokenizer.json` in `tokenizer_dir`.
+
+    Random ids decoded to text seldom encode back to as many tokens (neighbouring pieces
+    merge or split), so the text is adjusted until it does, as `vllm bench serve` adjusts its
+    random prompts: decode, encode (no special tokens), cut the ids to the length or append
+    random ones, and again, up to TEXT_LENGTH_TRIES rounds; the last text is kept if none
+    matched. Deterministic for given ids."""
     from tokenizers import Tokenizer
 
     tok = Tokenizer.from_file(str(Path(tokenizer_dir) / "tokenizer.json"))
-    return (lambda ids: tok.decode(ids, skip_special_tokens=False)), tok.get_vocab_size()
+    vocab = tok.get_vocab_size()
+
+    def to_text(ids: list[int]) -> str:
+        target, rng = len(ids), random.Random(len(ids) * 7919 + sum(ids))
+        for _ in range(TEXT_LENGTH_TRIES):
+            text = tok.decode(ids, skip_special_tokens=False)
+            ids = tok.encode(text, add_special_tokens=False).ids
+            if len(ids) == target:
+                break
+            ids = ids[:target] + [rng.randrange(10, min(vocab, 32000)) for _ in range(target - len(ids))]
+        return text
+
+    return to_text, vocab
 
 
 def prefix_dataset(n: int, prefix_len: int, input_len: int, output_len: int, num_prefixes: int,

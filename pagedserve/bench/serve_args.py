@@ -88,7 +88,8 @@ def add_serve_bench_args(p: argparse.ArgumentParser) -> None:
                       default=0.0, help="random: lengths uniform in len*(1-r)..len*(1+r)")
     data.add_argument("--random-as-text", action="store_true",
                       help="random: send each prompt's random ids as their text (decoded with "
-                           "--tokenizer), which the server tokenizes, as vllm bench serve does")
+                           "--tokenizer, adjusted to encode back to the asked length), which the "
+                           "server tokenizes, as vllm bench serve does")
     data.add_argument("--random-prefix-len", type=types.non_negative_int, default=0,
                       help="random: tokens of one prefix shared by every prompt, before its "
                            "random part")
