@@ -63,24 +63,24 @@ i=0
 for c in $LEVELS; do
     n=$(( c == 1 ? 32 : c == 16 ? 64 : c == 64 ? 256 : 4 * c ))
     for round in $(seq "$ROUNDS"); do
-    for client in $CLIENTS; do
-        i=$((i + 1))
-        seed=$((1000 + i))
-        name=$client; [ "$round" -gt 1 ] && name="${client}_r$round"
-        res="$OUT/r/${name}_c$c.json"
-        case $client in
-        vllm) $VLLM bench serve --backend openai $common --tokenizer "$TOKENIZER" --num-prompts $n \
-                  --max-concurrency $c --seed $seed --save-result --result-dir "$OUT/r" \
-                  --result-filename "${name}_c$c.json" > "$OUT/r/${name}_c$c.log" 2>&1 ;;
-        pagedserve_text) $PY -m pagedserve.cli bench serve $common --random-as-text --tokenizer "$TOKENIZER" \
-                  --num-prompts $n --max-concurrency $c --num-warmups 0 --seed $seed --disable-tqdm \
-                  --save-result "$res" > "$OUT/r/${name}_c$c.log" 2>&1 ;;
-        pagedserve) $PY -m pagedserve.cli bench serve $common --num-prompts $n --max-concurrency $c \
-                  --num-warmups 0 --seed $seed --disable-tqdm --save-result "$res" > "$OUT/r/${name}_c$c.log" 2>&1 ;;
-        *) echo "unknown client $client"; continue ;;
-        esac
-        [ -f "$res" ] || tail -3 "$OUT/r/${name}_c$c.log"
-    done
+        for client in $CLIENTS; do
+            i=$((i + 1))
+            seed=$((1000 + i))
+            name=$client; [ "$round" -gt 1 ] && name="${client}_r$round"
+            res="$OUT/r/${name}_c$c.json"
+            case $client in
+            vllm) $VLLM bench serve --backend openai $common --tokenizer "$TOKENIZER" --num-prompts $n \
+                      --max-concurrency $c --seed $seed --save-result --result-dir "$OUT/r" \
+                      --result-filename "${name}_c$c.json" > "$OUT/r/${name}_c$c.log" 2>&1 ;;
+            pagedserve_text) $PY -m pagedserve.cli bench serve $common --random-as-text --tokenizer "$TOKENIZER" \
+                      --num-prompts $n --max-concurrency $c --num-warmups 0 --seed $seed --disable-tqdm \
+                      --save-result "$res" > "$OUT/r/${name}_c$c.log" 2>&1 ;;
+            pagedserve) $PY -m pagedserve.cli bench serve $common --num-prompts $n --max-concurrency $c \
+                      --num-warmups 0 --seed $seed --disable-tqdm --save-result "$res" > "$OUT/r/${name}_c$c.log" 2>&1 ;;
+            *) echo "unknown client $client"; continue ;;
+            esac
+            [ -f "$res" ] || tail -3 "$OUT/r/${name}_c$c.log"
+        done
     done
     report > "$OUT/table.txt"
 done

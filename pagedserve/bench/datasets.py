@@ -32,6 +32,9 @@ SHORT_PROMPTS = [
 ]
 
 
+RANDOM_VOCAB_CAP = 32000  # random token ids stay below this: they decode with any stand-in tokenizer
+
+
 @dataclass
 class BenchRequest:
     """One prompt: token ids (completions endpoint) or text (either endpoint)."""
@@ -47,7 +50,7 @@ def _lengths(n: int, mean: int, ratio: float, rng: random.Random) -> list[int]:
 
 
 def random_dataset(n: int, input_len: int, output_len: int, range_ratio: float, seed: int,
-                   text: bool = False, vocab_cap: int = 32000, prefix_len: int = 0,
+                   text: bool = False, vocab_cap: int = RANDOM_VOCAB_CAP, prefix_len: int = 0,
                    decode: Callable[[list[int]], str] | None = None) -> list[BenchRequest]:
     """Random prompts, lengths uniform in len*(1-r)..len*(1+r); token ids below vocab_cap
     (exact lengths) or text of about input_len words. With `prefix_len` (vLLM's
@@ -92,14 +95,14 @@ def text_decoder(tokenizer_dir: str) -> tuple[Callable[[list[int]], str], int]:
             ids = tok.encode(text, add_special_tokens=False).ids
             if len(ids) == target:
                 break
-            ids = ids[:target] + [rng.randrange(10, min(vocab, 32000)) for _ in range(target - len(ids))]
+            ids = ids[:target] + [rng.randrange(10, min(vocab, RANDOM_VOCAB_CAP)) for _ in range(target - len(ids))]
         return text
 
     return to_text, vocab
 
 
 def prefix_dataset(n: int, prefix_len: int, input_len: int, output_len: int, num_prefixes: int,
-                   seed: int, vocab_cap: int = 32000) -> list[BenchRequest]:
+                   seed: int, vocab_cap: int = RANDOM_VOCAB_CAP) -> list[BenchRequest]:
     """Prompts made of one of `num_prefixes` shared prefixes plus a random suffix (token ids),
     to measure prefix caching."""
     rng = random.Random(seed)

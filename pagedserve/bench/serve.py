@@ -23,6 +23,7 @@ from typing import Any
 import aiohttp
 
 from pagedserve.bench.datasets import (
+    RANDOM_VOCAB_CAP,
     BenchRequest,
     file_dataset,
     prefix_dataset,
@@ -50,9 +51,9 @@ def build_dataset(args, seed: int | None = None) -> list[BenchRequest]:
     n = args.num_prompts + args.warmup
     seed = args.seed if seed is None else seed
     if args.dataset == "random":
-        decode, vocab = text_decoder(args.tokenizer) if args.random_as_text else (None, 32000)
+        decode, vocab = text_decoder(args.tokenizer) if args.random_as_text else (None, RANDOM_VOCAB_CAP)
         return random_dataset(n, args.input_len, args.output_len, args.range_ratio, seed,
-                              text=args.endpoint == "chat" and decode is None, vocab_cap=min(vocab, 32000),
+                              text=args.endpoint == "chat" and decode is None, vocab_cap=min(vocab, RANDOM_VOCAB_CAP),
                               prefix_len=args.random_prefix_len, decode=decode)
     if args.dataset == "prefix":
         return prefix_dataset(n, args.prefix_len, args.input_len, args.output_len,
