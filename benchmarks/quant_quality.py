@@ -1,7 +1,7 @@
 """Quality of the quantized formats on real weights (issue 26): teacher-forced next-token
 agreement with the float32 model, and perplexity, over a fixed English text
-(`benchmarks/texts/quality_en.txt`, 1,900 tokens in 18 passages), each with its standard error and, for
-every variant, its difference from bf16 paired on the same positions.
+(`benchmarks/texts/quality_en.txt`, 1,900 tokens in 18 passages), each with its standard
+error and, for every variant, its difference from bf16 paired on the same positions.
 
     python benchmarks/quant_quality.py [--device cuda] [--out results.json]
 
