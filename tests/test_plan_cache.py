@@ -8,8 +8,7 @@ import json
 
 import pytest
 
-from pagedserve.kernels.fp8_gemm import Fp8GemmConfig
-from pagedserve.kernels.skinny_gemm import SkinnyConfig
+from pagedserve.kernels import fp8_gemm, skinny_gemm
 from pagedserve.layers import plan_cache
 from pagedserve.layers.plan_cache import PlanCache, decode_plans, encode_plans, plan_key
 
@@ -17,28 +16,35 @@ DEVICE = {"name": "NVIDIA H200", "sms": 132, "memory": 150_000_000_000, "capabil
           "torch": "2.11.0", "triton": "3.6.0"}
 GROUPS = {"o_proj (2560, 4096)": [[2560, 4096], "torch.bfloat16", 36],
           "logits": [[151936, 2560], "torch.bfloat16", 1]}
-PLANS = {
-    "o_proj (2560, 4096)": {1: SkinnyConfig(2, 1024, 4, 1, False, 1), 2: None,
-                            64: SkinnyConfig(64, 64, 4, 6, True, 4, True)},
-    "qkv_proj (6144, 2560) fp8": {1: SkinnyConfig(8, 512, 4, 1, False), 256: Fp8GemmConfig(64, 64, 128, 4, 4, tma=True),
-                                  1024: None},
-}
+
+
+def plans() -> dict:
+    """Two groups' plans, built from the kernel modules' classes as they are now:
+    test_kernels_small.py reloads the kernel modules for Triton's interpreter, which makes new
+    config classes, so classes bound when this file was collected could be stale."""
+    skinny, fp8 = skinny_gemm.SkinnyConfig, fp8_gemm.Fp8GemmConfig
+    return {
+        "o_proj (2560, 4096)": {1: skinny(2, 1024, 4, 1, False, 1), 2: None,
+                                64: skinny(64, 64, 4, 6, True, 4, True)},
+        "qkv_proj (6144, 2560) fp8": {1: skinny(8, 512, 4, 1, False), 256: fp8(64, 64, 128, 4, 4, tma=True),
+                                      1024: None},
+    }
 
 
 def test_plans_round_trip_through_json():
-    data = json.loads(json.dumps(encode_plans(PLANS)))
+    data = json.loads(json.dumps(encode_plans(plans())))
     back = decode_plans(data)
-    assert back == PLANS
-    assert type(back["qkv_proj (6144, 2560) fp8"][256]) is Fp8GemmConfig
-    assert type(back["o_proj (2560, 4096)"][64]) is SkinnyConfig
+    assert back == plans()
+    assert type(back["qkv_proj (6144, 2560) fp8"][256]) is fp8_gemm.Fp8GemmConfig
+    assert type(back["o_proj (2560, 4096)"][64]) is skinny_gemm.SkinnyConfig
 
 
 def test_cache_stores_and_loads(tmp_path):
     cache = PlanCache(tmp_path / "plans")
     key = plan_key(DEVICE, GROUPS, pdl=True)
     assert cache.load(key) is None  # nothing kept yet
-    cache.store(key, PLANS, {"device": DEVICE})
-    assert cache.load(key) == PLANS
+    cache.store(key, plans(), {"device": DEVICE})
+    assert cache.load(key) == plans()
     assert json.loads(cache.path(key).read_text())["about"] == {"device": DEVICE}
     assert [p.name for p in (tmp_path / "plans").iterdir()] == [f"{key}.json"]  # no temporary left
 
@@ -76,5 +82,5 @@ def test_unreadable_plan_is_timed_again(tmp_path, caplog):
 def test_store_failure_is_not_fatal(tmp_path, caplog):
     blocker = tmp_path / "file"
     blocker.write_text("x")  # a file where the folder should be
-    PlanCache(blocker / "plans").store("k", PLANS, {})
+    PlanCache(blocker / "plans").store("k", plans(), {})
     assert "could not keep the matmul plan" in caplog.text
