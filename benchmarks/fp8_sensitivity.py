@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import sys
 from pathlib import Path
 
@@ -22,7 +21,7 @@ import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
-from benchmarks.quant_quality import logits_of, passages  # noqa: E402
+from benchmarks.quant_quality import encoded_passages, logits_of, mean_and_error  # noqa: E402
 
 PROJECTIONS = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
 
@@ -41,11 +40,9 @@ def main() -> None:
     from pagedserve.bench.run_info import git_commit
     from pagedserve.models.loader import build_model
     from pagedserve.models.source import resolve_model
-    from pagedserve.tokenizer import Tokenizer
 
     source = resolve_model(None)
-    tokenizer = Tokenizer.from_pretrained(source.folder)
-    docs = [tokenizer.encode(text, add_special_tokens=False) for text in passages()]
+    docs = encoded_passages(source)
     model = build_model(source, dtype="float32", device="cpu")
     linears = {n: m for n, m in model.named_modules() if n.endswith(PROJECTIONS)}
     original = {n: m.weight.data.clone() for n, m in linears.items()}
@@ -67,7 +64,7 @@ def main() -> None:
             hook.remove()
         for name, layer in linears.items():
             layer.weight.data.copy_(original[name])
-        return hit.mean().item(), hit.std().item() / math.sqrt(hit.numel())
+        return mean_and_error(hit)
 
     last = len(model.layers) - 1
     cases = {"every projection": lambda n: True}

@@ -38,6 +38,19 @@ def passages() -> list[str]:
     return [p.strip() for p in TEXT_FILE.read_text().split("\n\n") if p.strip()]
 
 
+def encoded_passages(source) -> list[list[int]]:
+    """The fixed text's passages as token ids of `source`'s tokenizer (no special tokens)."""
+    from pagedserve.tokenizer import Tokenizer
+
+    tokenizer = Tokenizer.from_pretrained(source.folder)
+    return [tokenizer.encode(text, add_special_tokens=False) for text in passages()]
+
+
+def mean_and_error(x: torch.Tensor) -> tuple[float, float]:
+    """The mean of per-position values x [tokens] and its standard error."""
+    return x.mean().item(), x.std().item() / math.sqrt(x.numel())
+
+
 def logits_of(model, ids: list[int], kv_cache_dtype: str = "auto") -> torch.Tensor:
     """float32 logits [len(ids), vocab] of one prefill; attention reads K/V back from a paged
     cache stored as `kv_cache_dtype`."""
@@ -85,11 +98,9 @@ def main() -> None:
     from pagedserve.models.loader import build_model
     from pagedserve.models.source import resolve_model
     from pagedserve.quantization import resolve_quantization
-    from pagedserve.tokenizer import Tokenizer
 
     source = resolve_model(None)
-    tokenizer = Tokenizer.from_pretrained(source.folder)
-    docs = [tokenizer.encode(text, add_special_tokens=False) for text in passages()]
+    docs = encoded_passages(source)
     tmp = Path(tempfile.mkdtemp())
     half = "bfloat16"
     variants = {  # name -> (model source, dtype, quantization, kv cache dtype)
@@ -116,18 +127,17 @@ def main() -> None:
         ref = top1 if ref is None else ref
         bf16 = top1 if name == "bf16" else bf16
         hit = (top1 == ref).float()  # [tokens]
-        n = hit.numel()
-        row = {"variant": name, "agreement_with_float32": round(hit.mean().item(), 4),
-               "standard_error": round(hit.std().item() / math.sqrt(n), 4),
-               "perplexity": round(math.exp(nll / (n - len(docs))), 3)}
-        line = f"{name:<18} agreement {hit.mean().item():7.2%} +- {row['standard_error']:.2%}  perplexity {row['perplexity']:8.3f}"
+        agree, se = mean_and_error(hit)
+        row = {"variant": name, "agreement_with_float32": round(agree, 4), "standard_error": round(se, 4),
+               "perplexity": round(math.exp(nll / (hit.numel() - len(docs))), 3)}
+        line = f"{name:<18} agreement {agree:7.2%} +- {se:.2%}  perplexity {row['perplexity']:8.3f}"
         if bf16 is not None and name != "bf16":
             # paired against bf16 on the same positions: its standard error is the one that
             # says whether the two differ
-            d = hit - (bf16 == ref).float()
-            row["minus_bf16"] = round(d.mean().item(), 4)
-            row["minus_bf16_standard_error"] = round(d.std().item() / math.sqrt(n), 4)
-            line += f"  vs bf16 {d.mean().item():+7.2%} +- {row['minus_bf16_standard_error']:.2%}"
+            diff, diff_se = mean_and_error(hit - (bf16 == ref).float())
+            row["minus_bf16"] = round(diff, 4)
+            row["minus_bf16_standard_error"] = round(diff_se, 4)
+            line += f"  vs bf16 {diff:+7.2%} +- {diff_se:.2%}"
         rows.append(row)
         print(line, flush=True)
         del model
