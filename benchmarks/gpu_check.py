@@ -34,7 +34,7 @@ from types import SimpleNamespace
 import torch
 from gpu_matmul import gemm_m, gemm_power, gemm_tunable, skinny, skinny_big, skinny_tma
 from gpu_prefetch import prefetch_batches, weight_prefetch
-from gpu_steps import arrival, mixed, sustained
+from gpu_steps import arrival, decode_profile, mixed, sustained
 
 from gpu_common import DEV, RESULTS, TABLE, decode_graph, paged_step, record, runner_of, section
 from gpu_profile import (
@@ -289,7 +289,7 @@ def main() -> None:
         "extend_tune": extend_tune, "decode_tune": decode_tune, "decode_order": decode_order,
         "decode_splits": decode_splits,
         # gpu_steps.py
-        "mixed": mixed, "sustained": sustained, "arrival": arrival,
+        "mixed": mixed, "sustained": sustained, "arrival": arrival, "decode_profile": decode_profile,
         # gpu_matmul.py
         "gemm_m": gemm_m, "gemm_power": gemm_power, "gemm_tunable": gemm_tunable,
         "skinny": skinny, "skinny_big": skinny_big, "skinny_tma": skinny_tma,

@@ -234,3 +234,66 @@ def arrival(quick: bool) -> None:
         found[f"{wave}_{n}"] = {"steps": steps, "total_s": total, "compiled": compiled}
         record(f"arrival wave {wave} x{n}: s, steps, slow (>60 ms)", f"{total:.2f} / {len(steps)} / {len(slow)}")
     RESULTS["arrival"] = found
+
+
+# kernel-name fragments (lower case) of each class of a decode step's GPU time
+KERNEL_CLASSES = (
+    ("prefetch", ("prefetch",)),  # the L2 weight prefetch on its side stream: overlaps, not summed
+    ("matmul", ("gemm", "gemv", "skinny", "cutlass", "nvjet", "xmma", "cublas")),
+    ("attention", ("decode_kernel", "extend", "reduce_kernel", "attention", "flash", "cudnn")),
+    ("sampling", ("sampl", "philox", "argmax", "topk", "top_k", "softmax", "exponential", "gumbel")),
+    ("norm/rope/silu", ("norm", "rope", "silu", "store_kv")),
+)
+
+
+def kernel_class(name: str) -> str:
+    """The class of a kernel by its name (KERNEL_CLASSES; "other": copies, embedding, ...)."""
+    low = name.lower()
+    return next((cls for cls, keys in KERNEL_CLASSES if any(k in low for k in keys)), "other")
+
+
+@section
+def decode_profile(quick: bool) -> None:
+    """Where a decode step's GPU time goes at batch 1, 64 and 256 (512-token contexts, greedy,
+    the decode graphs as `bench latency` replays them): GPU ms per step between CUDA events,
+    and torch.profiler's kernel time per step by class (weight matmuls with their TB/s and
+    TFLOP/s, attention with the KV bytes' TB/s, norms / RoPE / SiLU, sampling, the rest)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    engine = _serving_engine()
+    runner = runner_of(engine)
+    cfg = engine.model_config
+    weight_bytes = 2 * (cfg.num_parameters() - (0 if cfg.tie_word_embeddings else cfg.vocab_size * cfg.hidden_size))
+    kv_per_token = cfg.num_layers * 2 * cfg.num_kv_heads * cfg.head_dim * 2
+    ctx, n_prof = 512, 5
+    found = {}
+    for batch in (1, 64, 256):
+        reqs, out = _step_chunks(engine, batch, ctx, (), f"dp{batch}")
+        for _ in range(5):
+            runner.collect(runner.execute(out))
+        torch.cuda.synchronize()
+        gpu = sorted(_step_gpu_ms(runner, out) for _ in range(20))[10]
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            for _ in range(n_prof):
+                runner.collect(runner.execute(out))
+            torch.cuda.synchronize()
+        per_class: dict[str, float] = {}
+        for ev in prof.key_averages():
+            us = getattr(ev, "device_time_total", None) or getattr(ev, "cuda_time_total", 0.0)
+            cls = kernel_class(ev.key)
+            per_class[cls] = per_class.get(cls, 0.0) + us / n_prof / 1e3
+        mm, att = per_class.get("matmul", 0.0), per_class.get("attention", 0.0)
+        row = {"gpu_ms": round(gpu, 3), "class_ms": {k: round(v, 3) for k, v in sorted(per_class.items())},
+               "matmul_tb_s": round(weight_bytes / mm / 1e9, 2) if mm else None,
+               "matmul_tflop_s": round(2 * cfg.num_parameters() * batch / mm / 1e9, 1) if mm else None,
+               "attention_tb_s": round(batch * ctx * kv_per_token / att / 1e9, 2) if att else None,
+               "kernels": prof.key_averages().table(sort_by="cuda_time_total", row_limit=14,
+                                                    max_name_column_width=60)}
+        print(f"==== decode {batch} x {ctx}: {row}", flush=True)
+        found[str(batch)] = row
+        record(f"decode {batch} x {ctx}: GPU ms; matmul / attention / small / sampling / other ms",
+               f"{row['gpu_ms']}; " + " / ".join(f"{per_class.get(k, 0.0):.3f}" for k in
+                                                  ("matmul", "attention", "norm/rope/silu", "sampling", "other")))
+        for r in reqs:
+            engine.kv.free(r)
+    RESULTS["decode_profile"] = found
