@@ -11,7 +11,8 @@
 # MODEL (qwen3-4b-instruct-2507), TIMES (1: warm starts to time), BASE (a folder holding another
 # tree's pagedserve package: its warm starts alternate with this one's), COMPILE=1 (then write
 # the bytecode of every package, as a pip install does, and time warm and empty-cache starts
-# again), PYSPY=0 (no profile). Results go to $OUT.
+# again; with DROP_CACHES=1 the empty-cache start follows a drop of the operating system's page
+# cache, where permitted, as on a fresh machine), PYSPY=0 (no profile). Results go to $OUT.
 set -uo pipefail
 OUT="${OUT:-startup_results}"
 mkdir -p "$OUT"
@@ -67,6 +68,12 @@ if [ "${COMPILE:-0}" = 1 ]; then
     start warm_pyc1
     start warm_pyc2
     rm -rf "$TRITON_CACHE_DIR" "$PAGEDSERVE_PLAN_CACHE"
+    if [ "${DROP_CACHES:-0}" = 1 ]; then  # a fresh machine's cold file cache, where permitted
+        sync
+        if echo 3 2> /dev/null > /proc/sys/vm/drop_caches; then msg="page cache dropped"
+        else msg="the page cache could not be dropped (not permitted)"; fi
+        echo "before cold_pyc: $msg" | tee -a "$OUT/summary.txt"
+    fi
     start cold_pyc
 fi
 [ "${PYSPY:-1}" = 1 ] || { cat "$OUT/summary.txt"; exit 0; }
