@@ -240,14 +240,16 @@ def arrival(quick: bool) -> None:
 KERNEL_CLASSES = (
     ("prefetch", ("prefetch",)),  # the L2 weight prefetch on its side stream: overlaps, not summed
     ("matmul", ("gemm", "gemv", "skinny", "cutlass", "nvjet", "xmma", "cublas")),
-    ("attention", ("decode_kernel", "extend", "reduce_kernel", "attention", "flash", "cudnn")),
     ("sampling", ("sampl", "philox", "argmax", "topk", "top_k", "softmax", "exponential", "gumbel")),
+    ("attention", ("_decode_kernel", "_extend", "attention", "flash", "cudnn")),
     ("norm/rope/silu", ("norm", "rope", "silu", "store_kv")),
 )
 
 
 def kernel_class(name: str) -> str:
     """The class of a kernel by its name (KERNEL_CLASSES; "other": copies, embedding, ...)."""
+    if name == "_reduce_kernel":  # the split-KV merge (not torch's reduce_kernel<...>)
+        return "attention"
     low = name.lower()
     return next((cls for cls, keys in KERNEL_CLASSES if any(k in low for k in keys)), "other")
 
