@@ -19,7 +19,13 @@ import torch
 from pagedserve.attention.backend import AttentionBackend, AttentionContext, get_backend_class
 from pagedserve.attention.long_prefill import MIN_KEYS as LONG_MIN_KEYS
 from pagedserve.attention.long_prefill import MIN_QUERIES as LONG_MIN_QUERIES
-from pagedserve.config import EngineConfig, KernelConfig, ModelConfig, resolve_dtype
+from pagedserve.config import (
+    EngineConfig,
+    KernelConfig,
+    ModelConfig,
+    SchedulerConfig,
+    resolve_dtype,
+)
 from pagedserve.distributed.tensor_parallel import SINGLE, TensorParallel
 from pagedserve.engine.cache_sizing import determine_num_blocks
 from pagedserve.engine.kv_cache_spec import KVCacheSpec, check_kv_cache_device
@@ -87,9 +93,17 @@ class Worker:
         draft = None
         if config.speculative is not None and config.speculative.method == "draft_model":
             draft = self._build_draft(config, device, cfg, dtype)
+        self._cached_plans = self._read_plan_cache(kernels)  # (None: none kept, or the plan is off)
+
+        def profile() -> None:  # (with compile-ahead: its rehearsal also compiles the matmul
+            # plan's candidates and the fused samplers, so that they compile in parallel with it)
+            if self._compile_ahead:
+                self._rehearse(lambda: self._first_compiles(backend, sched, spec, kernels),
+                               "memory profile, matmul plan, samplers")
+            profile_forward(model, backend, sched, spec)
+
         num_blocks = determine_num_blocks(
-            spec, config.cache, sched, device,
-            profile=lambda: self.rehearsed(lambda: profile_forward(model, backend, sched, spec), "memory profile"),
+            spec, config.cache, sched, device, profile=profile,
             extra_bytes_per_block=draft[2].bytes_per_block if draft else 0)
         if tp.size > 1:  # the core keeps one block table for all ranks: the smallest one's
             blocks = torch.tensor([num_blocks], device=device)
@@ -110,7 +124,7 @@ class Worker:
             rows = min(sched.max_num_seqs, 64)
             packed = sum(pack_model_weights(m, rows) for m in (model, *(draft[:1] if draft else ())))
             logger.info("%d weights packed for oneDNN", packed)
-        if self.cuda and dtype in (torch.bfloat16, torch.float16) and kernels.skinny_matmul:
+        if self._plans_wanted(kernels):
             self.matmul_plan_seconds = self._plan_matmuls(kernels)
 
         self.graph_capture_seconds = 0.0
@@ -155,7 +169,6 @@ class Worker:
         Returns the seconds it took."""
         from pagedserve.layers.linear import (
             apply_matmul_plans,
-            compile_plan_candidates,
             plan_groups,
             plan_model_matmuls,
         )
@@ -163,22 +176,47 @@ class Worker:
 
         t0 = time.perf_counter()
         model = self.model
-        cache = PlanCache(kernels.plan_cache_dir) if kernels.plan_cache_dir else None
-        facts, groups = device_facts(self.device), plan_groups(model)
-        key = plan_key(facts, groups, kernels.pdl)
-        plans = cache.load(key) if cache is not None else None
-        if plans is not None:
-            apply_matmul_plans(model, plans)
-            logger.info("small-batch matmul plans read from %s", cache.path(key))
+        if self._cached_plans is not None:
+            apply_matmul_plans(model, self._cached_plans)
+            logger.info("small-batch matmul plans read from %s", self._plan_path)
         else:
-            if self._compile_ahead:
-                self._rehearse(lambda: compile_plan_candidates(model), "matmul plan")
+            # (their candidates were compiled in the memory profile's rehearsal)
             plans = plan_model_matmuls(model)
-            if cache is not None:
-                cache.store(key, plans, {"device": facts, "groups": groups, "pdl": kernels.pdl})
+            if kernels.plan_cache_dir:
+                facts, groups = device_facts(self.device), plan_groups(model)
+                PlanCache(kernels.plan_cache_dir).store(plan_key(facts, groups, kernels.pdl), plans,
+                                                        {"device": facts, "groups": groups, "pdl": kernels.pdl})
         seconds = time.perf_counter() - t0
         logger.info("small-batch matmuls planned in %.1f s", seconds)
         return seconds
+
+    def _plans_wanted(self, kernels: KernelConfig) -> bool:
+        """Whether this start-up gives the small-batch matmuls a plan (`_plan_matmuls`)."""
+        return self.cuda and self.dtype in (torch.bfloat16, torch.float16) and kernels.skinny_matmul
+
+    def _read_plan_cache(self, kernels: KernelConfig) -> dict | None:
+        """The plans an earlier start-up kept under this one's conditions
+        (`layers/plan_cache.py`; their file in `_plan_path`), or None."""
+        if not (self._plans_wanted(kernels) and kernels.plan_cache_dir):
+            return None
+        from pagedserve.layers.linear import plan_groups
+        from pagedserve.layers.plan_cache import PlanCache, device_facts, plan_key
+
+        cache = PlanCache(kernels.plan_cache_dir)
+        key = plan_key(device_facts(self.device), plan_groups(self.model), kernels.pdl)
+        self._plan_path = cache.path(key)
+        return cache.load(key)
+
+    def _first_compiles(self, backend, sched: SchedulerConfig, spec: KVCacheSpec, kernels: KernelConfig) -> None:
+        """The first rehearsal's work: the memory profile's forward, and, as they need no KV
+        cache, the matmul plan's candidates (unless a kept plan is read) and the fused samplers."""
+        from pagedserve.layers.linear import compile_plan_candidates
+
+        profile_forward(self.model, backend, sched, spec)
+        if self._plans_wanted(kernels) and self._cached_plans is None:
+            compile_plan_candidates(self.model)
+        self._sampler_kernels(kernels.fused_sampling, kernels.fused_sampling and kernels.top_k_top_p_kernel,
+                              sched.max_num_seqs)
 
     def _rehearse(self, fn: Callable[[], object], what: str) -> None:
         """Run `fn` over the first two decoder layers with its Triton kernels compiled in
@@ -210,18 +248,23 @@ class Worker:
             for variant in variants:
                 backend.prepare(meta, **variant)
                 self.model(ids, positions, AttentionContext(backend, meta))
-        if runner.sampler.fused:
-            from pagedserve.kernels.sampling import sample_with_temperature
+        self._sampler_kernels(runner.sampler.fused, runner.sampler.fused_top_k_top_p, max_num_seqs)
 
-            for rows in sorted({1, max_num_seqs}):
-                logits = torch.zeros(rows, self.model_config.vocab_size, device=self.device, dtype=self.dtype)
-                ones = torch.ones(rows, device=self.device)
-                sample_with_temperature(logits, ones, seed=1)
-                if runner.sampler.fused_top_k_top_p and self.dtype == torch.bfloat16:
-                    from pagedserve.kernels.top_k_top_p_sampling import sample_top_k_top_p
+    def _sampler_kernels(self, fused: bool, fused_top_k_top_p: bool, max_num_seqs: int) -> None:
+        """Launch the fused samplers at 1 and max_num_seqs rows, on logits in the model's dtype."""
+        if not fused:
+            return
+        from pagedserve.kernels.sampling import sample_with_temperature
 
-                    sample_top_k_top_p(logits, ones, torch.ones(rows, device=self.device, dtype=torch.int64),
-                                       ones, seed=1)
+        for rows in sorted({1, max_num_seqs}):
+            logits = torch.zeros(rows, self.model_config.vocab_size, device=self.device, dtype=self.dtype)
+            ones = torch.ones(rows, device=self.device)
+            sample_with_temperature(logits, ones, seed=1)
+            if fused_top_k_top_p and self.dtype == torch.bfloat16:
+                from pagedserve.kernels.top_k_top_p_sampling import sample_top_k_top_p
+
+                sample_top_k_top_p(logits, ones, torch.ones(rows, device=self.device, dtype=torch.int64),
+                                   ones, seed=1)
 
     def report_late_compiles(self) -> None:
         """From now on, log every Triton kernel variant first launched (a warm-up gap)."""
