@@ -94,12 +94,14 @@ class Worker:
         if config.speculative is not None and config.speculative.method == "draft_model":
             draft = self._build_draft(config, device, cfg, dtype)
         self._cached_plans = self._read_plan_cache(kernels)  # (None: none kept, or the plan is off)
+        self._plan_rehearsed = False
 
         def profile() -> None:  # (with compile-ahead: its rehearsal also compiles the matmul
             # plan's candidates and the fused samplers, so that they compile in parallel with it)
             if self._compile_ahead:
                 self._rehearse(lambda: self._first_compiles(backend, sched, spec, kernels),
                                "memory profile, matmul plan, samplers")
+                self._plan_rehearsed = True
             profile_forward(model, backend, sched, spec)
 
         num_blocks = determine_num_blocks(
@@ -169,6 +171,7 @@ class Worker:
         Returns the seconds it took."""
         from pagedserve.layers.linear import (
             apply_matmul_plans,
+            compile_plan_candidates,
             plan_groups,
             plan_model_matmuls,
         )
@@ -180,7 +183,8 @@ class Worker:
             apply_matmul_plans(model, self._cached_plans)
             logger.info("small-batch matmul plans read from %s", self._plan_path)
         else:
-            # (their candidates were compiled in the memory profile's rehearsal)
+            if self._compile_ahead and not self._plan_rehearsed:  # (no memory profile: a set KV size)
+                self._rehearse(lambda: compile_plan_candidates(model), "matmul plan")
             plans = plan_model_matmuls(model)
             if kernels.plan_cache_dir:
                 facts, groups = device_facts(self.device), plan_groups(model)
