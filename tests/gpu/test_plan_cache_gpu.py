@@ -13,14 +13,15 @@ from gpu_helpers import runner_of
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
 
-def _engine(folder, plans):
+def _engine(folder, plans, cache=None):
+    """An engine of a fixed KV-cache size (no memory profile), or with `cache` (a CacheConfig)."""
     from pagedserve.config import CacheConfig, EngineConfig, KernelConfig, SchedulerConfig
     from pagedserve.engine.core import EngineCore
 
     config = EngineConfig(model=str(folder), dtype="bfloat16", device="cuda",
                           kernels=KernelConfig(plan_cache_dir=str(plans)),
                           scheduler=SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=512, max_model_len=256),
-                          cache=CacheConfig(kv_cache_memory=64 << 20))
+                          cache=cache or CacheConfig(kv_cache_memory=64 << 20))
     return EngineCore(config)
 
 
@@ -56,3 +57,22 @@ def test_second_engine_reads_the_kept_plan(tmp_path, caplog):
     assert f"small-batch matmul plans read from {kept[0]}" in caplog.text
     assert runner_of(second).model.logits_plan == want_plan
     assert _greedy(second) == want
+
+
+def test_memory_profile_rehearsal_compiles_the_plan_candidates(tmp_path, caplog):
+    """With a memory profile, its compile-ahead rehearsal also compiles the matmul plan's
+    candidates and the fused samplers (one parallel batch); no separate plan rehearsal
+    follows, the plan is timed and kept, and the tokens match an engine without a profile."""
+    from conftest import make_hf_checkpoint
+    from pagedserve.config import CacheConfig
+
+    make_hf_checkpoint("qwen3", tmp_path / "model")
+    caplog.set_level(logging.INFO)
+    profiled = _engine(tmp_path / "model", tmp_path / "plans_a", CacheConfig(gpu_memory_utilization=0.3))
+    assert "memory profile, matmul plan, samplers:" in caplog.text
+    assert "matmul plan: " not in caplog.text  # (the separate rehearsal's log line)
+    assert len(list((tmp_path / "plans_a").glob("*.json"))) == 1
+    got = _greedy(profiled)
+    del profiled
+    torch.cuda.empty_cache()
+    assert _greedy(_engine(tmp_path / "model", tmp_path / "plans_b")) == got
