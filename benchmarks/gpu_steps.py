@@ -262,11 +262,11 @@ def decode_profile(quick: bool) -> None:
     TFLOP/s, attention with the KV bytes' TB/s, norms / RoPE / SiLU, sampling, the rest)."""
     from torch.profiler import ProfilerActivity, profile
 
+    from pagedserve.bench.roofline import Roofline
+
     engine = _serving_engine()
     runner = runner_of(engine)
-    cfg = engine.model_config
-    weight_bytes = 2 * (cfg.num_parameters() - (0 if cfg.tie_word_embeddings else cfg.vocab_size * cfg.hidden_size))
-    kv_per_token = cfg.num_layers * 2 * cfg.num_kv_heads * cfg.head_dim * 2
+    roof = Roofline.for_model(engine.model_config)  # bf16: the bytes a decode step reads
     ctx, n_prof = 512, 5
     found = {}
     for batch in (1, 64, 256):
@@ -286,9 +286,9 @@ def decode_profile(quick: bool) -> None:
             per_class[cls] = per_class.get(cls, 0.0) + us / n_prof / 1e3
         mm, att = per_class.get("matmul", 0.0), per_class.get("attention", 0.0)
         row = {"gpu_ms": round(gpu, 3), "class_ms": {k: round(v, 3) for k, v in sorted(per_class.items())},
-               "matmul_tb_s": round(weight_bytes / mm / 1e9, 2) if mm else None,
-               "matmul_tflop_s": round(2 * cfg.num_parameters() * batch / mm / 1e9, 1) if mm else None,
-               "attention_tb_s": round(batch * ctx * kv_per_token / att / 1e9, 2) if att else None,
+               "matmul_tb_s": round(roof.weight_bytes / mm / 1e9, 2) if mm else None,
+               "matmul_tflop_s": round(2 * roof.params * batch / mm / 1e9, 1) if mm else None,
+               "attention_tb_s": round(batch * ctx * roof.kv_bytes_per_token / att / 1e9, 2) if att else None,
                "kernels": prof.key_averages().table(sort_by="cuda_time_total", row_limit=14,
                                                     max_name_column_width=60)}
         print(f"==== decode {batch} x {ctx}: {row}", flush=True)

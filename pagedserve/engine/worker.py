@@ -172,24 +172,22 @@ class Worker:
         from pagedserve.layers.linear import (
             apply_matmul_plans,
             compile_plan_candidates,
-            plan_groups,
             plan_model_matmuls,
         )
-        from pagedserve.layers.plan_cache import PlanCache, device_facts, plan_key
 
         t0 = time.perf_counter()
         model = self.model
         if self._cached_plans is not None:
+            cache, key, _ = self._plan_cache
             apply_matmul_plans(model, self._cached_plans)
-            logger.info("small-batch matmul plans read from %s", self._plan_path)
+            logger.info("small-batch matmul plans read from %s", cache.path(key))
         else:
             if self._compile_ahead and not self._plan_rehearsed:  # (no memory profile: a set KV size)
                 self._rehearse(lambda: compile_plan_candidates(model), "matmul plan")
             plans = plan_model_matmuls(model)
-            if kernels.plan_cache_dir:
-                facts, groups = device_facts(self.device), plan_groups(model)
-                PlanCache(kernels.plan_cache_dir).store(plan_key(facts, groups, kernels.pdl), plans,
-                                                        {"device": facts, "groups": groups, "pdl": kernels.pdl})
+            if self._plan_cache is not None:
+                cache, key, about = self._plan_cache
+                cache.store(key, plans, about)
         seconds = time.perf_counter() - t0
         logger.info("small-batch matmuls planned in %.1f s", seconds)
         return seconds
@@ -200,15 +198,17 @@ class Worker:
 
     def _read_plan_cache(self, kernels: KernelConfig) -> dict | None:
         """The plans an earlier start-up kept under this one's conditions
-        (`layers/plan_cache.py`; their file in `_plan_path`), or None."""
+        (`layers/plan_cache.py`), or None. Sets `_plan_cache`: (cache, key, what the key was made
+        of), where a plan is wanted and kept on disk, for `_plan_matmuls` to store a new one."""
+        self._plan_cache = None
         if not (self._plans_wanted(kernels) and kernels.plan_cache_dir):
             return None
         from pagedserve.layers.linear import plan_groups
         from pagedserve.layers.plan_cache import PlanCache, device_facts, plan_key
 
-        cache = PlanCache(kernels.plan_cache_dir)
-        key = plan_key(device_facts(self.device), plan_groups(self.model), kernels.pdl)
-        self._plan_path = cache.path(key)
+        facts, groups = device_facts(self.device), plan_groups(self.model)
+        cache, key = PlanCache(kernels.plan_cache_dir), plan_key(facts, groups, kernels.pdl)
+        self._plan_cache = (cache, key, {"device": facts, "groups": groups, "pdl": kernels.pdl})
         return cache.load(key)
 
     def _first_compiles(self, backend, sched: SchedulerConfig, spec: KVCacheSpec, kernels: KernelConfig) -> None:
