@@ -113,26 +113,37 @@ def test_a_recomputed_prefill_keeps_the_scores_it_had():
 
 def test_scores_come_a_block_of_rows_at_a_time(monkeypatch):
     """A long prompt's rows are scored ROWS_AT_ONCE at a time ([rows, vocab] float32 each):
-    the same numbers as all at once; each target's rank is 1 + the tokens more likely."""
+    the same numbers as all at once; each target's rank is 1 + the tokens strictly more likely,
+    so tokens tied with the target share its rank."""
     import numpy as np
 
     from pagedserve.engine import prompt_logprobs as pl
 
     class Head:
-        def compute_logits(self, hidden):
-            return hidden @ torch.arange(40.0).reshape(4, 10) / 40
+        def compute_logits(self, hidden):  # [rows, 10]: a + j * sum(h) for token j
+            return hidden @ torch.arange(40.0).reshape(4, 10) / 8
 
-    hidden = torch.randn(300, 4)
+    # Small integers and a power-of-two divisor make every logit exact in float32, whatever
+    # the matmul's blocking or summation order: the blocks' numbers can be compared bit for
+    # bit, and ties are exact ties (a row whose entries sum to 0 ties all ten tokens).
+    hidden = torch.randint(-3, 4, (300, 4)).float()
+    hidden[0] = torch.tensor([1.0, -2.0, 3.0, 1.0])  # row 0 (its top 3 read below) has no tie
+    tied = hidden.sum(1) == 0
+    assert 10 < int(tied.sum()) < 290  # (both kinds of row occur)
     rows = pl.PromptRows(["a", "b"], [1, 1], [200, 100], [3, 1], np.arange(300), np.arange(300) % 10)
     whole = pl.score(Head(), hidden, rows)
     monkeypatch.setattr(pl, "ROWS_AT_ONCE", 7)
     assert all(torch.equal(x, y) for x, y in zip(whole, pl.score(Head(), hidden, rows)))
     out = pl.entries(rows, *whole)
     assert [len(out["a"][1]), len(out["b"][1])] == [200, 100] and len(out["b"][1][0][2]) == 1
-    logprobs = Head().compute_logits(hidden).log_softmax(-1)  # [300, 10]
+    logits = Head().compute_logits(hidden)  # [300, 10], exact
     targets = torch.as_tensor(rows.targets)
-    want = (logprobs > logprobs.gather(1, targets[:, None])).sum(1) + 1
-    assert [rank for _, rank, _ in out["a"][1] + out["b"][1]] == want.tolist()
-    assert set(want.tolist()) == set(range(1, 11))  # (every rank occurs: the check can fail)
+    want = (logits > logits.gather(1, targets[:, None])).sum(1) + 1
+    ranks = torch.tensor([rank for _, rank, _ in out["a"][1] + out["b"][1]])
+    assert torch.equal(ranks, want)
+    assert (ranks[tied] == 1).all()  # a tie with every token: nothing is strictly more likely
+    assert set(ranks[~tied].tolist()) == set(range(1, 11))  # (every rank occurs: the check can fail)
+    logprobs = logits.log_softmax(-1)
     top = out["a"][1][0][2]  # the top 3, likeliest first
     assert [t for t, _ in top] == logprobs[0].topk(3).indices.tolist()
+    torch.testing.assert_close(torch.tensor([lp for _, lp in top]), logprobs[0].topk(3).values)

@@ -288,10 +288,15 @@ def test_buffered_forward_matches_a_standalone_step(dtype, kind):
             got = graphs.replay(key, a)
     tol = 1e-4 if dtype == torch.float32 else 2e-3
     torch.testing.assert_close(got.float(), want.float(), rtol=tol, atol=tol)
-    for layer, (w, g) in enumerate(zip(want_caches, caches)):  # same K/V written, padding skipped
-        # (a verify graph's attention is the decode kernel's, the standalone step's the
-        # extend kernel's: from the second layer on, K/V differ in their last bits)
-        exact = kind != "verify" or layer == 0
+    # Same K/V written, padding skipped. Bit for bit only where the same kernels ran over the
+    # same rows: a CPU BLAS picks its blocking (and so its sums' order) by the row count, so
+    # the first layer's K/V projection over a graph's padded bucket may round differently from
+    # the standalone step's (seen: 9 rows against a bucket of 12). From the second layer on, a
+    # verify graph's attention is the decode kernel's and the standalone step's the extend
+    # kernel's, which differ in their last bits whatever the rows.
+    same_rows = kind == "eager" or key.num_tokens == a.num_tokens
+    for layer, (w, g) in enumerate(zip(want_caches, caches)):
+        exact = same_rows and (kind != "verify" or layer == 0)
         torch.testing.assert_close(g, w, rtol=0 if exact else tol, atol=0 if exact else tol)
 
 
