@@ -23,12 +23,20 @@ PACKABLE_DTYPES = (torch.float32, torch.bfloat16)
 
 
 def can_pack(weight: torch.Tensor) -> bool:
-    """Whether oneDNN can take `weight` [out, in]: a CPU float32/bfloat16 tensor, and a torch
-    built with oneDNN (mkldnn) and its packed-linear operators."""
+    """Whether oneDNN can take `weight` [out, in]: a CPU float32/bfloat16 tensor, a torch built
+    with oneDNN (mkldnn) and its packed-linear operators, and for bfloat16 a CPU whose
+    instructions oneDNN's bfloat16 path needs (AVX-512 BW/VL/DQ or AVX-NE-CONVERT; an AVX2-only
+    CPU has neither, and the reorder would raise)."""
     return (weight.device.type == "cpu" and weight.dtype in PACKABLE_DTYPES and weight.dim() == 2
             and torch.backends.mkldnn.is_available()
             and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
-            and hasattr(torch.ops.mkldnn, "_linear_pointwise"))
+            and hasattr(torch.ops.mkldnn, "_linear_pointwise")
+            and (weight.dtype != torch.bfloat16 or _bf16_supported()))
+
+
+def _bf16_supported() -> bool:
+    probe = getattr(torch.ops.mkldnn, "_is_mkldnn_bf16_supported", None)
+    return probe is not None and bool(probe())
 
 
 def pack(weight: torch.Tensor, rows_hint: int) -> torch.Tensor:
