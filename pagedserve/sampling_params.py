@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import math
 from collections.abc import Callable
@@ -199,11 +200,25 @@ class SamplingParams:
 
     def for_sample(self, index: int) -> SamplingParams:
         """The params of sample `index` of an n > 1 request: n = 1 and, when seeded, a seed
-        of its own (seed + index, wrapped into the signed 64-bit range)."""
+        of its own (seed + index, wrapped into the signed 64-bit range). A shallow copy: the
+        samples share this request's lists (stop strings, bad words), which nothing changes,
+        so n samples cost n small objects, not n copies of megabytes of stop strings."""
         if self.n == 1:
             return self
-        seed = None if self.seed is None else (self.seed + index + 2**63) % 2**64 - 2**63
-        return dataclasses.replace(self, n=1, seed=seed)
+        sample = copy.copy(self)
+        sample.n = 1
+        sample.seed = None if self.seed is None else (self.seed + index + 2**63) % 2**64 - 2**63
+        return sample
+
+    def for_engine(self) -> SamplingParams:
+        """These params without what only the front end reads (the stop strings, which the
+        output processor applies to the text, and the bad words' text, which the engine knows
+        as `bad_words_token_ids`): what crosses to the engine-core process. A shallow copy."""
+        if not self.stop and not self.bad_words:
+            return self
+        engine = copy.copy(self)
+        engine.stop, engine.bad_words = [], None
+        return engine
 
     def clone(self) -> SamplingParams:
         """A validated copy whose lists are not shared with this one."""

@@ -65,7 +65,7 @@ def _inputs(core, rounds):
 
     msgs = []
     for i in range(rounds):
-        msgs.append([AddRequest(EngineRequest(f"r{i}", [1], SamplingParams()))])
+        msgs.append([AddRequest([EngineRequest(f"r{i}", [1], SamplingParams())])])
     msgs.append([Shutdown()])
 
     class Inp(FakeSockets):

@@ -97,7 +97,11 @@ class CoreStats:
 
 @dataclass
 class AddRequest:
-    request: EngineRequest
+    """Requests for the core, in order: the samples of one HTTP request (and of any others
+    sent in the same turn of the front end's event loop) travel together, so that what they
+    share (one prompt's ids, one bad-words list) is pickled once, whatever `n` is."""
+
+    requests: list[EngineRequest]
 
 
 @dataclass

@@ -35,7 +35,6 @@ from pagedserve.config import EngineConfig
 from pagedserve.engine.core_process import run_engine_core
 from pagedserve.engine.messages import (
     AbortRequests,
-    AddRequest,
     CoreInfo,
     CoreStats,
     EngineRequest,
@@ -46,6 +45,7 @@ from pagedserve.engine.messages import (
 )
 from pagedserve.engine.output_processor import OutputProcessor, SampleState
 from pagedserve.sampling_params import SamplingParams
+from pagedserve.server.core_outbox import CoreOutbox
 from pagedserve.server.engine_errors import (  # noqa: F401 (re-exported)
     EngineDeadError,
     EngineStartError,
@@ -135,6 +135,7 @@ class AsyncEngineClient:
         self._in = self._out = None
         self._proc = None
         self._closing = False
+        self._outbox = CoreOutbox(lambda: self._in, self._unsent)
         # Callbacks the server sets (each optional):
         self.on_finish: Callable | None = None  # (pending, state, now): a sample finished
         self.token_gaps = []  # seconds between outputs; app.py puts metrics' BinnedHistogram here
@@ -233,9 +234,11 @@ class AsyncEngineClient:
         pending.state = self.processor.samples[request_id]
         finished = False
         try:
-            # arrival = when this process took the request: the queue time then covers the hop
-            await self._in.send_pyobj(AddRequest(EngineRequest(
-                request_id, prompt_ids, params, priority, arrival_time=pending.arrival)))
+            # arrival = when this process took the request: the queue time then covers the hop.
+            # The samples of a request go in one message (`core_outbox.py`), without the fields
+            # only this process reads (stop strings).
+            self._outbox.add(EngineRequest(request_id, prompt_ids, params.for_engine(), priority,
+                                           arrival_time=pending.arrival))
             async for state in pending.states():
                 finished = state.finished
                 yield state
@@ -246,8 +249,13 @@ class AsyncEngineClient:
                 await self._send_abort([request_id])
 
     async def _send_abort(self, ids: list[str]) -> None:
+        self._outbox.flush()  # (the requests first)
         with contextlib.suppress(zmq.ZMQError):
             await self._in.send_pyobj(AbortRequests(ids))
+
+    def _unsent(self, request_ids: list[str], error: Exception) -> None:
+        self._fail(request_ids, RequestFailed(f"the request could not be sent to the engine: "
+                                              f"{error!r}", "loop"), "loop")
 
     def fail_all(self, error: Exception, source: str) -> None:
         """Fail every request in flight with `error` (each consumer raises it at once)."""
