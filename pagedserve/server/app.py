@@ -111,6 +111,7 @@ def create_app(settings: ServerSettings, core: SpawnedCore | None = None) -> Fas
     client.token_gaps = metrics.itl  # inter-token latency: the client appends, metrics bin
     client.on_restart = metrics.on_engine_restart
     client.on_fatal = settings.on_fatal
+    metrics.admitted.set_function(lambda: server.num_admitted)
     # GPU (NVML) and process CPU/memory, read on each scrape; the baselines have no engine pid.
     register_system_collectors(metrics.registry, lambda: getattr(client, "engine_pid", None))
 
@@ -166,7 +167,7 @@ def create_app(settings: ServerSettings, core: SpawnedCore | None = None) -> Fas
     app.state.server, app.state.metrics, app.state.drain = server, metrics, drain
     install_error_handlers(app)
     app.add_middleware(_Guard, api_key=settings.api_key, max_body_bytes=settings.max_body_bytes,
-                       body_read_timeout=settings.body_read_timeout)
+                       body_read_timeout=settings.body_read_timeout, server=server)
     # Added last, so outermost: a browser's preflight (which carries no API key) is answered
     # here, and the guard's 401 and 413 answers carry the CORS headers too.
     app.add_middleware(CORSMiddleware, allow_origins=settings.allowed_origins,
@@ -281,9 +282,9 @@ class _Guard:
     """
 
     def __init__(self, app: ASGIApp, api_key: str | None, max_body_bytes: int,
-                 body_read_timeout: float) -> None:
+                 body_read_timeout: float, server: Server) -> None:
         self.app, self.api_key, self.max_body_bytes = app, api_key, max_body_bytes
-        self.body_read_timeout = body_read_timeout
+        self.body_read_timeout, self.server = body_read_timeout, server
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -325,7 +326,8 @@ class _Guard:
                 body_done = not message.get("more_body", False)
             return message
 
-        await self.app(scope, limited_receive, send)
+        with self.server.admission_scope():  # (what the request admits ends with it)
+            await self.app(scope, limited_receive, send)
 
 
 def _route_path(scope: Scope) -> str:

@@ -179,6 +179,9 @@ class Metrics:
                                      own, registry=r).labels(model_name)
         self.restarts = Counter("pagedserve_engine_restarts", "Engine-core processes started after "
                                 "one died", own, registry=r).labels(model_name)
+        # set to read the server's count (app.py): 0 whenever no HTTP request holds a sample
+        self.admitted = Gauge("pagedserve_samples_admitted", "Samples (prompts x n) admitted whose "
+                              "HTTP requests have not ended", own, registry=r).labels(model_name)
         self._last = _ZERO
         self._logged = (time.monotonic(), 0, 0, 0, 0, 0)  # (time, prompt, generation, spec counts)
 

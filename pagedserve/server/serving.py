@@ -3,12 +3,12 @@
 from __future__ import annotations
 
 import asyncio
-import json
+import contextlib
 import logging
 import time
 import uuid
-import weakref
-from collections.abc import AsyncIterator, Awaitable
+from collections.abc import AsyncIterator, Awaitable, Iterator
+from contextvars import ContextVar
 from dataclasses import dataclass
 
 from fastapi import Request
@@ -23,7 +23,8 @@ from pagedserve.server.engine_client import (
     RequestRejected,
     ServerShuttingDown,
 )
-from pagedserve.server.errors import APIError, error_body
+from pagedserve.server.errors import APIError
+from pagedserve.server.sse import SSEChunks, sse_error, usage  # noqa: F401 (re-exported)
 from pagedserve.server.tools import ToolSettings
 from pagedserve.tokenizer import IncrementalDetokenizer
 
@@ -42,7 +43,18 @@ logger = logging.getLogger("pagedserve")
 request_logger = logging.getLogger("pagedserve.requests")  # a line per request (--disable-log-requests)
 
 
-@dataclass(eq=False)  # hashed by identity: Server counts the live ones in a WeakSet
+@dataclass
+class Admission:
+    """What one HTTP request holds admitted: `Server.admission_scope` gives it back."""
+
+    samples: int = 0
+
+
+# The admission of the HTTP request being served (set by Server.admission_scope)
+_ADMISSION: ContextVar[Admission | None] = ContextVar("pagedserve_admission", default=None)
+
+
+@dataclass
 class Choice:
     """One output choice to generate: which prompt, with which params."""
 
@@ -71,10 +83,11 @@ class Server:
         self.tools = tools or ToolSettings()
         self.draining: str | None = None  # set on SIGTERM: why new requests are refused
         self.created = int(time.time())
-        # Choices admitted by check_capacity and still alive (a choice lives as long as the
-        # request that holds it). Counted here, not by the engine client, which only learns of
-        # a sample when its generation starts: a burst would all pass the check before that.
-        self._admitted: weakref.WeakSet[Choice] = weakref.WeakSet()
+        # Samples admitted by check_capacity whose HTTP requests have not ended (each request's
+        # share is given back when its admission scope exits, however it ended). Counted here,
+        # not by the engine client, which only learns of a sample when its generation starts:
+        # a burst would all pass the check before that.
+        self.num_admitted = 0
 
     @property
     def max_model_len(self) -> int:
@@ -93,10 +106,21 @@ class Server:
                             f"{', '.join(repr(n) for n in self.served_names)}",
                        param="model", code="model_not_found")
 
-    @property
-    def num_admitted(self) -> int:
-        """Choices admitted and not yet released (their requests still run or stream)."""
-        return len(self._admitted)
+    @contextlib.contextmanager
+    def admission_scope(self) -> Iterator[Admission]:
+        """Around one HTTP request, from its first byte to its response's last (the guard in
+        app.py enters it): what `check_capacity` admits inside is given back when it exits,
+        whether the request was answered, refused, failed or abandoned by its client. (It
+        used to be a weak set of choices, which a refused request's traceback could keep
+        alive: SIGTERM then waited its whole timeout for a request that did not exist.)"""
+        account = Admission()
+        token = _ADMISSION.set(account)
+        try:
+            yield account
+        finally:
+            _ADMISSION.reset(token)
+            self.num_admitted -= account.samples
+            account.samples = 0
 
     def check_capacity(self, choices: list[Choice]) -> None:
         """Admit `choices`, or refuse them when the server drains, the engine is down or the
@@ -113,10 +137,14 @@ class Server:
         if extra > limit:  # retrying would never help
             raise APIError(400, f"the request asks for {extra} samples (prompts x n) but this server "
                                 f"holds at most {limit} at once", param="n")
-        if len(self._admitted) + extra > limit:
+        account = _ADMISSION.get()
+        if account is None:
+            raise RuntimeError("check_capacity runs inside Server.admission_scope() only")
+        if self.num_admitted + extra > limit:
             raise APIError(503, "the server is at capacity: too many requests are waiting; retry later",
                            code="queue_full", headers={"Retry-After": "1"})
-        self._admitted.update(choices)
+        account.samples += extra
+        self.num_admitted += extra
 
     def encode(self, text: str, add_special_tokens: bool, param: str) -> list[int]:
         """Token ids of request text; a 400 for a lone surrogate (a JSON escape like \\ud800
@@ -328,50 +356,3 @@ async def start_choices(client: AsyncEngineClient, request: Request, request_id:
             yield item
 
     return chained()
-
-
-def usage(prompt_tokens: int, completion_tokens: int) -> dict:
-    """The OpenAI usage object."""
-    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-            "total_tokens": prompt_tokens + completion_tokens}
-
-
-class SSEChunks:
-    """Server-sent events of one stream: a fixed header (id, object, created, model), then the
-    choices. With stream_options.include_usage every chunk carries "usage": null until the
-    last (`final`), or, with continuous_usage_stats, the counts so far (the stream adds its
-    tokens to `completion_tokens` before it sends them). The header is serialised once per
-    stream, not once per token."""
-
-    def __init__(self, header: dict, include_usage: bool, prompt_tokens: int = 0,
-                 continuous: bool = False) -> None:
-        head = json.dumps(header, ensure_ascii=False)
-        self._start = f'data: {head[:-1]}, "choices": '
-        self._end = ', "usage": null}\n\n' if include_usage else "}\n\n"
-        self.prompt_tokens, self.completion_tokens, self.continuous = prompt_tokens, 0, continuous
-
-    def __call__(self, choices: list[dict], usage_obj: dict | None = None,
-                 prompt_token_ids: list[int] | None = None) -> str:
-        body = json.dumps(choices, ensure_ascii=False)
-        if prompt_token_ids is not None:  # (a top-level field after the choices: vLLM's chat)
-            body += f', "prompt_token_ids": {json.dumps(prompt_token_ids)}'
-        if usage_obj is None and self.continuous:
-            usage_obj = usage(self.prompt_tokens, self.completion_tokens)
-        if usage_obj is None:
-            return self._start + body + self._end
-        return f"{self._start}{body}, \"usage\": {json.dumps(usage_obj)}}}\n\n"
-
-    def final(self) -> str:
-        """The last chunk: no choices, the stream's usage."""
-        return self([], usage(self.prompt_tokens, self.completion_tokens))
-
-
-def sse_error(e: Exception) -> str:
-    """An error after the stream's headers went out is reported in-band, as OpenAI does, and
-    the stream still ends with [DONE], so every client's loop ends."""
-    if isinstance(e, APIError):
-        body = error_body(e.status, e.message, e.param, e.code)
-    else:
-        logger.error("a stream failed", exc_info=e)
-        body = error_body(500, f"internal error: {type(e).__name__}")
-    return f"data: {json.dumps(body)}\n\ndata: [DONE]\n\n"
