@@ -10,6 +10,7 @@ nothing.
 
 from __future__ import annotations
 
+import asyncio
 import ctypes
 import ctypes.util
 import time
@@ -53,6 +54,7 @@ class HeapTrimmer:
         self.pending = False  # large work happened since the last trim
         self.last = float("-inf")  # time.monotonic() of the last trim
         self.count = 0  # trims done
+        self._scheduled = False
 
     def note(self, num_bytes: int) -> None:
         if num_bytes >= self.threshold_bytes:
@@ -71,3 +73,14 @@ class HeapTrimmer:
         self.last = time.monotonic()
         if trim():
             self.count += 1
+
+    def schedule(self, loop: asyncio.AbstractEventLoop) -> None:
+        """(asyncio) Trim in a worker thread once due, unless a trim is scheduled already;
+        nothing unless `pending`."""
+        if self.pending and not self._scheduled:
+            self._scheduled = True
+            loop.call_later(self.wait_s(), self._start, loop)
+
+    def _start(self, loop: asyncio.AbstractEventLoop) -> None:
+        self._scheduled = False
+        loop.run_in_executor(None, self.trim)

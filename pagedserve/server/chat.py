@@ -79,7 +79,8 @@ async def prepare_chat(server: Server, body: ChatCompletionRequest) -> PreparedC
                                 f"it cannot be combined with {field}", param=field)
         structured, field = tools.constraint, "tool_choice"
     text = await render_messages(server, body, tools.tools if tools is not None else None)
-    ids = await server.encode_async(text, False, "messages")
+    ids = await server.encode_async(text, False, "messages",
+                                    fit_context=body.truncate_prompt_tokens is None)
     ids = server.truncate_prompt(ids, body.truncate_prompt_tokens)
     max_tokens = server.resolve_max_tokens(ids, body.output_limit, "messages",
                                            given=body.output_limit is not None)

@@ -34,8 +34,9 @@ async def _prepare(server: Server, body: CompletionRequest
     server.check_logprobs(body.prompt_logprobs, "prompt_logprobs")
     body = body.with_defaults(server.sampling_defaults)
     structured, field = request_constraint(body)
-    prompts = [await server.encode_async(p, True, "prompt") if isinstance(p, str) else p
-               for p in body.prompts()]
+    fit = body.truncate_prompt_tokens is None
+    prompts = [await server.encode_async(p, True, "prompt", fit_context=fit) if isinstance(p, str)
+               else p for p in body.prompts()]
     prompts = [server.truncate_prompt(p, body.truncate_prompt_tokens) for p in prompts]
     choices, n = [], body.n
     for p_idx, ids in enumerate(prompts):
