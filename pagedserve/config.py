@@ -8,7 +8,7 @@ speak in torch types import it when called.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any
 
 from pagedserve.faults import FaultPlan
@@ -163,18 +163,32 @@ class ModelConfig:
         return model_config_from_hf(cfg)
 
 
+# A step's token budget when none is given, by device: on the CPU a step of 8192 tokens takes
+# many seconds, and aborts and new requests wait for the step in flight (performance.md)
+DEFAULT_BATCHED_TOKENS = {"cuda": 8192, "cpu": 512}
+
+
 @dataclass(frozen=True)
 class SchedulerConfig:
     """Limits for one engine step."""
 
     max_num_seqs: int = 256  # most requests running at once
-    max_num_batched_tokens: int = 8192  # token budget of one step (decodes + prefill chunks)
+    # token budget of one step (decodes + prefill chunks); None: the device's (`for_device`)
+    max_num_batched_tokens: int | None = None
     max_model_len: int = 4096  # prompt + output limit per request
 
     def __post_init__(self) -> None:
         for name in ("max_num_seqs", "max_num_batched_tokens", "max_model_len"):
-            if getattr(self, name) <= 0:
-                raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
+            value = getattr(self, name)
+            if value is None and name != "max_num_batched_tokens" or value is not None and value <= 0:
+                raise ValueError(f"{name} must be positive, got {value}")
+
+    def for_device(self, device_type: str) -> SchedulerConfig:
+        """These limits with the step's token budget set (CUDA's default on other devices)."""
+        if self.max_num_batched_tokens is not None:
+            return self
+        budget = DEFAULT_BATCHED_TOKENS.get(device_type, DEFAULT_BATCHED_TOKENS["cuda"])
+        return replace(self, max_num_batched_tokens=budget)
 
 
 @dataclass(frozen=True)
@@ -275,8 +289,6 @@ def _check_tensor_parallel(size: int, model_cfg: ModelConfig, kw: dict[str, Any]
 
 def _checked_draft(spec: SpeculativeConfig, model_cfg: ModelConfig, load_format: str) -> SpeculativeConfig:
     """The draft model resolved (a Hub id: its local folder) and its vocabulary checked."""
-    from dataclasses import replace
-
     from pagedserve.models.source import resolve_model
 
     try:
@@ -324,7 +336,7 @@ class EngineConfig:
 
     @classmethod
     def from_args(cls, model: str | None = None, *, max_model_len: int | None = None,
-                  max_num_seqs: int = 256, max_num_batched_tokens: int = 8192, block_size: int = 16,
+                  max_num_seqs: int = 256, max_num_batched_tokens: int | None = None, block_size: int = 16,
                   enable_prefix_caching: bool = True, kv_cache_memory: int | None = None,
                   gpu_memory_utilization: float = 0.9, kv_cache_dtype: str = "auto",
                   revision: str | None = None,
@@ -370,9 +382,9 @@ class EngineConfig:
         )
         return config, source, model_cfg
 
-    def scheduler_for(self, model_cfg: ModelConfig) -> SchedulerConfig:
-        """The scheduler limits with max_model_len clamped to what the model supports."""
-        sched = self.scheduler
+    def scheduler_for(self, model_cfg: ModelConfig, device_type: str | None = None) -> SchedulerConfig:
+        """The limits with max_model_len clamped to the model's, the budget to `device_type`'s."""
+        sched = self.scheduler if device_type is None else self.scheduler.for_device(device_type)
         max_len = min(sched.max_model_len, model_cfg.max_position_embeddings)
         if max_len == sched.max_model_len:
             return sched

@@ -80,17 +80,30 @@ def parse_metrics(text: str) -> dict[str, float]:
     return out
 
 
-def wait_idle(url: str, timeout: float = 15.0) -> dict[str, float]:
-    """Poll /metrics until nothing runs or waits and the KV cache is empty (aborts are async);
-    the last reading."""
+def held(m: dict[str, float]) -> dict[str, float]:
+    """What a server's /metrics reading says it still holds for requests: running and waiting
+    requests, KV blocks, samples admitted by the HTTP process (all 0 once every request ended)."""
+    names = ("vllm:num_requests_running", "vllm:num_requests_waiting", "vllm:kv_cache_usage_perc",
+             "pagedserve_samples_admitted")
+    return {k: m[k] for k in names if m.get(k)}
+
+
+def wait_idle(url: str, timeout: float = 15.0, interval: float = 0.2) -> dict[str, float]:
+    """Poll /metrics until nothing runs or waits, the KV cache is empty (aborts are async) and
+    no sample is admitted; the last reading."""
     deadline = time.monotonic() + timeout
     while True:
         m = metrics(url)
-        idle = (m["vllm:num_requests_running"] == 0 and m["vllm:num_requests_waiting"] == 0
-                and m["vllm:kv_cache_usage_perc"] == 0)
-        if idle or time.monotonic() > deadline:
+        if not held(m) or time.monotonic() > deadline:
             return m
-        time.sleep(0.2)
+        time.sleep(interval)
+
+
+def assert_nothing_held(url: str, timeout: float = 10.0) -> None:
+    """The invariant after every request has ended: running and waiting counts, KV blocks and
+    admitted samples are back to zero (within `timeout`: aborts are async)."""
+    m = wait_idle(url, timeout)
+    assert not held(m), held(m)
 
 
 class SseStream:

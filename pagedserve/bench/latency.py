@@ -21,6 +21,7 @@ def run_latency(args, llm_kwargs: dict, llm=None) -> dict:
     import torch
 
     from pagedserve import LLM, SamplingParams
+    from pagedserve.config import SchedulerConfig
     from pagedserve.engine.messages import EngineRequest
     from pagedserve.spec_decode.config import SpeculativeConfig
 
@@ -30,7 +31,11 @@ def run_latency(args, llm_kwargs: dict, llm=None) -> dict:
         if not llm_kwargs.get("max_model_len"):  # (a speculative step gives up to k + 1 tokens)
             spec = SpeculativeConfig.parse(llm_kwargs.get("speculative_config"))
             per_step = 1 + (spec.num_speculative_tokens if spec else 0)
-            budget = llm_kwargs.get("max_num_batched_tokens") or 8192  # (LLM's default)
+            device = llm_kwargs.get("device") or "auto"
+            kind = (("cuda" if torch.cuda.is_available() else "cpu") if device == "auto"
+                    else torch.device(device).type)
+            budget = llm_kwargs.get("max_num_batched_tokens") or SchedulerConfig().for_device(
+                kind).max_num_batched_tokens  # (LLM's default on this device)
             llm_kwargs["max_model_len"] = args.input_len + _max_tokens(args, max(sizes), per_step, budget) + 64
         llm_kwargs["max_num_seqs"] = max(max(sizes), llm_kwargs.get("max_num_seqs") or 0)
         t0 = time.perf_counter()

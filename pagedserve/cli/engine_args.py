@@ -27,8 +27,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="longest prompt + output in tokens (default: the model's limit)")
     p.add_argument("--max-num-seqs", type=types.positive_int, default=256,
                    help="most requests in one batch")
-    p.add_argument("--max-num-batched-tokens", type=types.positive_int, default=8192,
-                   help="most tokens in one engine step (prefill chunks are cut to fit)")
+    p.add_argument("--max-num-batched-tokens", type=types.positive_int, default=None,
+                   help="most tokens in one engine step (prefill chunks are cut to fit; default: "
+                        "8192 on a GPU, 512 on the CPU, where a larger step takes seconds)")
     p.add_argument("--block-size", type=types.power_of_two, default=16,
                    help="tokens per KV-cache block")
     p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True,

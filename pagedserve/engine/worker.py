@@ -78,7 +78,7 @@ class Worker:
                             quantization=config.quantization, tp=tp, max_model_len=config.scheduler.max_model_len)
         self.model_config = cfg = model.config
         self.dtype = dtype = resolve_dtype(config.dtype, device)
-        self.scheduler_config = sched = config.scheduler_for(cfg)
+        self.scheduler_config = sched = config.scheduler_for(cfg, device.type)
         backend = make_backend(config.attention_backend, device, cfg, tp)
         self.kv_spec = spec = KVCacheSpec.for_model(cfg, config.cache.block_size, dtype,
                                                     config.cache.kv_cache_dtype, tp.size)

@@ -14,6 +14,7 @@ import logging
 from collections.abc import Callable
 
 from pagedserve.engine.messages import AddRequest, EngineRequest
+from pagedserve.server.engine_errors import RequestFailed
 
 logger = logging.getLogger("pagedserve")
 
@@ -22,13 +23,13 @@ class CoreOutbox:
     """`add` queues a request; the queue is sent at the end of the loop's turn (or on `flush`).
 
     `socket()` gives the socket to send on (it changes when the core is restarted);
-    `on_error(request_ids, error)` fails the requests of a batch that could not be sent.
+    `fail(request_ids, error, source)` fails the requests of a batch that could not be sent.
     Call `flush` before sending anything else to the core: an abort must follow its request.
     """
 
     def __init__(self, socket: Callable[[], object],
-                 on_error: Callable[[list[str], Exception], None]) -> None:
-        self._socket, self._on_error = socket, on_error
+                 fail: Callable[[list[str], Exception, str], None]) -> None:
+        self._socket, self._fail = socket, fail
         self._batch: list[EngineRequest] = []
         self.messages_sent = 0  # (tests: how many AddRequests went out)
 
@@ -55,4 +56,5 @@ class CoreOutbox:
 
     def _failed(self, batch: list[EngineRequest], error: BaseException) -> None:
         logger.error("could not send %d requests to the engine core: %r", len(batch), error)
-        self._on_error([r.request_id for r in batch], error)
+        self._fail([r.request_id for r in batch], RequestFailed(
+            f"the request could not be sent to the engine core ({error!r}); retry it", "loop"), "loop")

@@ -135,7 +135,7 @@ class AsyncEngineClient:
         self._in = self._out = None
         self._proc = None
         self._closing = False
-        self._outbox = CoreOutbox(lambda: self._in, self._unsent)
+        self._outbox = CoreOutbox(lambda: self._in, self._fail)
         # Callbacks the server sets (each optional):
         self.on_finish: Callable | None = None  # (pending, state, now): a sample finished
         self.token_gaps = []  # seconds between outputs; app.py puts metrics' BinnedHistogram here
@@ -222,10 +222,8 @@ class AsyncEngineClient:
     async def generate(
         self, request_id: str, prompt_ids: list[int], params: SamplingParams, priority: int = 0
     ) -> AsyncIterator[SampleState]:
-        """Yield the sample's state each time it changes; the last one is finished.
-
-        Cancelling the consumer (a client that went away) aborts the request in the core.
-        """
+        """Yield the sample's state each time it changes; the last one is finished. Cancelling
+        the consumer (a client that went away) aborts the request in the core."""
         if self.dead_reason:
             raise EngineDeadError(self.dead_reason)
         pending = _Pending()
@@ -234,9 +232,8 @@ class AsyncEngineClient:
         pending.state = self.processor.samples[request_id]
         finished = False
         try:
-            # arrival = when this process took the request: the queue time then covers the hop.
-            # The samples of a request go in one message (`core_outbox.py`), without the fields
-            # only this process reads (stop strings).
+            # arrival = when this process took the request (the queue time covers the hop); the
+            # samples of a request go as one message (`core_outbox.py`), without stop strings
             self._outbox.add(EngineRequest(request_id, prompt_ids, params.for_engine(), priority,
                                            arrival_time=pending.arrival))
             async for state in pending.states():
@@ -252,10 +249,6 @@ class AsyncEngineClient:
         self._outbox.flush()  # (the requests first)
         with contextlib.suppress(zmq.ZMQError):
             await self._in.send_pyobj(AbortRequests(ids))
-
-    def _unsent(self, request_ids: list[str], error: Exception) -> None:
-        self._fail(request_ids, RequestFailed(f"the request could not be sent to the engine: "
-                                              f"{error!r}", "loop"), "loop")
 
     def fail_all(self, error: Exception, source: str) -> None:
         """Fail every request in flight with `error` (each consumer raises it at once)."""
