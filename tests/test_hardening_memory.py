@@ -9,6 +9,7 @@ KV cache cannot hold, after which SIGTERM must end the server at once.
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import json
 import pickle
 import signal
@@ -255,9 +256,6 @@ def test_detokenize_replies_are_bounded_for_clients_that_never_read(srv):
     """/detokenize with more ids than max_model_len is a 400 naming `tokens`; 20 clients that
     send 1M ids each and never read their replies leave the HTTP process within 20% of its
     RSS before (each reply was the decoded text: +229 MB held while they stayed)."""
-    r = httpx.post(srv.url + "/detokenize", json={"tokens": [1234] * (MAX_LEN + 1)})
-    assert r.status_code == 400 and r.json()["error"]["param"] == "tokens", r.text
-    assert httpx.post(srv.url + "/detokenize", json={"tokens": [1234] * 3}).status_code == 200
     pid = srv.proc.pid
     body = json.dumps({"tokens": [1234] * 1_000_000}).encode()
     head = (b"POST /detokenize HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
@@ -270,19 +268,20 @@ def test_detokenize_replies_are_bounded_for_clients_that_never_read(srv):
             s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
             s.sendall(head + body)
             socks.append(s)
-        # every body parsed and answered (or held) once the server can take a new request
-        t0 = time.monotonic()
-        while (time.monotonic() - t0 < 30 and
-               httpx.post(srv.url + "/detokenize", json={"tokens": [5]}, timeout=30).status_code != 200):
-            time.sleep(0.2)
-        time.sleep(1.0)
+        statuses = []
+        for s in socks:  # each reply has begun (peeked at: its bytes stay unread)
+            s.settimeout(60)
+            statuses.append(s.recv(12, socket.MSG_PEEK).decode())
         held_mb = settle_rss(pid, 1.2 * before)
-        print(f"HTTP process RSS with 20 unread /detokenize replies: before {before:.0f} MB, "
-              f"while they stay {held_mb:.0f} MB")
+        print(f"HTTP process RSS with 20 unread /detokenize replies ({statuses[0]!r}): before "
+              f"{before:.0f} MB, while they stay {held_mb:.0f} MB")
         assert held_mb <= 1.2 * before
     finally:
         for s in socks:
             s.close()
+    r = httpx.post(srv.url + "/detokenize", json={"tokens": [1234] * (MAX_LEN + 1)})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "tokens", r.text[:300]
+    assert httpx.post(srv.url + "/detokenize", json={"tokens": [1234] * MAX_LEN}).status_code == 200
 
 
 CLIENT = """
@@ -338,16 +337,18 @@ def test_a_killed_client_with_200_requests_frees_the_server_at_once(srv):
         client.kill()
         client.wait()
     killed = time.monotonic()
-    m = wait_idle(srv.url, timeout=60, interval=0.05)
-    idle_s = time.monotonic() - killed
-    after_s = timed("Hello there", 5)
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:  # a request sent right after the kill
+        after = pool.submit(timed, "Hello there", 5)
+        m = wait_idle(srv.url, timeout=60, interval=0.05)
+        idle_s = time.monotonic() - killed
+        after_s = after.result()
     print(f"killed with {before['vllm:num_requests_running']:.0f} running, "
           f"{before['vllm:num_requests_waiting']:.0f} waiting: idle {idle_s:.1f} s after the kill "
-          f"(a 400-token prefill: {step_s:.2f} s); a 5-token request: {five_s:.2f} s before, "
-          f"{after_s:.2f} s after")
+          f"(a 400-token prefill: {step_s:.2f} s); a 5-token request: {five_s:.2f} s on the idle "
+          f"server, {after_s:.2f} s sent at the kill")
     assert not held(m), held(m)
     assert idle_s < max(3.0, 4 * step_s)
-    assert after_s < max(2.0, 3 * five_s)
+    assert after_s < max(3.0, 4 * step_s)
 
 
 def test_a_request_the_kv_cache_cannot_hold_leaves_nothing_and_sigterm_exits_at_once(srv):
@@ -359,7 +360,7 @@ def test_a_request_the_kv_cache_cannot_hold_leaves_nothing_and_sigterm_exits_at_
     assert_nothing_held(srv.url, timeout=2)
     t0 = time.monotonic()
     srv.proc.send_signal(signal.SIGTERM)
-    assert srv.proc.wait(30) == 0
+    assert srv.proc.wait(40) == 0
     took = time.monotonic() - t0
     print(f"SIGTERM after a refused request: exit 0 in {took:.1f} s")
     assert took < 5.0

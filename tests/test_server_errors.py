@@ -17,7 +17,7 @@ import time
 import httpx
 import openai
 import pytest
-from server_helpers import MODEL, ServerProcess, alive, child_pids, cmdline
+from server_helpers import MODEL, ServerProcess, alive, assert_nothing_held, child_pids, cmdline
 
 KEY = "test-key-123"
 USER = [{"role": "user", "content": "Hi"}]
@@ -309,6 +309,7 @@ def test_good_request_after_the_bad_ones(server):
                    json={"messages": USER, "max_tokens": 3, "temperature": 0})
     assert r.status_code == 200, r.text
     assert r.json()["choices"][0]["message"]["content"]
+    assert_nothing_held(server.url)  # (no bad request left anything behind)
 
 
 # ---- a server with an API key, a tiny queue and a reasoning parser -------------------------
@@ -415,6 +416,7 @@ def test_abandoned_requests_release_their_queue_slots(guarded):
             break
         time.sleep(0.5)
     assert codes == [200] * 4
+    assert_nothing_held(url)
 
 
 # A template that opens <think> at the end of the prompt, and a few-shot pattern SmolLM2 follows:
