@@ -282,7 +282,9 @@ def create_app(settings: ServerSettings, core: SpawnedCore | None = None) -> Fas
 
 
 class _Guard:
-    """API-key check and request-body size limit, as plain ASGI middleware.
+    """API-key check and request-body size limit, as plain ASGI middleware; each request runs
+    in its own admission scope (what it admits is given back however it ends), and after a
+    large body the freed memory goes back to the OS.
 
     Not `@app.middleware("http")`: Starlette's BaseHTTPMiddleware hides the client's disconnect
     from the endpoint, so a non-streaming request whose client went away would run to the end.

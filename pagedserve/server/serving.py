@@ -39,7 +39,7 @@ DECODE_PIECE = 8192  # ids decoded between two turns of the event loop
 # is first tokenized by its head of that length: when the head alone has more tokens than the
 # context (with a margin for the word cut at its end, whose tokens may differ from the whole
 # text's), it is refused without building the whole text's token list (16 prompts of 370 KB
-# took the HTTP process from 392 to 683 MB, and 645 MB stayed).
+# took the HTTP process from 146 to 432 MB, and 404 MB stayed).
 HEAD_CHARS_PER_TOKEN = 16
 # A text longer than max_model_len x max_token_bytes x this cannot fit the context, whatever
 # the tokenizer's normalizer does to it (the margin covers normalizers that shrink text).
