@@ -149,6 +149,32 @@ def test_the_heap_trimmer_runs_once_due():
     assert not heap.pending and heap.last > before
 
 
+def test_an_idle_core_returns_freed_memory_once_after_work():
+    """The core loop: after a request, once idle for IDLE_TRIM_S with nothing arriving, it trims
+    once, then blocks without a timeout (no trim while idle without work)."""
+    from test_core_process import FakeCore, FakeSockets
+
+    from pagedserve.engine.core_process import IDLE_TRIM_S, _loop
+    from pagedserve.engine.messages import Shutdown
+    from pagedserve.heap import HeapTrimmer
+
+    core, polls, trims = FakeCore(fail_times=0), [], []
+    script = [[AddRequest([EngineRequest("r0", [1], SamplingParams())])], [], [Shutdown()]]
+
+    class Inp(FakeSockets):
+        def poll(self, timeout):
+            polls.append(timeout)
+            if not self.messages and timeout != 0 and script:
+                self.messages += script.pop(0)
+            return bool(self.messages)
+
+    heap = HeapTrimmer(min_interval_s=IDLE_TRIM_S)
+    heap.trim = lambda: (trims.append(len(polls)), setattr(heap, "pending", False))
+    _loop(core, Inp([]), FakeSockets([]), heap)
+    assert core.steps == 1 and trims == [3]
+    assert polls == [None, 0, IDLE_TRIM_S * 1000, None]
+
+
 def test_the_cpu_steps_are_small_by_default():
     """On the CPU a step's token budget defaults to 512 (8192 there made one step take
     seconds, and an abort waits for the step in flight); on CUDA it stays 8192; a value
