@@ -242,11 +242,13 @@ class ObservabilityConfig:
 
 
 EXECUTOR_BACKENDS = ("mp", "uni")
+TP_QUANTIZATION = ("fp8",)  # dynamic methods whose weights split over tensor-parallel ranks
 
 
-def _check_tensor_parallel(size: int, model_cfg: ModelConfig, kw: dict[str, Any]) -> None:
+def _check_tensor_parallel(size: int, model_cfg: ModelConfig, kw: dict[str, Any],
+                           pre_quantized: bool) -> None:
     """ValueError where `size` ranks (or the executor backend asked for) cannot run this
-    model with these settings."""
+    model with these settings (`pre_quantized`: the checkpoint holds quantized weights)."""
     if not isinstance(size, int) or size < 1:
         raise ValueError(f"tensor_parallel_size must be a whole number >= 1, got {size!r}")
     backend = kw.get("distributed_executor_backend")
@@ -266,11 +268,18 @@ def _check_tensor_parallel(size: int, model_cfg: ModelConfig, kw: dict[str, Any]
     check_model_split(model_cfg.num_heads, model_cfg.num_kv_heads, model_cfg.intermediate_size,
                       model_cfg.vocab_size, size,
                       model_cfg.moe.intermediate_size if model_cfg.moe is not None else None)
-    for key, what in (("quantization", "quantized weights"), ("speculative", "speculative decoding")):
-        if kw.get(key) is not None:
-            raise ValueError(f"the multi-process executor (tensor parallelism) does not run {what} "
-                             "yet: use tensor_parallel_size 1 (--tensor-parallel-size 1) without "
-                             "--distributed-executor-backend mp, or leave them off")
+    quantization = kw.get("quantization")
+    if quantization is not None and (pre_quantized or quantization not in TP_QUANTIZATION):
+        what = f"{quantization} checkpoints" if pre_quantized else f"--quantization {quantization}"
+        raise ValueError(f"the multi-process executor (tensor parallelism) does not split {what} "
+                         f"yet (it splits unquantized weights and --quantization "
+                         f"{', '.join(TP_QUANTIZATION)} on them): use tensor_parallel_size 1 "
+                         "(--tensor-parallel-size 1) without --distributed-executor-backend mp")
+    if kw.get("speculative") is not None:
+        raise ValueError("the multi-process executor (tensor parallelism) does not run "
+                         "speculative decoding yet: use tensor_parallel_size 1 "
+                         "(--tensor-parallel-size 1) without --distributed-executor-backend mp, "
+                         "or leave it off")
 
 
 def _checked_draft(spec: SpeculativeConfig, model_cfg: ModelConfig, load_format: str) -> SpeculativeConfig:
@@ -359,7 +368,8 @@ class EngineConfig:
         kw["speculative"] = spec = SpeculativeConfig.parse(kw.pop("speculative_config", None))
         if spec is not None and spec.method == "draft_model":
             kw["speculative"] = _checked_draft(spec, model_cfg, load_format)
-        _check_tensor_parallel(kw.get("tensor_parallel_size", 1), model_cfg, kw)
+        _check_tensor_parallel(kw.get("tensor_parallel_size", 1), model_cfg, kw,
+                               source.hf_config.get("quantization_config") is not None)
         kw.setdefault("kernels", envs.kernel_config())
         kw.setdefault("observability", envs.observability_config())
         config = cls(
