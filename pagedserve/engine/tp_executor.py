@@ -32,6 +32,7 @@ from typing import Any
 
 from pagedserve.config import EngineConfig
 from pagedserve.engine.executor import Executor, ExecutorDied
+from pagedserve.engine.tp_grammars import GrammarReceiver, GrammarSender
 from pagedserve.models.source import ModelSource
 
 logger = logging.getLogger("pagedserve")
@@ -74,6 +75,7 @@ class TensorParallelExecutor(Executor):
         for key, value in facts.items():
             setattr(self, key, value)
         self._steps = 0
+        self._grammars = GrammarSender()  # (grammars cross to the ranks as text)
 
     # ---- calls to every rank ----------------------------------------------------------
 
@@ -147,7 +149,7 @@ class TensorParallelExecutor(Executor):
         # (not waited for: the core schedules the next step while the ranks launch this one;
         # the launch's answer, or its error, is read with the next call, `collect` at the latest)
         self._steps += 1
-        self._send("execute", self._steps, out)
+        self._send("execute", self._steps, self._grammars.outbound(out))
         return self._steps
 
     def collect(self, handle):
@@ -243,10 +245,11 @@ class _RankServer:
 
     def __init__(self, worker) -> None:
         self.worker, self.handles = worker, {}
+        self._grammars = GrammarReceiver()
         self._eager = ExitStack()  # the runner's eager_mixed_steps while the warm-up wants them
 
     def execute(self, step: int, out) -> None:
-        self.handles[step] = self.worker.execute(out)
+        self.handles[step] = self.worker.execute(self._grammars.inbound(out))
 
     def collect(self, step: int):
         return self.worker.collect(self.handles.pop(step))
