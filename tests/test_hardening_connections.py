@@ -280,3 +280,12 @@ def test_the_ipc_folder_of_a_killed_server_is_removed_on_start(guarded_server):
     assert live.exists(), "a live process's IPC folder was removed"
     core_dirs = [p.name for p in Path(tempfile.gettempdir()).glob(f"pagedserve-{guarded_server.proc.pid}-*")]
     assert len(core_dirs) == 1, core_dirs  # (the running server's own, named after it)
+
+
+def test_an_ipv6_client_is_counted_by_its_64_network():
+    """(A client with an IPv6 /64 has 2**64 addresses: the per-client cap counts the network.)"""
+    from pagedserve.server.connection_guard import _client_key
+
+    assert _client_key("2001:db8::1") == _client_key("2001:db8::ffff:1:2:3") == "2001:db8::/64"
+    assert _client_key("2001:db8:0:1::1") != _client_key("2001:db8::1")
+    assert _client_key("::ffff:10.0.0.1") == _client_key("10.0.0.1") == "10.0.0.1"

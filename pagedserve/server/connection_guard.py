@@ -9,8 +9,9 @@
   body reading answers 408 at that moment (`app._Guard`); this protocol is the backstop for a
   body nobody reads (a request answered early, a 404): `BODY_GRACE_S` later the connection is
   closed, with a JSON 408 if no response has started.
-- Connections: each client address may hold `max_per_client` connections (0: no cap), the
-  server `max_connections` in all. A connection beyond either is still read, and answered
+- Connections: each client address (an IPv6 client: its /64 network, what one subscriber
+  usually gets) may hold `max_per_client` connections (0: no cap), the server
+  `max_connections` in all. A connection beyond either is still read, and answered
   once: JSON 429 (per client) or 503 (in all), with Retry-After, then closed; but its
   `/health`, `/ping` and `/metrics` requests are answered as usual, so a full server is still
   seen as alive and measured.
@@ -19,6 +20,7 @@
 from __future__ import annotations
 
 import asyncio
+import ipaddress
 import json
 import logging
 import time
@@ -72,7 +74,7 @@ def guarded_protocol(limits: ConnectionLimits) -> type:
             self._admitted = False
             self._refusal: tuple[int, str, str] | None = None
             super().connection_made(transport)
-            self._address = self.client[0] if self.client else ""
+            self._address = _client_key(self.client[0] if self.client else "")
             self._admit()
             self._arm_header_timer()
 
@@ -186,6 +188,19 @@ def guarded_protocol(limits: ConnectionLimits) -> type:
             self.transport.close()
 
     return GuardedProtocol
+
+
+def _client_key(host: str) -> str:
+    """What the per-client cap counts by: the address, or an IPv6 address's /64 network."""
+    try:
+        address = ipaddress.ip_address(host)
+    except ValueError:
+        return host
+    if address.version == 4:
+        return host
+    if address.ipv4_mapped is not None:  # (::ffff:a.b.c.d on a dual-stack socket)
+        return str(address.ipv4_mapped)
+    return str(ipaddress.ip_network(f"{host}/64", strict=False))
 
 
 def _refusal_app(status: int, message: str, code: str):

@@ -50,7 +50,11 @@ def check_port_free(host: str, port: int, what: str = "the server's") -> None:
         raise ValueError(f"--host {host} does not resolve ({e.strerror}): give an address of "
                          "this machine, e.g. 127.0.0.1 or 0.0.0.0") from None
     for family, kind, proto, _, address in infos:
-        with socket.socket(family, kind, proto) as s:
+        try:
+            s = socket.socket(family, kind, proto)
+        except OSError:  # (a family this machine lacks: asyncio skips it too)
+            continue
+        with s:
             s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
             if family == socket.AF_INET6:
                 s.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)  # (as asyncio)
