@@ -11,10 +11,10 @@
   closed, with a JSON 408 if no response has started.
 - Connections: each client address (an IPv6 client: its /64 network, what one subscriber
   usually gets) may hold `max_per_client` connections (0: no cap), the server
-  `max_connections` in all. A connection beyond either is still read, and answered
-  once: JSON 429 (per client) or 503 (in all), with Retry-After, then closed; but its
-  `/health`, `/ping` and `/metrics` requests are answered as usual, so a full server is still
-  seen as alive and measured.
+  `max_connections` in all. A connection beyond either is not counted; it must send its
+  headers within `REFUSED_HEADER_S`, is answered once, JSON 429 (per client) or 503 (in all)
+  with Retry-After, and closed; but `/health`, `/ping` and `/metrics` are answered on it as
+  usual, so a full server is still seen as alive and measured.
 """
 
 from __future__ import annotations
@@ -36,6 +36,7 @@ logger = logging.getLogger("pagedserve")
 
 RESERVED_PATHS = frozenset({"/health", "/ping", "/metrics"})
 BODY_GRACE_S = 1.0  # the protocol's body deadline comes this long after the app's
+REFUSED_HEADER_S = 2.0  # a connection beyond a cap has at most this long to send its headers
 REFUSAL_LOG_INTERVAL_S = 10.0
 
 
@@ -76,6 +77,10 @@ def guarded_protocol(limits: ConnectionLimits) -> type:
             super().connection_made(transport)
             self._address = _client_key(self.client[0] if self.client else "")
             self._admit()
+            # (one beyond a cap is answered at once if its request comes at once, as a real
+            # client's does; its socket is not left to a flood for the whole header time)
+            self._header_limit = (limits.header_timeout if self._admitted
+                                  else min(limits.header_timeout, REFUSED_HEADER_S))
             self._arm_header_timer()
 
         def _admit(self) -> None:
@@ -121,6 +126,7 @@ def guarded_protocol(limits: ConnectionLimits) -> type:
                 self.app = app
             if self._refusal is not None and self.cycle is not None:
                 self.cycle.keep_alive = False  # (answered once, then closed)
+            self._cancel_body_timer()
             self._body_timer = self.loop.call_later(limits.body_timeout + BODY_GRACE_S,
                                                     self._body_too_slow)
 
@@ -143,7 +149,7 @@ def guarded_protocol(limits: ConnectionLimits) -> type:
 
         def _arm_header_timer(self) -> None:
             if self._header_timer is None:
-                self._header_timer = self.loop.call_later(limits.header_timeout, self._headers_too_slow)
+                self._header_timer = self.loop.call_later(self._header_limit, self._headers_too_slow)
 
         def _cancel_header_timer(self) -> None:
             if self._header_timer is not None:
@@ -168,7 +174,7 @@ def guarded_protocol(limits: ConnectionLimits) -> type:
                 self._arm_header_timer()
                 return
             logger.debug("closing a connection whose request headers took over %.0f s",
-                         limits.header_timeout)
+                         self._header_limit)
             self.transport.close()
 
         def _body_too_slow(self) -> None:
