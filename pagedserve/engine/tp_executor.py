@@ -23,7 +23,6 @@ import logging
 import multiprocessing as mp
 import os
 import shutil
-import tempfile
 import threading
 from contextlib import ExitStack, contextmanager, suppress
 from datetime import timedelta
@@ -33,6 +32,7 @@ from typing import Any
 from pagedserve.config import EngineConfig
 from pagedserve.engine.executor import Executor, ExecutorDied
 from pagedserve.engine.tp_grammars import GrammarReceiver, GrammarSender
+from pagedserve.ipc_dirs import new_ipc_dir
 from pagedserve.models.source import ModelSource
 
 logger = logging.getLogger("pagedserve")
@@ -49,7 +49,7 @@ class TensorParallelExecutor(Executor):
     def __init__(self, config: EngineConfig, source: ModelSource) -> None:
         self.size = size = config.tensor_parallel_size
         ctx = mp.get_context("spawn")
-        self._dir = tempfile.mkdtemp(prefix="pagedserve-tp-")
+        self._dir = new_ipc_dir("tp-")
         store = os.path.join(self._dir, "store")
         self._conns, self._procs = [], []
         self._broken = False  # a rank died or failed: the ranks are out of step

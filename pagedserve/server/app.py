@@ -68,6 +68,7 @@ class ServerSettings:
     reasoning_parser: str | None = None
     max_body_bytes: int = 8 << 20
     body_read_timeout: float = 30.0  # seconds the client may pause while sending a body
+    body_total_timeout: float = 60.0  # seconds the whole body may take (from its headers)
     log_stats_interval: float = 10.0
     log_level: str = "INFO"
     engine_kind: str = "pagedserve"  # pagedserve | hf | hf-batched (baseline engines)
@@ -166,7 +167,8 @@ def create_app(settings: ServerSettings, core: SpawnedCore | None = None) -> Fas
     app.state.server, app.state.metrics, app.state.drain = server, metrics, drain
     install_error_handlers(app)
     app.add_middleware(_Guard, api_key=settings.api_key, max_body_bytes=settings.max_body_bytes,
-                       body_read_timeout=settings.body_read_timeout)
+                       body_read_timeout=settings.body_read_timeout,
+                       body_total_timeout=settings.body_total_timeout)
     # Added last, so outermost: a browser's preflight (which carries no API key) is answered
     # here, and the guard's 401 and 413 answers carry the CORS headers too.
     app.add_middleware(CORSMiddleware, allow_origins=settings.allowed_origins,
@@ -273,7 +275,7 @@ def create_app(settings: ServerSettings, core: SpawnedCore | None = None) -> Fas
 
 
 class _Guard:
-    """API-key check and request-body size limit, as plain ASGI middleware.
+    """API-key check, request-body size limit and body deadlines, as plain ASGI middleware.
 
     Not `@app.middleware("http")`: Starlette's BaseHTTPMiddleware hides the client's disconnect
     from the endpoint, so a non-streaming request whose client went away would run to the end.
@@ -281,9 +283,9 @@ class _Guard:
     """
 
     def __init__(self, app: ASGIApp, api_key: str | None, max_body_bytes: int,
-                 body_read_timeout: float) -> None:
+                 body_read_timeout: float, body_total_timeout: float = 60.0) -> None:
         self.app, self.api_key, self.max_body_bytes = app, api_key, max_body_bytes
-        self.body_read_timeout = body_read_timeout
+        self.body_read_timeout, self.body_total_timeout = body_read_timeout, body_total_timeout
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -306,18 +308,23 @@ class _Guard:
             return
         received = 0
         body_done = False
+        deadline = time.monotonic() + self.body_total_timeout
 
         async def limited_receive() -> Message:
-            """The body, with its size limit and a limit on pauses while it arrives (a client
-            that stops half-way would otherwise hold its connection and task for ever)."""
+            """The body, with its size limit, a limit on pauses while it arrives (a client that
+            stops half-way would otherwise hold its connection and task for ever) and one on its
+            whole time (a byte every few seconds would pass every pause limit)."""
             nonlocal received, body_done
             if body_done:  # (afterwards receive() only waits for a disconnect)
                 return await receive()
+            left = deadline - time.monotonic()
             try:
-                message = await asyncio.wait_for(receive(), self.body_read_timeout)
+                message = await asyncio.wait_for(receive(), max(0.0, min(self.body_read_timeout, left)))
             except asyncio.TimeoutError:
-                raise StarletteHTTPException(408, "the request body did not arrive in time "
-                                             f"(no data for {self.body_read_timeout:g} s)") from None
+                why = (f"within {self.body_total_timeout:g} s" if left <= self.body_read_timeout
+                       else f"in time (no data for {self.body_read_timeout:g} s)")
+                raise StarletteHTTPException(408, f"the request body did not arrive {why}",
+                                             headers={"Connection": "close"}) from None
             if message["type"] == "http.request":
                 received += len(message.get("body", b""))
                 if received > limit:  # FastAPI re-raises this while reading the body

@@ -22,7 +22,6 @@ import logging
 import multiprocessing
 import os
 import shutil
-import tempfile
 import threading
 import time
 from collections.abc import AsyncIterator, Callable
@@ -45,6 +44,7 @@ from pagedserve.engine.messages import (
     StepOutputs,
 )
 from pagedserve.engine.output_processor import OutputProcessor, SampleState
+from pagedserve.ipc_dirs import new_ipc_dir
 from pagedserve.sampling_params import SamplingParams
 from pagedserve.server.engine_errors import (  # noqa: F401 (re-exported)
     EngineDeadError,
@@ -102,7 +102,7 @@ def spawn_engine_core(config: EngineConfig, log_level: str = "INFO") -> SpawnedC
     The core dies with this process (`lifeline.die_with_parent`); the kernel's parent-death
     signal is only asked for when this runs on the main thread, as the kernel ties it to the
     thread that started the child."""
-    folder = tempfile.mkdtemp(prefix="pagedserve-")
+    folder = new_ipc_dir()
     in_addr, out_addr = f"ipc://{folder}/in", f"ipc://{folder}/out"
     mp = multiprocessing.get_context("spawn")
     on_main = threading.current_thread() is threading.main_thread()
