@@ -275,15 +275,12 @@ def _check_tensor_parallel(size: int, model_cfg: ModelConfig, kw: dict[str, Any]
                          f"yet (it splits unquantized weights and --quantization "
                          f"{', '.join(TP_QUANTIZATION)} on them): use tensor_parallel_size 1 "
                          "(--tensor-parallel-size 1) without --distributed-executor-backend mp")
-    if kw.get("speculative") is not None:
-        raise ValueError("the multi-process executor (tensor parallelism) does not run "
-                         "speculative decoding yet: use tensor_parallel_size 1 "
-                         "(--tensor-parallel-size 1) without --distributed-executor-backend mp, "
-                         "or leave it off")
 
 
-def _checked_draft(spec: SpeculativeConfig, model_cfg: ModelConfig, load_format: str) -> SpeculativeConfig:
-    """The draft model resolved (a Hub id: its local folder) and its vocabulary checked."""
+def _checked_draft(spec: SpeculativeConfig, model_cfg: ModelConfig, load_format: str,
+                   tp_size: int) -> SpeculativeConfig:
+    """The draft model resolved (a Hub id: its local folder), its vocabulary checked, and its
+    split over `tp_size` tensor-parallel ranks (each rank runs its share of the draft)."""
     from dataclasses import replace
 
     from pagedserve.models.source import resolve_model
@@ -295,10 +292,21 @@ def _checked_draft(spec: SpeculativeConfig, model_cfg: ModelConfig, load_format:
     if source.is_preset and load_format != "dummy":
         raise ValueError(f"speculative config: draft model preset {spec.model!r} ships no weights "
                          "(with --load-format dummy both models get random weights)")
-    vocab = ModelConfig.from_hf_config(source.hf_config).vocab_size
+    draft_cfg = ModelConfig.from_hf_config(source.hf_config)
+    vocab = draft_cfg.vocab_size
     if vocab != model_cfg.vocab_size:
         raise ValueError(f"speculative config: draft model {spec.model!r} has a vocabulary of {vocab} "
                          f"tokens and the model {model_cfg.vocab_size}: they must be the same")
+    if isinstance(tp_size, int) and tp_size > 1:
+        from pagedserve.distributed.split import check_model_split
+
+        try:
+            check_model_split(draft_cfg.num_heads, draft_cfg.num_kv_heads, draft_cfg.intermediate_size,
+                              draft_cfg.vocab_size, tp_size,
+                              draft_cfg.moe.intermediate_size if draft_cfg.moe is not None else None)
+        except ValueError as e:
+            raise ValueError(f"speculative config: draft model {spec.model!r} splits over the "
+                             f"tensor-parallel ranks as the model does: {e}") from None
     return replace(spec, model=str(source.folder)) if source.from_hub else spec
 
 
@@ -367,7 +375,8 @@ class EngineConfig:
                              f"({limit}); lower --max-model-len")
         kw["speculative"] = spec = SpeculativeConfig.parse(kw.pop("speculative_config", None))
         if spec is not None and spec.method == "draft_model":
-            kw["speculative"] = _checked_draft(spec, model_cfg, load_format)
+            kw["speculative"] = _checked_draft(spec, model_cfg, load_format,
+                                               kw.get("tensor_parallel_size", 1))
         _check_tensor_parallel(kw.get("tensor_parallel_size", 1), model_cfg, kw,
                                source.hf_config.get("quantization_config") is not None)
         kw.setdefault("kernels", envs.kernel_config())

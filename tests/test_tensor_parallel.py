@@ -4,11 +4,15 @@ checkpoints made with Transformers (2 ranks) and the embedded SmolLM2 (3 ranks: 
 and 3 KV heads), each rank holding only its share of the weights; the engine over 2 ranks
 (`LLM(tensor_parallel_size=2)`) gives the one-process tokens, also with FP8 weights and an FP8
 KV cache (issue 56), and a killed rank fails every request and frees everything; splits a
-model cannot make, and settings tensor parallelism does not run yet, are refused naming them."""
+model cannot make, and settings tensor parallelism does not run yet, are refused naming them.
+Speculative decoding over ranks (n-gram, and a draft model split as the model is) gives the
+one-process tokens too."""
 
 from __future__ import annotations
 
+import json
 import os
+import shutil
 import signal
 import time
 
@@ -109,8 +113,12 @@ def test_splits_a_model_cannot_make_are_refused():
         Linear(64, 64, linear_method=AwqLinearMethod(group_size=32), tp=TensorParallel(0, 2), parallel="row")
 
 
-@pytest.mark.parametrize("settings", [{}, {"quantization": "fp8"}, {"kv_cache_dtype": "fp8"}],
-                         ids=["plain", "fp8-weights", "fp8-kv-cache"])
+NGRAM = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3, "min_accepted_per_step": 0}
+
+
+@pytest.mark.parametrize("settings", [{}, {"quantization": "fp8"}, {"kv_cache_dtype": "fp8"},
+                                      {"speculative_config": NGRAM}, {"speculative_config": "draft"}],
+                         ids=["plain", "fp8-weights", "fp8-kv-cache", "ngram", "draft-model"])
 def test_the_engine_over_two_ranks_gives_the_one_process_tokens(tmp_path, settings):
     """LLM(tensor_parallel_size=2): two gloo worker processes; greedy, seeded and unseeded
     sampled tokens equal the one-process engine's (with the same weight and KV-cache formats)
@@ -119,10 +127,15 @@ def test_the_engine_over_two_ranks_gives_the_one_process_tokens(tmp_path, settin
     from pagedserve import LLM, SamplingParams
 
     make_hf_checkpoint("llama", tmp_path / "ckpt")
+    if settings.get("speculative_config") == "draft":  # (a draft of the same weights, split too)
+        settings = {"speculative_config": {"method": "draft_model", "model": str(tmp_path / "ckpt"),
+                                           "num_speculative_tokens": 3}}
     kw = dict(dtype="float32", device="cpu", max_num_seqs=4, max_num_batched_tokens=32, block_size=4,
               **settings)
     # 32 blocks of 4 tokens (3 layers, K and V, 2 KV heads of 16, 4 bytes each; 1 in FP8)
+    # (and as much again for a draft model's cache, which shares the blocks)
     memory = 32 * 4 * 3 * 2 * 2 * 16 * (1 if "kv_cache_dtype" in settings else 4)
+    memory *= 2 if "model" in settings.get("speculative_config", {}) else 1
     prompts = [[(7 * i + j) % 250 + 3 for j in range(10 + 9 * i)] for i in range(6)]
     params = [SamplingParams(temperature=0, max_tokens=24, ignore_eos=True),
               SamplingParams(temperature=0.9, seed=5, max_tokens=24, ignore_eos=True),
@@ -140,6 +153,8 @@ def test_the_engine_over_two_ranks_gives_the_one_process_tokens(tmp_path, settin
             got = [o.outputs[0].token_ids for o in split.generate(batch, p, use_tqdm=False)]
             assert got == want
         assert split.engine.scheduler.num_preemptions > 0 and split.engine.kv.stats.hits > 0
+        if "speculative_config" in settings:
+            assert split.engine.speculator.num_accepted_tokens > 0
         split.engine.kv.check_integrity(expect_all_free=True)
         procs = split.engine.executor._procs
     finally:
@@ -153,9 +168,14 @@ def test_tensor_parallel_settings_it_cannot_run_are_refused(tmp_path, smollm2_di
     with pytest.raises(ValueError, match=r"the attention heads \(9\) to be a multiple of 2"):
         LLM(str(smollm2_dir), device="cpu", tensor_parallel_size=2)
     make_hf_checkpoint("llama", tmp_path / "ckpt")
-    with pytest.raises(ValueError, match="speculative decoding"):
+    draft = tmp_path / "draft"  # (a draft of the same vocabulary, with 3 heads: refused before loading)
+    shutil.copytree(tmp_path / "ckpt", draft)
+    cfg = json.loads((draft / "config.json").read_text())
+    (draft / "config.json").write_text(json.dumps({**cfg, "num_attention_heads": 3, "num_key_value_heads": 1}))
+    with pytest.raises(ValueError, match=r"draft model .* splits over the tensor-parallel ranks as the "
+                                         r"model does: .*the attention heads \(3\)"):
         LLM(str(tmp_path / "ckpt"), device="cpu", tensor_parallel_size=2,
-            speculative_config={"method": "ngram"})
+            speculative_config={"method": "draft_model", "model": str(draft)})
     from pagedserve.config import ModelConfig, _check_tensor_parallel
 
     cfg = ModelConfig.from_hf_config(resolve_model(str(tmp_path / "ckpt")).hf_config)
@@ -228,8 +248,6 @@ def test_one_rank_in_a_worker_process_gives_the_in_process_tokens(tmp_path):
 @pytest.mark.parametrize(("kw", "message"), [
     ({"distributed_executor_backend": "ray"}, "use `pagedserve serve-ray`"),
     ({"distributed_executor_backend": "uni", "tensor_parallel_size": 2}, "needs 'mp'"),
-    ({"distributed_executor_backend": "mp", "speculative_config": {"method": "ngram"}},
-     "multi-process executor .* does not run speculative decoding"),
 ])
 def test_executor_backends_it_cannot_run_are_refused(tmp_path, kw, message):
     from pagedserve import LLM

@@ -64,7 +64,7 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="split the model across this many worker processes (one GPU each; gloo "
                         "on the CPU): its heads, KV heads, MLP features and vocabulary must "
                         "divide by it; unquantized weights or --quantization fp8 on them "
-                        "(FP8 weights and an FP8 KV cache); no speculative decoding yet")
+                        "(FP8 weights and an FP8 KV cache); no pre-quantized checkpoints yet")
     p.add_argument("--distributed-executor-backend", default=None, choices=["mp", "uni", "ray"],
                    help="mp: a worker process per tensor-parallel rank (the default above 1 "
                         "rank); uni: the model in the engine's own process (the default at 1); "

@@ -166,7 +166,10 @@ class TensorParallelExecutor(Executor):
         return self._call("last_launch_ms")
 
     def grammar_seconds(self) -> tuple[float, float]:
-        return (0.0, 0.0)  # (structured output does not run across ranks yet)
+        return self._call("grammar_seconds")
+
+    def propose_drafts(self, requests):
+        return self._call("propose_drafts", requests)
 
     def rehearsed(self, fn, what: str) -> None:
         fn()  # (the ranks compile their kernels as they go: no rehearsal across processes yet)
@@ -215,7 +218,9 @@ def _serve_rank(rank: int, size: int, store: str, config: EngineConfig, source: 
             "num_blocks": worker.num_blocks, "block_size": worker.kv_spec.block_size,
             "load_seconds": worker.load_seconds, "graph_capture_seconds": worker.graph_capture_seconds,
             "matmul_plan_seconds": worker.matmul_plan_seconds,
-            "compile_ahead_seconds": worker.compile_ahead_seconds, "is_cuda": worker.cuda}))
+            "compile_ahead_seconds": worker.compile_ahead_seconds, "is_cuda": worker.cuda,
+            "draft_layer_windows": None if worker.runner.drafter is None
+            else worker.runner.drafter.model.config.sliding_windows}))
     except BaseException as e:  # (start-up failed: say why, then end)
         conn.send((False, f"start-up failed: {type(e).__name__}: {e}"))
         return
@@ -256,6 +261,13 @@ class _RankServer:
 
     def release(self, request_ids: list[str]) -> None:
         self.worker.runner.release(request_ids)
+
+    def grammar_seconds(self) -> tuple[float, float]:
+        wait, fill = self.worker.runner.grammar_seconds
+        return wait, fill
+
+    def propose_drafts(self, requests):
+        return self.worker.runner.drafter.propose(requests)
 
     def graph_counts(self) -> tuple[int, int]:
         return self.worker.runner.num_graph_steps, self.worker.runner.num_eager_steps
