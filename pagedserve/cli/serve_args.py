@@ -73,6 +73,15 @@ def add_serve_args(srv: argparse.ArgumentParser) -> None:
     a("--max-engine-restarts", type=types.non_negative_int, default=5,
       help="restarts of a dead engine core allowed within 10 minutes; one more and the server "
            "exits with code 1")
+    a("--engine-step-timeout", type=types.positive_float, default=120.0,
+      help="seconds the engine core may go without progress (one step, or its idle loop) "
+           "once it is ready; then it counts as hung: its requests fail (503), it is killed and "
+           "a new one starts, as after a crash. Allow for the longest prefill step and for "
+           "kernels compiled on first use")
+    a("--request-timeout", type=types.positive_float, default=None,
+      help="seconds a request may run once its prompt is handed to the engine (waiting "
+           "included); then it is stopped and its client gets 504 request_timeout (in a stream: "
+           "an error event, then [DONE]). Default: no limit")
     a("--max-connections", type=types.positive_int, default=4096,
       help="open connections (or running requests) beyond which requests get 503")
     a("--timeout-keep-alive", type=types.positive_float, default=5.0,
