@@ -29,6 +29,8 @@ BAD_VALUES = [
     (["serve", "--max-logprobs", "50"], "--max-logprobs"),
     (["serve", "--reasoning-parser", "nope"], "--reasoning-parser"),
     (["serve", "--uvicorn-log-level", "chatty"], "--uvicorn-log-level"),
+    (["serve", "--engine-step-timeout", "0"], "--engine-step-timeout"),
+    (["serve", "--request-timeout", "-1"], "--request-timeout"),
     (["generate", "-p", "hi", "--dtype", "foo"], "--dtype"),
     (["ui", "--port", "70000"], "--port"),
     (["serve", "--enable-auto-tool-choice"], "--tool-call-parser"),
