@@ -30,6 +30,7 @@ BAD_VALUES = [
     (["serve", "--reasoning-parser", "nope"], "--reasoning-parser"),
     (["serve", "--uvicorn-log-level", "chatty"], "--uvicorn-log-level"),
     (["serve", "--engine-step-timeout", "0"], "--engine-step-timeout: 0 must be above 0"),
+    (["serve", "--engine-step-timeout", "1"], "--engine-step-timeout must be at least 2 s"),
     (["serve", "--request-timeout", "-1"], "--request-timeout: -1 must be above 0"),
     (["generate", "-p", "hi", "--dtype", "foo"], "--dtype"),
     (["ui", "--port", "70000"], "--port"),

@@ -108,3 +108,8 @@ def check_serve_args(args: argparse.Namespace) -> None:
             raise ValueError(f"--{flag.replace('_', '-')} {path}: no such file")
     if args.shutdown_timeout < 0:
         raise ValueError("--shutdown-timeout must be 0 or more seconds")
+    from pagedserve.server.supervisor import MIN_STEP_TIMEOUT_S
+
+    if args.engine_step_timeout < MIN_STEP_TIMEOUT_S:
+        raise ValueError(f"--engine-step-timeout must be at least {MIN_STEP_TIMEOUT_S:g} s (an "
+                         "idle engine core shows it is alive once a second)")

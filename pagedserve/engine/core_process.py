@@ -83,7 +83,9 @@ def run_engine_core(config: EngineConfig, in_addr: str, out_addr: str, log_level
         core.startup_seconds,
     )))
     try:
-        _loop(core, inp, out, heartbeat or Heartbeat())
+        heartbeat = heartbeat or Heartbeat()
+        core.executor.on_progress(heartbeat.beat)
+        _loop(core, inp, out, heartbeat)
     except FatalEngineError as e:
         logger.error("%s", e)
         core.executor.close()  # (worker processes, if any, end now rather than with this one)

@@ -216,6 +216,9 @@ class AsyncEngineClient:
                 yield state
         finally:
             self._pending.pop(request_id, None)
+            # (an error raised here holds this frame in its traceback: without it, the pair is
+            # a cycle that only the garbage collector frees, and the request's Choice with it)
+            pending.error = None
             self.processor.remove(request_id)
             if not finished and not self.dead_reason:
                 await self._send_abort([request_id])

@@ -12,7 +12,9 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass
 
-from pagedserve.engine.heartbeat import Heartbeat
+from pagedserve.engine.heartbeat import BEAT_INTERVAL_S, Heartbeat
+
+MIN_STEP_TIMEOUT_S = 2 * BEAT_INTERVAL_S  # an idle core beats once a second
 
 
 @dataclass(frozen=True)
@@ -60,8 +62,9 @@ class Deadlines:
     request_s: float | None = None
 
     def __post_init__(self) -> None:
-        if not self.step_s > 0 or (self.request_s is not None and not self.request_s > 0):
-            raise ValueError(f"invalid deadlines (each must be more than 0 s): {self}")
+        if not self.step_s >= MIN_STEP_TIMEOUT_S or (self.request_s is not None and not self.request_s > 0):
+            raise ValueError(f"invalid deadlines (step_s at least {MIN_STEP_TIMEOUT_S:g} s, "
+                             f"request_s more than 0 s): {self}")
 
 
 def hung_reason(heartbeat: Heartbeat, ready_at: float, step_s: float, now: float) -> str | None:
