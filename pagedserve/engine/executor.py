@@ -134,9 +134,9 @@ class UniprocExecutor(Executor):
         self.worker.runner.release(request_ids)
 
     def on_progress(self, beat: Callable[[], None]) -> None:
-        """On the CPU, each decoder layer of a forward pass (an 8,192-token prefill of SmolLM2
-        took about 100 s on 2 cores). Not on a GPU: its host runs ahead of the device, so a
-        layer launched is no progress, and steps take milliseconds."""
+        """On the CPU, each decoder layer of a forward pass (one 8,000-token prefill step of
+        SmolLM2 took about 400 s on 2 busy cores). Not on a GPU: its host runs ahead of the
+        device, so a layer launched is no progress, and steps take milliseconds."""
         if not self.is_cuda:
             for layer in self.worker.model.layers:
                 layer.register_forward_pre_hook(lambda *_: beat())
