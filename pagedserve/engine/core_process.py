@@ -97,7 +97,8 @@ def run_engine_core(config: EngineConfig, in_addr: str, out_addr: str, log_level
     inp.close(linger=0)
 
 
-def _loop(core, inp, out, heartbeat: Heartbeat) -> None:
+def _loop(core, inp, out, heartbeat: Heartbeat | None = None) -> None:
+    heartbeat = heartbeat or Heartbeat()
     while True:
         heartbeat.beat()
         # Wait (a beat's interval at most) while idle; otherwise only drain what has arrived.
