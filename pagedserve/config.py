@@ -263,18 +263,15 @@ def _check_tensor_parallel(size: int, model_cfg: ModelConfig, kw: dict[str, Any]
                          f"tensor_parallel_size {size} needs 'mp' (the default for it)")
     if size == 1 and backend != "mp":
         return
-    from pagedserve.distributed.split import check_model_split
+    from pagedserve.distributed.split import check_config_split
 
-    check_model_split(model_cfg.num_heads, model_cfg.num_kv_heads, model_cfg.intermediate_size,
-                      model_cfg.vocab_size, size,
-                      model_cfg.moe.intermediate_size if model_cfg.moe is not None else None)
+    check_config_split(model_cfg, size)
     quantization = kw.get("quantization")
     if quantization is not None and (pre_quantized or quantization not in TP_QUANTIZATION):
         what = f"{quantization} checkpoints" if pre_quantized else f"--quantization {quantization}"
-        raise ValueError(f"the multi-process executor (tensor parallelism) does not split {what} "
-                         f"yet (it splits unquantized weights and --quantization "
-                         f"{', '.join(TP_QUANTIZATION)} on them): use tensor_parallel_size 1 "
-                         "(--tensor-parallel-size 1) without --distributed-executor-backend mp")
+        raise ValueError(f"tensor parallelism does not split {what} yet (it splits unquantized weights, "
+                         f"with --quantization {' or '.join(TP_QUANTIZATION)} or without): use "
+                         "--tensor-parallel-size 1 without --distributed-executor-backend mp")
 
 
 def _checked_draft(spec: SpeculativeConfig, model_cfg: ModelConfig, load_format: str,
@@ -298,12 +295,10 @@ def _checked_draft(spec: SpeculativeConfig, model_cfg: ModelConfig, load_format:
         raise ValueError(f"speculative config: draft model {spec.model!r} has a vocabulary of {vocab} "
                          f"tokens and the model {model_cfg.vocab_size}: they must be the same")
     if isinstance(tp_size, int) and tp_size > 1:
-        from pagedserve.distributed.split import check_model_split
+        from pagedserve.distributed.split import check_config_split
 
         try:
-            check_model_split(draft_cfg.num_heads, draft_cfg.num_kv_heads, draft_cfg.intermediate_size,
-                              draft_cfg.vocab_size, tp_size,
-                              draft_cfg.moe.intermediate_size if draft_cfg.moe is not None else None)
+            check_config_split(draft_cfg, tp_size)
         except ValueError as e:
             raise ValueError(f"speculative config: draft model {spec.model!r} splits over the "
                              f"tensor-parallel ranks as the model does: {e}") from None

@@ -76,6 +76,15 @@ def add_serve_args(srv: argparse.ArgumentParser) -> None:
     a("--max-engine-restarts", type=types.non_negative_int, default=5,
       help="restarts of a dead engine core allowed within 10 minutes; one more and the server "
            "exits with code 1")
+    a("--engine-step-timeout", type=types.positive_float, default=120.0,
+      help="seconds the engine core may go without progress (one step, or its idle loop) "
+           "once it is ready; then it counts as hung: its requests fail (503), it is killed and "
+           "a new one starts, as after a crash. Allow for the longest prefill step and for "
+           "kernels compiled on first use")
+    a("--request-timeout", type=types.positive_float, default=None,
+      help="seconds a request may run once its prompt is handed to the engine (waiting "
+           "included); then it is stopped and its client gets 504 request_timeout (in a stream: "
+           "an error event, then [DONE]). Default: no limit")
     a("--max-connections", type=types.positive_int, default=4096,
       help="open connections beyond which a new connection's requests get a JSON 503 "
            "(/health, /ping and /metrics are still answered)")
@@ -108,4 +117,9 @@ def check_serve_args(args: argparse.Namespace) -> None:
             raise ValueError(f"--{flag.replace('_', '-')} {path}: no such file")
     if args.shutdown_timeout < 0:
         raise ValueError("--shutdown-timeout must be 0 or more seconds")
+    from pagedserve.server.supervisor import MIN_STEP_TIMEOUT_S
+
+    if args.engine_step_timeout < MIN_STEP_TIMEOUT_S:
+        raise ValueError(f"--engine-step-timeout must be at least {MIN_STEP_TIMEOUT_S:g} s (an "
+                         "idle engine core shows it is alive once a second)")
     resolve_api_key(args.api_key, envs.api_key())

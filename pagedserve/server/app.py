@@ -49,7 +49,7 @@ from pagedserve.server.serving import (
     new_id,
     usage,
 )
-from pagedserve.server.supervisor import RestartPolicy
+from pagedserve.server.supervisor import Deadlines, RestartPolicy
 from pagedserve.server.tools import ToolSettings
 from pagedserve.tokenizer import Tokenizer
 
@@ -76,6 +76,8 @@ class ServerSettings:
     tools: ToolSettings = field(default_factory=ToolSettings)
     shutdown_timeout: float = 30.0  # on SIGTERM: how long running requests may take to finish
     restart_policy: RestartPolicy = field(default_factory=RestartPolicy)
+    # --engine-step-timeout (a hung engine core) and --request-timeout (one request)
+    deadlines: Deadlines = field(default_factory=Deadlines)
     # the model's defaults for omitted sampling fields (`--generation-config`)
     sampling_defaults: dict[str, float | int] = field(default_factory=dict)
     max_logprobs: int = 20  # --max-logprobs
@@ -97,12 +99,13 @@ def create_app(settings: ServerSettings, core: SpawnedCore | None = None) -> Fas
     end the rest with an error."""
     if settings.engine_kind == "pagedserve":
         client = AsyncEngineClient(settings.engine, settings.tokenizer, settings.log_level, core,
-                                   settings.restart_policy)
+                                   settings.restart_policy, settings.deadlines)
     else:  # the naive Transformers baselines, behind the same API
         from pagedserve.baseline.hf_engine import HFEngineClient
 
         client = HFEngineClient(settings.engine, settings.tokenizer, settings.log_level,
-                                batched=settings.engine_kind == "hf-batched")
+                                batched=settings.engine_kind == "hf-batched",
+                                deadlines=settings.deadlines)
     server = Server(client, settings.served_names, settings.max_waiting_requests,
                     settings.reasoning_parser, settings.trust_request_chat_template, settings.tools,
                     settings.sampling_defaults, settings.max_logprobs)

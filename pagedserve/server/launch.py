@@ -50,7 +50,7 @@ def server_settings(args: argparse.Namespace, kw: dict, on_fatal=None):
     # the web framework's imports (seconds on a slow host) come after the core is on its way
     from pagedserve.models.source import load_tokenizer
     from pagedserve.server.app import ServerSettings
-    from pagedserve.server.supervisor import RestartPolicy
+    from pagedserve.server.supervisor import Deadlines, RestartPolicy
     from pagedserve.server.tools import ToolSettings
 
     names = args.served_model_name or [kw["model"] or source.name]  # type: ignore[attr-defined]
@@ -74,6 +74,7 @@ def server_settings(args: argparse.Namespace, kw: dict, on_fatal=None):
         tools=ToolSettings(args.enable_auto_tool_choice, args.tool_call_parser),
         shutdown_timeout=args.shutdown_timeout,
         restart_policy=RestartPolicy(max_restarts=args.max_engine_restarts),
+        deadlines=Deadlines(step_s=args.engine_step_timeout, request_s=args.request_timeout),
         allowed_origins=args.allowed_origins, allowed_methods=args.allowed_methods,
         allowed_headers=args.allowed_headers, allow_credentials=args.allow_credentials,
         root_path=args.root_path or "", on_fatal=on_fatal,

@@ -23,6 +23,7 @@ from pagedserve.server.engine_client import (
     RequestRejected,
     ServerShuttingDown,
 )
+from pagedserve.server.engine_errors import RequestTimedOut
 from pagedserve.server.errors import APIError, error_body
 from pagedserve.server.tools import ToolSettings
 from pagedserve.tokenizer import IncrementalDetokenizer
@@ -234,9 +235,14 @@ async def run_choices(
 
     Leaving early (an error, or the consumer being cancelled) aborts every choice. `param`:
     the request field a rejection by the engine names (the constraint that did not compile).
+    With a request deadline (`client.deadlines.request_s`, --request-timeout), a request still
+    unfinished when it passes raises RequestTimedOut (as a 504), which aborts its choices.
     """
     queue: asyncio.Queue = asyncio.Queue()
-    done = object()
+    done, timed_out = object(), object()
+    timeout = client.deadlines.request_s
+    timer = (None if timeout is None else  # (one timer a request: nothing added per token)
+             asyncio.get_running_loop().call_later(timeout, queue.put_nowait, (-1, timed_out)))
 
     async def pump(choice: Choice) -> None:
         try:
@@ -256,11 +262,20 @@ async def run_choices(
             index, item = await queue.get()
             if item is done:
                 remaining -= 1
+            elif item is timed_out:
+                for _ in range(remaining):  # (one failure a sample, as for the engine's failures)
+                    if client.on_failure is not None:
+                        client.on_failure("request_timeout")
+                raise _as_api_error(RequestTimedOut(
+                    f"the request did not finish within {timeout:g} s (the server's "
+                    "--request-timeout); it was stopped"))
             elif isinstance(item, Exception):
                 raise _as_api_error(item, param)
             else:
                 yield index, item
     finally:
+        if timer is not None:
+            timer.cancel()
         for t in tasks:
             t.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
@@ -271,6 +286,8 @@ def _as_api_error(e: Exception, param: str | None = None) -> Exception:
         return APIError(400, f"{param}: {e}" if param else str(e), param=param)
     if isinstance(e, EngineDeadError):
         return APIError(503, str(e), code="engine_unavailable", headers={"Retry-After": "5"})
+    if isinstance(e, RequestTimedOut):
+        return APIError(504, str(e), code="request_timeout")
     if isinstance(e, ServerShuttingDown):
         return APIError(503, str(e), code="server_shutting_down", headers={"Retry-After": "5"})
     if isinstance(e, RequestFailed):
