@@ -5,7 +5,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 
 from pagedserve.structured.bad_words_automaton import BadWordsAutomaton
@@ -19,6 +19,23 @@ MAX_LOGPROBS = 20
 MIN_TOP_P = 1e-30
 # Repetition penalties outside this range divide or multiply logits into Inf or 0.
 REPETITION_PENALTY_RANGE = (1e-6, 1e6)
+
+
+def _encode_words(words: list[str], encode: Callable[[str], list[int]] | None,
+                  encode_batch: Callable[[list[str]], list[list[int]]] | None,
+                  chunk: int = 256) -> Iterator[list[int]]:
+    """The token ids of each word as written, then after a space (see `resolve_bad_words`),
+    a few hundred texts at a time: the tokenizer's results are objects the garbage collector
+    tracks, and thousands alive at once outlive young collections and set off full ones
+    (100 ms each in the HTTP process, while the event loop waits)."""
+    texts = [t for w in words for t in (w.lstrip(), " " + w.lstrip())]
+    for start in range(0, len(texts), chunk):
+        part = texts[start:start + chunk]
+        if encode_batch is not None:
+            yield from encode_batch(part)
+        else:
+            assert encode is not None, "resolve_bad_words needs encode or encode_batch"
+            yield from map(encode, part)
 
 
 def _is_int(value: object) -> bool:
@@ -179,28 +196,34 @@ class SamplingParams:
                              "token, the grammar only after the reasoning")
 
     def resolve_bad_words(self, encode: Callable[[str], list[int]] | None = None, *,
-                          encode_batch: Callable[[list[str]], list[list[int]]] | None = None
-                          ) -> SamplingParams:
-        """These params with `bad_words_token_ids` made from `bad_words` and compiled into
-        `bad_words_automaton`. Each word is tokenized (no special tokens) as written and, where
-        that tokenizes differently, after a space, so a word is caught at the start of the
-        output and inside it (as vLLM does); repeats are dropped. `encode_batch` (texts -> their
-        token ids, in one call) is used when given, else `encode` (one text). Given
-        `bad_words_token_ids` only, they are compiled. Linear in the words' length. Without bad
-        words, or already compiled, these params unchanged."""
+                          encode_batch: Callable[[list[str]], list[list[int]]] | None = None,
+                          keep_words: bool = True) -> SamplingParams:
+        """These params with their bad words compiled into `bad_words_automaton` (what the
+        engine walks). Each word is tokenized (no special tokens) as written and, where that
+        tokenizes differently, after a space, so a word is caught at the start of the output
+        and inside it (as vLLM does): `encode_batch` (texts -> their token ids, one call per
+        few thousand) when given, else `encode` (one text). With `keep_words`, the sequences
+        (without repeats) are kept as `bad_words_token_ids`; without, the words and sequences
+        are dropped, only the automaton kept (the server: no thousands of small objects to
+        keep, pickle for each sample and collect). Given `bad_words_token_ids` only, they are
+        compiled. Linear in the words' length. Without bad words, or already compiled, these
+        params unchanged."""
         if self.bad_words_automaton is not None or not (self.bad_words or self.bad_words_token_ids):
             return self
-        seqs = self.bad_words_token_ids
+        seqs: Iterable[list[int]] = self.bad_words_token_ids or ()
         if self.bad_words:
-            texts = [t for w in self.bad_words for t in (w.lstrip(), " " + w.lstrip())]
-            if encode_batch is None:
-                assert encode is not None, "resolve_bad_words needs encode or encode_batch"
-                encoded = [encode(t) for t in texts]
-            else:
-                encoded = encode_batch(texts)
-            seqs = [list(k) for k in dict.fromkeys(tuple(ids) for ids in encoded if len(ids))]
-        return dataclasses.replace(self, bad_words_token_ids=seqs,
-                                   bad_words_automaton=BadWordsAutomaton.build(seqs) if seqs else None)
+            seqs = (ids for ids in _encode_words(self.bad_words, encode, encode_batch) if ids)
+            if keep_words:
+                seqs = [list(k) for k in dict.fromkeys(map(tuple, seqs))]
+        automaton = BadWordsAutomaton.build(seqs)
+        if automaton.num_sequences == 0:
+            automaton = None
+        if keep_words:
+            return dataclasses.replace(self, bad_words_token_ids=seqs, bad_words_automaton=automaton)
+        out = copy.copy(self)  # (nothing else changes: nothing to check again)
+        out.bad_words = out.bad_words_token_ids = None
+        out.bad_words_automaton = automaton
+        return out
 
     @property
     def greedy(self) -> bool:

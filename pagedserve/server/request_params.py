@@ -37,7 +37,7 @@ def _finish(params: SamplingParams, vocab_size: int, tokenizer: Tokenizer | None
     """Tokenize and compile the bad words (with `tokenizer`), then check every token id
     against the vocabulary (`engine/limits.py`). Raises ValueError (PromptError) naming the field."""
     if tokenizer is not None:
-        params = params.resolve_bad_words(encode_batch=tokenizer.encode_batch)
+        params = params.resolve_bad_words(encode_batch=tokenizer.encode_batch, keep_words=False)
     check_token_ids(params, vocab_size)
     stop_ids = params.stop_token_ids
     if stop_ids and max(stop_ids) >= vocab_size:  # (an id never sampled: it would never stop)

@@ -25,6 +25,8 @@ from array import array
 from bisect import bisect_left
 from collections.abc import Iterable, Sequence
 
+_LOW = (1 << 32) - 1  # an end key's token: its low 32 bits
+
 
 def _ints(values: Iterable[int] = ()) -> array:
     return array("i", values)
@@ -52,9 +54,11 @@ class BadWordsAutomaton:
     @classmethod
     def build(cls, sequences: Iterable[Sequence[int]]) -> BadWordsAutomaton:
         """Compile token sequences (non-empty lists of ids >= 0, as `SamplingParams` checks
-        them; repeats allowed). Linear in their total length."""
+        them; repeats allowed). Linear in their total length. The trie's dicts hold ints
+        only, which the garbage collector does not track: a build adds nothing for it to
+        walk (30,000 words of sets or lists set off full collections of 100 ms and more)."""
         children: list[dict[int, int] | None] = [None]
-        ends: dict[int, set[int]] = {}
+        end_keys: list[int] = []  # (node << 32 | token): the token ends a sequence at the node
         max_token, count = -1, 0
         for seq in sequences:
             if not seq:
@@ -71,26 +75,28 @@ class BadWordsAutomaton:
                     nxt = kids[seq[i]] = len(children)
                     children.append(None)
                 node = nxt
-            last = ends.get(node)
-            if last is None:
-                ends[node] = {seq[-1]}
-            else:
-                last.add(seq[-1])
-        return cls._compile(children, ends, max_token, count)
+            end_keys.append(node << 32 | seq[-1])
+        return cls._compile(children, sorted(set(end_keys)), max_token, count)
 
     @classmethod
-    def _compile(cls, children: list[dict[int, int] | None], ends: dict[int, set[int]],
+    def _compile(cls, children: list[dict[int, int] | None], end_keys: list[int],
                  max_token: int, count: int) -> BadWordsAutomaton:
         """One breadth-first pass: number the nodes, children by token (so node k's children
         are the nodes child_off[k] + 1 .. child_off[k + 1]: edge i leads to node i + 1), and
-        give each its failure and output links (those of shallower nodes are known)."""
+        give each its failure and output links (those of shallower nodes are known).
+        `end_keys`: sorted, without repeats."""
         n = len(children)
-        order, new, fail = [0], [0] * n, [0] * n  # trie ids in order; order of a trie id; failure (trie ids)
+        # (trie ids in order; the order of a trie id; failure links by trie id; nodes that
+        # end a sequence, each with the index of its last end key)
+        order, new, fail = [0], [0] * n, [0] * n
+        ends_at = {k >> 32: i for i, k in enumerate(end_keys)}
         child_off, child_tok, fail_new, out = [0], [], [0], [-1]
         ends_off, ends_tok = [0], []
         for u in order:  # (grows while iterated)
-            if u and u in ends:
-                ends_tok.extend(sorted(ends[u]))
+            i = ends_at.get(u, -1) if u else -1
+            while i >= 0 and end_keys[i] >> 32 == u:
+                ends_tok.append(end_keys[i] & _LOW)
+                i -= 1
             ends_off.append(len(ends_tok))
             kids = children[u]
             if kids:
@@ -112,9 +118,9 @@ class BadWordsAutomaton:
                     child_tok.append(t)
                     f = new[fv]
                     fail_new.append(f)
-                    out.append(f if fv and fv in ends else out[f])
+                    out.append(f if fv and fv in ends_at else out[f])
             child_off.append(len(child_tok))
-        always = _ints(sorted(ends.get(0, ())))
+        always = _ints(k & _LOW for k in end_keys[:bisect_left(end_keys, 1 << 32)])
         return cls(_ints(child_off), _ints(child_tok), _ints(fail_new), _ints(out), _ints(ends_off),
                    _ints(ends_tok), always, _always_mask(always), max_token, count)
 
