@@ -5,10 +5,10 @@ from __future__ import annotations
 import copy
 import dataclasses
 import math
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
-from pagedserve.structured.bad_words_automaton import BadWordsAutomaton
+from pagedserve.structured.bad_words_automaton import BadWordsAutomaton, Steps, run_steps
 from pagedserve.structured.params import StructuredOutputsParams
 
 # Temperatures below this count as greedy: dividing logits by them would overflow.
@@ -198,28 +198,41 @@ class SamplingParams:
     def resolve_bad_words(self, encode: Callable[[str], list[int]] | None = None, *,
                           encode_batch: Callable[[list[str]], list[list[int]]] | None = None,
                           keep_words: bool = True) -> SamplingParams:
-        """These params with their bad words compiled into `bad_words_automaton` (what the
-        engine walks). Each word is tokenized (no special tokens) as written and, where that
-        tokenizes differently, after a space, so a word is caught at the start of the output
-        and inside it (as vLLM does): `encode_batch` (texts -> their token ids, one call per
-        few thousand) when given, else `encode` (one text). With `keep_words`, the sequences
-        (without repeats) are kept as `bad_words_token_ids`; without, the words and sequences
-        are dropped, only the automaton kept (the server: no thousands of small objects to
-        keep, pickle for each sample and collect). Given `bad_words_token_ids` only, they are
-        compiled. Linear in the words' length. Without bad words, or already compiled, these
-        params unchanged."""
+        """These params with their bad words tokenized (`tokenize_bad_words`) and compiled
+        into `bad_words_automaton` (`compile_bad_words_steps`), what the engine walks. With
+        `keep_words`, the sequences (without repeats) are kept as `bad_words_token_ids`;
+        without, the words and sequences are dropped, only the automaton kept (the server:
+        no thousands of small objects to keep, pickle for each sample and collect). Linear in
+        the words' length. Without bad words, or already compiled, these params unchanged."""
         if self.bad_words_automaton is not None or not (self.bad_words or self.bad_words_token_ids):
             return self
-        seqs: Iterable[list[int]] = self.bad_words_token_ids or ()
-        if self.bad_words:
-            seqs = (ids for ids in _encode_words(self.bad_words, encode, encode_batch) if ids)
-            if keep_words:
-                seqs = [list(k) for k in dict.fromkeys(map(tuple, seqs))]
-        automaton = BadWordsAutomaton.build(seqs)
+        seqs = self.tokenize_bad_words(encode, encode_batch=encode_batch)
+        return run_steps(self.compile_bad_words_steps(seqs, keep_words))
+
+    def tokenize_bad_words(self, encode: Callable[[str], list[int]] | None = None, *,
+                           encode_batch: Callable[[list[str]], list[list[int]]] | None = None
+                           ) -> list[list[int]]:
+        """The token sequences of the bad words: each word (no special tokens) as written
+        and, where that tokenizes differently, after a space, so a word is caught at the
+        start of the output and inside it (as vLLM does); repeats kept. `encode_batch` (texts
+        -> their token ids, one call per few hundred) when given, else `encode` (one text).
+        Without `bad_words`, the given `bad_words_token_ids`."""
+        if not self.bad_words:
+            return self.bad_words_token_ids or []
+        return [ids for ids in _encode_words(self.bad_words, encode, encode_batch) if ids]
+
+    def compile_bad_words_steps(self, seqs: list[list[int]], keep_words: bool = True
+                                ) -> Steps[SamplingParams]:
+        """These params with `seqs` (their `tokenize_bad_words`) compiled, as
+        `resolve_bad_words` describes, pausing between slices of about a millisecond."""
+        if self.bad_words_automaton is not None or not (self.bad_words or self.bad_words_token_ids):
+            return self
+        automaton = yield from BadWordsAutomaton.build_steps(seqs)
         if automaton.num_sequences == 0:
             automaton = None
         if keep_words:
-            return dataclasses.replace(self, bad_words_token_ids=seqs, bad_words_automaton=automaton)
+            kept = [list(k) for k in dict.fromkeys(map(tuple, seqs))] if self.bad_words else seqs
+            return dataclasses.replace(self, bad_words_token_ids=kept, bad_words_automaton=automaton)
         out = copy.copy(self)  # (nothing else changes: nothing to check again)
         out.bad_words = out.bad_words_token_ids = None
         out.bad_words_automaton = automaton

@@ -11,6 +11,7 @@ import asyncio
 import random
 import string
 import time
+from pathlib import Path
 
 import httpx
 
@@ -24,6 +25,13 @@ def _random_words(count: int, rng: random.Random) -> list[str]:
     while len(words) < count:
         words["".join(rng.choice(string.ascii_lowercase) for _ in range(rng.randint(4, 10)))] = None
     return list(words)
+
+
+def _rss_mb(pid: int) -> float:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) / 1024
+    raise AssertionError("no VmRSS")
 
 
 def _holds(ids: list[int], seq: tuple[int, ...]) -> bool:
@@ -49,6 +57,7 @@ def test_thirty_thousand_bad_words_freeze_nobody(server, smollm2_dir):
     first = tok.decode(free["token_ids"][:1]).strip()  # the word it says first, unconstrained
     words = _random_words(NUM_WORDS - 1, random.Random(0)) + [first]
     body = {**base, "bad_words": words}
+    rss_before = _rss_mb(server.proc.pid)
 
     async def run():
         stop, latencies = asyncio.Event(), []
@@ -63,6 +72,7 @@ def test_thirty_thousand_bad_words_freeze_nobody(server, smollm2_dir):
         return r, took, latencies
 
     r, took, latencies = asyncio.run(run())
+    rss_after = _rss_mb(server.proc.pid)
     assert r.status_code == 200, r.text[:500]
     ids = r.json()["choices"][0]["token_ids"]
     assert len(ids) == 12 and ids[0] != free["token_ids"][0], (ids, free["token_ids"])
@@ -71,5 +81,6 @@ def test_thirty_thousand_bad_words_freeze_nobody(server, smollm2_dir):
     latencies.sort()
     median, worst = latencies[len(latencies) // 2], latencies[-1]
     print(f"30,000 bad words ({len(str(words)) / 1e6:.2f} MB): answered in {took:.2f} s; /health "
-          f"x{len(latencies)}: median {median * 1e3:.1f} ms, max {worst * 1e3:.1f} ms")
+          f"x{len(latencies)}: median {median * 1e3:.1f} ms, max {worst * 1e3:.1f} ms; HTTP process "
+          f"{rss_before:.0f} MB before, {rss_after:.0f} MB after")
     assert worst < 0.1, f"/health took {worst * 1e3:.0f} ms while the bad words were resolved"

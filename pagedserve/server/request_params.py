@@ -2,25 +2,31 @@
 
 The one piece that grows with the request is its `bad_words`: every word is tokenized (twice:
 as written and after a space) and the sequences compiled into an automaton
-(`structured/bad_words_automaton.py`). That is linear (one batch call to the tokenizer, a
-dict to drop repeats), and with more than a few words it runs in a worker thread, so the
-event loop (every other stream, /health) keeps its turns: 30,000 words took 35 s on the loop
-before (a list scan per word to drop repeats).
+(`structured/bad_words_automaton.py`). That is linear (the tokenizer called a few hundred
+texts at a time, repeats dropped by the trie), and with more than a few words it does not
+hold the event loop: the tokenizer runs in a worker thread (it releases the GIL), then the
+automaton is built on the loop in slices of about a millisecond, every other request
+(streams, /health) served between them. (A worker thread computing in Python holds the GIL:
+on a busy host the loop waited for it 40-90 ms at a time.) 30,000 words took 38 s of CPU in
+one piece before (a list scan per word to drop repeats).
 """
 
 from __future__ import annotations
 
 import asyncio
 from collections.abc import Callable
+from typing import TypeVar
 
 from pagedserve.engine.limits import PromptError, check_token_ids
 from pagedserve.sampling_params import SamplingParams
 from pagedserve.server.errors import APIError
+from pagedserve.structured.bad_words_automaton import Steps
 from pagedserve.tokenizer import Tokenizer
 
-# Bad words resolved in a worker thread past either bound (below both: well under 1 ms inline)
-BAD_WORDS_OFFLOAD_COUNT = 64
-BAD_WORDS_OFFLOAD_CHARS = 1_024
+# Bad words resolved in slices past either bound (below both: well under 1 ms in one piece)
+BAD_WORDS_SLICED_COUNT = 64
+BAD_WORDS_SLICED_CHARS = 1_024
+T = TypeVar("T")
 
 Build = Callable[[int, "int | None"], SamplingParams]  # (max_tokens, logprobs) -> params
 
@@ -33,11 +39,8 @@ def _as_api_error(e: ValueError) -> APIError:
     return APIError(400, msg, param=msg.split(" ", 1)[0])
 
 
-def _finish(params: SamplingParams, vocab_size: int, tokenizer: Tokenizer | None) -> SamplingParams:
-    """Tokenize and compile the bad words (with `tokenizer`), then check every token id
-    against the vocabulary (`engine/limits.py`). Raises ValueError (PromptError) naming the field."""
-    if tokenizer is not None:
-        params = params.resolve_bad_words(encode_batch=tokenizer.encode_batch, keep_words=False)
+def _check(params: SamplingParams, vocab_size: int) -> SamplingParams:
+    """Every token id against the vocabulary (`engine/limits.py`); PromptError names the field."""
     check_token_ids(params, vocab_size)
     stop_ids = params.stop_token_ids
     if stop_ids and max(stop_ids) >= vocab_size:  # (an id never sampled: it would never stop)
@@ -47,31 +50,48 @@ def _finish(params: SamplingParams, vocab_size: int, tokenizer: Tokenizer | None
     return params
 
 
+async def run_sliced(steps: Steps[T]) -> T:
+    """Run a computation given as steps on the event loop, letting it turn between them."""
+    while True:
+        try:
+            next(steps)
+        except StopIteration as done:
+            return done.value
+        await asyncio.sleep(0)
+
+
 def make_params(build: Build, max_tokens: int, logprobs: int | None, vocab_size: int,
                 tokenizer: Tokenizer | None = None) -> SamplingParams:
     """Call a request's sampling_params builder, tokenize its bad_words with `tokenizer` and
     check its token ids against the vocabulary, turning ValueError into a 400 naming the
-    field. Inline: for requests without many bad words (see `make_params_async`)."""
+    field, in one piece: for requests without many bad words (see `make_params_async`)."""
     try:
-        return _finish(build(max_tokens, logprobs), vocab_size, tokenizer)
+        params = build(max_tokens, logprobs)
+        if tokenizer is not None:
+            params = params.resolve_bad_words(encode_batch=tokenizer.encode_batch, keep_words=False)
+        return _check(params, vocab_size)
     except ValueError as e:
         raise _as_api_error(e) from None
 
 
 def heavy(params: SamplingParams) -> bool:
-    """Whether resolving these params' bad words is worth a worker thread."""
+    """Whether these params' bad words are many enough for a worker thread and slices."""
     words = params.bad_words or ()
-    return len(words) > BAD_WORDS_OFFLOAD_COUNT or sum(map(len, words)) > BAD_WORDS_OFFLOAD_CHARS
+    return len(words) > BAD_WORDS_SLICED_COUNT or sum(map(len, words)) > BAD_WORDS_SLICED_CHARS
 
 
 async def make_params_async(build: Build, max_tokens: int, logprobs: int | None, vocab_size: int,
                             tokenizer: Tokenizer | None = None) -> SamplingParams:
-    """`make_params`, with the bad words resolved in a worker thread when there are many."""
+    """`make_params`; many bad words are tokenized in a worker thread, then compiled in
+    slices on the event loop."""
     try:
         params = build(max_tokens, logprobs)
         if tokenizer is not None and heavy(params):
-            return await asyncio.to_thread(_finish, params, vocab_size, tokenizer)
-        return _finish(params, vocab_size, tokenizer)
+            seqs = await asyncio.to_thread(params.tokenize_bad_words, encode_batch=tokenizer.encode_batch)
+            params = await run_sliced(params.compile_bad_words_steps(seqs, keep_words=False))
+        elif tokenizer is not None:
+            params = params.resolve_bad_words(encode_batch=tokenizer.encode_batch, keep_words=False)
+        return _check(params, vocab_size)
     except ValueError as e:
         raise _as_api_error(e) from None
 

@@ -23,9 +23,24 @@ from __future__ import annotations
 
 from array import array
 from bisect import bisect_left
-from collections.abc import Iterable, Sequence
+from collections.abc import Generator, Iterable, Sequence
+from typing import TypeVar
 
+T = TypeVar("T")
+Steps = Generator[None, None, T]  # a computation that pauses (yields) between slices of its work
+
+# units of work (sequences taken, tokens inserted, nodes linked) between two pauses: 1-3 ms
+SLICE = 1024
 _LOW = (1 << 32) - 1  # an end key's token: its low 32 bits
+
+
+def run_steps(steps: Steps[T]) -> T:
+    """Run a computation given as steps to its end, without pausing; its result."""
+    while True:
+        try:
+            next(steps)
+        except StopIteration as done:
+            return done.value
 
 
 def _ints(values: Iterable[int] = ()) -> array:
@@ -33,8 +48,8 @@ def _ints(values: Iterable[int] = ()) -> array:
 
 
 class BadWordsAutomaton:
-    """The bad words of one request, compiled. Build with `build`; read with `step`,
-    `banned_after` and `always_mask`."""
+    """The bad words of one request, compiled. Build with `build` (or `build_steps`); read
+    with `step`, `banned_after` and `always_mask`."""
 
     def __init__(self, child_off: array, child_tok: array, fail: array, out: array,
                  ends_off: array, ends_tok: array, always: array, always_mask: array,
@@ -54,18 +69,25 @@ class BadWordsAutomaton:
     @classmethod
     def build(cls, sequences: Iterable[Sequence[int]]) -> BadWordsAutomaton:
         """Compile token sequences (non-empty lists of ids >= 0, as `SamplingParams` checks
-        them; repeats allowed). Linear in their total length. The trie's dicts hold ints
-        only, which the garbage collector does not track: a build adds nothing for it to
-        walk (30,000 words of sets or lists set off full collections of 100 ms and more)."""
+        them; repeats allowed). Linear in their total length."""
+        return run_steps(cls.build_steps(sequences))
+
+    @classmethod
+    def build_steps(cls, sequences: Iterable[Sequence[int]]) -> Steps[BadWordsAutomaton]:
+        """`build`, pausing after every SLICE units of work (the server runs it on its event
+        loop, other requests between the slices). The trie's dicts hold ints only, which the
+        garbage collector does not track: a build adds nothing for it to walk (30,000 words
+        of sets or lists set off full collections of 100 ms and more)."""
         children: list[dict[int, int] | None] = [None]
         end_keys: list[int] = []  # (node << 32 | token): the token ends a sequence at the node
-        max_token, count = -1, 0
+        max_token, count, work = -1, 0, 0
         for seq in sequences:
             if not seq:
                 raise ValueError("bad_words_token_ids must not hold an empty sequence")
             count += 1
             max_token = max(max_token, max(seq))
             node = 0
+            work += 1
             for i in range(len(seq) - 1):
                 kids = children[node]
                 if kids is None:
@@ -75,27 +97,37 @@ class BadWordsAutomaton:
                     nxt = kids[seq[i]] = len(children)
                     children.append(None)
                 node = nxt
+                work += 1
+                if work >= SLICE:
+                    work = 0
+                    yield
             end_keys.append(node << 32 | seq[-1])
-        return cls._compile(children, sorted(set(end_keys)), max_token, count)
+        end_keys.sort()
+        return (yield from cls._compile(children, end_keys, max_token, count))
 
     @classmethod
     def _compile(cls, children: list[dict[int, int] | None], end_keys: list[int],
-                 max_token: int, count: int) -> BadWordsAutomaton:
+                 max_token: int, count: int) -> Steps[BadWordsAutomaton]:
         """One breadth-first pass: number the nodes, children by token (so node k's children
         are the nodes child_off[k] + 1 .. child_off[k + 1]: edge i leads to node i + 1), and
         give each its failure and output links (those of shallower nodes are known).
-        `end_keys`: sorted, without repeats."""
+        `end_keys`: sorted. Everything per node is kept in arrays, so nothing is converted
+        or freed an object at a time at the end."""
         n = len(children)
-        # (trie ids in order; the order of a trie id; failure links by trie id; nodes that
-        # end a sequence, each with the index of its last end key)
-        order, new, fail = [0], [0] * n, [0] * n
-        ends_at = {k >> 32: i for i, k in enumerate(end_keys)}
-        child_off, child_tok, fail_new, out = [0], [], [0], [-1]
-        ends_off, ends_tok = [0], []
+        ends_at: dict[int, int] = {}  # node that ends a sequence -> the index of its last end key
+        for i, k in enumerate(end_keys):
+            ends_at[k >> 32] = i
+            if i % SLICE == SLICE - 1:
+                yield
+        # (trie ids in breadth-first order; the order of a trie id; failure links by trie id)
+        order, new, fail = _ints([0]), _ints(bytes(4 * n)), _ints(bytes(4 * n))
+        child_off, child_tok, fail_new, out = _ints([0]), _ints(), _ints([0]), _ints([-1])
+        ends_off, ends_tok = _ints([0]), _ints()
         for u in order:  # (grows while iterated)
             i = ends_at.get(u, -1) if u else -1
             while i >= 0 and end_keys[i] >> 32 == u:
-                ends_tok.append(end_keys[i] & _LOW)
+                if ends_off[-1] == len(ends_tok) or ends_tok[-1] != end_keys[i] & _LOW:
+                    ends_tok.append(end_keys[i] & _LOW)  # (repeats are adjacent: dropped)
                 i -= 1
             ends_off.append(len(ends_tok))
             kids = children[u]
@@ -119,10 +151,16 @@ class BadWordsAutomaton:
                     f = new[fv]
                     fail_new.append(f)
                     out.append(f if fv and fv in ends_at else out[f])
+                    if len(order) % SLICE == 0:
+                        yield
             child_off.append(len(child_tok))
-        always = _ints(k & _LOW for k in end_keys[:bisect_left(end_keys, 1 << 32)])
-        return cls(_ints(child_off), _ints(child_tok), _ints(fail_new), _ints(out), _ints(ends_off),
-                   _ints(ends_tok), always, _always_mask(always), max_token, count)
+        always = _ints(sorted({k & _LOW for k in end_keys[:bisect_left(end_keys, 1 << 32)]}))
+        always_mask = yield from _always_mask(always)
+        for start in range(0, n, SLICE):  # (the trie's dicts freed a slice at a time)
+            children[start:start + SLICE] = [None] * len(children[start:start + SLICE])
+            yield
+        return cls(child_off, child_tok, fail_new, out, ends_off, ends_tok, always, always_mask,
+                   max_token, count)
 
     @property
     def num_nodes(self) -> int:
@@ -157,12 +195,14 @@ class BadWordsAutomaton:
         return set(self.always) | set(self.banned_after(state))
 
 
-def _always_mask(always: array) -> array:
+def _always_mask(always: array) -> Steps[array]:
     """Bitmask words (int32, bit t % 32 of word t // 32) with the `always` tokens cleared, up
     to the word of the highest one."""
     if not always:
         return _ints()
     words = [0xFFFFFFFF] * (always[-1] // 32 + 1)
-    for t in always:
+    for i, t in enumerate(always):
         words[t >> 5] &= ~(1 << (t & 31))
+        if i % SLICE == SLICE - 1:
+            yield
     return _ints(w - (1 << 32) if w >= 1 << 31 else w for w in words)
