@@ -24,10 +24,9 @@ REPETITION_PENALTY_RANGE = (1e-6, 1e6)
 def _encode_words(words: list[str], encode: Callable[[str], list[int]] | None,
                   encode_batch: Callable[[list[str]], list[list[int]]] | None,
                   chunk: int = 256) -> Iterator[list[int]]:
-    """The token ids of each word as written, then after a space (see `resolve_bad_words`),
+    """The token ids of each word as written, then after a space (see `tokenize_bad_words`),
     a few hundred texts at a time: the tokenizer's results are objects the garbage collector
-    tracks, and thousands alive at once outlive young collections and set off full ones
-    (100 ms each in the HTTP process, while the event loop waits)."""
+    tracks, and thousands alive at once outlive young collections and set off full ones."""
     texts = [t for w in words for t in (w.lstrip(), " " + w.lstrip())]
     for start in range(0, len(texts), chunk):
         part = texts[start:start + chunk]
@@ -213,10 +212,10 @@ class SamplingParams:
                            encode_batch: Callable[[list[str]], list[list[int]]] | None = None
                            ) -> list[list[int]]:
         """The token sequences of the bad words: each word (no special tokens) as written
-        and, where that tokenizes differently, after a space, so a word is caught at the
-        start of the output and inside it (as vLLM does); repeats kept. `encode_batch` (texts
-        -> their token ids, one call per few hundred) when given, else `encode` (one text).
-        Without `bad_words`, the given `bad_words_token_ids`."""
+        and after a space, so a word is caught at the start of the output and inside it (as
+        vLLM does; where the two are the same sequence, the repeat is dropped when compiled).
+        `encode_batch` (texts -> their token ids, one call per few hundred) when given, else
+        `encode` (one text). Without `bad_words`, the given `bad_words_token_ids`."""
         if not self.bad_words:
             return self.bad_words_token_ids or []
         return [ids for ids in _encode_words(self.bad_words, encode, encode_batch) if ids]

@@ -31,6 +31,11 @@ def tok(smollm2_dir):
     return Tokenizer.from_pretrained(smollm2_dir)
 
 
+def test_the_batch_encoder_gives_what_encode_gives(tok):
+    texts = ["hat", " hat", "héllo 日本語 🌍", "  two  spaces", "\ttab", "x" * 3000, ""]
+    assert tok.encode_batch(texts) == [tok.encode(t) for t in texts]
+
+
 def test_resolving_is_linear_in_the_words(tok):
     """3,000 and 30,000 words: about 10x the CPU (the list scan: 96x), 30,000 in a few
     seconds at most (the scan: 38 s)."""

@@ -37,6 +37,7 @@ async def _prepare(server: Server, body: CompletionRequest
     prompts = [await server.encode_async(p, True, "prompt") if isinstance(p, str) else p
                for p in body.prompts()]
     prompts = [server.truncate_prompt(p, body.truncate_prompt_tokens) for p in prompts]
+
     def build(max_tokens: int, logprobs: int | None):
         params = body.sampling_params(max_tokens, logprobs, structured)
         if body.echo and body.logprobs is not None:  # the echoed prompt is scored too (OpenAI)
