@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import functools
 import math
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -236,6 +237,12 @@ class SamplingParams:
         out.bad_words = out.bad_words_token_ids = None
         out.bad_words_automaton = automaton
         return out
+
+    @functools.cached_property
+    def stop_token_set(self) -> frozenset[int]:
+        """`stop_token_ids` as a set: every sampled token is checked against it (a lookup, not
+        a scan of a list that may hold thousands)."""
+        return frozenset(self.stop_token_ids)
 
     @property
     def greedy(self) -> bool:
