@@ -55,6 +55,7 @@ def test_thirty_thousand_bad_words_freeze_nobody(server, smollm2_dir):
             "ignore_eos": True, "return_token_ids": True}
     free = httpx.post(server.url + "/v1/completions", json=base, timeout=60).json()["choices"][0]
     first = tok.decode(free["token_ids"][:1]).strip()  # the word it says first, unconstrained
+    assert first, free
     words = _random_words(NUM_WORDS - 1, random.Random(0)) + [first]
     body = {**base, "bad_words": words}
     rss_before = _rss_mb(server.proc.pid)
