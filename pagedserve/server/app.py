@@ -40,12 +40,12 @@ from pagedserve.server.protocol import (
     TokenizeRequest,
 )
 from pagedserve.server.protocol_responses import ResponsesRequest
+from pagedserve.server.request_params import make_params
 from pagedserve.server.responses import create_response
 from pagedserve.server.serving import (
     Choice,
     Server,
     generate_all,
-    make_params,
     new_id,
     usage,
 )

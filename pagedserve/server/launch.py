@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import gc
 import logging
 import ssl
 
@@ -118,6 +119,11 @@ def serve(args: argparse.Namespace, kw: dict) -> int:
     )
     logging.getLogger("uvicorn.error").addFilter(HideStartErrorTraceback())
     server = Server(uv_config, app.state.drain)
+    # What start-up made lives as long as the server: frozen out of the collector's sight, a
+    # full collection walks only what requests made since (it walked 99,000 objects, 45 ms of
+    # a stalled event loop, whenever any request's allocations set one off)
+    gc.collect()
+    gc.freeze()
     server.run()
     if not server.started:
         return 1  # start-up failed (logged by uvicorn)

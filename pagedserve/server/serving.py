@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 from fastapi import Request
 
-from pagedserve.engine.limits import PromptError, check_prompt, check_token_ids
+from pagedserve.engine.limits import PromptError, check_prompt
 from pagedserve.engine.output_processor import SampleState
 from pagedserve.sampling_params import MAX_LOGPROBS, SamplingParams
 from pagedserve.server.engine_client import (
@@ -194,29 +194,6 @@ class Server:
         if logprobs is not None and logprobs > self.max_logprobs:
             raise APIError(400, f"{param} must be at most {self.max_logprobs} on this server "
                                 f"(--max-logprobs), got {logprobs}", param=param)
-
-def make_params(build, max_tokens: int, logprobs: int | None, vocab_size: int,
-                tokenizer=None) -> SamplingParams:
-    """Call a request's sampling_params builder, tokenize its bad_words with `tokenizer` and
-    check its token ids against the vocabulary (`engine/limits.py`), turning ValueError into
-    a 400 naming the field."""
-    try:
-        params = build(max_tokens, logprobs)
-        if tokenizer is not None:
-            params = params.resolve_bad_words(lambda text: tokenizer.encode(text, add_special_tokens=False))
-        check_token_ids(params, vocab_size)
-        stop_ids = params.stop_token_ids
-        if stop_ids and max(stop_ids) >= vocab_size:  # (an id never sampled: it would never stop)
-            bad = sorted({t for t in stop_ids if t >= vocab_size})
-            raise PromptError(f"stop_token_ids out of range [0, {vocab_size}): {bad[:5]}",
-                              param="stop_token_ids")
-    except PromptError as e:
-        raise APIError(400, str(e), param=e.param) from None
-    except ValueError as e:
-        msg = str(e)
-        raise APIError(400, msg, param=msg.split(" ", 1)[0]) from None
-    return params
-
 
 def new_id(prefix: str, user: str | None = None) -> str:
     """A request id; a request that names its end `user` has the pair logged (the OpenAI
