@@ -9,7 +9,7 @@ speak in torch types import it when called.
 from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, ClassVar
 
 from pagedserve.faults import FaultPlan
 from pagedserve.models.moe_config import MoeConfig
@@ -163,18 +163,14 @@ class ModelConfig:
         return model_config_from_hf(cfg)
 
 
-# A step's token budget when none is given, by device: on the CPU a step of 8192 tokens takes
-# many seconds, and aborts and new requests wait for the step in flight (performance.md)
-DEFAULT_BATCHED_TOKENS = {"cuda": 8192, "cpu": 512}
-
-
 @dataclass(frozen=True)
 class SchedulerConfig:
     """Limits for one engine step."""
 
+    # a step's tokens when none is given, by device: on the CPU 8192 take seconds (performance.md)
+    DEFAULT_BATCHED_TOKENS: ClassVar[dict[str, int]] = {"cuda": 8192, "cpu": 512}
     max_num_seqs: int = 256  # most requests running at once
-    # token budget of one step (decodes + prefill chunks); None: the device's (`for_device`)
-    max_num_batched_tokens: int | None = None
+    max_num_batched_tokens: int | None = None  # a step's tokens; None: the device's (scheduler_for)
     max_model_len: int = 4096  # prompt + output limit per request
 
     def __post_init__(self) -> None:
@@ -182,13 +178,6 @@ class SchedulerConfig:
             value = getattr(self, name)
             if value is None and name != "max_num_batched_tokens" or value is not None and value <= 0:
                 raise ValueError(f"{name} must be positive, got {value}")
-
-    def for_device(self, device_type: str) -> SchedulerConfig:
-        """These limits with the step's token budget set (CUDA's default on other devices)."""
-        if self.max_num_batched_tokens is not None:
-            return self
-        budget = DEFAULT_BATCHED_TOKENS.get(device_type, DEFAULT_BATCHED_TOKENS["cuda"])
-        return replace(self, max_num_batched_tokens=budget)
 
 
 @dataclass(frozen=True)
@@ -256,11 +245,13 @@ class ObservabilityConfig:
 
 
 EXECUTOR_BACKENDS = ("mp", "uni")
+TP_QUANTIZATION = ("fp8",)  # dynamic methods whose weights split over tensor-parallel ranks
 
 
-def _check_tensor_parallel(size: int, model_cfg: ModelConfig, kw: dict[str, Any]) -> None:
+def _check_tensor_parallel(size: int, model_cfg: ModelConfig, kw: dict[str, Any],
+                           pre_quantized: bool) -> None:
     """ValueError where `size` ranks (or the executor backend asked for) cannot run this
-    model with these settings."""
+    model with these settings (`pre_quantized`: the checkpoint holds quantized weights)."""
     if not isinstance(size, int) or size < 1:
         raise ValueError(f"tensor_parallel_size must be a whole number >= 1, got {size!r}")
     backend = kw.get("distributed_executor_backend")
@@ -275,20 +266,21 @@ def _check_tensor_parallel(size: int, model_cfg: ModelConfig, kw: dict[str, Any]
                          f"tensor_parallel_size {size} needs 'mp' (the default for it)")
     if size == 1 and backend != "mp":
         return
-    from pagedserve.distributed.split import check_model_split
+    from pagedserve.distributed.split import check_config_split
 
-    check_model_split(model_cfg.num_heads, model_cfg.num_kv_heads, model_cfg.intermediate_size,
-                      model_cfg.vocab_size, size,
-                      model_cfg.moe.intermediate_size if model_cfg.moe is not None else None)
-    for key, what in (("quantization", "quantized weights"), ("speculative", "speculative decoding")):
-        if kw.get(key) is not None:
-            raise ValueError(f"the multi-process executor (tensor parallelism) does not run {what} "
-                             "yet: use tensor_parallel_size 1 (--tensor-parallel-size 1) without "
-                             "--distributed-executor-backend mp, or leave them off")
+    check_config_split(model_cfg, size)
+    quantization = kw.get("quantization")
+    if quantization is not None and (pre_quantized or quantization not in TP_QUANTIZATION):
+        what = f"{quantization} checkpoints" if pre_quantized else f"--quantization {quantization}"
+        raise ValueError(f"tensor parallelism does not split {what} yet (it splits unquantized weights, "
+                         f"with --quantization {' or '.join(TP_QUANTIZATION)} or without): use "
+                         "--tensor-parallel-size 1 without --distributed-executor-backend mp")
 
 
-def _checked_draft(spec: SpeculativeConfig, model_cfg: ModelConfig, load_format: str) -> SpeculativeConfig:
-    """The draft model resolved (a Hub id: its local folder) and its vocabulary checked."""
+def _checked_draft(spec: SpeculativeConfig, model_cfg: ModelConfig, load_format: str,
+                   tp_size: int) -> SpeculativeConfig:
+    """The draft model resolved (a Hub id: its local folder), its vocabulary checked, and its
+    split over `tp_size` tensor-parallel ranks (each rank runs its share of the draft)."""
     from pagedserve.models.source import resolve_model
 
     try:
@@ -298,10 +290,19 @@ def _checked_draft(spec: SpeculativeConfig, model_cfg: ModelConfig, load_format:
     if source.is_preset and load_format != "dummy":
         raise ValueError(f"speculative config: draft model preset {spec.model!r} ships no weights "
                          "(with --load-format dummy both models get random weights)")
-    vocab = ModelConfig.from_hf_config(source.hf_config).vocab_size
+    draft_cfg = ModelConfig.from_hf_config(source.hf_config)
+    vocab = draft_cfg.vocab_size
     if vocab != model_cfg.vocab_size:
         raise ValueError(f"speculative config: draft model {spec.model!r} has a vocabulary of {vocab} "
                          f"tokens and the model {model_cfg.vocab_size}: they must be the same")
+    if isinstance(tp_size, int) and tp_size > 1:
+        from pagedserve.distributed.split import check_config_split
+
+        try:
+            check_config_split(draft_cfg, tp_size)
+        except ValueError as e:
+            raise ValueError(f"speculative config: draft model {spec.model!r} splits over the "
+                             f"tensor-parallel ranks as the model does: {e}") from None
     return replace(spec, model=str(source.folder)) if source.from_hub else spec
 
 
@@ -370,8 +371,10 @@ class EngineConfig:
                              f"({limit}); lower --max-model-len")
         kw["speculative"] = spec = SpeculativeConfig.parse(kw.pop("speculative_config", None))
         if spec is not None and spec.method == "draft_model":
-            kw["speculative"] = _checked_draft(spec, model_cfg, load_format)
-        _check_tensor_parallel(kw.get("tensor_parallel_size", 1), model_cfg, kw)
+            kw["speculative"] = _checked_draft(spec, model_cfg, load_format,
+                                               kw.get("tensor_parallel_size", 1))
+        _check_tensor_parallel(kw.get("tensor_parallel_size", 1), model_cfg, kw,
+                               source.hf_config.get("quantization_config") is not None)
         kw.setdefault("kernels", envs.kernel_config())
         kw.setdefault("observability", envs.observability_config())
         config = cls(
@@ -383,12 +386,11 @@ class EngineConfig:
         return config, source, model_cfg
 
     def scheduler_for(self, model_cfg: ModelConfig, device_type: str | None = None) -> SchedulerConfig:
-        """The limits with max_model_len clamped to the model's, the budget to `device_type`'s."""
-        sched = self.scheduler if device_type is None else self.scheduler.for_device(device_type)
-        max_len = min(sched.max_model_len, model_cfg.max_position_embeddings)
-        if max_len == sched.max_model_len:
-            return sched
-        return SchedulerConfig(sched.max_num_seqs, sched.max_num_batched_tokens, max_len)
+        """The limits with max_model_len clamped to the model's, and the step's token budget,
+        if none was given, `device_type`'s (DEFAULT_BATCHED_TOKENS; CUDA's for any other)."""
+        s, default = self.scheduler, SchedulerConfig.DEFAULT_BATCHED_TOKENS
+        budget = s.max_num_batched_tokens or default.get(device_type, default["cuda"])
+        return SchedulerConfig(s.max_num_seqs, budget, min(s.max_model_len, model_cfg.max_position_embeddings))
 
     def resolved_device(self) -> torch.device:
         import torch

@@ -25,8 +25,9 @@ def environment() -> dict[str, str]:
 
 
 def api_key() -> str | None:
-    """$PAGEDSERVE_API_KEY: the key clients must send, if set."""
-    return os.environ.get("PAGEDSERVE_API_KEY") or None
+    """$PAGEDSERVE_API_KEY: the key clients must send; None if unset, "" if set but empty
+    (which `pagedserve serve` refuses: server/startup_checks.py)."""
+    return os.environ.get("PAGEDSERVE_API_KEY")
 
 
 def log_level() -> str:

@@ -141,13 +141,16 @@ class LLM:
         results: list[RequestOutput] = []
         proc = OutputProcessor(self.tokenizer, stream_text=False)
         children: dict[str, tuple[RequestOutput, int]] = {}
+        resolved: dict[int, SamplingParams] = {}  # id of a params object in `params` -> it resolved
         try:
             for (text, ids), p, prio in zip(prompts, params, prios):
                 if text is not None:
                     ids = self.tokenizer.encode(text, add_special_tokens=True)
                 ro = RequestOutput(str(next(self._ids)), text, ids)
                 results.append(ro)
-                p = p.resolve_bad_words(lambda text: self.tokenizer.encode(text, add_special_tokens=False))
+                if id(p) not in resolved:  # (once per params object, however many prompts share it)
+                    resolved[id(p)] = p.resolve_bad_words(encode_batch=self.tokenizer.encode_batch)
+                p = resolved[id(p)]
                 for i in range(p.n):
                     child = p.for_sample(i)
                     rid = f"{ro.request_id}-{i}"

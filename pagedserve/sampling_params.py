@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import functools
 import math
-from collections.abc import Callable
-from dataclasses import dataclass
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
 
+from pagedserve.structured.bad_words_automaton import BadWordsAutomaton, Steps, run_steps
 from pagedserve.structured.params import StructuredOutputsParams
 
 # Temperatures below this count as greedy: dividing logits by them would overflow.
@@ -18,6 +20,22 @@ MAX_LOGPROBS = 20
 MIN_TOP_P = 1e-30
 # Repetition penalties outside this range divide or multiply logits into Inf or 0.
 REPETITION_PENALTY_RANGE = (1e-6, 1e6)
+
+
+def _encode_words(words: list[str], encode: Callable[[str], list[int]] | None,
+                  encode_batch: Callable[[list[str]], list[list[int]]] | None,
+                  chunk: int = 256) -> Iterator[list[int]]:
+    """The token ids of each word as written, then after a space (see `tokenize_bad_words`),
+    a few hundred texts at a time: the tokenizer's results are objects the garbage collector
+    tracks, and thousands alive at once outlive young collections and set off full ones."""
+    texts = [t for w in words for t in (w.lstrip(), " " + w.lstrip())]
+    for start in range(0, len(texts), chunk):
+        part = texts[start:start + chunk]
+        if encode_batch is not None:
+            yield from encode_batch(part)
+        else:
+            assert encode is not None, "resolve_bad_words needs encode or encode_batch"
+            yield from map(encode, part)
 
 
 def _is_int(value: object) -> bool:
@@ -59,9 +77,11 @@ class SamplingParams:
     # only these token ids may be sampled (vLLM's allowed_token_ids); None = any
     allowed_token_ids: list[int] | None = None
     # words the output must not contain (vLLM's bad_words); the LLM and the server turn them
-    # into bad_words_token_ids (`resolve_bad_words`), which the engine applies
+    # into bad_words_token_ids and compile those (`resolve_bad_words`): the engine walks the
+    # automaton
     bad_words: list[str] | None = None
     bad_words_token_ids: list[list[int]] | None = None
+    bad_words_automaton: BadWordsAutomaton | None = field(default=None, repr=False, compare=False)
     # constrain the output to a JSON schema, a regex, a choice or a grammar
     structured_outputs: StructuredOutputsParams | None = None
     skip_special_tokens: bool = True
@@ -111,14 +131,7 @@ class SamplingParams:
             raise ValueError(f"min_p must be in [0, 1], got {self.min_p!r}")
         if self.seed is not None and (not _is_int(self.seed) or not -(2**63) <= self.seed < 2**63):
             raise ValueError(f"seed must be a 64-bit int or None, got {self.seed!r}")
-        if self.max_tokens is not None and (not _is_int(self.max_tokens) or self.max_tokens < 1):
-            raise ValueError(f"max_tokens must be >= 1 or None, got {self.max_tokens!r}")
-        if not _is_int(self.min_tokens) or self.min_tokens < 0:
-            raise ValueError(f"min_tokens must be >= 0, got {self.min_tokens!r}")
-        if self.max_tokens is not None and self.min_tokens > self.max_tokens:
-            raise ValueError(
-                f"min_tokens must be <= max_tokens ({self.max_tokens}), got {self.min_tokens}"
-            )
+        self._check_max_tokens()
         for s in self.stop:
             if not isinstance(s, str) or not s:
                 raise ValueError(f"stop must contain only non-empty strings, got {s!r}")
@@ -158,6 +171,16 @@ class SamplingParams:
             if value is not None and (not _is_int(value) or not 0 <= value <= MAX_LOGPROBS):
                 raise ValueError(f"{name} must be in [0, {MAX_LOGPROBS}] or None, got {value!r}")
 
+    def _check_max_tokens(self) -> None:
+        if self.max_tokens is not None and (not _is_int(self.max_tokens) or self.max_tokens < 1):
+            raise ValueError(f"max_tokens must be >= 1 or None, got {self.max_tokens!r}")
+        if not _is_int(self.min_tokens) or self.min_tokens < 0:
+            raise ValueError(f"min_tokens must be >= 0, got {self.min_tokens!r}")
+        if self.max_tokens is not None and self.min_tokens > self.max_tokens:
+            raise ValueError(
+                f"min_tokens must be <= max_tokens ({self.max_tokens}), got {self.min_tokens}"
+            )
+
     def _validate_bad_words(self) -> None:
         words, seqs = self.bad_words, self.bad_words_token_ids
         if words is not None and (not isinstance(words, list)
@@ -172,20 +195,54 @@ class SamplingParams:
                              "(a reasoning parser is on): the bad words apply from the first "
                              "token, the grammar only after the reasoning")
 
-    def resolve_bad_words(self, encode: Callable[[str], list[int]]) -> SamplingParams:
-        """These params with `bad_words_token_ids` made from `bad_words` by `encode` (text ->
-        token ids, no special tokens): each word as written and, where that tokenizes
-        differently, after a space, so a word is caught at the start of the output and
-        inside it (as vLLM does). Without bad_words, these params unchanged."""
-        if not self.bad_words:
+    def resolve_bad_words(self, encode: Callable[[str], list[int]] | None = None, *,
+                          encode_batch: Callable[[list[str]], list[list[int]]] | None = None,
+                          keep_words: bool = True) -> SamplingParams:
+        """These params with their bad words tokenized (`tokenize_bad_words`) and compiled
+        into `bad_words_automaton` (`compile_bad_words_steps`), what the engine walks. With
+        `keep_words`, the sequences (without repeats) are kept as `bad_words_token_ids`;
+        without, the words and sequences are dropped, only the automaton kept (the server:
+        no thousands of small objects to keep, pickle for each sample and collect). Linear in
+        the words' length. Without bad words, or already compiled, these params unchanged."""
+        if self.bad_words_automaton is not None or not (self.bad_words or self.bad_words_token_ids):
             return self
-        seqs: list[list[int]] = []
-        for word in self.bad_words:
-            for text in (word.lstrip(), " " + word.lstrip()):
-                ids = list(encode(text))
-                if ids and ids not in seqs:
-                    seqs.append(ids)
-        return dataclasses.replace(self, bad_words_token_ids=seqs)
+        seqs = self.tokenize_bad_words(encode, encode_batch=encode_batch)
+        return run_steps(self.compile_bad_words_steps(seqs, keep_words))
+
+    def tokenize_bad_words(self, encode: Callable[[str], list[int]] | None = None, *,
+                           encode_batch: Callable[[list[str]], list[list[int]]] | None = None
+                           ) -> list[list[int]]:
+        """The token sequences of the bad words: each word (no special tokens) as written
+        and after a space, so a word is caught at the start of the output and inside it (as
+        vLLM does; where the two are the same sequence, the repeat is dropped when compiled).
+        `encode_batch` (texts -> their token ids, one call per few hundred) when given, else
+        `encode` (one text). Without `bad_words`, the given `bad_words_token_ids`."""
+        if not self.bad_words:
+            return self.bad_words_token_ids or []
+        return [ids for ids in _encode_words(self.bad_words, encode, encode_batch) if ids]
+
+    def compile_bad_words_steps(self, seqs: list[list[int]], keep_words: bool = True
+                                ) -> Steps[SamplingParams]:
+        """These params with `seqs` (their `tokenize_bad_words`) compiled, as
+        `resolve_bad_words` describes, pausing between slices of about a millisecond."""
+        if self.bad_words_automaton is not None or not (self.bad_words or self.bad_words_token_ids):
+            return self
+        automaton = yield from BadWordsAutomaton.build_steps(seqs)
+        if automaton.num_sequences == 0:
+            automaton = None
+        if keep_words:
+            kept = [list(k) for k in dict.fromkeys(map(tuple, seqs))] if self.bad_words else seqs
+            return dataclasses.replace(self, bad_words_token_ids=kept, bad_words_automaton=automaton)
+        out = copy.copy(self)  # (nothing else changes: nothing to check again)
+        out.bad_words = out.bad_words_token_ids = None
+        out.bad_words_automaton = automaton
+        return out
+
+    @functools.cached_property
+    def stop_token_set(self) -> frozenset[int]:
+        """`stop_token_ids` as a set: every sampled token is checked against it (a lookup, not
+        a scan of a list that may hold thousands)."""
+        return frozenset(self.stop_token_ids)
 
     @property
     def greedy(self) -> bool:
@@ -200,20 +257,31 @@ class SamplingParams:
 
     def for_sample(self, index: int) -> SamplingParams:
         """The params of sample `index` of an n > 1 request: n = 1 and, when seeded, a seed
-        of its own (seed + index, wrapped into the signed 64-bit range). A shallow copy: the
-        samples share this request's lists (stop strings, bad words), which nothing changes,
-        so n samples cost n small objects, not n copies of megabytes of stop strings."""
+        of its own (seed + index, wrapped into the signed 64-bit range)."""
         if self.n == 1:
             return self
+        # (a copy, not `dataclasses.replace`: nothing else changes, so nothing is checked
+        # again; a request's n copies cost nothing per bad word or stop string)
         sample = copy.copy(self)
         sample.n = 1
-        sample.seed = None if self.seed is None else (self.seed + index + 2**63) % 2**64 - 2**63
+        if self.seed is not None:
+            sample.seed = (self.seed + index + 2**63) % 2**64 - 2**63
         return sample
+
+    def with_max_tokens(self, max_tokens: int | None) -> SamplingParams:
+        """These params with another output limit (ValueError if it is invalid); a copy in
+        which only the limit is checked again, so it costs nothing per bad word."""
+        if max_tokens == self.max_tokens:
+            return self
+        out = copy.copy(self)
+        out.max_tokens = max_tokens
+        out._check_max_tokens()
+        return out
 
     def for_engine(self) -> SamplingParams:
         """These params without what only the front end reads (the stop strings, which the
-        output processor applies to the text, and the bad words' text, which the engine knows
-        as `bad_words_token_ids`): what crosses to the engine-core process. A shallow copy."""
+        output processor applies to the text; the bad words' text, which the engine knows
+        compiled): what crosses to the engine-core process. A shallow copy."""
         if not self.stop and not self.bad_words:
             return self
         engine = copy.copy(self)

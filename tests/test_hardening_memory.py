@@ -151,10 +151,11 @@ def test_the_heap_trimmer_runs_once_due():
 
 def test_an_idle_core_returns_freed_memory_once_after_work():
     """The core loop: after a request, once idle for IDLE_TRIM_S with nothing arriving, it trims
-    once, then blocks without a timeout (no trim while idle without work)."""
+    once, then waits a heartbeat's interval at a time (no trim while idle without work)."""
     from test_core_process import FakeCore, FakeSockets
 
     from pagedserve.engine.core_process import IDLE_TRIM_S, _loop
+    from pagedserve.engine.heartbeat import BEAT_INTERVAL_S
     from pagedserve.engine.messages import Shutdown
     from pagedserve.heap import HeapTrimmer
 
@@ -170,21 +171,26 @@ def test_an_idle_core_returns_freed_memory_once_after_work():
 
     heap = HeapTrimmer(min_interval_s=IDLE_TRIM_S)
     heap.trim = lambda: (trims.append(len(polls)), setattr(heap, "pending", False))
-    _loop(core, Inp([]), FakeSockets([]), heap)
+    _loop(core, Inp([]), FakeSockets([]), heap=heap)
     assert core.steps == 1 and trims == [3]
-    assert polls == [None, 0, IDLE_TRIM_S * 1000, None]
+    assert polls == [BEAT_INTERVAL_S * 1000, 0, IDLE_TRIM_S * 1000, BEAT_INTERVAL_S * 1000]
 
 
 def test_the_cpu_steps_are_small_by_default():
     """On the CPU a step's token budget defaults to 512 (8192 there made one step take
     seconds, and an abort waits for the step in flight); on CUDA it stays 8192; a value
     given is kept."""
-    from pagedserve.config import DEFAULT_BATCHED_TOKENS, SchedulerConfig
+    from types import SimpleNamespace
 
-    assert DEFAULT_BATCHED_TOKENS == {"cuda": 8192, "cpu": 512}
-    assert SchedulerConfig().for_device("cpu").max_num_batched_tokens == 512
-    assert SchedulerConfig().for_device("cuda").max_num_batched_tokens == 8192
-    assert SchedulerConfig(max_num_batched_tokens=4096).for_device("cpu").max_num_batched_tokens == 4096
+    from pagedserve.config import EngineConfig, SchedulerConfig
+
+    assert SchedulerConfig.DEFAULT_BATCHED_TOKENS == {"cuda": 8192, "cpu": 512}
+    model = SimpleNamespace(max_position_embeddings=2048)
+    default, given = EngineConfig(), EngineConfig(scheduler=SchedulerConfig(max_num_batched_tokens=4096))
+    assert default.scheduler.max_num_batched_tokens is None
+    assert default.scheduler_for(model, "cpu") == SchedulerConfig(256, 512, 2048)
+    assert default.scheduler_for(model, "cuda").max_num_batched_tokens == 8192
+    assert given.scheduler_for(model, "cpu").max_num_batched_tokens == 4096
 
 
 # ---- a real server ----------------------------------------------------------------------

@@ -2,13 +2,17 @@
 processes gives the logits of the one-process decoder (fp32) for tiny Llama and Qwen3
 checkpoints made with Transformers (2 ranks) and the embedded SmolLM2 (3 ranks: its 9 heads
 and 3 KV heads), each rank holding only its share of the weights; the engine over 2 ranks
-(`LLM(tensor_parallel_size=2)`) gives the one-process tokens, and a killed rank fails every
-request and frees everything; splits a model cannot make, and
-settings tensor parallelism does not run yet, are refused naming them."""
+(`LLM(tensor_parallel_size=2)`) gives the one-process tokens, also with FP8 weights and an FP8
+KV cache (issue 56), and a killed rank fails every request and frees everything; splits a
+model cannot make, and settings tensor parallelism does not run yet, are refused naming them.
+Speculative decoding over ranks (n-gram, and a draft model split as the model is) gives the
+one-process tokens too."""
 
 from __future__ import annotations
 
+import json
 import os
+import shutil
 import signal
 import time
 
@@ -26,12 +30,13 @@ from pagedserve.models.source import resolve_model
 SEQS = [[5, 77, 3, 190, 42, 7, 7, 100], [9], [200, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11]]
 
 
-def _rank(rank: int, size: int, store: str, folder: str, out: str) -> None:
+def _rank(rank: int, size: int, store: str, folder: str, out: str, quantization: str | None) -> None:
     """One rank: join the gloo group, build and load its share of the model, run SEQS."""
     torch.distributed.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=size)
     try:
         torch.set_num_threads(1)
-        model = build_model(resolve_model(folder), dtype="float32", tp=TensorParallel(rank, size))
+        model = build_model(resolve_model(folder), dtype="float32", quantization=quantization,
+                            tp=TensorParallel(rank, size))
         params = sum(p.numel() for p in model.parameters())
         logits = run_prefill(model, SEQS)
         torch.save({"logits": logits, "params": params}, f"{out}.{rank}")
@@ -45,10 +50,10 @@ def _rank(rank: int, size: int, store: str, folder: str, out: str) -> None:
     os._exit(0)
 
 
-def _split_run(tmp_path, folder, size: int) -> list[dict]:
+def _split_run(tmp_path, folder, size: int, quantization: str | None = None) -> list[dict]:
     out = tmp_path / "out"
-    mp.start_processes(_rank, args=(size, str(tmp_path / "store"), str(folder), str(out)), nprocs=size,
-                       start_method="spawn")
+    mp.start_processes(_rank, args=(size, str(tmp_path / "store"), str(folder), str(out), quantization),
+                       nprocs=size, start_method="spawn")
     return [torch.load(f"{out}.{r}") for r in range(size)]
 
 
@@ -75,6 +80,23 @@ def test_smollm2_over_three_ranks_gives_its_logits(tmp_path, smollm2_dir):
     _check(tmp_path, smollm2_dir, 3)
 
 
+def test_fp8_weights_over_two_ranks_give_the_one_process_fp8_logits(tmp_path):
+    """--quantization fp8 split over 2 ranks: a row-parallel layer's weight-row and token
+    scales are the maxima over the ranks, so each rank multiplies exactly the one-process FP8
+    numbers; the logits differ only by the order the partial products are summed in. (A
+    per-slice scale, the natural mistake, is off by far more: checked below.)"""
+    make_hf_checkpoint("llama", tmp_path / "ckpt")
+    whole = build_model(resolve_model(str(tmp_path / "ckpt")), dtype="float32", quantization="fp8")
+    want = run_prefill(whole, SEQS)
+    plain = run_prefill(build_model(resolve_model(str(tmp_path / "ckpt")), dtype="float32"), SEQS)
+    ranks = _split_run(tmp_path, tmp_path / "ckpt", 2, quantization="fp8")
+    for r in ranks:
+        for got, ref, unquantized in zip(r["logits"], want, plain, strict=True):
+            torch.testing.assert_close(got, ref, rtol=1e-4, atol=1e-4)
+            # (the test can tell FP8 apart from the unquantized model at this tolerance)
+            assert not torch.allclose(got, unquantized, rtol=1e-4, atol=1e-4)
+
+
 def test_splits_a_model_cannot_make_are_refused():
     with pytest.raises(ValueError, match=r"the attention heads \(9\).*multiple of 2.*the KV heads \(3\)"):
         check_model_split(9, 3, 1536, 49152, 2)  # SmolLM2 over 2 ranks
@@ -84,23 +106,36 @@ def test_splits_a_model_cannot_make_are_refused():
         check_model_split(32, 4, 6144, 151936, 8, moe_intermediate_size=36)
     with pytest.raises(ValueError, match=r"the KV heads \(4\) to be a multiple of 8"):
         check_model_split(20, 4, 10496, 166144, 8)  # Nanbeige4.1-3B: 4 KV heads
-    from pagedserve.quantization.methods import linear_method_for
+    from pagedserve.layers.linear import Linear
+    from pagedserve.quantization.awq import AwqLinearMethod
 
-    with pytest.raises(ValueError, match="unquantized weights only"):
-        from pagedserve.layers.linear import Linear
-
-        Linear(64, 64, linear_method=linear_method_for("fp8", None), tp=TensorParallel(0, 2), parallel="row")
+    with pytest.raises(ValueError, match="tensor parallelism does not split AwqLinearMethod weights"):
+        Linear(64, 64, linear_method=AwqLinearMethod(group_size=32), tp=TensorParallel(0, 2), parallel="row")
 
 
-def test_the_engine_over_two_ranks_gives_the_one_process_tokens(tmp_path):
+NGRAM = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3, "min_accepted_per_step": 0}
+
+
+@pytest.mark.parametrize("settings", [{}, {"quantization": "fp8"}, {"kv_cache_dtype": "fp8"},
+                                      {"speculative_config": NGRAM}, {"speculative_config": "draft"}],
+                         ids=["plain", "fp8-weights", "fp8-kv-cache", "ngram", "draft-model"])
+def test_the_engine_over_two_ranks_gives_the_one_process_tokens(tmp_path, settings):
     """LLM(tensor_parallel_size=2): two gloo worker processes; greedy, seeded and unseeded
-    sampled tokens equal the one-process engine's across chunked prefill, preemption (a small
-    cache) and prefix-cache hits; every block comes back; close() ends the ranks."""
+    sampled tokens equal the one-process engine's (with the same weight and KV-cache formats)
+    across chunked prefill, preemption (a small cache) and prefix-cache hits; every block
+    comes back; close() ends the ranks."""
     from pagedserve import LLM, SamplingParams
 
     make_hf_checkpoint("llama", tmp_path / "ckpt")
-    kw = dict(dtype="float32", device="cpu", max_num_seqs=4, max_num_batched_tokens=32, block_size=4)
-    memory = 32 * 4 * 3 * 2 * 2 * 16 * 4  # 32 blocks of 4 tokens (3 layers, K and V, 2 KV heads of 16)
+    if settings.get("speculative_config") == "draft":  # (a draft of the same weights, split too)
+        settings = {"speculative_config": {"method": "draft_model", "model": str(tmp_path / "ckpt"),
+                                           "num_speculative_tokens": 3}}
+    kw = dict(dtype="float32", device="cpu", max_num_seqs=4, max_num_batched_tokens=32, block_size=4,
+              **settings)
+    # 32 blocks of 4 tokens (3 layers, K and V, 2 KV heads of 16, 4 bytes each; 1 in FP8)
+    # (and as much again for a draft model's cache, which shares the blocks)
+    memory = 32 * 4 * 3 * 2 * 2 * 16 * (1 if "kv_cache_dtype" in settings else 4)
+    memory *= 2 if "model" in settings.get("speculative_config", {}) else 1
     prompts = [[(7 * i + j) % 250 + 3 for j in range(10 + 9 * i)] for i in range(6)]
     params = [SamplingParams(temperature=0, max_tokens=24, ignore_eos=True),
               SamplingParams(temperature=0.9, seed=5, max_tokens=24, ignore_eos=True),
@@ -118,6 +153,8 @@ def test_the_engine_over_two_ranks_gives_the_one_process_tokens(tmp_path):
             got = [o.outputs[0].token_ids for o in split.generate(batch, p, use_tqdm=False)]
             assert got == want
         assert split.engine.scheduler.num_preemptions > 0 and split.engine.kv.stats.hits > 0
+        if "speculative_config" in settings:
+            assert split.engine.speculator.num_accepted_tokens > 0
         split.engine.kv.check_integrity(expect_all_free=True)
         procs = split.engine.executor._procs
     finally:
@@ -131,9 +168,22 @@ def test_tensor_parallel_settings_it_cannot_run_are_refused(tmp_path, smollm2_di
     with pytest.raises(ValueError, match=r"the attention heads \(9\) to be a multiple of 2"):
         LLM(str(smollm2_dir), device="cpu", tensor_parallel_size=2)
     make_hf_checkpoint("llama", tmp_path / "ckpt")
-    with pytest.raises(ValueError, match="speculative decoding"):
+    draft = tmp_path / "draft"  # (a draft of the same vocabulary, with 3 heads: refused before loading)
+    shutil.copytree(tmp_path / "ckpt", draft)
+    cfg = json.loads((draft / "config.json").read_text())
+    (draft / "config.json").write_text(json.dumps({**cfg, "num_attention_heads": 3, "num_key_value_heads": 1}))
+    with pytest.raises(ValueError, match=r"draft model .* splits over the tensor-parallel ranks as the "
+                                         r"model does: .*the attention heads \(3\)"):
         LLM(str(tmp_path / "ckpt"), device="cpu", tensor_parallel_size=2,
-            speculative_config={"method": "ngram"})
+            speculative_config={"method": "draft_model", "model": str(draft)})
+    from pagedserve.config import ModelConfig, _check_tensor_parallel
+
+    cfg = ModelConfig.from_hf_config(resolve_model(str(tmp_path / "ckpt")).hf_config)
+    with pytest.raises(ValueError, match="does not split fp8 checkpoints"):
+        _check_tensor_parallel(2, cfg, {"quantization": "fp8"}, pre_quantized=True)
+    with pytest.raises(ValueError, match="does not split awq checkpoints"):
+        _check_tensor_parallel(2, cfg, {"quantization": "awq"}, pre_quantized=True)
+    _check_tensor_parallel(2, cfg, {"quantization": "fp8"}, pre_quantized=False)
 
 
 def test_a_killed_rank_fails_every_request_and_frees_everything(tmp_path):
@@ -198,8 +248,6 @@ def test_one_rank_in_a_worker_process_gives_the_in_process_tokens(tmp_path):
 @pytest.mark.parametrize(("kw", "message"), [
     ({"distributed_executor_backend": "ray"}, "use `pagedserve serve-ray`"),
     ({"distributed_executor_backend": "uni", "tensor_parallel_size": 2}, "needs 'mp'"),
-    ({"distributed_executor_backend": "mp", "speculative_config": {"method": "ngram"}},
-     "multi-process executor .* does not run speculative decoding"),
 ])
 def test_executor_backends_it_cannot_run_are_refused(tmp_path, kw, message):
     from pagedserve import LLM

@@ -47,6 +47,7 @@ from pagedserve.server.engine_client import (
     RequestRejected,
     _Pending,
 )
+from pagedserve.server.supervisor import Deadlines
 from pagedserve.tokenizer import Tokenizer
 
 logger = logging.getLogger("pagedserve")
@@ -130,8 +131,9 @@ class HFEngineClient:
     """Same interface as AsyncEngineClient, backed by a Transformers model in one thread."""
 
     def __init__(self, config: EngineConfig, tokenizer: Tokenizer, log_level: str = "INFO",
-                 batched: bool = False) -> None:
+                 batched: bool = False, deadlines: Deadlines | None = None) -> None:
         self.config = config
+        self.deadlines = deadlines or Deadlines()  # (only request_s applies: serving.run_choices)
         self.tokenizer = tokenizer
         self.log_level = log_level
         self.batched = batched

@@ -34,8 +34,8 @@ def run_latency(args, llm_kwargs: dict, llm=None) -> dict:
             device = llm_kwargs.get("device") or "auto"
             kind = (("cuda" if torch.cuda.is_available() else "cpu") if device == "auto"
                     else torch.device(device).type)
-            budget = llm_kwargs.get("max_num_batched_tokens") or SchedulerConfig().for_device(
-                kind).max_num_batched_tokens  # (LLM's default on this device)
+            budget = (llm_kwargs.get("max_num_batched_tokens")  # (else LLM's default here)
+                      or SchedulerConfig.DEFAULT_BATCHED_TOKENS.get(kind, 8192))
             llm_kwargs["max_model_len"] = args.input_len + _max_tokens(args, max(sizes), per_step, budget) + 64
         llm_kwargs["max_num_seqs"] = max(max(sizes), llm_kwargs.get("max_num_seqs") or 0)
         t0 = time.perf_counter()

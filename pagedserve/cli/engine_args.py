@@ -64,8 +64,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tensor-parallel-size", "-tp", type=types.int_at_least(1), default=1,
                    help="split the model across this many worker processes (one GPU each; gloo "
                         "on the CPU): its heads, KV heads, MLP features and vocabulary must "
-                        "divide by it; unquantized weights, no speculative decoding or "
-                        "structured output yet")
+                        "divide by it; unquantized weights or --quantization fp8 on them "
+                        "(FP8 weights and an FP8 KV cache); no pre-quantized checkpoints yet")
     p.add_argument("--distributed-executor-backend", default=None, choices=["mp", "uni", "ray"],
                    help="mp: a worker process per tensor-parallel rank (the default above 1 "
                         "rank); uni: the model in the engine's own process (the default at 1); "

@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import argparse
 
+from pagedserve import envs
 from pagedserve.cli import types
 from pagedserve.sampling_params import MAX_LOGPROBS
 from pagedserve.server.reasoning import REASONING_PARSERS
+from pagedserve.server.startup_checks import resolve_api_key
 from pagedserve.server.tool_parsers import TOOL_PARSERS
 
 
@@ -17,7 +19,8 @@ def add_serve_args(srv: argparse.ArgumentParser) -> None:
     a("--served-model-name", nargs="+", default=None,
       help="name(s) clients use for the model (default: the model argument)")
     a("--api-key", default=None,
-      help="require 'Authorization: Bearer KEY' (default: $PAGEDSERVE_API_KEY)")
+      help="require 'Authorization: Bearer KEY' (default: $PAGEDSERVE_API_KEY); an empty key, "
+           "or one an HTTP header cannot carry (outer spaces, non-ASCII), is refused")
     a("--chat-template", default=None,
       help="a Jinja chat template, as a file path or the template itself, used instead of the "
            "tokenizer's")
@@ -73,14 +76,29 @@ def add_serve_args(srv: argparse.ArgumentParser) -> None:
     a("--max-engine-restarts", type=types.non_negative_int, default=5,
       help="restarts of a dead engine core allowed within 10 minutes; one more and the server "
            "exits with code 1")
+    a("--engine-step-timeout", type=types.positive_float, default=120.0,
+      help="seconds the engine core may go without progress (one step, or its idle loop) "
+           "once it is ready; then it counts as hung: its requests fail (503), it is killed and "
+           "a new one starts, as after a crash. Allow for the longest prefill step and for "
+           "kernels compiled on first use")
+    a("--request-timeout", type=types.positive_float, default=None,
+      help="seconds a request may run once its prompt is handed to the engine (waiting "
+           "included); then it is stopped and its client gets 504 request_timeout (in a stream: "
+           "an error event, then [DONE]). Default: no limit")
     a("--max-connections", type=types.positive_int, default=4096,
-      help="open connections (or running requests) beyond which requests get 503")
+      help="open connections beyond which a new connection's requests get a JSON 503 "
+           "(/health, /ping and /metrics are still answered)")
+    a("--max-connections-per-client", type=types.non_negative_int, default=1024,
+      help="open connections one client address may hold; beyond, its requests get a JSON 429 "
+           "(0: no cap; behind a proxy every client has the proxy's address: raise it)")
     a("--timeout-keep-alive", type=types.positive_float, default=5.0,
       help="seconds an idle kept-alive connection stays open")
     a("--timeout-header-read", type=types.positive_float, default=30.0,
       help="seconds a client has to send a request's headers once it connects")
     a("--timeout-body-read", type=types.positive_float, default=30.0,
       help="seconds a client may pause while sending a request body (then 408)")
+    a("--timeout-body-total", type=types.positive_float, default=60.0,
+      help="seconds a client has to send a whole request body, from its headers (then 408)")
     a("--inject-faults", default=None, help=argparse.SUPPRESS)  # chaos tests: faults.py
 
 
@@ -99,3 +117,9 @@ def check_serve_args(args: argparse.Namespace) -> None:
             raise ValueError(f"--{flag.replace('_', '-')} {path}: no such file")
     if args.shutdown_timeout < 0:
         raise ValueError("--shutdown-timeout must be 0 or more seconds")
+    from pagedserve.server.supervisor import MIN_STEP_TIMEOUT_S
+
+    if args.engine_step_timeout < MIN_STEP_TIMEOUT_S:
+        raise ValueError(f"--engine-step-timeout must be at least {MIN_STEP_TIMEOUT_S:g} s (an "
+                         "idle engine core shows it is alive once a second)")
+    resolve_api_key(args.api_key, envs.api_key())

@@ -28,3 +28,9 @@ def check_model_split(num_heads: int, num_kv_heads: int, intermediate_size: int,
             problems.append(str(e))
     if problems:
         raise ValueError("; ".join(problems))
+
+
+def check_config_split(cfg, size: int) -> None:
+    """`check_model_split` for a `ModelConfig` (its heads, KV heads, MLP, vocabulary, experts)."""
+    check_model_split(cfg.num_heads, cfg.num_kv_heads, cfg.intermediate_size, cfg.vocab_size, size,
+                      cfg.moe.intermediate_size if cfg.moe is not None else None)

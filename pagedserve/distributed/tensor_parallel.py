@@ -41,6 +41,12 @@ class TensorParallel:
             torch.distributed.all_reduce(x, op=torch.distributed.ReduceOp.MIN, group=self.group)
         return x
 
+    def all_reduce_max(self, x: torch.Tensor) -> torch.Tensor:
+        """The largest x over the ranks (in place)."""
+        if self.size > 1:
+            torch.distributed.all_reduce(x, op=torch.distributed.ReduceOp.MAX, group=self.group)
+        return x
+
     def all_gather(self, x: torch.Tensor) -> torch.Tensor:
         """[..., n] on each rank -> [..., size * n]: the ranks' slices side by side, rank order."""
         if self.size == 1:

@@ -140,9 +140,6 @@ class EngineCore:
         if er.arrival_time is not None:
             req.arrival_time = er.arrival_time
         if p.structured_outputs is not None:
-            if self.config.multiprocess_executor:
-                raise ValueError("structured output does not run with tensor parallelism (the "
-                                 "multi-process executor) yet")
             req.grammar = self._grammar_compiler().submit(p.structured_outputs)
             self._compiling[req.request_id] = req
         self.scheduler.add_request(req)

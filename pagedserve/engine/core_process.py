@@ -7,7 +7,9 @@ The front end (HTTP server) binds two IPC sockets; the core process connects to 
 
 The messages (`engine/messages.py`) are pickled dataclasses: both ends are pagedserve
 processes of one user. This module imports no torch until the process builds its engine.
-The core steps whenever it has unfinished requests and blocks on its input otherwise.
+The core steps whenever it has unfinished requests and waits on its input otherwise (at most
+BEAT_INTERVAL_S at a time: each turn of its loop stamps its `Heartbeat`, which the server's
+supervisor reads to tell a hung core from a busy one).
 A request or a step that fails comes back as outputs with finish_reason "error"
 (`EngineCore.step`) and the core serves on; MAX_CONSECUTIVE_FAILURES failed steps in a row
 (a broken device, say) end the process with exit code 1, and the front end starts a new one.
@@ -22,6 +24,7 @@ import os
 import traceback
 
 from pagedserve.config import EngineConfig
+from pagedserve.engine.heartbeat import BEAT_INTERVAL_S, Heartbeat
 from pagedserve.engine.messages import (
     AbortRequests,
     AddRequest,
@@ -45,8 +48,10 @@ IDLE_TRIM_S = 0.5
 
 
 def run_engine_core(config: EngineConfig, in_addr: str, out_addr: str, log_level: str = "INFO",
-                    parent_pid: int | None = None, parent_death_signal: bool = True) -> None:
-    """Entry point of the engine-core process; it ends when `parent_pid` does."""
+                    parent_pid: int | None = None, parent_death_signal: bool = True,
+                    heartbeat: Heartbeat | None = None) -> None:
+    """Entry point of the engine-core process; it ends when `parent_pid` does. `heartbeat`:
+    stamped by the loop once the core is ready (a new one if not given)."""
     if parent_pid is not None:
         die_with_parent(parent_pid, use_signal=parent_death_signal)
     import zmq
@@ -82,7 +87,9 @@ def run_engine_core(config: EngineConfig, in_addr: str, out_addr: str, log_level
         core.startup_seconds,
     )))
     try:
-        _loop(core, inp, out)
+        heartbeat = heartbeat or Heartbeat()
+        core.executor.on_progress(heartbeat.beat)
+        _loop(core, inp, out, heartbeat)
     except FatalEngineError as e:
         logger.error("%s", e)
         core.executor.close()  # (worker processes, if any, end now rather than with this one)
@@ -94,15 +101,19 @@ def run_engine_core(config: EngineConfig, in_addr: str, out_addr: str, log_level
     inp.close(linger=0)
 
 
-def _loop(core, inp, out, heap: HeapTrimmer | None = None) -> None:
+def _loop(core, inp, out, heartbeat: Heartbeat | None = None,
+          heap: HeapTrimmer | None = None) -> None:
+    heartbeat = heartbeat or Heartbeat()
     heap = heap or HeapTrimmer(min_interval_s=IDLE_TRIM_S)
     while True:
-        # Block while idle (once idle for IDLE_TRIM_S after work, the memory that work freed
-        # goes back to the OS first: `heap.py`); otherwise only drain what has already arrived.
-        timeout = 0 if core.has_unfinished_requests() else (
-            max(IDLE_TRIM_S, heap.wait_s()) * 1000 if heap.pending else None)
+        heartbeat.beat()
+        # Wait (a beat's interval at most) while idle, IDLE_TRIM_S after work: then the memory
+        # it freed goes back to the OS (`heap.py`); otherwise only drain what has arrived.
+        timeout = 0 if core.has_unfinished_requests() else int(1000 * min(BEAT_INTERVAL_S, (
+            max(IDLE_TRIM_S, heap.wait_s()) if heap.pending else BEAT_INTERVAL_S)))
         changed = False
         while inp.poll(timeout):
+            heartbeat.beat()
             msg = inp.recv_pyobj()
             if isinstance(msg, Shutdown):
                 return
@@ -118,7 +129,9 @@ def _loop(core, inp, out, heap: HeapTrimmer | None = None) -> None:
                 logger.error("ignoring an unknown message: %r", type(msg))
             changed, timeout, heap.pending = True, 0, True
         if core.has_unfinished_requests():
+            heartbeat.step_started()
             outputs = core.step()  # (failed requests are in outputs, with their errors)
+            heartbeat.step_ended()
             out.send_pyobj(StepOutputs(outputs, core_stats(core)))
             if core.fatal_error or core.consecutive_failed_steps >= MAX_CONSECUTIVE_FAILURES:
                 from pagedserve.engine.core import FatalEngineError

@@ -46,9 +46,13 @@ def check_token_ids(params, vocab_size: int) -> None:
     if params.bad_words and params.bad_words_token_ids is None:
         raise PromptError("bad_words were not tokenized: SamplingParams.resolve_bad_words (the LLM "
                           "and the server call it) turns them into bad_words_token_ids", param="bad_words")
-    words = [t for seq in params.bad_words_token_ids or () for t in seq]
-    for name, ids in (("logit_bias", params.logit_bias), ("allowed_token_ids", params.allowed_token_ids),
-                      ("bad_words", words)):
+    for name, ids in (("logit_bias", params.logit_bias), ("allowed_token_ids", params.allowed_token_ids)):
         if ids and max(ids) >= vocab_size:
             bad = sorted(t for t in ids if t >= vocab_size)
             raise PromptError(f"{name} token ids out of range [0, {vocab_size}): {bad[:5]}", param=name)
+    seqs, auto = params.bad_words_token_ids, params.bad_words_automaton
+    # (a compiled automaton knows its highest id: no pass over the words per sample)
+    top = auto.max_token if auto is not None else max((max(s) for s in seqs or () if s), default=-1)
+    if top >= vocab_size:
+        bad = sorted({t for s in seqs or () for t in s if t >= vocab_size})
+        raise PromptError(f"bad_words token ids out of range [0, {vocab_size}): {bad[:5]}", param="bad_words")

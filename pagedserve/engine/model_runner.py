@@ -117,8 +117,9 @@ class ModelRunner:
             seed = n.sampling_params.seed
             gen = None if seed is None else torch.Generator(device=self.device).manual_seed(seed)
             matcher = None if n.grammar is None else n.grammar.matcher()
-            if n.sampling_params.bad_words_token_ids:  # (the grammar's, if any, inside)
-                matcher = BadWordsMatcher(n.sampling_params.bad_words_token_ids, matcher)
+            words = n.sampling_params.bad_words_automaton or n.sampling_params.bad_words_token_ids
+            if words:  # (the grammar's, if any, inside; compiled by the front end, else here)
+                matcher = BadWordsMatcher(words, matcher)
             so = n.sampling_params.structured_outputs
             if n.sampling_params.prompt_logprobs is not None:
                 self._prompt_logprobs.add(n.request_id)

@@ -17,7 +17,7 @@ def check_stop(params: SamplingParams, token: int, num_output_tokens: int, num_t
     if num_output_tokens >= params.min_tokens:
         if not params.ignore_eos and token in eos_token_ids:
             return "stop", None
-        if token in params.stop_token_ids:
+        if token in params.stop_token_set:
             return "stop", token
     if num_output_tokens >= max_tokens or num_tokens >= max_model_len:
         return "length", None

@@ -23,7 +23,6 @@ import logging
 import multiprocessing as mp
 import os
 import shutil
-import tempfile
 import threading
 from contextlib import ExitStack, contextmanager, suppress
 from datetime import timedelta
@@ -32,6 +31,8 @@ from typing import Any
 
 from pagedserve.config import EngineConfig
 from pagedserve.engine.executor import Executor, ExecutorDied
+from pagedserve.engine.tp_grammars import GrammarReceiver, GrammarSender
+from pagedserve.ipc_dirs import new_ipc_dir
 from pagedserve.models.source import ModelSource
 
 logger = logging.getLogger("pagedserve")
@@ -48,7 +49,7 @@ class TensorParallelExecutor(Executor):
     def __init__(self, config: EngineConfig, source: ModelSource) -> None:
         self.size = size = config.tensor_parallel_size
         ctx = mp.get_context("spawn")
-        self._dir = tempfile.mkdtemp(prefix="pagedserve-tp-")
+        self._dir = new_ipc_dir("tp-")
         store = os.path.join(self._dir, "store")
         self._conns, self._procs = [], []
         self._broken = False  # a rank died or failed: the ranks are out of step
@@ -74,6 +75,7 @@ class TensorParallelExecutor(Executor):
         for key, value in facts.items():
             setattr(self, key, value)
         self._steps = 0
+        self._grammars = GrammarSender()  # (grammars cross to the ranks as text)
 
     # ---- calls to every rank ----------------------------------------------------------
 
@@ -147,7 +149,7 @@ class TensorParallelExecutor(Executor):
         # (not waited for: the core schedules the next step while the ranks launch this one;
         # the launch's answer, or its error, is read with the next call, `collect` at the latest)
         self._steps += 1
-        self._send("execute", self._steps, out)
+        self._send("execute", self._steps, self._grammars.outbound(out))
         return self._steps
 
     def collect(self, handle):
@@ -164,7 +166,10 @@ class TensorParallelExecutor(Executor):
         return self._call("last_launch_ms")
 
     def grammar_seconds(self) -> tuple[float, float]:
-        return (0.0, 0.0)  # (structured output does not run across ranks yet)
+        return self._call("grammar_seconds")
+
+    def propose_drafts(self, requests):
+        return self._call("propose_drafts", requests)
 
     def rehearsed(self, fn, what: str) -> None:
         fn()  # (the ranks compile their kernels as they go: no rehearsal across processes yet)
@@ -213,7 +218,9 @@ def _serve_rank(rank: int, size: int, store: str, config: EngineConfig, source: 
             "num_blocks": worker.num_blocks, "block_size": worker.kv_spec.block_size,
             "load_seconds": worker.load_seconds, "graph_capture_seconds": worker.graph_capture_seconds,
             "matmul_plan_seconds": worker.matmul_plan_seconds,
-            "compile_ahead_seconds": worker.compile_ahead_seconds, "is_cuda": worker.cuda}))
+            "compile_ahead_seconds": worker.compile_ahead_seconds, "is_cuda": worker.cuda,
+            "draft_layer_windows": None if worker.runner.drafter is None
+            else worker.runner.drafter.model.config.sliding_windows}))
     except BaseException as e:  # (start-up failed: say why, then end)
         conn.send((False, f"start-up failed: {type(e).__name__}: {e}"))
         return
@@ -243,16 +250,24 @@ class _RankServer:
 
     def __init__(self, worker) -> None:
         self.worker, self.handles = worker, {}
+        self._grammars = GrammarReceiver()
         self._eager = ExitStack()  # the runner's eager_mixed_steps while the warm-up wants them
 
     def execute(self, step: int, out) -> None:
-        self.handles[step] = self.worker.execute(out)
+        self.handles[step] = self.worker.execute(self._grammars.inbound(out))
 
     def collect(self, step: int):
         return self.worker.collect(self.handles.pop(step))
 
     def release(self, request_ids: list[str]) -> None:
         self.worker.runner.release(request_ids)
+
+    def grammar_seconds(self) -> tuple[float, float]:
+        wait, fill = self.worker.runner.grammar_seconds
+        return wait, fill
+
+    def propose_drafts(self, requests):
+        return self.worker.runner.drafter.propose(requests)
 
     def graph_counts(self) -> tuple[int, int]:
         return self.worker.runner.num_graph_steps, self.worker.runner.num_eager_steps

@@ -92,7 +92,7 @@ class Worker:
 
         draft = None
         if config.speculative is not None and config.speculative.method == "draft_model":
-            draft = self._build_draft(config, device, cfg, dtype)
+            draft = self._build_draft(config, device, cfg, dtype, tp)
         self._cached_plans = self._read_plan_cache(kernels)  # (None: none kept, or the plan is off)
         self._plan_rehearsed = False
 
@@ -151,19 +151,22 @@ class Worker:
 
     # ---- start-up helpers -------------------------------------------------------------
 
-    def _build_draft(self, config: EngineConfig, device: torch.device, cfg: ModelConfig, dtype: torch.dtype):
-        """(model, attention backend, KV spec) of the speculative draft model."""
+    def _build_draft(self, config: EngineConfig, device: torch.device, cfg: ModelConfig, dtype: torch.dtype,
+                     tp: TensorParallel):
+        """(model, attention backend, KV spec) of the speculative draft model, split over the
+        tensor-parallel ranks as the model is (this rank's share)."""
         from pagedserve.models.source import resolve_model
 
         spec = config.speculative
         source = resolve_model(spec.model, load_format=config.load_format)
         model = build_model(source, dtype=config.dtype, device=device, load_format=config.load_format,
-                            seed=config.seed, max_model_len=config.scheduler.max_model_len)
+                            seed=config.seed, tp=tp, max_model_len=config.scheduler.max_model_len)
         if model.config.vocab_size != cfg.vocab_size:
             raise ValueError(f"the draft model {spec.model} has a vocabulary of {model.config.vocab_size} "
                              f"tokens, the model {cfg.vocab_size}: they must be the same")
-        return (model, make_backend(config.attention_backend, device, model.config),
-                KVCacheSpec.for_model(model.config, config.cache.block_size, dtype, config.cache.kv_cache_dtype))
+        return (model, make_backend(config.attention_backend, device, model.config, tp),
+                KVCacheSpec.for_model(model.config, config.cache.block_size, dtype,
+                                      config.cache.kv_cache_dtype, tp.size))
 
     def _plan_matmuls(self, kernels: KernelConfig) -> float:
         """Give the model's small-batch matmuls a plan: the one kept by an earlier start-up

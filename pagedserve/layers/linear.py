@@ -53,9 +53,10 @@ class Linear(ParamAttrsModule):
         if parallel not in (None, "column", "row"):
             raise ValueError(f"parallel must be None, 'column' or 'row', got {parallel!r}")
         if tp.size > 1 and parallel is not None:
-            if linear_method is not None and not isinstance(linear_method, UnquantizedLinearMethod):
-                raise ValueError("tensor parallelism runs unquantized weights only for now "
-                                 f"({type(linear_method).__name__} was asked for)")
+            if linear_method is not None and not linear_method.tensor_parallel:
+                raise ValueError(f"tensor parallelism does not split {type(linear_method).__name__} "
+                                 "weights: serve unquantized or FP8 (--quantization fp8) weights "
+                                 "over several ranks, or this checkpoint on one")
             if parallel == "column":
                 output_sizes = [tp.split(n, "each output of a column-parallel projection") for n in output_sizes]
             else:

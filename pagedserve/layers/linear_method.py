@@ -24,7 +24,12 @@ from pagedserve.layers.weight_utils import linear_weight_loader, set_weight_attr
 
 
 class LinearMethod:
-    """Interface of a linear layer's weight format. Stateless: per-layer state lives on the layer."""
+    """Interface of a linear layer's weight format. Stateless: per-layer state lives on the layer.
+
+    `tensor_parallel`: whether the method's weights split across tensor-parallel ranks (its
+    parameters sliced by the loaders like plain ones, and its products correct on a slice)."""
+
+    tensor_parallel = False
 
     @classmethod
     def from_config(cls, quant_config: dict | None) -> LinearMethod:
@@ -66,6 +71,8 @@ class LinearMethod:
 
 class UnquantizedLinearMethod(LinearMethod):
     """A plain weight [out, in] in the model's dtype (nn.Linear's parameters and initialisation)."""
+
+    tensor_parallel = True
 
     def create_weights(self, layer: nn.Module, input_size: int, output_sizes: list[int],
                        bias: bool, dtype: torch.dtype | None) -> None:

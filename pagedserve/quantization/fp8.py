@@ -8,6 +8,12 @@ operands on Hopper's tensor cores (`torch._scaled_mm` with row-wise scales, bf16
 (the CPU, fp16 models, GPUs before compute capability 8.9) the same quantized numbers are
 dequantized and multiplied in the input's dtype: the reference path, with the same rounding of
 weights and activations.
+
+Over tensor-parallel ranks, a column-parallel layer's rows and inputs are whole, so each rank
+quantizes as one process would. A row-parallel layer (o_proj, down_proj) holds a slice of
+each weight row and of each token's input: the row and token maxima are taken over all ranks
+(an all-reduce of one float per row), so every rank holds exactly the one-process FP8 numbers,
+and its partial products are summed as unquantized ones are.
 """
 
 from __future__ import annotations
@@ -16,6 +22,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from pagedserve.distributed.tensor_parallel import SINGLE, TensorParallel
 from pagedserve.layers.linear_method import LinearMethod, UnquantizedLinearMethod
 from pagedserve.layers.skinny import matmul
 
@@ -24,9 +31,10 @@ FP8_MAX = float(torch.finfo(FP8).max)  # 448
 _MIN_SCALE = 1e-12  # (a row of zeros keeps a finite scale)
 
 
-def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """x [R, C] -> (e4m3 [R, C], float32 scales [R, 1]) with x ~= q * scale, per row."""
-    amax = x.abs().amax(dim=-1, keepdim=True).float().clamp_min(_MIN_SCALE)  # [R, 1]
+def quantize_rows(x: torch.Tensor, tp: TensorParallel = SINGLE) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [R, C] -> (e4m3 [R, C], float32 scales [R, 1]) with x ~= q * scale, per row. `tp`:
+    the ranks that each hold a slice of every row (the scale is the whole row's)."""
+    amax = tp.all_reduce_max(x.abs().amax(dim=-1, keepdim=True).float()).clamp_min(_MIN_SCALE)  # [R, 1]
     scale = amax / FP8_MAX
     q = (x.float() / scale).clamp(-FP8_MAX, FP8_MAX).to(FP8)  # [R, C]
     return q, scale
@@ -65,8 +73,16 @@ def set_fp8_weight(layer: nn.Module, q: torch.Tensor, scale: torch.Tensor, dtype
     layer.fp8_tensor_cores = scaled_mm_supported(q.device, dtype)
 
 
+def _row_ranks(layer: nn.Module) -> TensorParallel:
+    """The ranks that share each of `layer`'s weight rows and input tokens: a row-parallel
+    layer's (SINGLE for every other layer)."""
+    return layer.tp if layer.parallel == "row" else SINGLE
+
+
 class Fp8LinearMethod(LinearMethod):
     """Weights quantized to e4m3 per output channel after loading; activations per token."""
+
+    tensor_parallel = True
 
     @classmethod
     def from_config(cls, quant_config: dict | None) -> LinearMethod:
@@ -86,16 +102,21 @@ class Fp8LinearMethod(LinearMethod):
 
     def process_weights_after_loading(self, layer: nn.Module) -> None:
         with torch.no_grad():
-            q, scale = quantize_rows(layer.weight.data)  # [out, in] e4m3, [out, 1]
+            q, scale = quantize_rows(layer.weight.data, _row_ranks(layer))  # [out, in] e4m3, [out, 1]
         set_fp8_weight(layer, q, scale.reshape(-1), layer.weight.dtype)
 
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        if layer.fp8_tensor_cores:  # the skinny kernel where the plan says so, else _scaled_mm
+        tp = _row_ranks(layer)
+        if layer.fp8_tensor_cores and tp.size == 1:  # the skinny kernel where planned, else _scaled_mm
             y = matmul(x, layer.weight, layer.skinny_plan, layer.weight_scale)  # [T, out]
             return y if bias is None else y + bias
-        xq, xs = quantize_rows(x)  # [T, in] e4m3, [T, 1]
+        xq, xs = quantize_rows(x, tp)  # [T, in] e4m3, [T, 1]: each token's scale over all ranks
+        if layer.fp8_tensor_cores:  # a row-parallel slice: this rank's partial product
+            y = torch._scaled_mm(xq, layer.weight.t(), scale_a=xs, scale_b=layer.weight_scale,
+                                 out_dtype=x.dtype)  # [T, out]
+            return y if bias is None else y + bias
         w = dequantize_rows(layer.weight, layer.weight_scale.reshape(-1, 1), x.dtype)  # [out, in]
         return F.linear(dequantize_rows(xq, xs, x.dtype), w, bias)
 
     def plannable(self, layer: nn.Module) -> bool:
-        return layer.bias is None and layer.fp8_tensor_cores
+        return layer.bias is None and layer.fp8_tensor_cores and _row_ranks(layer).size == 1

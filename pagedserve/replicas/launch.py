@@ -19,7 +19,8 @@ logger = logging.getLogger("pagedserve")
 
 # serve flags that configure our own uvicorn listener, which replicas do not have
 _LISTENER_FLAGS = ("ssl_keyfile", "ssl_certfile", "ssl_ca_certs", "ssl_cert_reqs", "max_connections",
-                   "timeout_keep_alive", "timeout_header_read", "uvicorn_log_level")
+                   "max_connections_per_client", "timeout_keep_alive", "timeout_header_read",
+                   "uvicorn_log_level")
 
 
 def add_replica_args(p: argparse.ArgumentParser) -> None:

@@ -41,16 +41,16 @@ from pagedserve.server.protocol import (
     TokenizeRequest,
 )
 from pagedserve.server.protocol_responses import ResponsesRequest
+from pagedserve.server.request_params import make_params
 from pagedserve.server.responses import create_response
 from pagedserve.server.serving import (
     Choice,
     Server,
     generate_all,
-    make_params,
     new_id,
     usage,
 )
-from pagedserve.server.supervisor import RestartPolicy
+from pagedserve.server.supervisor import Deadlines, RestartPolicy
 from pagedserve.server.tools import ToolSettings
 from pagedserve.tokenizer import Tokenizer
 
@@ -72,6 +72,7 @@ class ServerSettings:
     reasoning_parser: str | None = None
     max_body_bytes: int = 8 << 20
     body_read_timeout: float = 30.0  # seconds the client may pause while sending a body
+    body_total_timeout: float = 60.0  # seconds the whole body may take (from its headers)
     log_stats_interval: float = 10.0
     log_level: str = "INFO"
     engine_kind: str = "pagedserve"  # pagedserve | hf | hf-batched (baseline engines)
@@ -79,6 +80,8 @@ class ServerSettings:
     tools: ToolSettings = field(default_factory=ToolSettings)
     shutdown_timeout: float = 30.0  # on SIGTERM: how long running requests may take to finish
     restart_policy: RestartPolicy = field(default_factory=RestartPolicy)
+    # --engine-step-timeout (a hung engine core) and --request-timeout (one request)
+    deadlines: Deadlines = field(default_factory=Deadlines)
     # the model's defaults for omitted sampling fields (`--generation-config`)
     sampling_defaults: dict[str, float | int] = field(default_factory=dict)
     max_logprobs: int = 20  # --max-logprobs
@@ -100,12 +103,13 @@ def create_app(settings: ServerSettings, core: SpawnedCore | None = None) -> Fas
     end the rest with an error."""
     if settings.engine_kind == "pagedserve":
         client = AsyncEngineClient(settings.engine, settings.tokenizer, settings.log_level, core,
-                                   settings.restart_policy)
+                                   settings.restart_policy, settings.deadlines)
     else:  # the naive Transformers baselines, behind the same API
         from pagedserve.baseline.hf_engine import HFEngineClient
 
         client = HFEngineClient(settings.engine, settings.tokenizer, settings.log_level,
-                                batched=settings.engine_kind == "hf-batched")
+                                batched=settings.engine_kind == "hf-batched",
+                                deadlines=settings.deadlines)
     server = Server(client, settings.served_names, settings.max_waiting_requests,
                     settings.reasoning_parser, settings.trust_request_chat_template, settings.tools,
                     settings.sampling_defaults, settings.max_logprobs)
@@ -171,7 +175,8 @@ def create_app(settings: ServerSettings, core: SpawnedCore | None = None) -> Fas
     app.state.server, app.state.metrics, app.state.drain = server, metrics, drain
     install_error_handlers(app)
     app.add_middleware(_Guard, api_key=settings.api_key, max_body_bytes=settings.max_body_bytes,
-                       body_read_timeout=settings.body_read_timeout, server=server)
+                       body_read_timeout=settings.body_read_timeout,
+                       body_total_timeout=settings.body_total_timeout, server=server)
     # Added last, so outermost: a browser's preflight (which carries no API key) is answered
     # here, and the guard's 401 and 413 answers carry the CORS headers too.
     app.add_middleware(CORSMiddleware, allow_origins=settings.allowed_origins,
@@ -282,9 +287,9 @@ def create_app(settings: ServerSettings, core: SpawnedCore | None = None) -> Fas
 
 
 class _Guard:
-    """API-key check and request-body size limit, as plain ASGI middleware; each request runs
-    in its own admission scope (what it admits is given back however it ends), and after a
-    large body the freed memory goes back to the OS.
+    """API-key check, request-body size limit and body deadlines, as plain ASGI middleware;
+    each request runs in its own admission scope (what it admits is given back however it
+    ends), and after a large body the freed memory goes back to the OS.
 
     Not `@app.middleware("http")`: Starlette's BaseHTTPMiddleware hides the client's disconnect
     from the endpoint, so a non-streaming request whose client went away would run to the end.
@@ -292,9 +297,11 @@ class _Guard:
     """
 
     def __init__(self, app: ASGIApp, api_key: str | None, max_body_bytes: int,
-                 body_read_timeout: float, server: Server) -> None:
+                 body_read_timeout: float, body_total_timeout: float = 60.0, *,
+                 server: Server) -> None:
         self.app, self.api_key, self.max_body_bytes = app, api_key, max_body_bytes
-        self.body_read_timeout, self.server = body_read_timeout, server
+        self.body_read_timeout, self.body_total_timeout = body_read_timeout, body_total_timeout
+        self.server = server
         self.heap = HeapTrimmer(threshold_bytes=LARGE_BODY_BYTES, min_interval_s=TRIM_INTERVAL_S)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
@@ -318,18 +325,23 @@ class _Guard:
             return
         received = 0
         body_done = False
+        deadline = time.monotonic() + self.body_total_timeout
 
         async def limited_receive() -> Message:
-            """The body, with its size limit and a limit on pauses while it arrives (a client
-            that stops half-way would otherwise hold its connection and task for ever)."""
+            """The body, with its size limit, a limit on pauses while it arrives (a client that
+            stops half-way would otherwise hold its connection and task for ever) and one on its
+            whole time (a byte every few seconds would pass every pause limit)."""
             nonlocal received, body_done
             if body_done:  # (afterwards receive() only waits for a disconnect)
                 return await receive()
+            left = deadline - time.monotonic()
             try:
-                message = await asyncio.wait_for(receive(), self.body_read_timeout)
+                message = await asyncio.wait_for(receive(), max(0.0, min(self.body_read_timeout, left)))
             except asyncio.TimeoutError:
-                raise StarletteHTTPException(408, "the request body did not arrive in time "
-                                             f"(no data for {self.body_read_timeout:g} s)") from None
+                why = (f"within {self.body_total_timeout:g} s" if left <= self.body_read_timeout
+                       else f"in time (no data for {self.body_read_timeout:g} s)")
+                raise StarletteHTTPException(408, f"the request body did not arrive {why}",
+                                             headers={"Connection": "close"}) from None
             if message["type"] == "http.request":
                 received += len(message.get("body", b""))
                 if received > limit:  # FastAPI re-raises this while reading the body

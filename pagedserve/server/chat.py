@@ -17,12 +17,12 @@ from pagedserve.server.errors import APIError
 from pagedserve.server.prompt_scores import vllm_prompt_logprobs
 from pagedserve.server.protocol import ChatCompletionRequest, TokenizeRequest
 from pagedserve.server.reasoning import ReasoningParser, get_reasoning_parser
+from pagedserve.server.request_params import make_params_async
 from pagedserve.server.serving import (
     Choice,
     Server,
     SSEChunks,
     generate_all,
-    make_params,
     new_id,
     sse_error,
     start_choices,
@@ -88,8 +88,8 @@ async def prepare_chat(server: Server, body: ChatCompletionRequest) -> PreparedC
         # a thinking model: the constraint applies to the answer, after its reasoning
         end = tuple(server.tokenizer.encode(ReasoningParser.end_tag, add_special_tokens=False))
         structured = dataclasses.replace(structured, after_tokens=end)
-    params = make_params(lambda m, lp: body.sampling_params(m, lp, structured), max_tokens,
-                         body.num_logprobs, server.vocab_size, server.tokenizer)
+    params = await make_params_async(lambda m, lp: body.sampling_params(m, lp, structured), max_tokens,
+                                     body.num_logprobs, server.vocab_size, server.tokenizer)
     choices = [Choice(i, ids, params) for i in range(body.n)]
     server.check_capacity(choices)
     return PreparedChat(choices, ids, text.rstrip().endswith("<think>"), field, tools)

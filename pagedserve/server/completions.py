@@ -13,12 +13,12 @@ from pagedserve.engine.output_processor import SampleState
 from pagedserve.server.constraints import request_constraint
 from pagedserve.server.prompt_scores import echo_entries, vllm_prompt_logprobs
 from pagedserve.server.protocol import CompletionRequest
+from pagedserve.server.request_params import make_params_async, with_max_tokens
 from pagedserve.server.serving import (
     Choice,
     Server,
     SSEChunks,
     generate_all,
-    make_params,
     new_id,
     sse_error,
     start_choices,
@@ -38,15 +38,23 @@ async def _prepare(server: Server, body: CompletionRequest
     prompts = [await server.encode_async(p, True, "prompt", fit_context=fit) if isinstance(p, str)
                else p for p in body.prompts()]
     prompts = [server.truncate_prompt(p, body.truncate_prompt_tokens) for p in prompts]
-    choices, n = [], body.n
+
+    def build(max_tokens: int, logprobs: int | None):
+        params = body.sampling_params(max_tokens, logprobs, structured)
+        if body.echo and body.logprobs is not None:  # the echoed prompt is scored too (OpenAI)
+            params = dataclasses.replace(params, prompt_logprobs=max(body.logprobs, body.prompt_logprobs or 0))
+        return params
+
+    # (made once, bad words and all; each other prompt only changes the output limit)
+    choices, n, params = [], body.n, None
     for p_idx, ids in enumerate(prompts):
         max_tokens = server.resolve_max_tokens(ids, body.max_tokens, "prompt",
                                                given="max_tokens" in body.model_fields_set)
-        params = make_params(lambda m, lp: body.sampling_params(m, lp, structured), max_tokens,
-                             body.logprobs, server.vocab_size, server.tokenizer)
-        if body.echo and body.logprobs is not None:  # the echoed prompt is scored too (OpenAI)
-            k = max(body.logprobs, body.prompt_logprobs or 0)
-            params = dataclasses.replace(params, prompt_logprobs=k)
+        if params is None:
+            params = await make_params_async(build, max_tokens, body.logprobs, server.vocab_size,
+                                             server.tokenizer)
+        else:
+            params = with_max_tokens(params, max_tokens)
         choices += [Choice(p_idx * n + i, ids, params) for i in range(n)]
     server.check_capacity(choices)
     return choices, prompts, field

@@ -11,7 +11,10 @@ Failures stay as small as they can:
   in-flight request fails (its outputs may be lost) and the loop starts again;
 - if the core process dies, every in-flight request fails at once (EngineDeadError),
   `healthy` is False, and a new core is started after a back-off (`supervisor.RestartPolicy`);
-  when the restart budget is spent, `on_fatal` is called (the server then exits non-zero).
+  when the restart budget is spent, `on_fatal` is called (the server then exits non-zero);
+- if the core makes no progress for `Deadlines.step_s` (its heartbeat stops: SIGSTOP, a
+  deadlock, a kernel that never returns), it counts as hung: every in-flight request fails
+  at once (EngineHungError), the core is killed and restarted as a dead one.
 """
 
 from __future__ import annotations
@@ -19,11 +22,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import multiprocessing
-import os
 import shutil
-import tempfile
-import threading
 import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
@@ -32,7 +31,6 @@ import zmq
 import zmq.asyncio
 
 from pagedserve.config import EngineConfig
-from pagedserve.engine.core_process import run_engine_core
 from pagedserve.engine.messages import (
     AbortRequests,
     CoreInfo,
@@ -48,17 +46,19 @@ from pagedserve.sampling_params import SamplingParams
 from pagedserve.server.core_outbox import CoreOutbox
 from pagedserve.server.engine_errors import (  # noqa: F401 (re-exported)
     EngineDeadError,
+    EngineHungError,
     EngineStartError,
     RequestFailed,
     RequestRejected,
     ServerShuttingDown,
 )
-from pagedserve.server.supervisor import RestartBudget, RestartPolicy
+from pagedserve.server.engine_process import SpawnedCore, spawn_engine_core  # noqa: F401 (re-exported)
+from pagedserve.server.supervisor import Deadlines, RestartBudget, RestartPolicy, hung_reason
 from pagedserve.tokenizer import Tokenizer
 
 logger = logging.getLogger("pagedserve")
 
-WATCH_INTERVAL_S = 0.25  # how often the supervisor checks that the core process lives
+WATCH_INTERVAL_S = 0.25  # how often the supervisor checks that the core process lives and beats
 
 
 @dataclass
@@ -84,44 +84,18 @@ class _Pending:
                 return
 
 
-@dataclass
-class SpawnedCore:
-    """An engine-core process and the IPC addresses it connects to (bound later by its client)."""
-
-    proc: multiprocessing.process.BaseProcess
-    dir: str
-    in_addr: str
-    out_addr: str
-
-
-def spawn_engine_core(config: EngineConfig, log_level: str = "INFO") -> SpawnedCore:
-    """Start the engine-core process now. `pagedserve serve` calls this before it loads the
-    tokenizer and builds the app, so the core's imports and model set-up overlap with those;
-    the core's sockets connect whenever the client binds (ZeroMQ retries until then).
-
-    The core dies with this process (`lifeline.die_with_parent`); the kernel's parent-death
-    signal is only asked for when this runs on the main thread, as the kernel ties it to the
-    thread that started the child."""
-    folder = tempfile.mkdtemp(prefix="pagedserve-")
-    in_addr, out_addr = f"ipc://{folder}/in", f"ipc://{folder}/out"
-    mp = multiprocessing.get_context("spawn")
-    on_main = threading.current_thread() is threading.main_thread()
-    proc = mp.Process(target=run_engine_core, name="pagedserve-engine-core",
-                      args=(config, in_addr, out_addr, log_level, os.getpid(), on_main), daemon=True)
-    proc.start()
-    return SpawnedCore(proc, folder, in_addr, out_addr)
-
-
 class AsyncEngineClient:
     def __init__(self, config: EngineConfig, tokenizer: Tokenizer, log_level: str = "INFO",
                  core: SpawnedCore | None = None,
-                 restart_policy: RestartPolicy | None = None) -> None:
+                 restart_policy: RestartPolicy | None = None, deadlines: Deadlines | None = None) -> None:
         """`core`: an engine-core process already started for `config` (else `start` spawns one)."""
         self.config = config
         self.tokenizer = tokenizer
         self.log_level = log_level
         self._core = core
         self._budget = RestartBudget(restart_policy or RestartPolicy())
+        self.deadlines = deadlines or Deadlines()
+        self._hung: str | None = None  # why the current core was declared hung (then killed)
         self.processor = OutputProcessor(tokenizer, fault_plan=config.faults)
         self.info: CoreInfo | None = None
         self.stats: CoreStats | None = None
@@ -133,7 +107,8 @@ class AsyncEngineClient:
         self._supervisor: asyncio.Task | None = None
         self._ctx: zmq.asyncio.Context | None = None
         self._in = self._out = None
-        self._proc = None
+        self._proc = self._heartbeat = None
+        self._ready_at = 0.0  # when the current core said it was ready (time.monotonic())
         self._closing = False
         self._outbox = CoreOutbox(lambda: self._in, self._fail)
         # Callbacks the server sets (each optional):
@@ -161,7 +136,7 @@ class AsyncEngineClient:
     async def _connect(self, core: SpawnedCore) -> None:
         """Bind fresh sockets for `core` and wait for its "ready"."""
         self._close_sockets()
-        self._dir, self._proc = core.dir, core.proc
+        self._dir, self._proc, self._heartbeat, self._hung = core.dir, core.proc, core.heartbeat, None
         self._in = self._ctx.socket(zmq.PUSH)
         self._in.bind(core.in_addr)
         self._out = self._ctx.socket(zmq.PULL)
@@ -171,7 +146,7 @@ class AsyncEngineClient:
             if await self._out.poll(500):
                 msg = await self._out.recv_pyobj()
                 if isinstance(msg, Ready):
-                    self.info = msg.info
+                    self.info, self._ready_at = msg.info, time.monotonic()
                     return
                 if msg.reason:
                     raise EngineStartError(msg.reason)
@@ -241,6 +216,9 @@ class AsyncEngineClient:
                 yield state
         finally:
             self._pending.pop(request_id, None)
+            # (an error raised here holds this frame in its traceback: without it, the pair is
+            # a cycle that only the garbage collector frees, and the request's Choice with it)
+            pending.error = None
             self.processor.remove(request_id)
             if not finished and not self.dead_reason:
                 await self._send_abort([request_id])
@@ -278,28 +256,29 @@ class AsyncEngineClient:
             if self._closing:
                 return
             code = self._proc.exitcode
-            self.dead_reason = f"the engine core process died (exit code {code}); restarting it"
-            self.fail_all(EngineDeadError(f"the engine core process died (exit code {code}) while "
-                                          "this request was running; retry it"), "engine_died")
+            if self._hung is None:  # (a hung core's requests failed when it was found)
+                self.dead_reason = f"the engine core process died (exit code {code}); restarting it"
+                self.fail_all(EngineDeadError(f"the engine core process died (exit code {code}) "
+                                              "while this request was running; retry it"), "engine_died")
             self.stats = None
-            if not await self._restart(code):
+            if not await self._restart("hung (killed)" if self._hung else f"died (exit code {code})"):
                 return
 
-    async def _restart(self, code: int | None) -> bool:
-        """Start a new core with back-off; False (after `on_fatal`) when the budget is spent."""
+    async def _restart(self, cause: str) -> bool:
+        """Start a new core with back-off; False (after `on_fatal`) when the budget is spent.
+        `cause`: how the last core ended ("died (exit code -9)", "hung (killed)")."""
         while True:
             delay = self._budget.next_delay(time.monotonic())
             if delay is None:
                 p = self._budget.policy
-                reason = (f"the engine core died {p.max_restarts + 1} times within "
-                          f"{p.window_s:.0f} s (last exit code {code}); giving up")
+                reason = (f"the engine core died or hung {p.max_restarts + 1} times within "
+                          f"{p.window_s:.0f} s (last: {cause}); giving up")
                 logger.critical(reason)
                 self.dead_reason = reason
                 if self.on_fatal is not None:
                     self.on_fatal(reason)
                 return False
-            logger.error("the engine core died (exit code %s); starting a new one in %.0f s",
-                         code, delay)
+            logger.error("the engine core %s; starting a new one in %.0f s", cause, delay)
             await asyncio.sleep(delay)
             if self._closing:
                 return False
@@ -311,7 +290,7 @@ class AsyncEngineClient:
                 if self._proc is not None and self._proc.is_alive():
                     self._proc.kill()
                     await asyncio.to_thread(self._proc.join, 5)
-                code = self._proc.exitcode if self._proc is not None else None
+                cause = f"failed to start (exit code {self._proc.exitcode if self._proc else None})"
                 continue
             self.restarts += 1
             self.stats, self.dead_reason = None, None
@@ -327,6 +306,8 @@ class AsyncEngineClient:
         try:
             while self._proc.is_alive():
                 await asyncio.wait({loop}, timeout=WATCH_INTERVAL_S)
+                if self._hung is None and not self._closing:
+                    self._check_progress()
                 if loop.done() and not self._closing:
                     self._output_loop_died(loop)
                     loop = asyncio.create_task(self._output_loop())
@@ -336,6 +317,22 @@ class AsyncEngineClient:
         with contextlib.suppress(Exception):  # outputs the core sent before it died
             while await self._out.poll(100):
                 await self._handle(await self._out.recv_pyobj())
+
+    def _check_progress(self) -> None:
+        """Declare the core hung once its heartbeat is older than the step deadline: fail
+        every in-flight request now, kill the core (SIGKILL stops even a stopped process);
+        the supervisor then restarts it as a dead one."""
+        if self._heartbeat is None:
+            return
+        reason = hung_reason(self._heartbeat, self._ready_at, self.deadlines.step_s, time.monotonic())
+        if reason is None:
+            return
+        self._hung = reason
+        logger.error("%s; killing it (pid %s) and starting a new one", reason, self._proc.pid)
+        self.dead_reason = f"{reason}; restarting it"
+        self.fail_all(EngineHungError(f"{reason}; this request was stopped and a new engine core "
+                                      "is starting: retry it"), "engine_hung")
+        self._proc.kill()
 
     def _output_loop_died(self, loop: asyncio.Task) -> None:
         """Log the loop's error and fail what it may have lost; the caller starts a new loop

@@ -25,3 +25,11 @@ class RequestFailed(RuntimeError):
 
 class ServerShuttingDown(RuntimeError):
     """The server is shutting down and this request did not finish within the grace period."""
+
+
+class EngineHungError(EngineDeadError):
+    """The engine core made no progress within the step deadline; it is being replaced."""
+
+
+class RequestTimedOut(RuntimeError):
+    """The request did not finish within the server's request deadline (--request-timeout)."""

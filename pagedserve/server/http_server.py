@@ -1,10 +1,9 @@
 """uvicorn, set up so that no client can hold the server hostage and shutdown is graceful.
 
-- Connections: a client must finish sending a request's headers within `header_timeout`
-  seconds of connecting (or of starting its next request on a kept-alive connection), else the
-  connection is closed; idle kept-alive connections close after `keep_alive_timeout` (uvicorn);
-  beyond `max_connections` open connections or running requests, new requests get a 503. The
-  body's pauses are limited in the app (`app._Guard`).
+- Connections: the limits on headers, bodies and connections (per client address and in
+  all) are `connection_guard.guarded_protocol`'s; idle kept-alive connections close after
+  `keep_alive_timeout` (uvicorn). The body's pauses and its whole time are also limited in the
+  app (`app._Guard`).
 - Shutdown: the first SIGTERM or SIGINT starts the app's drain (no new requests; running ones
   get `--shutdown-timeout` seconds, then end with an error event and [DONE]) and then uvicorn's
   own shutdown; a second signal exits at once. Either way the exit code is 0.
@@ -20,49 +19,8 @@ import resource
 from collections.abc import Awaitable, Callable
 
 import uvicorn
-from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
 logger = logging.getLogger("pagedserve")
-
-
-def header_timeout_protocol(header_timeout: float) -> type:
-    """uvicorn's httptools protocol, closing connections whose headers do not arrive in time."""
-
-    class HeaderTimeoutProtocol(HttpToolsProtocol):
-        def connection_made(self, transport) -> None:  # type: ignore[override]
-            self._header_timer: asyncio.TimerHandle | None = None
-            super().connection_made(transport)
-            self._arm_header_timer()
-
-        def on_message_begin(self) -> None:
-            super().on_message_begin()
-            self._arm_header_timer()
-
-        def on_headers_complete(self) -> None:
-            self._cancel_header_timer()
-            super().on_headers_complete()
-
-        def connection_lost(self, exc: Exception | None) -> None:
-            self._cancel_header_timer()
-            super().connection_lost(exc)
-
-        def _arm_header_timer(self) -> None:
-            if self._header_timer is None:
-                self._header_timer = self.loop.call_later(header_timeout, self._headers_too_slow)
-
-        def _cancel_header_timer(self) -> None:
-            if self._header_timer is not None:
-                self._header_timer.cancel()
-                self._header_timer = None
-
-        def _headers_too_slow(self) -> None:
-            self._header_timer = None
-            if not self.transport.is_closing():
-                logger.debug("closing a connection whose request headers took over %.0f s",
-                             header_timeout)
-                self.transport.close()
-
-    return HeaderTimeoutProtocol
 
 
 class Server(uvicorn.Server):

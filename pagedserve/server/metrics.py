@@ -173,7 +173,8 @@ class Metrics:
                                      "since the engine core started", own, registry=r).labels(model_name)
         self.failures = Counter("pagedserve_request_failures", "Requests that failed, by where: engine "
                                 "(a failed step or this request's part of one), output (handling its "
-                                "output), loop (the output loop), engine_died, shutdown, rejected",
+                                "output), loop (the output loop), engine_died, engine_hung, "
+                                "request_timeout, shutdown, rejected",
                                 own + ["source"], registry=r)
         self.step_failures = Counter("pagedserve_engine_step_failures", "Engine steps that raised",
                                      own, registry=r).labels(model_name)

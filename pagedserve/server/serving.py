@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 from fastapi import Request
 
-from pagedserve.engine.limits import PromptError, check_prompt, check_token_ids
+from pagedserve.engine.limits import PromptError, check_prompt
 from pagedserve.engine.output_processor import SampleState
 from pagedserve.sampling_params import MAX_LOGPROBS, SamplingParams
 from pagedserve.server.engine_client import (
@@ -23,6 +23,7 @@ from pagedserve.server.engine_client import (
     RequestRejected,
     ServerShuttingDown,
 )
+from pagedserve.server.engine_errors import RequestTimedOut
 from pagedserve.server.errors import APIError
 from pagedserve.server.sse import SSEChunks, sse_error, usage  # noqa: F401 (re-exported)
 from pagedserve.server.tools import ToolSettings
@@ -242,29 +243,6 @@ class Server:
             raise APIError(400, f"{param} must be at most {self.max_logprobs} on this server "
                                 f"(--max-logprobs), got {logprobs}", param=param)
 
-def make_params(build, max_tokens: int, logprobs: int | None, vocab_size: int,
-                tokenizer=None) -> SamplingParams:
-    """Call a request's sampling_params builder, tokenize its bad_words with `tokenizer` and
-    check its token ids against the vocabulary (`engine/limits.py`), turning ValueError into
-    a 400 naming the field."""
-    try:
-        params = build(max_tokens, logprobs)
-        if tokenizer is not None:
-            params = params.resolve_bad_words(lambda text: tokenizer.encode(text, add_special_tokens=False))
-        check_token_ids(params, vocab_size)
-        stop_ids = params.stop_token_ids
-        if stop_ids and max(stop_ids) >= vocab_size:  # (an id never sampled: it would never stop)
-            bad = sorted({t for t in stop_ids if t >= vocab_size})
-            raise PromptError(f"stop_token_ids out of range [0, {vocab_size}): {bad[:5]}",
-                              param="stop_token_ids")
-    except PromptError as e:
-        raise APIError(400, str(e), param=e.param) from None
-    except ValueError as e:
-        msg = str(e)
-        raise APIError(400, msg, param=msg.split(" ", 1)[0]) from None
-    return params
-
-
 def new_id(prefix: str, user: str | None = None) -> str:
     """A request id; a request that names its end `user` has the pair logged (the OpenAI
     field's purpose: tracing abuse to a user)."""
@@ -282,9 +260,14 @@ async def run_choices(
 
     Leaving early (an error, or the consumer being cancelled) aborts every choice. `param`:
     the request field a rejection by the engine names (the constraint that did not compile).
+    With a request deadline (`client.deadlines.request_s`, --request-timeout), a request still
+    unfinished when it passes raises RequestTimedOut (as a 504), which aborts its choices.
     """
     queue: asyncio.Queue = asyncio.Queue()
-    done = object()
+    done, timed_out = object(), object()
+    timeout = client.deadlines.request_s
+    timer = (None if timeout is None else  # (one timer a request: nothing added per token)
+             asyncio.get_running_loop().call_later(timeout, queue.put_nowait, (-1, timed_out)))
 
     async def pump(choice: Choice) -> None:
         try:
@@ -304,11 +287,20 @@ async def run_choices(
             index, item = await queue.get()
             if item is done:
                 remaining -= 1
+            elif item is timed_out:
+                for _ in range(remaining):  # (one failure a sample, as for the engine's failures)
+                    if client.on_failure is not None:
+                        client.on_failure("request_timeout")
+                raise _as_api_error(RequestTimedOut(
+                    f"the request did not finish within {timeout:g} s (the server's "
+                    "--request-timeout); it was stopped"))
             elif isinstance(item, Exception):
                 raise _as_api_error(item, param)
             else:
                 yield index, item
     finally:
+        if timer is not None:
+            timer.cancel()
         for t in tasks:
             t.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
@@ -319,6 +311,8 @@ def _as_api_error(e: Exception, param: str | None = None) -> Exception:
         return APIError(400, f"{param}: {e}" if param else str(e), param=param)
     if isinstance(e, EngineDeadError):
         return APIError(503, str(e), code="engine_unavailable", headers={"Retry-After": "5"})
+    if isinstance(e, RequestTimedOut):
+        return APIError(504, str(e), code="request_timeout")
     if isinstance(e, ServerShuttingDown):
         return APIError(503, str(e), code="server_shutting_down", headers={"Retry-After": "5"})
     if isinstance(e, RequestFailed):

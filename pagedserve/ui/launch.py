@@ -11,11 +11,11 @@ from __future__ import annotations
 
 import os
 import shutil
-import socket
 import sys
 from pathlib import Path
 
 from pagedserve import envs
+from pagedserve.server.startup_checks import check_port_free
 
 APP_FILE = Path(__file__).with_name("app.py")
 PUBLIC_DIR = Path(__file__).with_name("public")
@@ -64,17 +64,6 @@ def normalize_base_url(url: str) -> str:
     if "://" not in url:
         url = "http://" + url
     return url if url.endswith("/v1") else url + "/v1"
-
-
-def check_port_free(host: str, port: int, what: str) -> None:
-    """Raise ValueError (a one-line CLI error) if host:port cannot be bound."""
-    with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as s:
-        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn does
-        try:
-            s.bind((host, port))
-        except OSError as e:
-            raise ValueError(f"{what} port {port} on {host} is already in use ({e.strerror}); "
-                             f"stop what uses it or pick another port") from None
 
 
 def ui_command(host: str, port: int) -> list[str]:

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 from pagedserve import envs
 from pagedserve.child_process import Child, http_ok
-from pagedserve.ui.launch import check_port_free
+from pagedserve.server.startup_checks import check_port_free
 
 
 class _Stop:
