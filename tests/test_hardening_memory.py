@@ -136,17 +136,22 @@ def test_the_heap_trimmer_runs_once_due():
     heap.trim()
     assert not heap.pending and heap.count in (0, 1)  # (0 without glibc)
     heap.note(1000)
-    assert not heap.due() and 0 < heap.wait_s() <= 0.05
+    # (times given, not read: a trim of a large heap on a busy machine can itself take 50 ms)
+    assert not heap.due(heap.last + 0.01) and heap.wait_s(heap.last + 0.01) == pytest.approx(0.04)
+    assert heap.due(heap.last + 0.05)
 
     async def scheduled():
         loop = asyncio.get_running_loop()
         heap.schedule(loop)
         heap.schedule(loop)  # (one is scheduled already)
-        await asyncio.sleep(0.3)
+        for _ in range(200):  # (the trim runs in a worker thread: up to 10 s on a busy machine)
+            await asyncio.sleep(0.05)
+            if heap.last > before:
+                break
 
     before = heap.last
     asyncio.run(scheduled())
-    assert not heap.pending and heap.last > before
+    assert not heap.pending and heap.last > before and heap.count in (0, 2)
 
 
 def test_an_idle_core_returns_freed_memory_once_after_work():
