@@ -108,9 +108,13 @@ def test_splits_a_model_cannot_make_are_refused():
         check_model_split(20, 4, 10496, 166144, 8)  # Nanbeige4.1-3B: 4 KV heads
     from pagedserve.layers.linear import Linear
     from pagedserve.quantization.awq import AwqLinearMethod
+    from pagedserve.quantization.fp8_checkpoint import Fp8CheckpointLinearMethod
 
     with pytest.raises(ValueError, match="tensor parallelism does not split AwqLinearMethod weights"):
         Linear(64, 64, linear_method=AwqLinearMethod(group_size=32), tp=TensorParallel(0, 2), parallel="row")
+    with pytest.raises(ValueError, match="does not split Fp8CheckpointLinearMethod weights"):
+        Linear(64, 64, linear_method=Fp8CheckpointLinearMethod(per_channel=True), tp=TensorParallel(0, 2),
+               parallel="column")
 
 
 NGRAM = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3, "min_accepted_per_step": 0}

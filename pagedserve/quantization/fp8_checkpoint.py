@@ -140,6 +140,8 @@ class Fp8CheckpointLinearMethod(Fp8LinearMethod):
     `static_input`: the checkpoint also stores an `input_scale` per tensor (read and checked,
     then inputs are quantized per token as `Fp8LinearMethod.apply` does)."""
 
+    tensor_parallel = False  # (its scale loaders do not slice per rank yet)
+
     def __init__(self, per_channel: bool, static_input: bool = False,
                  layers: LayerSelection | None = None) -> None:
         self.per_channel = per_channel
