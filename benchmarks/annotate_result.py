@@ -15,7 +15,7 @@ import argparse
 import json
 
 from pagedserve.bench.roofline import Roofline
-from pagedserve.config import ModelConfig
+from pagedserve.models.hf_config import model_config_from_hf
 from pagedserve.models.presets import load_preset
 
 METHOD = ("pagedserve/bench/roofline.py workload_seconds over each run's mean prompt and output "
@@ -35,7 +35,7 @@ def main() -> None:
     args = ap.parse_args()
     with open(args.result) as f:
         result = json.load(f)
-    roof = Roofline.for_model(ModelConfig.from_hf_config(load_preset(args.model)))
+    roof = Roofline.for_model(model_config_from_hf(load_preset(args.model)))
     for run in result["runs"]:
         n = run["completed"]
         if not n:

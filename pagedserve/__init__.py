@@ -2,8 +2,8 @@
 
 from pagedserve.sampling_params import SamplingParams
 from pagedserve.structured.params import StructuredOutputsParams
+from pagedserve.version import __version__
 
-__version__ = "0.1.0"
 __all__ = ["LLM", "RequestOutput", "CompletionOutput", "SamplingParams", "StructuredOutputsParams",
            "__version__"]
 

@@ -8,7 +8,7 @@ speak in torch types import it when called.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, ClassVar
 
 from pagedserve.faults import FaultPlan
@@ -18,8 +18,6 @@ from pagedserve.spec_decode.config import SpeculativeConfig
 
 if TYPE_CHECKING:
     import torch
-
-    from pagedserve.models.source import ModelSource
 
 # user-facing dtype names -> torch dtype names
 DTYPE_NAMES: dict[str, str] = {
@@ -154,14 +152,6 @@ class ModelConfig:
             return self.num_parameters()
         return self.num_parameters() - (self.moe.num_experts - self.moe.top_k) * self.expert_parameters()
 
-    @classmethod
-    def from_hf_config(cls, cfg: dict[str, Any]) -> ModelConfig:
-        """Build from a HF config dict (`models/hf_config.py`); raise ValueError naming an
-        unsupported architecture or setting."""
-        from pagedserve.models.hf_config import model_config_from_hf
-
-        return model_config_from_hf(cfg)
-
 
 @dataclass(frozen=True)
 class SchedulerConfig:
@@ -277,38 +267,9 @@ def _check_tensor_parallel(size: int, model_cfg: ModelConfig, kw: dict[str, Any]
                          "--tensor-parallel-size 1 without --distributed-executor-backend mp")
 
 
-def _checked_draft(spec: SpeculativeConfig, model_cfg: ModelConfig, load_format: str,
-                   tp_size: int) -> SpeculativeConfig:
-    """The draft model resolved (a Hub id: its local folder), its vocabulary checked, and its
-    split over `tp_size` tensor-parallel ranks (each rank runs its share of the draft)."""
-    from pagedserve.models.source import resolve_model
-
-    try:
-        source = resolve_model(spec.model, load_format=load_format)
-    except (ValueError, OSError) as e:
-        raise ValueError(f"speculative config: draft model {spec.model!r}: {e}") from None
-    if source.is_preset and load_format != "dummy":
-        raise ValueError(f"speculative config: draft model preset {spec.model!r} ships no weights "
-                         "(with --load-format dummy both models get random weights)")
-    draft_cfg = ModelConfig.from_hf_config(source.hf_config)
-    vocab = draft_cfg.vocab_size
-    if vocab != model_cfg.vocab_size:
-        raise ValueError(f"speculative config: draft model {spec.model!r} has a vocabulary of {vocab} "
-                         f"tokens and the model {model_cfg.vocab_size}: they must be the same")
-    if isinstance(tp_size, int) and tp_size > 1:
-        from pagedserve.distributed.split import check_config_split
-
-        try:
-            check_config_split(draft_cfg, tp_size)
-        except ValueError as e:
-            raise ValueError(f"speculative config: draft model {spec.model!r} splits over the "
-                             f"tensor-parallel ranks as the model does: {e}") from None
-    return replace(spec, model=str(source.folder)) if source.from_hub else spec
-
-
 @dataclass(frozen=True)
 class EngineConfig:
-    """Everything needed to build an engine core (built once: `EngineConfig.from_args`)."""
+    """Everything needed to build an engine core (built once: `EngineArgs.create_engine_config`)."""
 
     model: str | None = None  # None = embedded default model; else preset, folder or .gguf
     tokenizer: str | None = None  # None = the model's own (structured output compiles with it)
@@ -334,56 +295,6 @@ class EngineConfig:
     @property
     def multiprocess_executor(self) -> bool:
         return self.tensor_parallel_size > 1 or self.distributed_executor_backend == "mp"
-
-    @classmethod
-    def from_args(cls, model: str | None = None, *, max_model_len: int | None = None,
-                  max_num_seqs: int = 256, max_num_batched_tokens: int | None = None, block_size: int = 16,
-                  enable_prefix_caching: bool = True, kv_cache_memory: int | None = None,
-                  gpu_memory_utilization: float = 0.9, kv_cache_dtype: str = "auto",
-                  revision: str | None = None,
-                  download_dir: str | None = None,
-                  **kw: Any) -> tuple[EngineConfig, ModelSource, ModelConfig]:
-        """The one place a user's settings (LLM(...) arguments or CLI flags) become a config:
-        resolves the model, checks max_model_len against it (default: the model's limit), and
-        reads the kernel and logging switches from the environment. Returns (config, the
-        resolved model source, its ModelConfig). `kw`: the other EngineConfig fields
-        (`speculative_config`: vLLM's JSON, a string or a dict). A Hub id
-        (`revision`, `download_dir`) is fetched here, and the config names its local folder."""
-        from pagedserve import envs
-        from pagedserve.models.source import resolve_model
-        from pagedserve.quantization import resolve_quantization
-
-        load_format = kw.get("load_format", "auto")
-        source = resolve_model(model, load_format=load_format, revision=revision,
-                               download_dir=download_dir)
-        if source.is_preset and load_format != "dummy":
-            raise ValueError(f"preset {source.name!r} ships no weights: add --load-format dummy "
-                             "(load_format='dummy') for random weights, or name a model folder "
-                             "or a Hugging Face Hub id (e.g. Qwen/Qwen3-4B-Instruct-2507)")
-        if source.from_hub:
-            model = str(source.folder)  # a Hub id: the engine core loads the cached folder
-        kw["quantization"] = resolve_quantization(kw.get("quantization"), source.hf_config)
-        model_cfg = ModelConfig.from_hf_config(source.hf_config)
-        limit = model_cfg.max_position_embeddings
-        max_len = max_model_len or limit
-        if max_len > limit:
-            raise ValueError(f"max_model_len={max_len} exceeds the model's max_position_embeddings "
-                             f"({limit}); lower --max-model-len")
-        kw["speculative"] = spec = SpeculativeConfig.parse(kw.pop("speculative_config", None))
-        if spec is not None and spec.method == "draft_model":
-            kw["speculative"] = _checked_draft(spec, model_cfg, load_format,
-                                               kw.get("tensor_parallel_size", 1))
-        _check_tensor_parallel(kw.get("tensor_parallel_size", 1), model_cfg, kw,
-                               source.hf_config.get("quantization_config") is not None)
-        kw.setdefault("kernels", envs.kernel_config())
-        kw.setdefault("observability", envs.observability_config())
-        config = cls(
-            model=model, scheduler=SchedulerConfig(max_num_seqs, max_num_batched_tokens, max_len),
-            cache=CacheConfig(block_size, enable_prefix_caching, kv_cache_memory, gpu_memory_utilization,
-                              kv_cache_dtype),
-            **kw,
-        )
-        return config, source, model_cfg
 
     def scheduler_for(self, model_cfg: ModelConfig, device_type: str | None = None) -> SchedulerConfig:
         """The limits with max_model_len clamped to the model's, and the step's token budget,

@@ -7,10 +7,10 @@ import logging
 from collections.abc import Sequence
 from typing import Any
 
-from pagedserve.config import EngineConfig
 from pagedserve.engine.core import EngineCore, FatalEngineError
 from pagedserve.engine.messages import EngineRequest
 from pagedserve.engine.output_processor import OutputProcessor, SampleState
+from pagedserve.engine_args import engine_args
 from pagedserve.models.generation_defaults import sampling_defaults
 from pagedserve.models.source import load_tokenizer
 from pagedserve.outputs import RequestOutput
@@ -59,49 +59,13 @@ class LLM:
     `distributed_executor_backend="mp"` runs even one rank in a worker process of its own.
     """
 
-    def __init__(
-        self,
-        model: str | None = None,
-        *,
-        dtype: str = "auto",
-        device: str = "auto",
-        max_model_len: int | None = None,
-        max_num_seqs: int = 256,
-        max_num_batched_tokens: int | None = None,
-        block_size: int = 16,
-        enable_prefix_caching: bool = True,
-        kv_cache_memory: int | None = None,
-        gpu_memory_utilization: float = 0.9,
-        load_format: str = "auto",
-        seed: int = 0,
-        enforce_eager: bool = False,
-        attention_backend: str = "auto",
-        tokenizer: str | None = None,
-        async_scheduling: bool = True,
-        revision: str | None = None,
-        download_dir: str | None = None,
-        generation_config: str = "auto",
-        quantization: str | None = None,
-        kv_cache_dtype: str = "auto",
-        speculative_config: dict | str | None = None,
-        tensor_parallel_size: int = 1,
-        distributed_executor_backend: str | None = None,
-    ) -> None:
-        config, source, model_cfg = EngineConfig.from_args(
-            model, max_model_len=max_model_len, max_num_seqs=max_num_seqs,
-            max_num_batched_tokens=max_num_batched_tokens, block_size=block_size,
-            enable_prefix_caching=enable_prefix_caching, kv_cache_memory=kv_cache_memory,
-            gpu_memory_utilization=gpu_memory_utilization, dtype=dtype, device=device,
-            load_format=load_format, seed=seed, attention_backend=attention_backend,
-            enforce_eager=enforce_eager, async_scheduling=async_scheduling, tokenizer=tokenizer,
-            revision=revision, download_dir=download_dir, quantization=quantization,
-            kv_cache_dtype=kv_cache_dtype, speculative_config=speculative_config,
-            tensor_parallel_size=tensor_parallel_size,
-            distributed_executor_backend=distributed_executor_backend,
-        )
-        self._defaults = sampling_defaults(source, generation_config)
+    def __init__(self, model: str | None = None, **kwargs: Any) -> None:
+        """`kwargs`: the engine's settings, the fields of `EngineArgs` (`engine_args.py`)."""
+        args = engine_args(model, **kwargs)
+        config, source, model_cfg = args.create_engine_config()
+        self._defaults = sampling_defaults(source, args.generation_config)
         self.engine = EngineCore(config, source)
-        self.tokenizer = load_tokenizer(source, model_cfg, tokenizer)
+        self.tokenizer = load_tokenizer(source, model_cfg, args.tokenizer)
         self._ids = itertools.count()
 
     def close(self) -> None:

@@ -13,7 +13,7 @@ import pytest
 from pagedserve.bench.datasets import file_dataset, random_dataset
 from pagedserve.bench.serve_args import resolve_serve_args, result_path
 from pagedserve.bench.serve_metrics import summarize
-from pagedserve.cli import build_parser, main
+from pagedserve.cli.main import build_parser, main
 
 
 def _parse(line: str):

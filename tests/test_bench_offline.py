@@ -10,6 +10,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+from pagedserve.models.hf_config import model_config_from_hf
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -79,10 +81,9 @@ def test_the_roofline_counts_the_bytes_a_quantized_model_reads():
     to 4.41 GB (the issue's ~1.05 ms floor at batch 1), 4-bit ones with a 16-bit scale and zero
     per 128 to 2.71 GB; an FP8 KV cache halves the bytes per token; W8A8 doubles peak FLOP/s."""
     from pagedserve.bench.roofline import Roofline
-    from pagedserve.config import ModelConfig
     from pagedserve.models.presets import load_preset
 
-    cfg = ModelConfig.from_hf_config(load_preset("qwen3-4b-instruct-2507"))
+    cfg = model_config_from_hf(load_preset("qwen3-4b-instruct-2507"))
     bf16, fp8 = Roofline.for_model(cfg), Roofline.for_model(cfg, quantization="fp8")
     awq = Roofline.for_model(cfg, quantization="awq")
     h, i, q, kv = cfg.hidden_size, cfg.intermediate_size, cfg.q_size, cfg.kv_size
@@ -98,12 +99,11 @@ def test_the_roofline_judges_an_h100_by_its_own_bandwidth():
     """A run on an H100 is judged by an H100's copy bandwidth (3.0 TB/s against the H200's
     4.25), so the same step has a longer ideal; a GPU the roofline does not know gets none."""
     from pagedserve.bench.roofline import Roofline, roofline_gpu
-    from pagedserve.config import ModelConfig
     from pagedserve.models.presets import load_preset
 
     assert roofline_gpu("NVIDIA H200") == "H200" and roofline_gpu("NVIDIA H100 80GB HBM3") == "H100"
     assert roofline_gpu("NVIDIA A100-SXM4-80GB") is None
-    cfg = ModelConfig.from_hf_config(load_preset("qwen3-4b-instruct-2507"))
+    cfg = model_config_from_hf(load_preset("qwen3-4b-instruct-2507"))
     h200, h100 = Roofline.for_model(cfg), Roofline.for_model(cfg, gpu="H100")
     assert h100.weight_bytes == h200.weight_bytes and h100.bandwidth == 3.0e12
     step200, step100 = h200.decode_step_seconds(512, 1), h100.decode_step_seconds(512, 1)
@@ -115,10 +115,9 @@ def test_the_roofline_of_a_mixture_of_experts_reads_the_experts_its_tokens_reach
     parameters and reads 8 experts a layer; a step of n tokens reads the experts n uniformly
     routed tokens reach, all 128 at large n."""
     from pagedserve.bench.roofline import Roofline
-    from pagedserve.config import ModelConfig
     from pagedserve.models.presets import load_preset
 
-    cfg = ModelConfig.from_hf_config(load_preset("qwen3-30b-a3b"))
+    cfg = model_config_from_hf(load_preset("qwen3-30b-a3b"))
     assert round(cfg.num_parameters() / 1e9, 1) == 30.5 and round(cfg.active_parameters() / 1e9, 2) == 3.35
     roof = Roofline.for_model(cfg)
     expert = 3 * cfg.hidden_size * 768 * 48 * 2  # bytes of one expert over the 48 layers
@@ -136,10 +135,9 @@ def test_the_roofline_of_fp8_experts_reads_one_byte_a_weight():
     e4m3 (1 byte a weight; all 48 layers sparse, so no dense MLP is counted), the router,
     norms and logits head stay bf16."""
     from pagedserve.bench.roofline import Roofline
-    from pagedserve.config import ModelConfig
     from pagedserve.models.presets import load_preset
 
-    cfg = ModelConfig.from_hf_config(load_preset("qwen3-30b-a3b"))
+    cfg = model_config_from_hf(load_preset("qwen3-30b-a3b"))
     bf16, fp8 = Roofline.for_model(cfg), Roofline.for_model(cfg, quantization="fp8")
     assert fp8.expert_bytes * 2 == bf16.expert_bytes == 3 * cfg.hidden_size * 768 * 48 * 2
     attention = cfg.num_layers * (2 * cfg.hidden_size * cfg.q_size + 2 * cfg.hidden_size * cfg.kv_size)

@@ -94,7 +94,7 @@ def _args(**kw):
     """`bench serve`'s settings as the parser and `resolve_serve_args` give them: small defaults
     for the tests, then `kw` (flag destinations; `ignore_eos` on unless given)."""
     from pagedserve.bench.serve_args import resolve_serve_args
-    from pagedserve.cli import build_parser
+    from pagedserve.cli.main import build_parser
 
     args = build_parser().parse_args(["bench", "serve"])
     small = dict(label="ours", input_len=24, output_len=6, num_prompts=6, concurrency_sweep="1,3",

@@ -11,7 +11,9 @@ import time
 
 import pytest
 
-from pagedserve.cli import build_parser, engine_kwargs
+from pagedserve.cli.engine_args import add_engine_args
+from pagedserve.cli.main import build_parser
+from pagedserve.engine_args import EngineArgs
 
 # (arguments, a word the message must hold)
 BAD_VALUES = [
@@ -100,9 +102,9 @@ def test_vllm_flag_names_parse_with_their_meaning():
     assert args.allowed_origins == ["http://a.example"] and args.allowed_methods == ["GET", "POST"]
     assert args.uvicorn_log_level == "WARNING" and args.log_level == "DEBUG"
     assert args.root_path == "/api" and args.disable_log_stats and args.disable_log_requests
-    kw = engine_kwargs(args)
-    assert kw["revision"] == "v1" and kw["download_dir"] == "/tmp/hub" and kw["seed"] == 7
-    assert kw["generation_config"] == "vllm" and kw["dtype"] == "half"
+    engine = EngineArgs.from_cli(args)
+    assert engine.revision == "v1" and engine.download_dir == "/tmp/hub" and engine.seed == 7
+    assert engine.generation_config == "vllm" and engine.dtype == "half"
 
 
 def test_an_engine_settings_error_at_start_up_is_one_line(tmp_path):
@@ -118,3 +120,29 @@ def test_an_engine_settings_error_at_start_up_is_one_line(tmp_path):
     assert "Traceback" not in out, out
     assert "the engine cannot start: no memory left for the KV cache" in out
     assert "kv_cache_memory" in out
+
+
+def test_engine_settings_are_one_list_for_the_cli_and_llm():
+    """Each `EngineArgs` field is a `serve` flag of the same name, and each engine flag that
+    is not one of them is named here with its reason; a flag's value reaches the EngineArgs.
+    `LLM(...)` takes the same fields and names an unknown one before loading anything."""
+    import dataclasses
+
+    from pagedserve import LLM
+
+    fields = {f.name for f in dataclasses.fields(EngineArgs)}
+    parser = argparse.ArgumentParser()
+    add_engine_args(parser)
+    flags = set(vars(parser.parse_args([])))
+    # --model (the positional's twin), and flags accepted for vLLM's sake that change nothing
+    # here, or that set up logging rather than the engine
+    not_settings = {"model_opt", "enable_chunked_prefill", "trust_remote_code", "log_level"}
+    assert flags - not_settings == fields - {"inject_faults"}  # (a serve flag: chaos tests)
+    args = build_parser().parse_args(["serve", "m", "--max-num-seqs", "7", "--no-async-scheduling",
+                                      "--inject-faults", "step=9"])
+    engine = EngineArgs.from_cli(args)
+    assert (engine.model, engine.max_num_seqs, engine.async_scheduling) == ("m", 7, False)
+    assert engine.inject_faults == "step=9"
+    assert EngineArgs.from_cli(build_parser().parse_args(["serve", "--model", "x"])).model == "x"
+    with pytest.raises(TypeError, match=r"unknown engine setting\(s\) \['max_seqs'\]"):
+        LLM(max_seqs=4)

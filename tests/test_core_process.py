@@ -217,15 +217,18 @@ def test_first_token_carries_queue_and_prefill_time():
     assert all(o.queue_s is None and o.prefill_s is None for o in rest)
 
 
-def _engine_flags(**changes) -> dict:
-    """Every engine flag, as cli.engine_kwargs gives them (the CLI's defaults, then a small
+def _engine_flags(**changes):
+    """Every engine setting as `serve`'s flags give them (the CLI's defaults, then a small
     CPU engine's settings, then `changes`)."""
-    from pagedserve.cli import build_parser, engine_kwargs
+    from dataclasses import replace
 
-    flags = engine_kwargs(build_parser().parse_args(["serve"]))
-    flags.update(dtype="float32", device="cpu", max_num_seqs=8, max_num_batched_tokens=256,
+    from pagedserve.cli.main import build_parser
+    from pagedserve.engine_args import EngineArgs
+
+    flags = EngineArgs.from_cli(build_parser().parse_args(["serve"]))
+    small = dict(dtype="float32", device="cpu", max_num_seqs=8, max_num_batched_tokens=256,
                  max_model_len=256, kv_cache_memory=16 << 20, enforce_eager=True)
-    return {**flags, **changes}
+    return replace(flags, **{**small, **changes})
 
 
 def test_a_core_that_fails_before_its_client_binds_still_says_why(smollm2_dir):
@@ -240,9 +243,7 @@ def test_a_core_that_fails_before_its_client_binds_still_says_why(smollm2_dir):
         EngineStartError,
         spawn_engine_core,
     )
-    from pagedserve.server.launch import engine_config
-
-    config, source, model_cfg = engine_config(_engine_flags(kv_cache_memory=1000))
+    config, source, model_cfg = _engine_flags(kv_cache_memory=1000).create_engine_config()
     core = spawn_engine_core(config, "WARNING")
     # It fails within a few seconds; then it used to wait 2 s and exit with nothing said.
     time.sleep(10.0)
@@ -263,9 +264,7 @@ def test_an_engine_core_started_before_its_client_binds(smollm2_dir):
     from pagedserve.models.source import load_tokenizer
     from pagedserve.sampling_params import SamplingParams
     from pagedserve.server.engine_client import AsyncEngineClient, spawn_engine_core
-    from pagedserve.server.launch import engine_config
-
-    config, source, model_cfg = engine_config(_engine_flags())
+    config, source, model_cfg = _engine_flags().create_engine_config()
     core = spawn_engine_core(config, "WARNING")
     time.sleep(1.0)  # the core runs ahead, its sockets not yet bound
     client = AsyncEngineClient(config, load_tokenizer(source, model_cfg, None), "WARNING", core)

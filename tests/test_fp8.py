@@ -86,15 +86,15 @@ def test_smollm2_fp8_agrees_with_its_unquantized_self(smollm2_dir):
 
 
 def test_pre_quantized_checkpoints_and_unknown_methods_are_refused(tmp_path, smollm2_dir):
-    from pagedserve.config import EngineConfig
+    from pagedserve.engine_args import EngineArgs
 
     cfg = json.loads((smollm2_dir / "config.json").read_text())
     cfg["quantization_config"] = {"quant_method": "bitsandbytes", "load_in_4bit": True}
     (tmp_path / "config.json").write_text(json.dumps(cfg))
     with pytest.raises(ValueError, match=r"quantized with 'bitsandbytes', which pagedserve cannot read"):
-        EngineConfig.from_args(str(tmp_path))
+        EngineArgs(str(tmp_path)).create_engine_config()
     with pytest.raises(ValueError, match="quantization 'int4' is not supported"):
-        EngineConfig.from_args(None, quantization="int4")
+        EngineArgs(quantization="int4").create_engine_config()
     proc = subprocess.run([sys.executable, "-m", "pagedserve.cli", "serve", "--quantization", "int4"],
                           capture_output=True, text=True, timeout=60)
     assert proc.returncode == 2 and "--quantization" in proc.stderr

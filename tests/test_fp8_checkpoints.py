@@ -21,8 +21,8 @@ import torch
 from safetensors.torch import save_file
 
 from helpers import run_prefill
-from pagedserve.config import ModelConfig
 from pagedserve.layers.linear_method import UnquantizedLinearMethod
+from pagedserve.models.hf_config import model_config_from_hf
 from pagedserve.models.llama import LlamaForCausalLM
 from pagedserve.models.loader import build_model
 from pagedserve.models.source import resolve_model
@@ -180,7 +180,7 @@ def smol(smollm2_dir):
 
 
 def fp32_model(cfg: dict, state: dict) -> LlamaForCausalLM:
-    model = LlamaForCausalLM(ModelConfig.from_hf_config(cfg))
+    model = LlamaForCausalLM(model_config_from_hf(cfg))
     model.load_weights(state.items())
     return model.eval()
 
@@ -264,7 +264,7 @@ def tiny_128():
     """A random fp32 state dict of TINY_128 (q 256, kv 128, gate/up 384 rows: whole blocks;
     hidden 320 = 2.5 blocks: partial blocks in the inputs of qkv/gate_up and outputs of o/down)."""
     torch.manual_seed(0)
-    model = LlamaForCausalLM(ModelConfig.from_hf_config(TINY_128))
+    model = LlamaForCausalLM(model_config_from_hf(TINY_128))
     state = {}
     for name, p in model.named_parameters():
         t = torch.randn_like(p) * 0.05 if not name.endswith("norm.weight") else torch.rand_like(p) + 0.5
@@ -416,7 +416,7 @@ def test_a_fused_projection_half_ignored_is_refused():
     qc = {**QWEN_BLOCK, "modules_to_not_convert": ["model.layers.1.self_attn.k_proj"]}
     with pytest.raises(ValueError, match=r"leaves model.layers.1.self_attn.k_proj unquantized but "
                                          r"quantizes .*q_proj, .*v_proj"):
-        LlamaForCausalLM(ModelConfig.from_hf_config(TINY_128), linear_method_for("fp8", qc))
+        LlamaForCausalLM(model_config_from_hf(TINY_128), linear_method_for("fp8", qc))
 
 
 @pytest.mark.parametrize("damage, message", [

@@ -14,11 +14,12 @@ import torch  # noqa: E402
 
 pytest.importorskip("triton")
 
-from pagedserve.attention.kv_quant import E4M3, dequantize_kv, quantize_kv  # noqa: E402
 from pagedserve.attention.testing import random_paged_step  # noqa: E402
 from pagedserve.attention.torch_ref import TorchReferenceBackend  # noqa: E402
 from pagedserve.attention.triton_backend import TritonBackend  # noqa: E402
 from pagedserve.engine.kv_cache_spec import KVCacheSpec  # noqa: E402
+from pagedserve.kernels.kv_quant_torch import E4M3, dequantize_kv, quantize_kv  # noqa: E402
+from pagedserve.models.hf_config import model_config_from_hf  # noqa: E402
 
 
 def _e4m3_reference(x: torch.Tensor, scale: float) -> torch.Tensor:
@@ -183,11 +184,11 @@ def test_kernels_refuse_an_fp8_cache_without_its_scales():
 def test_the_capacity_doubles():
     """Qwen3-4B: 147,456 bytes a token in bf16, 73,728 in FP8; the same KV memory holds twice
     the blocks (four times a float32 cache's)."""
-    from pagedserve.config import CacheConfig, ModelConfig, SchedulerConfig
+    from pagedserve.config import CacheConfig, SchedulerConfig
     from pagedserve.engine.cache_sizing import determine_num_blocks
     from pagedserve.models.presets import load_preset
 
-    cfg = ModelConfig.from_hf_config(load_preset("qwen3-4b-instruct-2507"))
+    cfg = model_config_from_hf(load_preset("qwen3-4b-instruct-2507"))
     bf16 = KVCacheSpec.for_model(cfg, 16, torch.bfloat16)
     fp8 = KVCacheSpec.for_model(cfg, 16, torch.bfloat16, "fp8")
     assert KVCacheSpec.for_model(cfg, 16, "float32", "fp8_e4m3") == fp8
@@ -208,13 +209,14 @@ def test_the_capacity_doubles():
 
 
 def test_flag_config_and_errors(monkeypatch):
-    from pagedserve.cli import build_parser, engine_kwargs
+    from pagedserve.cli.main import build_parser
     from pagedserve.config import CacheConfig
     from pagedserve.engine.kv_cache_spec import check_kv_cache_device
+    from pagedserve.engine_args import EngineArgs
 
     args = build_parser().parse_args(["serve", "--kv-cache-dtype", "fp8_e4m3"])
-    assert engine_kwargs(args)["kv_cache_dtype"] == "fp8_e4m3"
-    assert engine_kwargs(build_parser().parse_args(["generate", "-p", "hi"]))["kv_cache_dtype"] == "auto"
+    assert EngineArgs.from_cli(args).kv_cache_dtype == "fp8_e4m3"
+    assert EngineArgs.from_cli(build_parser().parse_args(["generate", "-p", "hi"])).kv_cache_dtype == "auto"
     with pytest.raises(SystemExit) as exit_info:
         build_parser().parse_args(["serve", "--kv-cache-dtype", "int8"])
     assert exit_info.value.code == 2

@@ -12,10 +12,10 @@ import torch
 
 from conftest import make_hf_checkpoint
 from helpers import run_prefill
-from pagedserve.config import ModelConfig
 from pagedserve.models import default_model
 from pagedserve.models.default_model import DefaultModelError, default_gguf_path, default_model_dir
 from pagedserve.models.gguf_loader import GGUFError, read_gguf
+from pagedserve.models.hf_config import model_config_from_hf
 from pagedserve.models.llama import LlamaForCausalLM
 
 PRESET = Path(__file__).parents[1] / "pagedserve/models/presets/smollm2-135m-instruct.json"
@@ -67,7 +67,7 @@ def test_default_model_dir_loads_in_transformers(smollm2_dir, hf_gguf_model):
     assert files() == before  # cached: no conversion
     cfg = json.loads((smollm2_dir / "config.json").read_text())
     assert cfg["architectures"] == ["LlamaForCausalLM"] and cfg["torch_dtype"] == "float32"
-    assert ModelConfig.from_hf_config(cfg) == ModelConfig.from_hf_config(
+    assert model_config_from_hf(cfg) == model_config_from_hf(
         json.loads(PRESET.read_text())
     )
     model = transformers.AutoModelForCausalLM.from_pretrained(smollm2_dir, dtype=torch.float32)
@@ -238,7 +238,7 @@ def test_tiny_gguf_matches_transformers(tmp_path, kind):
     weights = dict(weights)
     assert_same_tensors(weights, hf.state_dict(), tied=tied)
 
-    model = LlamaForCausalLM(ModelConfig.from_hf_config(cfg)).eval()
+    model = LlamaForCausalLM(model_config_from_hf(cfg)).eval()
     model.load_weights(weights.items())
     ids = torch.randint(0, c.vocab_size, (23,), generator=torch.Generator().manual_seed(0))
     (logits,) = run_prefill(model, [ids.tolist()])  # [T, vocab]

@@ -20,6 +20,7 @@ import pytest
 import torch
 
 from helpers import greedy_nocache, run_prefill
+from pagedserve.models.hf_config import model_config_from_hf
 
 AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)
 PROJ = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
@@ -147,10 +148,9 @@ def build(folder: Path):
 
 
 def reference_model(hf_config: dict, state: dict):
-    from pagedserve.config import ModelConfig
     from pagedserve.models.loader import _materialise
 
-    model = _materialise(ModelConfig.from_hf_config(hf_config), torch.float32, torch.device("cpu"))
+    model = _materialise(model_config_from_hf(hf_config), torch.float32, torch.device("cpu"))
     model.load_weights(state.items())
     return model.eval()
 

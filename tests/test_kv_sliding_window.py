@@ -11,10 +11,11 @@ import random
 
 import pytest
 
-from pagedserve.config import ModelConfig, SchedulerConfig
+from pagedserve.config import SchedulerConfig
 from pagedserve.engine.kv_cache_manager import NULL_BLOCK, KVCacheManager, window_to_free
 from pagedserve.engine.request import Request, RequestStatus
 from pagedserve.engine.scheduler import Scheduler
+from pagedserve.models.hf_config import model_config_from_hf
 from pagedserve.sampling_params import SamplingParams
 
 VOCAB = 1000
@@ -138,7 +139,7 @@ def test_the_window_to_free_is_the_widest_where_every_layer_of_every_model_slide
               "sliding_window_pattern": 2}
     for cfg, want in ((mistral, 64), ({**qwen2, "max_window_layers": 0}, 64), ({**qwen2, "max_window_layers": 2}, None),
                       (gemma3, None), ({**mistral, "sliding_window": None}, None)):
-        assert window_to_free(ModelConfig.from_hf_config(cfg).sliding_windows) == want, cfg
+        assert window_to_free(model_config_from_hf(cfg).sliding_windows) == want, cfg
 
 
 # ---- the scheduler, with a fake model playing the device ---------------------------------------

@@ -25,11 +25,12 @@ from pagedserve.layers.weight_utils import (
     param_shards,
     set_weight_attrs,
 )
+from pagedserve.models.hf_config import model_config_from_hf
 from pagedserve.models.llama import LlamaForCausalLM
 
 
 def tiny_cfg(tie: bool, bias: bool = False) -> ModelConfig:
-    return ModelConfig.from_hf_config(dict(
+    return model_config_from_hf(dict(
         architectures=["LlamaForCausalLM"], model_type="llama", vocab_size=100, hidden_size=32,
         intermediate_size=48, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
         head_dim=8, rms_norm_eps=1e-5, max_position_embeddings=64, tie_word_embeddings=tie,

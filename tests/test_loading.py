@@ -9,7 +9,7 @@ import torch
 from safetensors.torch import save_file
 
 from conftest import make_hf_checkpoint
-from pagedserve.config import ModelConfig
+from pagedserve.models.hf_config import model_config_from_hf
 from pagedserve.models.loader import build_model
 from pagedserve.models.presets import PRESET_NAMES, load_preset
 from pagedserve.models.source import resolve_model
@@ -19,13 +19,13 @@ from pagedserve.models.source import resolve_model
     ("qwen3-4b-instruct-2507", 4.02e9), ("nanbeige4.1-3b", 3.93e9), ("smollm2-135m-instruct", 135e6),
 ])
 def test_preset_parameter_counts_without_allocating(name, expected):
-    cfg = ModelConfig.from_hf_config(load_preset(name))
+    cfg = model_config_from_hf(load_preset(name))
     assert abs(cfg.num_parameters() - expected) / expected < 0.005
     assert resolve_model(name).is_preset
 
 
 def test_parameter_count_formula_matches_a_real_module():
-    cfg = ModelConfig.from_hf_config(load_preset("smollm2-135m-instruct"))
+    cfg = model_config_from_hf(load_preset("smollm2-135m-instruct"))
     with torch.device("meta"):
         from pagedserve.models.llama import LlamaForCausalLM
 
@@ -34,18 +34,18 @@ def test_parameter_count_formula_matches_a_real_module():
 
 
 def test_preset_facts():
-    qwen = ModelConfig.from_hf_config(load_preset("qwen3-4b-instruct-2507"))
-    nan = ModelConfig.from_hf_config(load_preset("nanbeige4.1-3b"))
+    qwen = model_config_from_hf(load_preset("qwen3-4b-instruct-2507"))
+    nan = model_config_from_hf(load_preset("nanbeige4.1-3b"))
     assert qwen.qk_norm and qwen.tie_word_embeddings and 151643 in qwen.eos_token_ids
     assert not nan.qk_norm and nan.num_heads // nan.num_kv_heads == 5 and nan.rope_theta == 7e7
     assert set(PRESET_NAMES) == {"qwen3-4b-instruct-2507", "nanbeige4.1-3b", "smollm2-135m-instruct", "qwen3-0.6b",
                                  "qwen3-30b-a3b", "llama-3.2-3b-instruct"}
-    llama = ModelConfig.from_hf_config(load_preset("llama-3.2-3b-instruct"))
+    llama = model_config_from_hf(load_preset("llama-3.2-3b-instruct"))
     assert llama.rope_scaling.kind == "llama3" and round(llama.num_parameters() / 1e9, 2) == 3.21
-    moe = ModelConfig.from_hf_config(load_preset("qwen3-30b-a3b"))  # (the mixture-of-experts benchmark model)
+    moe = model_config_from_hf(load_preset("qwen3-30b-a3b"))  # (the mixture-of-experts benchmark model)
     assert moe.architecture == "Qwen3MoeForCausalLM" and moe.qk_norm and moe.moe.num_experts == 128
     assert moe.moe.top_k == 8 and moe.moe.layers == tuple(range(48))
-    small = ModelConfig.from_hf_config(load_preset("qwen3-0.6b"))  # the draft model for Qwen3-4B
+    small = model_config_from_hf(load_preset("qwen3-0.6b"))  # the draft model for Qwen3-4B
     assert small.qk_norm and small.vocab_size == qwen.vocab_size and small.num_layers == 28
 
 
@@ -107,9 +107,9 @@ def test_the_generation_config_s_eos_ids_end_generation_too(tmp_path):
     cfg = {"architectures": ["LlamaForCausalLM"], "vocab_size": 8, "hidden_size": 8, "intermediate_size": 8,
            "num_hidden_layers": 1, "num_attention_heads": 1, "eos_token_id": 2}
     (tmp_path / "config.json").write_text(json.dumps(cfg))
-    assert ModelConfig.from_hf_config(resolve_model(str(tmp_path)).hf_config).eos_token_ids == (2,)
+    assert model_config_from_hf(resolve_model(str(tmp_path)).hf_config).eos_token_ids == (2,)
     (tmp_path / "generation_config.json").write_text(json.dumps({"eos_token_id": [7, 2]}))
-    assert ModelConfig.from_hf_config(resolve_model(str(tmp_path)).hf_config).eos_token_ids == (2, 7)
+    assert model_config_from_hf(resolve_model(str(tmp_path)).hf_config).eos_token_ids == (2, 7)
     (tmp_path / "generation_config.json").write_text("{not json")
     with pytest.raises(ValueError, match="generation_config.json is not valid JSON"):
         resolve_model(str(tmp_path))

@@ -13,6 +13,7 @@ import torch
 
 from conftest import TINY_LLAMA, TINY_QWEN3_MOE
 from helpers import hf_greedy, run_prefill
+from pagedserve.models.hf_config import model_config_from_hf
 from pagedserve.models.loader import build_model
 from pagedserve.models.source import resolve_model
 
@@ -212,33 +213,31 @@ def test_the_engine_generates_transformers_tokens(tmp_path, kind):
 
 
 def test_unknown_rope_types_and_missing_fields_are_refused_by_name():
-    from pagedserve.config import ModelConfig
 
     cfg = {"architectures": ["LlamaForCausalLM"], "vocab_size": 8, "hidden_size": 8, "intermediate_size": 8,
            "num_hidden_layers": 1, "num_attention_heads": 1}
     with pytest.raises(ValueError, match=r"RoPE type 'mrope' is not supported \(supported: default, linear"):
-        ModelConfig.from_hf_config({**cfg, "rope_scaling": {"rope_type": "mrope", "factor": 4.0}})
+        model_config_from_hf({**cfg, "rope_scaling": {"rope_type": "mrope", "factor": 4.0}})
     with pytest.raises(ValueError, match="RoPE scaling 'linear' needs a 'factor'"):
-        ModelConfig.from_hf_config({**cfg, "rope_scaling": {"rope_type": "linear"}})
+        model_config_from_hf({**cfg, "rope_scaling": {"rope_type": "linear"}})
     with pytest.raises(ValueError, match="'longrope' needs 'short_factor'"):
-        ModelConfig.from_hf_config({**cfg, "rope_scaling": {"rope_type": "longrope", "factor": 2.0}})
+        model_config_from_hf({**cfg, "rope_scaling": {"rope_type": "longrope", "factor": 2.0}})
     with pytest.raises(ValueError, match="with layers without RoPE"):
-        ModelConfig.from_hf_config({**cfg, "architectures": ["SmolLM3ForCausalLM"], "no_rope_layers": [0],
+        model_config_from_hf({**cfg, "architectures": ["SmolLM3ForCausalLM"], "no_rope_layers": [0],
                                     "rope_scaling": {"rope_type": "yarn", "factor": 4.0}})
 
 
 def test_older_config_spellings_are_read():
     """Phi-3's first configs call LongRoPE "su" and keep the original context at the top level;
     SmolLM3's without `no_rope_layers` drop RoPE every `no_rope_layer_interval`-th layer."""
-    from pagedserve.config import ModelConfig
 
     base = {"vocab_size": 8, "hidden_size": 16, "intermediate_size": 8, "num_hidden_layers": 4,
             "num_attention_heads": 2, "max_position_embeddings": 128}
-    phi = ModelConfig.from_hf_config({**base, "architectures": ["Phi3ForCausalLM"], "original_max_position_embeddings": 32,
+    phi = model_config_from_hf({**base, "architectures": ["Phi3ForCausalLM"], "original_max_position_embeddings": 32,
                                       "rope_scaling": {"type": "su", "short_factor": [1] * 4, "long_factor": [2] * 4}})
     assert phi.rope_scaling.kind == "longrope" and phi.rope_scaling.original_max_position_embeddings == 32
     assert phi.rope_scaling.factor == 4.0 and phi.rope_scaling.long_factor == (2.0,) * 4
-    smol = ModelConfig.from_hf_config({**base, "architectures": ["SmolLM3ForCausalLM"], "no_rope_layer_interval": 2})
+    smol = model_config_from_hf({**base, "architectures": ["SmolLM3ForCausalLM"], "no_rope_layer_interval": 2})
     assert smol.no_rope_layers == (1, 3)
 
 
@@ -246,19 +245,18 @@ def test_each_family_s_sliding_windows_are_read_per_layer():
     """Qwen2 slides from max_window_layers on when use_sliding_window says so; Mistral's every
     layer when it has a window; Gemma 3 every layer but each sixth (configs before
     layer_types); a window as wide as the context is none."""
-    from pagedserve.config import ModelConfig
 
     base = {"vocab_size": 8, "hidden_size": 8, "intermediate_size": 8, "num_hidden_layers": 7,
             "num_attention_heads": 1, "max_position_embeddings": 4096}
     qwen2 = {**base, "architectures": ["Qwen2ForCausalLM"], "use_sliding_window": True, "sliding_window": 4,
              "max_window_layers": 5}
-    assert ModelConfig.from_hf_config(qwen2).sliding_windows == (None,) * 5 + (4, 4)
-    assert ModelConfig.from_hf_config({**qwen2, "use_sliding_window": False}).sliding_windows == ()  # (Qwen2.5's)
+    assert model_config_from_hf(qwen2).sliding_windows == (None,) * 5 + (4, 4)
+    assert model_config_from_hf({**qwen2, "use_sliding_window": False}).sliding_windows == ()  # (Qwen2.5's)
     mistral = {**base, "architectures": ["MistralForCausalLM"], "sliding_window": 64}
-    assert ModelConfig.from_hf_config(mistral).sliding_windows == (64,) * 7
-    assert ModelConfig.from_hf_config({**mistral, "sliding_window": None}).sliding_windows == ()
-    assert ModelConfig.from_hf_config({**mistral, "sliding_window": 4096}).sliding_windows == ()
+    assert model_config_from_hf(mistral).sliding_windows == (64,) * 7
+    assert model_config_from_hf({**mistral, "sliding_window": None}).sliding_windows == ()
+    assert model_config_from_hf({**mistral, "sliding_window": 4096}).sliding_windows == ()
     gemma = {**base, "architectures": ["Gemma3ForCausalLM"], "sliding_window": 512, "head_dim": 8}
-    assert ModelConfig.from_hf_config(gemma).sliding_windows == (512,) * 5 + (None, 512)
+    assert model_config_from_hf(gemma).sliding_windows == (512,) * 5 + (None, 512)
     with pytest.raises(ValueError, match="layer_types has 2 entries for 7 layers"):
-        ModelConfig.from_hf_config({**mistral, "layer_types": ["sliding_attention"] * 2})
+        model_config_from_hf({**mistral, "layer_types": ["sliding_attention"] * 2})

@@ -20,7 +20,7 @@ import pytest
 from prometheus_client import CollectorRegistry, Histogram, generate_latest
 from server_helpers import MODEL, free_port
 
-from pagedserve.cli import main
+from pagedserve.cli.main import main
 from pagedserve.monitor.collectors import ProcessCollector, register_system_collectors
 from pagedserve.monitor.promtext import Scrape, histogram_quantile, rate
 from pagedserve.monitor.top import fetch, summarize

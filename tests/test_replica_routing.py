@@ -67,15 +67,15 @@ def test_new_conversations_share_equal_replicas_and_memory_is_bounded():
 
 
 def _serve_ray_args(*flags: str):
-    from pagedserve.cli import build_parser
+    from pagedserve.cli.main import build_parser
 
     return build_parser().parse_args(["serve-ray", "--device", "cpu", *flags])
 
 
 def test_serve_ray_flags_become_ray_serve_options(smollm2_dir):
-    from pagedserve.replicas.launch import parse_replica_args
+    from pagedserve.replicas.args import parse_replica_args
 
-    _, kw, replicas = parse_replica_args(_serve_ray_args("--num-replicas", "3", "--max-ongoing-requests", "64",
+    _, engine, replicas = parse_replica_args(_serve_ray_args("--num-replicas", "3", "--max-ongoing-requests", "64",
                                                          "--replica-cpus", "2", "--max-imbalance", "7",
                                                          "--max-num-seqs", "32"), gpus_available=8)
     options = replicas.deployment_options()
@@ -83,7 +83,7 @@ def test_serve_ray_flags_become_ray_serve_options(smollm2_dir):
     assert options["max_ongoing_requests"] == 64
     assert options["ray_actor_options"] == {"num_cpus": 2.0, "num_gpus": 0.0}  # (--device cpu)
     assert options["request_router_config"].request_router_kwargs == {"max_imbalance": 7}
-    assert kw["max_num_seqs"] == 32
+    assert engine.max_num_seqs == 32
     _, _, replicas = parse_replica_args(_serve_ray_args("--num-replicas", "2", "--min-replicas", "1",
                                                         "--max-replicas", "6", "--target-ongoing-requests", "24"),
                                         gpus_available=0)
@@ -102,7 +102,7 @@ def test_serve_ray_flags_become_ray_serve_options(smollm2_dir):
     (["--device", "cuda"], "the Ray cluster has no GPU"),
 ])
 def test_serve_ray_refuses_what_it_cannot_do(flags, message, smollm2_dir):
-    from pagedserve.replicas.launch import parse_replica_args
+    from pagedserve.replicas.args import parse_replica_args
 
     with pytest.raises(ValueError, match=message):
         parse_replica_args(_serve_ray_args(*flags), gpus_available=0)

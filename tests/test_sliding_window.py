@@ -15,10 +15,10 @@ import torch  # noqa: E402
 
 pytest.importorskip("triton")
 
-from pagedserve.attention.kv_quant import E4M3, dequantize_kv, quantize_kv  # noqa: E402
 from pagedserve.attention.testing import random_paged_step  # noqa: E402
 from pagedserve.attention.torch_ref import TorchReferenceBackend, write_kv_cache  # noqa: E402
 from pagedserve.attention.triton_backend import TritonBackend  # noqa: E402
+from pagedserve.kernels.kv_quant_torch import E4M3, dequantize_kv, quantize_kv  # noqa: E402
 
 HEADS, KV_HEADS, DIM, BS = 6, 2, 32, 16  # GQA: 3 query heads per KV head
 # Decodes (a 1-token context, short, long), a 150-token chunk after 40 cached tokens, a

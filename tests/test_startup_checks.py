@@ -13,7 +13,7 @@ import time
 import pytest
 from server_helpers import free_port
 
-from pagedserve.cli import main
+from pagedserve.cli.main import main
 from pagedserve.ipc_dirs import new_ipc_dir, remove_stale_ipc_dirs
 from pagedserve.server.startup_checks import check_port_free, resolve_api_key
 

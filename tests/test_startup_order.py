@@ -12,8 +12,8 @@ from conftest import make_hf_checkpoint
 
 _SPAWN_PROBE = """
 import sys
-from pagedserve.cli import build_parser
-from pagedserve.cli.engine_args import engine_kwargs
+from pagedserve.cli.main import build_parser
+from pagedserve.engine_args import EngineArgs
 from pagedserve.server import engine_client, launch
 
 seen = {}
@@ -25,7 +25,7 @@ def spawn(config, log_level):
 engine_client.spawn_engine_core = spawn
 args = build_parser().parse_args(["serve", sys.argv[1]])
 try:
-    launch.server_settings(args, {**engine_kwargs(args), "inject_faults": None})
+    launch.server_settings(args, EngineArgs.from_cli(args))
 except SystemExit:
     pass
 print(seen)

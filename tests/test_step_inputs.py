@@ -64,6 +64,7 @@ def test_kernel_switches_follow_the_environment(monkeypatch):
     $PAGEDSERVE_*=0, read once into the engine's KernelConfig."""
     from pagedserve import envs
     from pagedserve.config import EngineConfig, KernelConfig
+    from pagedserve.engine_args import EngineArgs
 
     switches = {"SKINNY_MATMUL": "skinny_matmul", "PDL": "pdl", "FUSED_SAMPLING": "fused_sampling",
                 "WEIGHT_PREFETCH": "weight_prefetch", "COMPILE_AHEAD": "compile_ahead"}
@@ -83,7 +84,7 @@ def test_kernel_switches_follow_the_environment(monkeypatch):
         monkeypatch.delenv(f"PAGEDSERVE_{var}")
     monkeypatch.setenv("PAGEDSERVE_MIXED_GRAPH_TOKENS", "0")
     monkeypatch.setenv("PAGEDSERVE_SLOW_STEP_MS", "250")
-    config, _, _ = EngineConfig.from_args(None, max_model_len=512)
+    config, _, _ = EngineArgs(max_model_len=512).create_engine_config()
     assert config.kernels.mixed_graph_tokens == 0 and config.observability.slow_step_ms == 250
     assert EngineConfig().kernels == KernelConfig()  # built directly: the defaults, no environment
 
@@ -188,7 +189,7 @@ def test_decode_order_longest_first_for_big_launches_only():
 def test_device_views_are_aligned_and_hold_the_arrays():
     import numpy as np
 
-    from pagedserve.engine.host_copy import ALIGN, to_device_views
+    from pagedserve.host_copy import ALIGN, to_device_views
 
     arrays = [np.arange(n, dtype=np.int64) + 100 * i for i, n in enumerate([3, 0, 17, 1, 16])]
     views = to_device_views(arrays, "cpu")

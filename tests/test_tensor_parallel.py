@@ -24,6 +24,7 @@ from conftest import make_hf_checkpoint
 from helpers import run_prefill
 from pagedserve.distributed.split import check_model_split
 from pagedserve.distributed.tensor_parallel import TensorParallel
+from pagedserve.models.hf_config import model_config_from_hf
 from pagedserve.models.loader import build_model
 from pagedserve.models.source import resolve_model
 
@@ -180,9 +181,9 @@ def test_tensor_parallel_settings_it_cannot_run_are_refused(tmp_path, smollm2_di
                                          r"model does: .*the attention heads \(3\)"):
         LLM(str(tmp_path / "ckpt"), device="cpu", tensor_parallel_size=2,
             speculative_config={"method": "draft_model", "model": str(draft)})
-    from pagedserve.config import ModelConfig, _check_tensor_parallel
+    from pagedserve.config import _check_tensor_parallel
 
-    cfg = ModelConfig.from_hf_config(resolve_model(str(tmp_path / "ckpt")).hf_config)
+    cfg = model_config_from_hf(resolve_model(str(tmp_path / "ckpt")).hf_config)
     with pytest.raises(ValueError, match="does not split fp8 checkpoints"):
         _check_tensor_parallel(2, cfg, {"quantization": "fp8"}, pre_quantized=True)
     with pytest.raises(ValueError, match="does not split awq checkpoints"):

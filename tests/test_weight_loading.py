@@ -7,13 +7,14 @@ import pytest
 import torch
 
 from pagedserve.config import ModelConfig
+from pagedserve.models.hf_config import model_config_from_hf
 from pagedserve.models.llama import STACKED_PARAMS, LlamaForCausalLM
 
 H, INTER, V, Q, KV = 32, 48, 100, 32, 16  # hidden, intermediate, vocab, q rows, k/v rows
 
 
 def tiny_cfg(tie: bool, bias: bool = False) -> ModelConfig:
-    return ModelConfig.from_hf_config(dict(
+    return model_config_from_hf(dict(
         architectures=["LlamaForCausalLM"], model_type="llama", vocab_size=V, hidden_size=H,
         intermediate_size=INTER, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
         head_dim=8, rms_norm_eps=1e-5, max_position_embeddings=64, tie_word_embeddings=tie,

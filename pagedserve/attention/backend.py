@@ -60,7 +60,7 @@ class AttentionBackend(ABC):
     `kv_caches[layer]` has shape [2, num_blocks, block_size, num_kv_heads, head_dim]
     (index 0 = keys, 1 = values), or the list is empty when running without a cache. Its
     dtype is the model's, or float8_e4m3fn: then `kv_scales[layer]` ([2] float32: K, V) are
-    the scales its elements are stored in (`engine/kv_cache_spec.py`, `attention/kv_quant.py`).
+    the scales its elements are stored in (`engine/kv_cache_spec.py`, `kernels/kv_quant_torch.py`).
     Backends that support CUDA graphs override the capture hooks.
 
     Sliding-window attention: `sliding_windows[layer]` is that layer's window W (None: full

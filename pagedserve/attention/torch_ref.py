@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 
 from pagedserve.attention.backend import AttentionBackend, AttentionMetadata, register_backend
-from pagedserve.attention.kv_quant import E4M3, dequantize_kv, is_fp8, quantize_kv
+from pagedserve.kernels.kv_quant_torch import E4M3, dequantize_kv, is_fp8, quantize_kv
 
 
 @register_backend

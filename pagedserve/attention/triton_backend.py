@@ -16,7 +16,7 @@ from pagedserve.attention.backend import (
     register_backend,
 )
 from pagedserve.attention.long_prefill import LongPrefill
-from pagedserve.engine.host_copy import to_device_views
+from pagedserve.host_copy import to_device_views
 
 logger = logging.getLogger("pagedserve")
 

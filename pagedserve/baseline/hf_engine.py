@@ -35,11 +35,12 @@ from dataclasses import dataclass, field
 
 import torch
 
-from pagedserve.config import EngineConfig, ModelConfig, resolve_dtype
+from pagedserve.config import EngineConfig, resolve_dtype
 from pagedserve.engine.limits import PromptError, check_prompt
 from pagedserve.engine.messages import CoreInfo, CoreStats, TokenOutput
 from pagedserve.engine.output_processor import OutputProcessor, SampleState
 from pagedserve.engine.stopping import check_stop
+from pagedserve.models.hf_config import model_config_from_hf
 from pagedserve.sampling_params import SamplingParams
 from pagedserve.server.engine_client import (
     EngineDeadError,
@@ -165,7 +166,7 @@ class HFEngineClient:
         self.device = next(self.model.parameters()).device
         params = inspect.signature(self.model.forward).parameters
         self._cache_arg = "cache" if "cache" in params else "past_key_values"
-        model_cfg = ModelConfig.from_hf_config(source.hf_config)
+        model_cfg = model_config_from_hf(source.hf_config)
         self.eos_token_ids = set(model_cfg.eos_token_ids)
         self.max_model_len = self.config.scheduler_for(model_cfg).max_model_len
         pad = getattr(self.tokenizer, "pad_token_id", None)

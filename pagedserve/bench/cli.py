@@ -4,6 +4,7 @@ pagedserve/cli's build_parser; `bench compare` lives in compare.py)."""
 from __future__ import annotations
 
 import argparse
+import dataclasses
 
 from pagedserve.bench.serve_args import add_serve_bench_args, resolve_serve_args
 from pagedserve.cli.types import positive_int
@@ -62,18 +63,18 @@ def _cmd_bench_serve(args: argparse.Namespace) -> int:
 
 def _cmd_bench_throughput(args: argparse.Namespace) -> int:
     from pagedserve.bench.throughput import print_and_save, run_throughput
-    from pagedserve.cli.engine_args import engine_kwargs
+    from pagedserve.engine_args import EngineArgs
 
     if (args.input_range is None) != (args.output_range is None):
         raise ValueError("give both --input-range and --output-range, or neither")
-    print_and_save(run_throughput(args, engine_kwargs(args)), args.output_json)
+    print_and_save(run_throughput(args, dataclasses.asdict(EngineArgs.from_cli(args))), args.output_json)
     return 0
 
 
 def _cmd_bench_latency(args: argparse.Namespace) -> int:
     from pagedserve.bench.latency import run_latency
     from pagedserve.bench.throughput import print_and_save
-    from pagedserve.cli.engine_args import engine_kwargs
+    from pagedserve.engine_args import EngineArgs
 
-    print_and_save(run_latency(args, engine_kwargs(args)), args.output_json)
+    print_and_save(run_latency(args, dataclasses.asdict(EngineArgs.from_cli(args))), args.output_json)
     return 0

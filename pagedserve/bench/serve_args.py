@@ -21,6 +21,7 @@ import time
 from pathlib import Path
 
 from pagedserve import envs
+from pagedserve.cli import types
 
 CHAT_BACKENDS = ("openai-chat",)
 COMPLETION_BACKENDS = ("openai", "vllm", "sglang", "lmdeploy", "scalellm")
@@ -35,8 +36,6 @@ PREFIX = {"prefix_len": 512, "num_prefixes": 1}
 
 
 def add_serve_bench_args(p: argparse.ArgumentParser) -> None:
-    from pagedserve.cli import types  # here: pagedserve.cli imports this module's importer
-
     target = p.add_argument_group("server under test")
     target.add_argument("--base-url", default=None,
                         help="the server to measure (default: http://HOST:PORT)")

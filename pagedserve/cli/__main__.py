@@ -2,6 +2,6 @@
 
 import sys
 
-from pagedserve.cli import main
+from pagedserve.cli.main import main
 
 sys.exit(main())

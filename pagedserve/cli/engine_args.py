@@ -1,5 +1,6 @@
-"""Engine flags, shared by `serve`, `generate`, `up` and the offline benchmarks; vLLM's names
-and meanings where vLLM has the flag."""
+"""Engine flags, shared by `serve`, `generate`, `up` and the offline benchmarks: a flag per
+field of `EngineArgs` (`engine_args.py`, of the same name), vLLM's names and meanings where
+vLLM has the flag; `EngineArgs.from_cli` reads them back."""
 
 from __future__ import annotations
 
@@ -71,6 +72,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                         "rank); uni: the model in the engine's own process (the default at 1); "
                         "ray is refused (replicas on Ray: `pagedserve serve-ray`)")
     p.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
+    p.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=True,
+                   help="schedule the next step while the GPU runs this one")
     p.add_argument("--attention-backend", default="auto", choices=["auto", "triton", "torch"],
                    help="auto: triton on CUDA, torch on the CPU")
     p.add_argument("--tokenizer", default=None, help="tokenizer folder (default: the model's own)")
@@ -90,23 +93,3 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                         "dummy weights, benchmark datasets), as vLLM's --seed")
     p.add_argument("--log-level", default=envs.log_level(), type=types.log_level,
                    help="DEBUG, INFO, WARNING, ERROR or CRITICAL")
-
-
-def engine_kwargs(args: argparse.Namespace) -> dict:
-    """LLM(...) keyword arguments from parsed engine flags."""
-    if not args.enable_chunked_prefill:
-        raise ValueError("--no-enable-chunked-prefill is not supported: pagedserve always "
-                         "chunks long prefills (drop the flag)")
-    return dict(
-        model=args.model_opt or args.model, dtype=args.dtype, device=args.device,
-        load_format=args.load_format, max_model_len=args.max_model_len,
-        max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
-        block_size=args.block_size, enable_prefix_caching=args.enable_prefix_caching,
-        kv_cache_memory=args.kv_cache_memory, gpu_memory_utilization=args.gpu_memory_utilization,
-        enforce_eager=args.enforce_eager, attention_backend=args.attention_backend,
-        tokenizer=args.tokenizer, seed=args.seed, revision=args.revision,
-        download_dir=args.download_dir, generation_config=args.generation_config,
-        quantization=args.quantization, kv_cache_dtype=args.kv_cache_dtype,
-        speculative_config=args.speculative_config, tensor_parallel_size=args.tensor_parallel_size,
-        distributed_executor_backend=args.distributed_executor_backend,
-    )

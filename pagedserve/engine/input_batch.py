@@ -16,7 +16,7 @@ import numpy as np
 import torch
 
 from pagedserve.attention.backend import AttentionBackend, AttentionMetadata, GraphKey
-from pagedserve.engine.host_copy import ALIGN
+from pagedserve.host_copy import ALIGN
 
 
 @dataclass

@@ -81,7 +81,7 @@ def store_kv_cache_ref(
     kv_scale: torch.Tensor | None = None,
 ) -> None:
     """Torch reference (in place). Uses boolean indexing, so it syncs: tests only."""
-    from pagedserve.attention.kv_quant import is_fp8, quantize_kv
+    from pagedserve.kernels.kv_quant_torch import is_fp8, quantize_kv
 
     keep = slot_mapping >= 0
     slots = slot_mapping[keep].long()

@@ -1,7 +1,7 @@
 """FP8 (e4m3) KV-cache elements inside the Triton kernels: quantize on write, widen on read.
 
 The stored element of x is e4m3(clamp(x / scale, -448, 448)), rounded to nearest even; the
-value read back is stored * scale (`attention/kv_quant.py` is the same math in torch). The
+value read back is stored * scale (`kernels/kv_quant_torch.py` is the same math in torch). The
 rounding to the e4m3 grid is done here in float32, so the final conversion is exact: the
 same bits on the GPU, under Triton's CPU interpreter (whose own fp8 rounding is not
 round-to-nearest-even) and in torch. Widening e4m3 to float32, bfloat16 or float16 is exact.

@@ -10,7 +10,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from pagedserve.engine.host_copy import to_device
+from pagedserve.host_copy import to_device
 from pagedserve.sampling_params import SamplingParams
 
 

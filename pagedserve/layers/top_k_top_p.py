@@ -21,7 +21,7 @@ import torch
 from torch import Tensor
 
 if TYPE_CHECKING:
-    from pagedserve.layers.sampler import SamplingBatch
+    from pagedserve.layers.sampling_batch import SamplingBatch
 
 WINDOW_MAX_K = 1024  # largest top_k served by the window (torch.topk slows beyond it)
 WINDOW_MIN_ROWS = 64  # fewer rows sort as fast or faster (H100: 16 rows 0.79-0.87 ms sorted, 0.75-1.58 by the window)

@@ -16,6 +16,7 @@ from pagedserve.config import ModelConfig, resolve_dtype
 from pagedserve.distributed.tensor_parallel import SINGLE, TensorParallel
 from pagedserve.layers.linear_method import LinearMethod
 from pagedserve.layers.rotary import RotaryEmbedding
+from pagedserve.models.hf_config import model_config_from_hf
 from pagedserve.models.llama import LlamaForCausalLM
 from pagedserve.models.registry import model_class
 from pagedserve.models.source import ModelSource
@@ -47,7 +48,7 @@ def build_model(
         raise ValueError(f"load_format {load_format!r} is not one of {', '.join(LOAD_FORMATS)}")
     device = torch.device(device)
     torch_dtype = resolve_dtype(dtype, device)
-    cfg = ModelConfig.from_hf_config(source.hf_config)
+    cfg = model_config_from_hf(source.hf_config)
     quantization = resolve_quantization(quantization, source.hf_config)
     method = linear_method_for(quantization, checkpoint_quant_config(source.hf_config))
     model = _materialise(cfg, torch_dtype, device, method, tp, max_model_len)

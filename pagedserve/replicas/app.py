@@ -26,7 +26,9 @@ from ray.exceptions import ActorDiedError, ActorUnavailableError, RayError
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
+from pagedserve.engine_args import EngineArgs
 from pagedserve.replicas.affinity import conversation_key
+from pagedserve.replicas.args import parse_replica_args, replica_parser
 from pagedserve.replicas.asgi_call import ForwardedRequest, ResponseStart, call_app
 from pagedserve.replicas.settings import ReplicaSettings
 
@@ -39,12 +41,12 @@ _KEYED_PATHS = ("/v1/chat/completions", "/v1/completions", "/v1/responses")
 class EngineReplica:
     """One replica: the pagedserve server's app and its engine core, serving forwarded requests."""
 
-    async def __init__(self, args: argparse.Namespace, kw: dict) -> None:
+    async def __init__(self, args: argparse.Namespace, engine: EngineArgs) -> None:
         from pagedserve.server.app import create_app
         from pagedserve.server.launch import server_settings
 
         self.fatal: str | None = None
-        settings, core = server_settings(args, kw, on_fatal=self._on_fatal)
+        settings, core = server_settings(args, engine, on_fatal=self._on_fatal)
         self.app = create_app(settings, core)
         self._lifespan = self.app.router.lifespan_context(self.app)
         await self._lifespan.__aenter__()  # (the engine core is ready)
@@ -135,29 +137,26 @@ def _affinity_key(path: str, body: bytes) -> str | None:
     return conversation_key(parsed) if isinstance(parsed, dict) else None
 
 
-def build_app(args: argparse.Namespace, kw: dict, replicas: ReplicaSettings):
+def build_app(args: argparse.Namespace, engine: EngineArgs, replicas: ReplicaSettings):
     """The Ray Serve application: the ingress over `replicas` engine replicas, each started
-    with `pagedserve serve`'s parsed flags (`args`) and engine keyword arguments (`kw`)."""
-    engine = serve.deployment(EngineReplica, name="EngineReplica", **replicas.deployment_options())
+    with `pagedserve serve`'s parsed flags (`args`) and the engine's settings (`engine`)."""
+    replica = serve.deployment(EngineReplica, name="EngineReplica", **replicas.deployment_options())
     ingress = serve.deployment(Ingress, name="Ingress", num_replicas=1, max_ongoing_requests=100_000,
                                ray_actor_options={"num_cpus": 0})
-    return ingress.bind(engine.bind(args, kw))
+    return ingress.bind(replica.bind(args, engine))
 
 
 def app_builder(options: dict):
     """For `serve run pagedserve.replicas.app:app_builder model=PATH num-replicas=2 ...`: the
     options are `pagedserve serve-ray`'s flags without their dashes (a flag without a value:
     `enforce-eager=true`)."""
-    from pagedserve.cli import build_parser
-    from pagedserve.replicas.launch import parse_replica_args
-
-    argv = ["serve-ray"]
+    argv = []
     for name, value in options.items():
         if name == "model":
-            argv.insert(1, str(value))
+            argv.insert(0, str(value))
         elif str(value).lower() == "true":
             argv.append(f"--{name}")
         else:
             argv += [f"--{name}", str(value)]
-    args = build_parser().parse_args(argv)
+    args = replica_parser().parse_args(argv)
     return build_app(*parse_replica_args(args, gpus_available=None))

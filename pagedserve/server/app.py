@@ -18,7 +18,6 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.middleware.cors import CORSMiddleware
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from pagedserve import __version__
 from pagedserve.config import EngineConfig
 from pagedserve.heap import HeapTrimmer
 from pagedserve.monitor.collectors import register_system_collectors
@@ -53,6 +52,7 @@ from pagedserve.server.serving import (
 from pagedserve.server.supervisor import Deadlines, RestartPolicy
 from pagedserve.server.tools import ToolSettings
 from pagedserve.tokenizer import Tokenizer
+from pagedserve.version import __version__
 
 logger = logging.getLogger("pagedserve")
 

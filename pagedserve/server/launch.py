@@ -8,26 +8,13 @@ import logging
 import ssl
 
 from pagedserve import envs
-from pagedserve.config import EngineConfig, ModelConfig
-from pagedserve.faults import FaultPlan
-from pagedserve.models.source import ModelSource
+from pagedserve.engine_args import EngineArgs
 from pagedserve.server.startup_checks import check_port_free, resolve_api_key
 
 logger = logging.getLogger("pagedserve")
 
 
-def engine_config(kw: dict) -> tuple[EngineConfig, ModelSource, ModelConfig]:
-    """EngineConfig from the CLI's LLM-style keyword arguments; also the model source and config."""
-    names = ("max_model_len", "max_num_seqs", "max_num_batched_tokens", "block_size",
-             "enable_prefix_caching", "kv_cache_memory", "gpu_memory_utilization", "dtype", "device",
-             "load_format", "enforce_eager", "attention_backend", "seed", "tokenizer", "revision",
-             "download_dir", "quantization", "kv_cache_dtype", "speculative_config", "tensor_parallel_size",
-             "distributed_executor_backend")
-    return EngineConfig.from_args(kw["model"], faults=FaultPlan.parse(kw.get("inject_faults")),
-                                  **{name: kw[name] for name in names})
-
-
-def server_settings(args: argparse.Namespace, kw: dict, on_fatal=None):
+def server_settings(args: argparse.Namespace, engine: EngineArgs, on_fatal=None):
     """The app's settings from `serve`'s flags, and the engine-core process, started first:
     its imports, model and CUDA graphs take most of the start-up, and they overlap with the
     tokenizer loaded here. `on_fatal(reason)`: the engine cannot be restarted any more."""
@@ -41,10 +28,10 @@ def server_settings(args: argparse.Namespace, kw: dict, on_fatal=None):
         from pagedserve.server.chat_template import read_chat_template
 
         chat_template = read_chat_template(args.chat_template)
-    config, source, model_cfg = engine_config(kw)
+    config, source, model_cfg = engine.create_engine_config()
     if args.reasoning_parser:
         get_reasoning_parser(args.reasoning_parser)  # fail fast on a bad name
-    defaults = sampling_defaults(source, kw["generation_config"])
+    defaults = sampling_defaults(source, engine.generation_config)
     engine_kind = getattr(args, "engine", "pagedserve")
     remove_stale_ipc_dirs()  # (left by servers killed with SIGKILL)
     core = spawn_engine_core(config, args.log_level.upper()) if engine_kind == "pagedserve" else None
@@ -54,13 +41,13 @@ def server_settings(args: argparse.Namespace, kw: dict, on_fatal=None):
     from pagedserve.server.supervisor import Deadlines, RestartPolicy
     from pagedserve.server.tools import ToolSettings
 
-    names = args.served_model_name or [kw["model"] or source.name]  # type: ignore[attr-defined]
-    tokenizer = load_tokenizer(source, model_cfg, kw["tokenizer"])
+    names = args.served_model_name or [engine.model or source.name]
+    tokenizer = load_tokenizer(source, model_cfg, engine.tokenizer)
     if chat_template is not None:
         tokenizer.hf.chat_template = chat_template  # --chat-template replaces the model's
     if defaults:
         logger.info("defaults for omitted sampling fields (--generation-config %s): %s",
-                    kw["generation_config"], defaults)
+                    engine.generation_config, defaults)
     if args.disable_log_requests:
         logging.getLogger("pagedserve.requests").setLevel(logging.WARNING)
     settings = ServerSettings(
@@ -83,9 +70,9 @@ def server_settings(args: argparse.Namespace, kw: dict, on_fatal=None):
     return settings, core
 
 
-def serve(args: argparse.Namespace, kw: dict) -> int:
+def serve(args: argparse.Namespace, engine: EngineArgs) -> int:
     check_port_free(args.host, args.port)  # (before the model loads: a taken port fails at once)
-    settings, core = server_settings(args, kw, on_fatal=lambda reason: server.stop_fatal(reason))
+    settings, core = server_settings(args, engine, on_fatal=lambda reason: server.stop_fatal(reason))
     import uvicorn
 
     from pagedserve.server.app import create_app

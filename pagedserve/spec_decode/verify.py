@@ -20,7 +20,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from pagedserve.engine.host_copy import to_device, to_device_views
+from pagedserve.host_copy import to_device, to_device_views
 from pagedserve.layers.sampler import Sampler, SamplingBatch, check_finite
 from pagedserve.sampling_params import SamplingParams
 from pagedserve.spec_decode.rejection import Seeded, rejection_sample

@@ -65,10 +65,10 @@ CASES = {
 @pytest.mark.parametrize("case", list(CASES))
 @pytest.mark.parametrize("hq,hkv", [(HQ, HKV), (20, 4)])
 def test_fp8_attention_against_the_reference_over_the_dequantized_cache(hq, hkv, case):
-    from pagedserve.attention.kv_quant import dequantize_kv, quantize_kv
     from pagedserve.attention.testing import random_paged_step
     from pagedserve.attention.torch_ref import TorchReferenceBackend
     from pagedserve.attention.triton_backend import TritonBackend
+    from pagedserve.kernels.kv_quant_torch import dequantize_kv, quantize_kv
 
     ql, sl, splits = CASES[case]()
     nb = sum(-(-n // BS) for n in sl) + 8

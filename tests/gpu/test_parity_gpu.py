@@ -21,6 +21,8 @@ import pytest
 import torch
 from gpu_helpers import DEV, rel_err, teacher_forced_logits
 
+from pagedserve.models.hf_config import model_config_from_hf
+
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
 PRESETS = ["qwen3-4b-instruct-2507", "nanbeige4.1-3b"]
@@ -36,12 +38,11 @@ def parity(request) -> dict:
     """One preset's agreement figures (floats only: the models are freed before the tests)."""
     import transformers
 
-    from pagedserve.config import ModelConfig
     from pagedserve.models.presets import load_preset
 
     preset = request.param
     hf_cfg = load_preset(preset)
-    cfg = ModelConfig.from_hf_config(hf_cfg)
+    cfg = model_config_from_hf(hf_cfg)
     auto = transformers.AutoConfig.for_model(hf_cfg["model_type"], **{
         k: v for k, v in hf_cfg.items() if not k.startswith("_") and k != "model_type"})
     torch.manual_seed(0)

@@ -42,10 +42,10 @@ def test_windowed_kernels_match_the_torch_backend(window, fp8):
     1,300 cached tokens, a whole 300-token prompt."""
     import dataclasses
 
-    from pagedserve.attention.kv_quant import dequantize_kv, quantize_kv
     from pagedserve.attention.testing import random_paged_step
     from pagedserve.attention.torch_ref import TorchReferenceBackend, write_kv_cache
     from pagedserve.attention.triton_backend import TritonBackend
+    from pagedserve.kernels.kv_quant_torch import dequantize_kv, quantize_kv
 
     q_lens, seq_lens = [1, 1, 1, 700, 300], [5, 900, 2100, 2000, 300]
     nb = sum(-(-n // BS) for n in seq_lens)

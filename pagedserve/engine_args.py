@@ -1,0 +1,148 @@
+"""`EngineArgs`: the one list of the engine's user-facing settings, and the one place they
+become a frozen `EngineConfig`.
+
+`LLM(model, **kwargs)`, the CLI's engine flags (`cli/engine_args.py`: a flag per field, of the
+same name), the server launcher and the Ray replicas all build an `EngineArgs`;
+`create_engine_config` resolves the model (a Hub id is downloaded here, once), checks the
+settings against it, and reads the kernel and logging switches from the environment
+(`envs.py`). Nothing below this module resolves a model or reads the environment for it."""
+
+from __future__ import annotations
+
+import argparse
+from dataclasses import dataclass, fields, replace
+from typing import Any
+
+from pagedserve import envs
+from pagedserve.config import (
+    CacheConfig,
+    EngineConfig,
+    ModelConfig,
+    SchedulerConfig,
+    _check_tensor_parallel,
+)
+from pagedserve.distributed.split import check_config_split
+from pagedserve.faults import FaultPlan
+from pagedserve.models.hf_config import model_config_from_hf
+from pagedserve.models.source import ModelSource, resolve_model
+from pagedserve.quantization import resolve_quantization
+from pagedserve.spec_decode.config import SpeculativeConfig
+
+
+@dataclass(frozen=True)
+class EngineArgs:
+    """The engine's settings as a user gives them (vLLM's names and meanings; the CLI flag of
+    each is its name with dashes). Plain values: nothing here is resolved or checked until
+    `create_engine_config`."""
+
+    model: str | None = None  # None: the embedded SmolLM2; else a preset, Hub id, folder or .gguf
+    tokenizer: str | None = None  # None: the model's own
+    dtype: str = "auto"
+    device: str = "auto"
+    load_format: str = "auto"
+    max_model_len: int | None = None  # None: the model's limit
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int | None = None  # None: the device's default (SchedulerConfig)
+    block_size: int = 16
+    enable_prefix_caching: bool = True
+    kv_cache_memory: int | None = None  # bytes; None: sized from gpu_memory_utilization
+    gpu_memory_utilization: float = 0.9
+    quantization: str | None = None
+    kv_cache_dtype: str = "auto"
+    speculative_config: dict | str | None = None  # vLLM's JSON or a dict
+    tensor_parallel_size: int = 1
+    distributed_executor_backend: str | None = None
+    enforce_eager: bool = False
+    attention_backend: str = "auto"
+    async_scheduling: bool = True
+    seed: int = 0
+    revision: str | None = None  # Hub ids: branch, tag or commit
+    download_dir: str | None = None  # Hub ids: where to find and download them
+    generation_config: str = "auto"  # sampling defaults: auto, vllm or a folder
+    inject_faults: str | None = None  # chaos tests only (faults.py)
+
+    @classmethod
+    def from_cli(cls, args: argparse.Namespace) -> EngineArgs:
+        """From parsed engine flags (`cli/engine_args.add_engine_args`); `--model` wins over
+        the positional model."""
+        if not getattr(args, "enable_chunked_prefill", True):
+            raise ValueError("--no-enable-chunked-prefill is not supported: pagedserve always "
+                             "chunks long prefills (drop the flag)")
+        given = {f.name: getattr(args, f.name) for f in fields(cls) if hasattr(args, f.name)}
+        given["model"] = getattr(args, "model_opt", None) or args.model
+        return cls(**given)
+
+    def create_engine_config(self) -> tuple[EngineConfig, ModelSource, ModelConfig]:
+        """Resolve the model, check every setting against it (max_model_len against its limit,
+        the tensor-parallel split, a draft model's vocabulary), and build the frozen config.
+        Returns (config, the resolved model source, its ModelConfig); ValueError names a bad
+        setting and its fix."""
+        source = resolve_model(self.model, load_format=self.load_format, revision=self.revision,
+                               download_dir=self.download_dir)
+        if source.is_preset and self.load_format != "dummy":
+            raise ValueError(f"preset {source.name!r} ships no weights: add --load-format dummy "
+                             "(load_format='dummy') for random weights, or name a model folder "
+                             "or a Hugging Face Hub id (e.g. Qwen/Qwen3-4B-Instruct-2507)")
+        model = str(source.folder) if source.from_hub else self.model  # (the core loads the folder)
+        quantization = resolve_quantization(self.quantization, source.hf_config)
+        model_cfg = model_config_from_hf(source.hf_config)
+        limit = model_cfg.max_position_embeddings
+        max_len = self.max_model_len or limit
+        if max_len > limit:
+            raise ValueError(f"max_model_len={max_len} exceeds the model's max_position_embeddings "
+                             f"({limit}); lower --max-model-len")
+        spec = SpeculativeConfig.parse(self.speculative_config)
+        if spec is not None and spec.method == "draft_model":
+            spec = _checked_draft(spec, model_cfg, self.load_format, self.tensor_parallel_size)
+        _check_tensor_parallel(self.tensor_parallel_size, model_cfg,
+                               {"quantization": quantization,
+                                "distributed_executor_backend": self.distributed_executor_backend},
+                               source.hf_config.get("quantization_config") is not None)
+        config = EngineConfig(
+            model=model, tokenizer=self.tokenizer, dtype=self.dtype, device=self.device,
+            load_format=self.load_format, seed=self.seed, quantization=quantization,
+            scheduler=SchedulerConfig(self.max_num_seqs, self.max_num_batched_tokens, max_len),
+            cache=CacheConfig(self.block_size, self.enable_prefix_caching, self.kv_cache_memory,
+                              self.gpu_memory_utilization, self.kv_cache_dtype),
+            attention_backend=self.attention_backend, enforce_eager=self.enforce_eager,
+            async_scheduling=self.async_scheduling, faults=FaultPlan.parse(self.inject_faults),
+            kernels=envs.kernel_config(), observability=envs.observability_config(),
+            speculative=spec, tensor_parallel_size=self.tensor_parallel_size,
+            distributed_executor_backend=self.distributed_executor_backend,
+        )
+        return config, source, model_cfg
+
+
+def engine_args(model: str | None = None, **kwargs: Any) -> EngineArgs:
+    """`EngineArgs(model, **kwargs)` with a TypeError naming an unknown setting (for `LLM`)."""
+    names = {f.name for f in fields(EngineArgs)}
+    unknown = sorted(set(kwargs) - names)
+    if unknown:
+        raise TypeError(f"unknown engine setting(s) {unknown}: the settings are the fields of "
+                        f"pagedserve.engine_args.EngineArgs ({', '.join(sorted(names))})")
+    return EngineArgs(model, **kwargs)
+
+
+def _checked_draft(spec: SpeculativeConfig, model_cfg: ModelConfig, load_format: str,
+                   tp_size: int) -> SpeculativeConfig:
+    """The draft model resolved (a Hub id: its local folder), its vocabulary checked, and its
+    split over `tp_size` tensor-parallel ranks (each rank runs its share of the draft)."""
+    try:
+        source = resolve_model(spec.model, load_format=load_format)
+    except (ValueError, OSError) as e:
+        raise ValueError(f"speculative config: draft model {spec.model!r}: {e}") from None
+    if source.is_preset and load_format != "dummy":
+        raise ValueError(f"speculative config: draft model preset {spec.model!r} ships no weights "
+                         "(with --load-format dummy both models get random weights)")
+    draft_cfg = model_config_from_hf(source.hf_config)
+    vocab = draft_cfg.vocab_size
+    if vocab != model_cfg.vocab_size:
+        raise ValueError(f"speculative config: draft model {spec.model!r} has a vocabulary of {vocab} "
+                         f"tokens and the model {model_cfg.vocab_size}: they must be the same")
+    if isinstance(tp_size, int) and tp_size > 1:
+        try:
+            check_config_split(draft_cfg, tp_size)
+        except ValueError as e:
+            raise ValueError(f"speculative config: draft model {spec.model!r} splits over the "
+                             f"tensor-parallel ranks as the model does: {e}") from None
+    return replace(spec, model=str(source.folder)) if source.from_hub else spec
