@@ -118,3 +118,23 @@ def test_an_engine_settings_error_at_start_up_is_one_line(tmp_path):
     assert "Traceback" not in out, out
     assert "the engine cannot start: no memory left for the KV cache" in out
     assert "kv_cache_memory" in out
+
+
+def test_the_served_name_of_the_embedded_model_starts_it():
+    """`serve smollm2-135m-instruct` (the name /v1/models reports for the embedded model) runs
+    the embedded model; with --load-format dummy the name is the preset of its shapes. `--model`
+    (vLLM's spelling) is listed in --help."""
+    from pagedserve.config import EngineConfig
+    from pagedserve.models.default_model import default_model_dir
+    from pagedserve.models.source import resolve_model
+
+    config, source, _ = EngineConfig.from_args("SmolLM2-135M-Instruct", device="cpu")
+    assert source.folder == default_model_dir() and not source.is_preset
+    assert source.name == resolve_model(None).name == "smollm2-135m-instruct"
+    assert resolve_model("smollm2-135m-instruct", load_format="dummy").is_preset
+    parser = build_parser()
+    sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+    for command in ("serve", "up", "generate"):
+        assert "--model MODEL" in sub.choices[command].format_help(), command
+    args = parser.parse_args(["serve", "--model", "qwen3-0.6b"])
+    assert engine_kwargs(args)["model"] == "qwen3-0.6b"

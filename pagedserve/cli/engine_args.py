@@ -15,8 +15,10 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("model", nargs="?", default=None,
                    help="a preset name, a Hugging Face Hub id (org/name: from the local Hub cache, "
                         "downloaded when the network allows), a model folder or a .gguf file "
-                        "(default: the embedded SmolLM2-135M-Instruct)")
-    p.add_argument("--model", dest="model_opt", default=None, help=argparse.SUPPRESS)
+                        "(default: the embedded SmolLM2-135M-Instruct, also named "
+                        "smollm2-135m-instruct)")
+    p.add_argument("--model", dest="model_opt", default=None, metavar="MODEL",
+                   help="the model, as the positional argument (vLLM's spelling); wins over it")
     p.add_argument("--dtype", default="auto", choices=["auto", *DTYPE_NAMES],
                    help="weight and activation dtype; auto: bfloat16 on CUDA, float32 on the CPU")
     p.add_argument("--device", default="auto", type=types.device,

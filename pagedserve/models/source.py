@@ -1,6 +1,7 @@
 """Find a model by name or path (torch-free: the HTTP process uses it too).
 
-A model is named by: nothing (the embedded default model), a preset name
+A model is named by: nothing or `smollm2-135m-instruct` (the embedded default model; with
+load_format dummy that name is the preset of its shapes), a preset name
 (`qwen3-4b-instruct-2507`, ...), a Hugging Face Hub id (`org/name`, from the local Hub cache
 or downloaded: `models/hub.py`), a Hugging Face folder with `config.json` and `.safetensors`
 files, or a `.gguf` file. `resolve_model` reads only its config;
@@ -19,6 +20,8 @@ from pagedserve.config import ModelConfig
 from pagedserve.models import presets
 
 logger = logging.getLogger("pagedserve")
+
+EMBEDDED_NAME = "smollm2-135m-instruct"  # the embedded default model's name (as served)
 
 
 @dataclass(frozen=True)
@@ -40,11 +43,13 @@ def resolve_model(model: str | None, *, load_format: str = "auto", revision: str
     is a preset's); a preset's short name needs no files."""
     from pagedserve.models import hub
 
-    if model is None:
+    if model is None or (model.lower() == EMBEDDED_NAME and load_format != "dummy"):
+        # (the name the server reports for the embedded model starts it again; with dummy
+        # weights the name is the preset of the same shapes)
         from pagedserve.models.default_model import default_model_dir
 
         folder = default_model_dir()
-        return ModelSource("smollm2-135m-instruct", _read_config(folder), folder=folder)
+        return ModelSource(EMBEDDED_NAME, _read_config(folder), folder=folder)
     if hub.looks_like_hub_id(model) and not (load_format == "dummy" and presets.is_preset(model)):
         folder = hub.fetch(model, revision, download_dir)
         return ModelSource(model, _read_config(folder), folder=folder, from_hub=True)
