@@ -10,6 +10,8 @@ from pagedserve.cli import types
 from pagedserve.config import DTYPE_NAMES, KV_CACHE_DTYPES
 from pagedserve.quantization import QUANTIZATION_CHOICES
 
+GPU_MEMORY_UTILIZATION = 0.9  # (None as the flag's default tells a given value from this one)
+
 
 def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("model", nargs="?", default=None,
@@ -41,8 +43,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                         "so --no-enable-chunked-prefill is refused")
     p.add_argument("--kv-cache-memory", type=types.positive_int, default=None,
                    help="bytes for the KV cache (default: sized from --gpu-memory-utilization)")
-    p.add_argument("--gpu-memory-utilization", type=types.fraction, default=0.9,
-                   help="fraction of GPU memory the engine may use, KV cache included")
+    p.add_argument("--gpu-memory-utilization", type=types.fraction, default=None,
+                   help="fraction of GPU memory the engine may use, KV cache included; the "
+                        "CPU ignores it, with a warning (default: 0.9)")
     p.add_argument("--quantization", "-q", default=None, choices=QUANTIZATION_CHOICES,
                    help="fp8 on an unquantized checkpoint: the decoder's weights quantized to "
                         "FP8 e4m3 at load (per output channel), activations per token (GPUs of "
@@ -104,7 +107,9 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
         load_format=args.load_format, max_model_len=args.max_model_len,
         max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
         block_size=args.block_size, enable_prefix_caching=args.enable_prefix_caching,
-        kv_cache_memory=args.kv_cache_memory, gpu_memory_utilization=args.gpu_memory_utilization,
+        kv_cache_memory=args.kv_cache_memory,
+        gpu_memory_utilization=(GPU_MEMORY_UTILIZATION if args.gpu_memory_utilization is None
+                                else args.gpu_memory_utilization),
         enforce_eager=args.enforce_eager, attention_backend=args.attention_backend,
         tokenizer=args.tokenizer, seed=args.seed, revision=args.revision,
         download_dir=args.download_dir, generation_config=args.generation_config,

@@ -79,6 +79,7 @@ def server_settings(args: argparse.Namespace, kw: dict, on_fatal=None):
         allowed_origins=args.allowed_origins, allowed_methods=args.allowed_methods,
         allowed_headers=args.allowed_headers, allow_credentials=args.allow_credentials,
         root_path=args.root_path or "", on_fatal=on_fatal,
+        max_model_len_given=kw["max_model_len"] is not None,
     )
     return settings, core
 

@@ -73,8 +73,10 @@ def _cmd_ui(args: argparse.Namespace) -> int:
 
 
 def _cmd_up(args: argparse.Namespace, serve: argparse.ArgumentParser) -> int:
+    from pagedserve.cli.idle_settings import warn_idle_settings
     from pagedserve.cli.serve_args import check_serve_args
     from pagedserve.ui.up import run_up
 
     check_serve_args(args)  # (the server's flags fail here, before either child starts)
+    warn_idle_settings(args)  # (on the terminal; the server's log file has them too)
     return run_up(args, forward_argv(serve, args))
