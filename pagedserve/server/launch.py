@@ -52,7 +52,6 @@ def server_settings(args: argparse.Namespace, kw: dict, on_fatal=None):
     from pagedserve.models.source import load_tokenizer
     from pagedserve.server.app import ServerSettings
     from pagedserve.server.supervisor import Deadlines, RestartPolicy
-    from pagedserve.server.tools import ToolSettings
 
     names = args.served_model_name or [kw["model"] or source.name]  # type: ignore[attr-defined]
     tokenizer = load_tokenizer(source, model_cfg, kw["tokenizer"])
@@ -72,7 +71,7 @@ def server_settings(args: argparse.Namespace, kw: dict, on_fatal=None):
         log_stats_interval=0.0 if args.disable_log_stats else args.log_stats_interval,
         log_level=args.log_level.upper(), sampling_defaults=defaults, max_logprobs=args.max_logprobs,
         engine_kind=engine_kind, trust_request_chat_template=args.trust_request_chat_template,
-        tools=ToolSettings(args.enable_auto_tool_choice, args.tool_call_parser),
+        tools=tool_settings(args, tokenizer.hf.chat_template),
         shutdown_timeout=args.shutdown_timeout,
         restart_policy=RestartPolicy(max_restarts=args.max_engine_restarts),
         deadlines=Deadlines(step_s=args.engine_step_timeout, request_s=args.request_timeout),
@@ -82,6 +81,24 @@ def server_settings(args: argparse.Namespace, kw: dict, on_fatal=None):
         max_model_len_given=kw["max_model_len"] is not None,
     )
     return settings, core
+
+
+def tool_settings(args: argparse.Namespace, template: str | None):
+    """Tool calling as the flags say; with neither flag, on (tool_choice "auto" works) when the
+    chat template has a tool-call format pagedserve knows, with that format's parser."""
+    from pagedserve.server.tool_parsers.detect import parser_for_template
+    from pagedserve.server.tools import ToolSettings
+
+    if args.enable_auto_tool_choice is not None:  # (check_serve_args: with --tool-call-parser)
+        return ToolSettings(args.enable_auto_tool_choice, args.tool_call_parser)
+    parser = parser_for_template(template)
+    if parser is None:
+        logger.info("tool_choice \"auto\" is off: the chat template has no tool-call format "
+                    "pagedserve knows (--enable-auto-tool-choice --tool-call-parser NAME turns it on)")
+        return ToolSettings()
+    logger.info("tool_choice \"auto\" is on: the chat template's tool calls are read with "
+                "--tool-call-parser %s (--no-enable-auto-tool-choice turns it off)", parser)
+    return ToolSettings(True, parser)
 
 
 def serve(args: argparse.Namespace, kw: dict) -> int:
