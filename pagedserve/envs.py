@@ -133,6 +133,6 @@ def ui_model() -> str | None:
 
 def ui_temperature() -> float | None:
     """$PAGEDSERVE_UI_TEMPERATURE: the chat UI's initial temperature (None: not given, so the
-    model's default, else 0.7)."""
+    model's default, else the server's, 1.0)."""
     value = os.environ.get(UI_TEMPERATURE)
     return float(value) if value else None
