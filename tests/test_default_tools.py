@@ -51,7 +51,7 @@ def client(server):
 def test_the_embedded_model_answers_tool_choice_auto_out_of_the_box(client, server):
     """The shared server starts with no tool flag: tools reach the prompt through the embedded
     model's template, and its calls come back parsed, whole and streamed."""
-    with_tools = client.chat.completions.create(model=MODEL, messages=ASK, tools=TOOLS, max_tokens=24,
+    with_tools = client.chat.completions.create(model=MODEL, messages=ASK, tools=TOOLS, max_tokens=8,
                                                 temperature=0)
     plain = client.chat.completions.create(model=MODEL, messages=ASK, max_tokens=1)
     assert with_tools.usage.prompt_tokens > plain.usage.prompt_tokens + 100  # the tool prompt
