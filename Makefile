@@ -1,6 +1,8 @@
 # The two set-up commands (see README):
 #   make run    install, then run the main job
 #   make test   install, then run the whole test suite (what CI runs)
+# Installing happens once: scripts/install.sh does nothing (and asks no package index) while
+# pyproject.toml is unchanged since the last install into $(VENV).
 VENV ?= .venv
 PY := $(VENV)/bin/python
 

@@ -68,7 +68,10 @@ class EngineArgs:
         if not getattr(args, "enable_chunked_prefill", True):
             raise ValueError("--no-enable-chunked-prefill is not supported: pagedserve always "
                              "chunks long prefills (drop the flag)")
-        given = {f.name: getattr(args, f.name) for f in fields(cls) if hasattr(args, f.name)}
+        # (a flag left at None where the field has a default: the field's default; e.g.
+        # --gpu-memory-utilization, whose None tells a given value from the default)
+        given = {f.name: getattr(args, f.name) for f in fields(cls) if hasattr(args, f.name)
+                 and (getattr(args, f.name) is not None or f.default is None)}
         given["model"] = getattr(args, "model_opt", None) or args.model
         return cls(**given)
 

@@ -98,6 +98,13 @@ def triton_interpret() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "on", "yes")
 
 
+def cuda_devices_hidden() -> bool:
+    """$CUDA_VISIBLE_DEVICES set to "" or -1 (the CUDA runtime's own variable): no GPU is
+    visible to this process's children."""
+    value = os.environ.get("CUDA_VISIBLE_DEVICES")
+    return value is not None and value.strip() in ("", "-1")
+
+
 def _flag(name: str) -> bool:
     return (os.environ.get(name) or "1") != "0"
 
@@ -126,6 +133,6 @@ def ui_model() -> str | None:
 
 def ui_temperature() -> float | None:
     """$PAGEDSERVE_UI_TEMPERATURE: the chat UI's initial temperature (None: not given, so the
-    model's default, else 0.7)."""
+    model's default, else the server's, 1.0)."""
     value = os.environ.get(UI_TEMPERATURE)
     return float(value) if value else None

@@ -146,3 +146,22 @@ def test_engine_settings_are_one_list_for_the_cli_and_llm():
     assert EngineArgs.from_cli(build_parser().parse_args(["serve", "--model", "x"])).model == "x"
     with pytest.raises(TypeError, match=r"unknown engine setting\(s\) \['max_seqs'\]"):
         LLM(max_seqs=4)
+
+
+def test_the_served_name_of_the_embedded_model_starts_it():
+    """`serve smollm2-135m-instruct` (the name /v1/models reports for the embedded model) runs
+    the embedded model; with --load-format dummy the name is the preset of its shapes. `--model`
+    (vLLM's spelling) is listed in --help."""
+    from pagedserve.models.default_model import default_model_dir
+    from pagedserve.models.source import resolve_model
+
+    config, source, _ = EngineArgs("SmolLM2-135M-Instruct", device="cpu").create_engine_config()
+    assert source.folder == default_model_dir() and not source.is_preset
+    assert source.name == resolve_model(None).name == "smollm2-135m-instruct"
+    assert resolve_model("smollm2-135m-instruct", load_format="dummy").is_preset
+    parser = build_parser()
+    sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+    for command in ("serve", "up", "generate"):
+        assert "--model MODEL" in sub.choices[command].format_help(), command
+    args = parser.parse_args(["serve", "--model", "qwen3-0.6b"])
+    assert EngineArgs.from_cli(args).model == "qwen3-0.6b"

@@ -133,13 +133,15 @@ def test_unwritable_cache_names_the_folder(monkeypatch, tmp_path):
         default_model_dir()
 
 
-def test_stale_or_corrupt_cache_is_rebuilt(monkeypatch, tmp_path):
-    """Swap in a fast fake conversion to exercise the marker, rebuild and rename logic."""
+def test_stale_or_corrupt_cache_is_rebuilt(monkeypatch, tmp_path, capsys):
+    """Swap in a fast fake conversion to exercise the marker, rebuild and rename logic; each
+    conversion says what it does on the terminal (stderr), whatever the log level."""
     from safetensors.torch import save_file
 
     calls = []
 
-    def fake_convert(gguf_path: Path, out: Path) -> None:
+    def fake_convert(gguf_path: Path, out: Path, step) -> None:
+        step("1/3 reading")
         calls.append(out)
         (out / "config.json").write_text("{}")
         save_file({"w": torch.zeros(4, 4)}, str(out / "model.safetensors"))
@@ -148,6 +150,10 @@ def test_stale_or_corrupt_cache_is_rebuilt(monkeypatch, tmp_path):
     monkeypatch.setattr(default_model, "_convert", fake_convert)
     folder = default_model_dir()
     assert len(calls) == 1 and (folder / default_model.MARKER).is_file()
+    lines = capsys.readouterr().err.splitlines()
+    assert lines[0].startswith("pagedserve: converting the embedded model ") and "one time" in lines[0]
+    assert lines[1].startswith("pagedserve:   1/3 reading (") and "s so far)" in lines[1]
+    assert lines[2].startswith("pagedserve: converted the embedded model in ")
     assert default_model_dir() == folder and len(calls) == 1
 
     weights = folder / "model.safetensors"

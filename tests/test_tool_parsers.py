@@ -16,6 +16,7 @@ from pagedserve.server.tool_parsers import (
     MistralToolParser,
     ParsedToolCall,
     Phi4MiniJsonToolParser,
+    SmolLM2ToolParser,
     ToolCallDelta,
     ToolParser,
     get_tool_parser,
@@ -520,6 +521,17 @@ NEW_CASES: list[tuple[type[ToolParser], str, str | None, Calls]] = [
     (Phi4MiniJsonToolParser, "<|tool_call|>[]<|/tool_call|>", "<|tool_call|>[]<|/tool_call|>", []),
     (Phi4MiniJsonToolParser, "import functools\n", "import functools\n", []),
     (Phi4MiniJsonToolParser, "Plain <|tool_ca", "Plain <|tool_ca", []),
+    # SmolLM2 (the embedded model): a JSON array of calls in <tool_call> tags
+    (SmolLM2ToolParser, "<tool_call>[\n" + WEATHER + "\n]</tool_call>", None, [WEATHER_CALL]),
+    (SmolLM2ToolParser, "Let me see.\n<tool_call>[" + WEATHER + ",\n" + TIME + "]</tool_call>",
+     "Let me see.", [WEATHER_CALL, TIME_CALL]),
+    (SmolLM2ToolParser, '<tool_call>[{"name": "web", "parameters": ' + CLOSE_TAG_ARGS + '}]</tool_call> ok',
+     "ok", [("web", CLOSE_TAG_ARGS)]),
+    (SmolLM2ToolParser, "<tool_call>[" + WEATHER + ", 7]junk</tool_call>", None, [WEATHER_CALL]),
+    (SmolLM2ToolParser, "<tool_call>[" + WEATHER, None, [WEATHER_CALL]),  # (out of tokens)
+    (SmolLM2ToolParser, block(WEATHER), block(WEATHER), []),  # a Hermes object is not its format
+    (SmolLM2ToolParser, "<tool_call>[]</tool_call>", "<tool_call>[]</tool_call>", []),
+    (SmolLM2ToolParser, "Paris is the capital of France.", "Paris is the capital of France.", []),
 ]
 
 # outputs that fail after a name was streamed: (parser, text, extract (content, calls),
@@ -610,6 +622,8 @@ def test_mistral_v11_token_stream_exact_deltas() -> None:
                          f"x [TOOL_CALLS] [{TIME}] y [TOOL_CALLS][{WEATHER}]"]),
     (Phi4MiniJsonToolParser, [f"Hi\n<|tool_call|>[{WEATHER}, {TIME}]<|/tool_call|>\nok <|tool_call|>[{TIME}]",
                               f"functools[{WEATHER}, {TIME}] and functools[{TIME}]"]),
+    (SmolLM2ToolParser, [f"Hi\n<tool_call>[{WEATHER}, {TIME}]</tool_call>\nok <tool_call>[{TIME}]",
+                         f"<tool_call>[\n{WEATHER}\n]</tool_call>"]),
 ])
 def test_new_parsers_random_outputs(parser: type[ToolParser], seeds: list[str]) -> None:
     """Mutated outputs: the stream is the same for every split, and equals extract unless a
@@ -651,11 +665,13 @@ def test_get_tool_parser() -> None:
         assert get_tool_parser(name) is Llama3JsonToolParser
     assert get_tool_parser("mistral") is MistralToolParser
     assert get_tool_parser("phi4_mini_json") is Phi4MiniJsonToolParser
+    assert get_tool_parser("smollm2") is SmolLM2ToolParser
     assert set(TOOL_PARSERS) == {"hermes", "qwen3", "nanbeige", "llama3_json", "llama4_json", "mistral",
-                                 "phi4_mini_json"}
+                                 "phi4_mini_json", "smollm2"}
     with pytest.raises(ValueError, match="unknown tool parser 'llama3'") as info:
         get_tool_parser("llama3")
-    assert "hermes, llama3_json, llama4_json, mistral, nanbeige, phi4_mini_json, qwen3" in str(info.value)
+    assert ("hermes, llama3_json, llama4_json, mistral, nanbeige, phi4_mini_json, qwen3, smollm2"
+            in str(info.value))
     assert MistralToolParser.format_tokens == ("[TOOL_CALLS]", "[ARGS]")
 
 
@@ -688,3 +704,21 @@ def test_a_parser_whose_tags_are_special_tokens_keeps_them_in_the_decoded_output
     assert not tags_are_special_tokens(ToolPlan("auto", [], None, parser_name="hermes"), tok)
     assert not tags_are_special_tokens(ToolPlan("required", [], None), tok)
     assert not tags_are_special_tokens(None, tok)
+
+
+def test_the_parser_is_found_from_the_chat_template() -> None:
+    """`serve` turns tool_choice "auto" on with the parser of the template's own format."""
+    from pagedserve.models.source import embedded_file
+    from pagedserve.server.tool_parsers.detect import parser_for_template
+
+    assert parser_for_template(embedded_file("chat_template.jinja")) == "smollm2"
+    assert TOOL_PARSERS["smollm2"] is SmolLM2ToolParser
+    assert parser_for_template("{{ '<|im_start|>' + message['content'] }}") is None  # SmolLM2's GGUF
+    assert parser_for_template(None) is None
+    qwen3 = '{{- "<tool_call>\\n{\\"name\\": <function-name>, \\"arguments\\": <args-json-object>}\\n</tool_call>" }}'
+    assert parser_for_template(qwen3) == "hermes"
+    assert parser_for_template("{{ '[TOOL_CALLS]' + calls | tojson }}") == "mistral"
+    assert parser_for_template("<|tool|>{{ tools }}<|/tool|>... <|tool_call|>") == "phi4_mini_json"
+    llama = ('<|start_header_id|>user<|end_header_id|> Respond in the format {"name": function name, '
+             '"parameters": dictionary of argument name and its value}.')
+    assert parser_for_template(llama) == "llama3_json"

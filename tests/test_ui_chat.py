@@ -14,6 +14,7 @@ import openai
 import pytest
 from server_helpers import MODEL, free_port
 
+from pagedserve.sampling_params import SamplingParams
 from pagedserve.ui.chat import TOOL_NOT_RUN, ChatSession, Delta, ToolCallView, UIConfig
 from pagedserve.ui.settings import (
     GenerationSettings,
@@ -136,7 +137,10 @@ def test_initial_settings_follow_the_flag_then_the_models_defaults():
     model = {"temperature": 0.6, "top_p": 0.95, "top_k": 20}
     assert GenerationSettings.initial(None, model) == GenerationSettings(temperature=0.6, top_p=0.95)
     assert GenerationSettings.initial(0.0, model) == GenerationSettings(temperature=0.0, top_p=0.95)
-    assert GenerationSettings.initial(None, {}) == GenerationSettings()  # 0.7 and 1.0
+    # A model without defaults: the server's own for an omitted field (the panel had 0.7)
+    assert GenerationSettings.initial(None, {}) == GenerationSettings()
+    server = SamplingParams()
+    assert (GenerationSettings().temperature, GenerationSettings().top_p) == (server.temperature, server.top_p)
     # Values the panel's sliders cannot show are not taken.
     assert GenerationSettings.initial(None, {"temperature": 5, "top_p": 0}) == GenerationSettings()
     assert describe_defaults(model) == "model defaults: temperature 0.6, top_p 0.95, top_k 20"

@@ -86,6 +86,13 @@ def test_up_serves_both_and_sigint_stops_both(up_process):
     # The UI serves pagedserve's own favicon (also the assistant's avatar), not Chainlit's.
     favicon = httpx.get(f"http://127.0.0.1:{up.ui_port}/favicon", timeout=5)
     assert "<title>pagedserve</title>" in favicon.text, favicon.text[:200]
+    # the UI's default tool choice ("auto", with the tools a user gives) works on the first try
+    tools = [{"type": "function", "function": {"name": "get_weather", "parameters": {
+        "type": "object", "properties": {"city": {"type": "string"}}}}}]
+    r = httpx.post(f"http://127.0.0.1:{up.port}/v1/chat/completions", timeout=60, json={
+        "model": "smollm2-135m-instruct", "messages": [{"role": "user", "content": "Weather in Paris?"}],
+        "tools": tools, "tool_choice": "auto", "max_tokens": 8})
+    assert r.status_code == 200, r.text
     cmds = [cmdline(p) for p in kids]
     assert any("pagedserve.cli serve" in c for c in cmds), cmds
     assert any("chainlit run" in c for c in cmds), cmds

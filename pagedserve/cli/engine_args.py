@@ -16,8 +16,10 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("model", nargs="?", default=None,
                    help="a preset name, a Hugging Face Hub id (org/name: from the local Hub cache, "
                         "downloaded when the network allows), a model folder or a .gguf file "
-                        "(default: the embedded SmolLM2-135M-Instruct)")
-    p.add_argument("--model", dest="model_opt", default=None, help=argparse.SUPPRESS)
+                        "(default: the embedded SmolLM2-135M-Instruct, also named "
+                        "smollm2-135m-instruct)")
+    p.add_argument("--model", dest="model_opt", default=None, metavar="MODEL",
+                   help="the model, as the positional argument (vLLM's spelling); wins over it")
     p.add_argument("--dtype", default="auto", choices=["auto", *DTYPE_NAMES],
                    help="weight and activation dtype; auto: bfloat16 on CUDA, float32 on the CPU")
     p.add_argument("--device", default="auto", type=types.device,
@@ -40,8 +42,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                         "so --no-enable-chunked-prefill is refused")
     p.add_argument("--kv-cache-memory", type=types.positive_int, default=None,
                    help="bytes for the KV cache (default: sized from --gpu-memory-utilization)")
-    p.add_argument("--gpu-memory-utilization", type=types.fraction, default=0.9,
-                   help="fraction of GPU memory the engine may use, KV cache included")
+    p.add_argument("--gpu-memory-utilization", type=types.fraction, default=None,
+                   help="fraction of GPU memory the engine may use, KV cache included; the "
+                        "CPU ignores it, with a warning (default: 0.9)")
     p.add_argument("--quantization", "-q", default=None, choices=QUANTIZATION_CHOICES,
                    help="fp8 on an unquantized checkpoint: the decoder's weights quantized to "
                         "FP8 e4m3 at load (per output channel), activations per token (GPUs of "

@@ -9,6 +9,7 @@ import sys
 from pagedserve import envs
 from pagedserve.cli import types
 from pagedserve.cli.engine_args import add_engine_args
+from pagedserve.cli.idle_settings import warn_idle_settings
 from pagedserve.cli.parser import Parser
 from pagedserve.cli.serve_args import add_serve_args, check_serve_args
 from pagedserve.engine_args import EngineArgs
@@ -67,6 +68,7 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     from pagedserve.server.launch import serve
 
     check_serve_args(args)
+    warn_idle_settings(args)
     return serve(args, EngineArgs.from_cli(args))
 
 
@@ -81,6 +83,7 @@ def _cmd_generate(args: argparse.Namespace) -> int:
 
     from pagedserve import LLM
 
+    warn_idle_settings(args)
     llm = LLM(**dataclasses.asdict(EngineArgs.from_cli(args)))
     given = {k: v for k, v in (("temperature", args.temperature), ("top_p", args.top_p))
              if v is not None}

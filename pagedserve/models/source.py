@@ -1,6 +1,7 @@
 """Find a model by name or path (torch-free: the HTTP process uses it too).
 
-A model is named by: nothing (the embedded default model), a preset name
+A model is named by: nothing or `smollm2-135m-instruct` (the embedded default model; with
+load_format dummy that name is the preset of its shapes), a preset name
 (`qwen3-4b-instruct-2507`, ...), a Hugging Face Hub id (`org/name`, from the local Hub cache
 or downloaded: `models/hub.py`), a Hugging Face folder with `config.json` and `.safetensors`
 files, or a `.gguf` file. `resolve_model` reads only its config;
@@ -20,6 +21,8 @@ from pagedserve.models import presets
 
 logger = logging.getLogger("pagedserve")
 
+EMBEDDED_NAME = "smollm2-135m-instruct"  # the embedded default model's name (as served)
+
 
 @dataclass(frozen=True)
 class ModelSource:
@@ -31,6 +34,9 @@ class ModelSource:
     gguf_file: Path | None = None
     is_preset: bool = False
     from_hub: bool = False  # named by a Hub id; `folder` is its snapshot in the local cache
+    # the embedded default model: `folder` is its converted cache; what its GGUF lacks (a
+    # chat template with tools, sampling defaults) comes from models/embedded/
+    embedded: bool = False
 
 
 def resolve_model(model: str | None, *, load_format: str = "auto", revision: str | None = None,
@@ -40,11 +46,13 @@ def resolve_model(model: str | None, *, load_format: str = "auto", revision: str
     is a preset's); a preset's short name needs no files."""
     from pagedserve.models import hub
 
-    if model is None:
+    if model is None or (model.lower() == EMBEDDED_NAME and load_format != "dummy"):
+        # (the name the server reports for the embedded model starts it again; with dummy
+        # weights the name is the preset of the same shapes)
         from pagedserve.models.default_model import default_model_dir
 
         folder = default_model_dir()
-        return ModelSource("smollm2-135m-instruct", _read_config(folder), folder=folder)
+        return ModelSource(EMBEDDED_NAME, _read_config(folder), folder=folder, embedded=True)
     if hub.looks_like_hub_id(model) and not (load_format == "dummy" and presets.is_preset(model)):
         folder = hub.fetch(model, revision, download_dir)
         return ModelSource(model, _read_config(folder), folder=folder, from_hub=True)
@@ -62,6 +70,13 @@ def resolve_model(model: str | None, *, load_format: str = "auto", revision: str
         f"model {model!r} is neither a folder, a .gguf file nor a preset; "
         f"presets: {', '.join(presets.PRESET_NAMES)}"
     )
+
+
+def embedded_file(name: str) -> str:
+    """The text of models/embedded/`name`: what the embedded model's GGUF does not carry."""
+    from importlib import resources
+
+    return resources.files("pagedserve.models").joinpath(f"embedded/{name}").read_text()
 
 
 def _read_config(folder: Path) -> dict:
@@ -107,6 +122,10 @@ def load_tokenizer(source: ModelSource, cfg: ModelConfig, path: str | None = Non
 
         hf = AutoTokenizer.from_pretrained(str(source.gguf_file.parent), gguf_file=source.gguf_file.name)
         return Tokenizer(hf)
+    if source.embedded:
+        tok = Tokenizer.from_pretrained(source.folder)
+        tok.hf.chat_template = embedded_file("chat_template.jinja")  # (its GGUF's, plus tools)
+        return tok
     if source.folder is not None and any(
         (source.folder / f).is_file() for f in ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
     ):

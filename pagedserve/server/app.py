@@ -49,6 +49,7 @@ from pagedserve.server.serving import (
     new_id,
     usage,
 )
+from pagedserve.server.startup_checks import kv_capacity_problem
 from pagedserve.server.supervisor import Deadlines, RestartPolicy
 from pagedserve.server.tools import ToolSettings
 from pagedserve.tokenizer import Tokenizer
@@ -93,6 +94,8 @@ class ServerSettings:
     root_path: str = ""  # --root-path: the prefix a proxy serves this server under
     # Called when the engine cannot be restarted any more (the server should exit non-zero).
     on_fatal: Callable[[str], None] | None = None
+    # the user gave --max-model-len: a KV cache that holds fewer tokens is then a warning
+    max_model_len_given: bool = False
 
 
 def create_app(settings: ServerSettings, core: SpawnedCore | None = None) -> FastAPI:
@@ -147,6 +150,13 @@ def create_app(settings: ServerSettings, core: SpawnedCore | None = None) -> Fas
     async def lifespan(_: FastAPI):
         try:
             info = await client.start()
+            problem = kv_capacity_problem(info.num_blocks * info.block_size, info.max_model_len,
+                                          settings.max_model_len_given)
+            if problem is not None and problem[0]:
+                await client.shutdown()
+                raise EngineStartError(problem[1])
+            if problem is not None:
+                logger.warning("%s", problem[1])
         except EngineStartError as e:
             logger.error("the engine cannot start: %s", e)
             raise

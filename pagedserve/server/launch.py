@@ -39,7 +39,6 @@ def server_settings(args: argparse.Namespace, engine: EngineArgs, on_fatal=None)
     from pagedserve.models.source import load_tokenizer
     from pagedserve.server.app import ServerSettings
     from pagedserve.server.supervisor import Deadlines, RestartPolicy
-    from pagedserve.server.tools import ToolSettings
 
     names = args.served_model_name or [engine.model or source.name]
     tokenizer = load_tokenizer(source, model_cfg, engine.tokenizer)
@@ -59,15 +58,34 @@ def server_settings(args: argparse.Namespace, engine: EngineArgs, on_fatal=None)
         log_stats_interval=0.0 if args.disable_log_stats else args.log_stats_interval,
         log_level=args.log_level.upper(), sampling_defaults=defaults, max_logprobs=args.max_logprobs,
         engine_kind=engine_kind, trust_request_chat_template=args.trust_request_chat_template,
-        tools=ToolSettings(args.enable_auto_tool_choice, args.tool_call_parser),
+        tools=tool_settings(args, tokenizer.hf.chat_template),
         shutdown_timeout=args.shutdown_timeout,
         restart_policy=RestartPolicy(max_restarts=args.max_engine_restarts),
         deadlines=Deadlines(step_s=args.engine_step_timeout, request_s=args.request_timeout),
         allowed_origins=args.allowed_origins, allowed_methods=args.allowed_methods,
         allowed_headers=args.allowed_headers, allow_credentials=args.allow_credentials,
         root_path=args.root_path or "", on_fatal=on_fatal,
+        max_model_len_given=engine.max_model_len is not None,
     )
     return settings, core
+
+
+def tool_settings(args: argparse.Namespace, template: str | None):
+    """Tool calling as the flags say; with neither flag, on (tool_choice "auto" works) when the
+    chat template has a tool-call format pagedserve knows, with that format's parser."""
+    from pagedserve.server.tool_parsers.detect import parser_for_template
+    from pagedserve.server.tools import ToolSettings
+
+    if args.enable_auto_tool_choice is not None:  # (check_serve_args: with --tool-call-parser)
+        return ToolSettings(args.enable_auto_tool_choice, args.tool_call_parser)
+    parser = parser_for_template(template)
+    if parser is None:
+        logger.info("tool_choice \"auto\" is off: the chat template has no tool-call format "
+                    "pagedserve knows (--enable-auto-tool-choice --tool-call-parser NAME turns it on)")
+        return ToolSettings()
+    logger.info("tool_choice \"auto\" is on: the chat template's tool calls are read with "
+                "--tool-call-parser %s (--no-enable-auto-tool-choice turns it off)", parser)
+    return ToolSettings(True, parser)
 
 
 def serve(args: argparse.Namespace, engine: EngineArgs) -> int:

@@ -67,3 +67,24 @@ def check_port_free(host: str, port: int, what: str = "the server's") -> None:
                                      "(--port)") from None
                 raise ValueError(f"cannot listen on {host}:{port} ({e.strerror}): check --host "
                                  "and --port") from None
+
+
+
+def kv_capacity_problem(capacity_tokens: int, max_model_len: int,
+                        max_model_len_given: bool) -> tuple[bool, str] | None:
+    """None when a KV cache of `capacity_tokens` holds one request of `max_model_len` tokens;
+    else (refuse, the message). A request that grows to max_model_len would wait for room
+    that never comes: vLLM refuses to start then, and so does pagedserve when max_model_len is
+    the model's own limit. A --max-model-len the user gave is kept (refuse False): they asked
+    for it, and longer requests than the cache holds get a 400."""
+    if capacity_tokens >= max_model_len:
+        return None
+    fix = (f"give --max-model-len {capacity_tokens} or less, or the KV cache more memory "
+           "(--kv-cache-memory BYTES; on a GPU, a higher --gpu-memory-utilization)")
+    if max_model_len_given:
+        return False, (f"the KV cache holds {capacity_tokens} tokens, fewer than --max-model-len "
+                       f"{max_model_len}: a request longer than {capacity_tokens} tokens is "
+                       f"refused (400); to serve every length, {fix}")
+    return True, (f"the KV cache holds {capacity_tokens} tokens, fewer than max_model_len "
+                  f"{max_model_len} (the model's limit): a request of that length could never "
+                  f"run. To start, {fix}")

@@ -19,7 +19,7 @@ def add_ui_parsers(sub: argparse._SubParsersAction) -> None:
     ui.add_argument("--model", default=None, help="model to chat with (default: the server's first)")
     ui.add_argument("--temperature", type=float, default=None,
                     help="initial temperature in the settings panel (default: the model's "
-                         "default temperature, else 0.7)")
+                         "default temperature, else the server's default, 1.0)")
     ui.add_argument("--host", default="127.0.0.1", help="address the UI listens on")
     ui.add_argument("--port", type=types.port, default=8080, help="TCP port the UI listens on")
     ui.add_argument("--log-level", default=envs.log_level(), type=types.log_level,
@@ -35,7 +35,7 @@ def add_ui_parsers(sub: argparse._SubParsersAction) -> None:
     up.add_argument("--ui-port", type=types.port, default=8080, help="TCP port of the chat UI")
     up.add_argument("--ui-temperature", type=float, default=None,
                     help="the chat UI's initial temperature (default: the model's default "
-                         "temperature, else 0.7)")
+                         "temperature, else the server's default, 1.0)")
     up.add_argument("--startup-timeout", type=float, default=600.0,
                     help="seconds to wait for the server and the UI")
     up.set_defaults(func=lambda args: _cmd_up(args, serve))
@@ -73,8 +73,10 @@ def _cmd_ui(args: argparse.Namespace) -> int:
 
 
 def _cmd_up(args: argparse.Namespace, serve: argparse.ArgumentParser) -> int:
+    from pagedserve.cli.idle_settings import warn_idle_settings
     from pagedserve.cli.serve_args import check_serve_args
     from pagedserve.ui.up import run_up
 
     check_serve_args(args)  # (the server's flags fail here, before either child starts)
+    warn_idle_settings(args)  # (on the terminal; the server's log file has them too)
     return run_up(args, forward_argv(serve, args))

@@ -2,7 +2,9 @@
 
 The initial temperature is the user's `--temperature`, else the model's own default (the
 `sampling_defaults` a pagedserve server lists with each model in /v1/models, taken from the
-model's generation_config.json), else 0.7; the initial top p is the model's default, else 1.
+model's generation_config.json), else the server's own default for a request that leaves it
+out (1.0, OpenAI's); the initial top p is the model's default, else 1. So the panel starts
+where an API request without these fields would.
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ _DEFAULTS_ORDER = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty
 class GenerationSettings:
     """What the settings panel controls."""
 
-    temperature: float = 0.7
+    temperature: float = 1.0  # SamplingParams' default: what the server uses when a model has none
     top_p: float = 1.0
     max_tokens: int = 512
     system_prompt: str = ""

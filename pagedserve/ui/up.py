@@ -119,6 +119,14 @@ class Up:
         return code
 
 
+def uses_embedded_model(args) -> bool:
+    """Whether the server `args` describe runs the embedded default model."""
+    from pagedserve.models.source import EMBEDDED_NAME
+
+    model = args.model_opt or args.model
+    return args.load_format != "dummy" and (model is None or model.lower() == EMBEDDED_NAME)
+
+
 def _client_host(host: str) -> str:
     return "127.0.0.1" if host in ("0.0.0.0", "", "::") else host
 
@@ -130,6 +138,10 @@ def run_up(args, serve_argv: list[str]) -> int:
     check_port_free(args.ui_host, args.ui_port, "the chat UI's")
     api_url = f"http://{_client_host(args.host)}:{args.port}/v1"
     ui_url = f"http://{_client_host(args.ui_host)}:{args.ui_port}"
+    if uses_embedded_model(args):  # (a first start converts it here, with its progress on the
+        from pagedserve.models.default_model import default_model_dir  # terminal, not in a log)
+
+        default_model_dir()
     logs = envs.cache_dir() / "logs"
     me = [sys.executable, "-m", "pagedserve.cli"]
     ui_cmd = [*me, "ui", "--base-url", api_url, "--host", args.ui_host, "--port", str(args.ui_port)]

@@ -15,7 +15,8 @@ per generated output. A call object is ``{"name": <string>, "arguments": <object
 ``hermes.py``: Hermes ``<tool_call>`` blocks (Qwen3, Nanbeige4.1); ``llama3_json.py``: bare
 JSON calls separated by ``;`` (Llama 3.1 / 3.2 / 3.3, Llama 4); ``mistral.py``: ``[TOOL_CALLS]``
 (Mistral, Ministral); ``phi4_mini.py``: ``<|tool_call|>[...]<|/tool_call|>`` and
-``functools[...]`` (Phi-4-mini); ``json_array.py``: the JSON array a ``tool_choice:
+``functools[...]`` (Phi-4-mini); ``smollm2.py``: ``<tool_call>[...]</tool_call>`` (SmolLM2,
+the embedded model); ``json_array.py``: the JSON array a ``tool_choice:
 "required"`` grammar produces. ``tagged.py`` holds the marked-block machinery that Hermes,
 Mistral and Phi-4-mini share; ``json_scan.py`` the character-level JSON check under all.
 
@@ -31,9 +32,10 @@ from pagedserve.server.tool_parsers.json_array import JsonArrayToolParser
 from pagedserve.server.tool_parsers.llama3_json import Llama3JsonToolParser
 from pagedserve.server.tool_parsers.mistral import MistralToolParser
 from pagedserve.server.tool_parsers.phi4_mini import Phi4MiniJsonToolParser
+from pagedserve.server.tool_parsers.smollm2 import SmolLM2ToolParser
 
 __all__ = ["HermesToolParser", "JsonArrayToolParser", "Llama3JsonToolParser", "MistralToolParser",
-           "ParsedToolCall", "Phi4MiniJsonToolParser", "TOOL_PARSERS", "ToolCallDelta", "ToolParser",
+           "ParsedToolCall", "Phi4MiniJsonToolParser", "SmolLM2ToolParser", "TOOL_PARSERS", "ToolCallDelta", "ToolParser",
            "get_tool_parser"]
 
 TOOL_PARSERS: dict[str, type[ToolParser]] = {
@@ -44,6 +46,7 @@ TOOL_PARSERS: dict[str, type[ToolParser]] = {
     "llama4_json": Llama3JsonToolParser,  # vLLM: the same parser class for Llama 4's JSON calls
     "mistral": MistralToolParser,
     "phi4_mini_json": Phi4MiniJsonToolParser,
+    "smollm2": SmolLM2ToolParser,  # (not a vLLM name: vLLM has no parser for SmolLM2's format)
 }
 
 
