@@ -12,10 +12,11 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from dataclasses import dataclass
 
 import torch
 
-from pagedserve.attention.backend import AttentionBackend, AttentionContext
+from pagedserve.attention.backend import AttentionBackend, AttentionContext, GraphKey
 from pagedserve.config import SchedulerConfig
 from pagedserve.engine.cached_request import CachedRequest
 from pagedserve.engine.graphs import GraphRunner
@@ -27,17 +28,10 @@ from pagedserve.engine.scheduler import NewRequestData, ScheduledChunk, Schedule
 from pagedserve.engine.step_handle import StepHandle
 from pagedserve.layers.sampler import Sampler, SamplingBatch
 from pagedserve.models.llama import LlamaForCausalLM
-from pagedserve.spec_decode.config import SpeculativeConfig
-from pagedserve.spec_decode.draft_grammar import draft_masks
-from pagedserve.spec_decode.draft_model import DraftRunner
-from pagedserve.spec_decode.verify import VerifyBatch, verify_drafts
-from pagedserve.structured.backend import accept_tokens, fill_bitmasks
+from pagedserve.spec_decode.spec_decoder import SpecDecoder, VerifyPlan, token_logprobs
+from pagedserve.structured.backend import accept_tokens
 from pagedserve.structured.bad_words import BadWordsMatcher
-
-
-def _token_logprobs(lp: list[float], ids: list[int], k: int) -> tuple[float, list[tuple[int, float]]]:
-    """(the token's logprob, [(id, logprob) of the top k]) from one row of token_logprobs."""
-    return lp[0], list(zip(ids[1 : 1 + k], lp[1 : 1 + k]))
+from pagedserve.structured.grammar_masks import GrammarMasks
 
 
 def _to_pinned_async(t: torch.Tensor) -> torch.Tensor:
@@ -47,13 +41,28 @@ def _to_pinned_async(t: torch.Tensor) -> torch.Tensor:
     return host
 
 
+@dataclass
+class _Step:
+    """A step as `_prepare` leaves it for the stages after it."""
+
+    out: SchedulerOutput
+    a: StepArrays  # the packed host arrays, already loaded into the device buffers
+    states: list[CachedRequest]  # the request of each chunk
+    prompt: PromptRows | None  # the rows that score their prompts (such a step runs eagerly)
+    key: GraphKey | None  # the CUDA graph that runs it (None: eager)
+    noted: object  # what the buffers noted while loading (for the eager metadata)
+    verify: VerifyPlan | None  # its drafts' verification (None: no drafts)
+
+
 class ModelRunner:
     """Builds each step's inputs, runs the model (eagerly or from a CUDA graph), computes
     the logits of the rows that sample, and samples on the device."""
 
     def __init__(self, model: LlamaForCausalLM, backend: AttentionBackend, spec: KVCacheSpec,
                  num_blocks: int, sampler: Sampler, limits: SchedulerConfig,
-                 speculative: SpeculativeConfig | None = None, drafter: DraftRunner | None = None) -> None:
+                 spec_decoder: SpecDecoder | None = None) -> None:
+        """`spec_decoder`: speculative decoding's part in each step (the worker builds it;
+        None: no speculation)."""
         cfg = model.config
         self.model = model
         self.backend = backend
@@ -65,29 +74,33 @@ class ModelRunner:
         self.num_blocks = num_blocks
         backend.bind_kv_caches(self.kv_caches, self.kv_scales)
         self.sampler = sampler
+        self.spec = spec_decoder or SpecDecoder()
         self.buffers = StepBuffers(backend, limits.max_num_batched_tokens, limits.max_num_seqs,
                                    -(-limits.max_model_len // spec.block_size), self.device,
-                                   speculative.num_speculative_tokens if speculative else 0)
-        self.force_accept = bool(speculative and speculative.force_accept)
-        # tokens a sequence verifies in a step with all its drafts (0: no speculation)
-        self.verify_len = speculative.num_speculative_tokens + 1 if speculative else 0
-        self.drafter = drafter  # the draft model, which runs every step too (its KV)
+                                   max(self.spec.verify_len - 1, 0))
+        self.masks = GrammarMasks(self.vocab_size, self.device)
         self.graphs: GraphRunner | None = None  # once enable_cuda_graphs() ran
         self.last_launch_ms = (0.0, 0.0, 0.0)  # see execute()
         self._prev_tokens: torch.Tensor | None = None  # the last launched step's samples [N]
         self._prev_rows: dict[str, int] = {}  # request id -> row in _prev_tokens
         self._prev_handle: StepHandle | None = None  # the last launched step
         self.requests: dict[str, CachedRequest] = {}  # every request the engine holds, by id
-        self._mask_failed: dict[str, str] = {}  # request id -> why its grammar mask failed
         # cumulative host seconds: waiting for the previous step's tokens, filling masks
         self.grammar_seconds = [0.0, 0.0]
-        self._mask_host: torch.Tensor | None = None  # grammar bitmask buffer [rows, words] int32
-        self._mask_copied: torch.cuda.Event | None = None  # its last copy to the device is done
         self.num_graph_steps = 0  # steps replayed from CUDA graphs (decode, verify or mixed)
         self.num_verify_graph_steps = 0  # ... of which from verify graphs
         self.num_eager_steps = 0
         self._prompt_logprobs: set[str] = set()  # held requests that score their prompts
         self._prompt_scores: tuple[torch.Tensor, torch.Tensor] | None = None  # (see forward_eager)
+
+    @property
+    def drafter(self):
+        """The draft model's runner, or None (`SpecDecoder.drafter`)."""
+        return self.spec.drafter
+
+    @property
+    def verify_len(self) -> int:
+        return self.spec.verify_len
 
     def reset_stats(self) -> None:
         self.num_graph_steps = self.num_verify_graph_steps = self.num_eager_steps = 0
@@ -109,7 +122,7 @@ class ModelRunner:
         """Forget requests that ended (their tokens, their seeded generators)."""
         for rid in request_ids:
             self.requests.pop(rid, None)
-            self._mask_failed.pop(rid, None)
+            self.masks.failed.pop(rid, None)
             self._prompt_logprobs.discard(rid)
 
     def _add_requests(self, new: list[NewRequestData]) -> None:
@@ -157,112 +170,110 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute(self, out: SchedulerOutput) -> StepHandle:
-        """Launch one step on the device and return at once; `collect` reads the results."""
+        """Launch one step on the device and return at once; `collect` reads the results.
+        Stages: prepare (host arrays into the device buffers) -> forward (a CUDA graph or
+        eager) -> sample (the sampling rows' logits; drafted rows verified apart) -> the
+        results' copies to the host started."""
         t0 = time.perf_counter()
+        step = self._prepare(out)
+        t_prepared = time.perf_counter()
+        hidden = self._forward(step)  # [N, hidden]
+        t_forward = time.perf_counter()
+        handle = self._sample(step, hidden)
+        self._start_copies(handle)
+        self._prev_tokens, self._prev_handle = handle.token_ids, handle
+        self._prev_rows = {r.request_id: i for i, r in enumerate(handle.reqs)}
+        # host ms of this launch: inputs, model, logits + sampling
+        self.last_launch_ms = ((t_prepared - t0) * 1e3, (t_forward - t_prepared) * 1e3,
+                               (time.perf_counter() - t_forward) * 1e3)
+        return handle
+
+    def _prepare(self, out: SchedulerOutput) -> _Step:
+        """Pack the step on the host, load it into the device buffers, choose its graph, and
+        copy its verification inputs (before the forward pass, so nothing waits for it)."""
         self._add_requests(out.new_requests)
         states = [self.requests[c.request_id] for c in out.chunks]
         a = pack_step(out.chunks, [r.token_ids for r in states], self._prev_rows, self.block_size)
-        reqs = [states[i] for i in a.sample_rows]
-        graphs = self.graphs
         prompt = prompt_rows(out.chunks, states, a.query_start_loc) if self._prompt_logprobs else None
-        key = None if graphs is None or prompt is not None else graphs.key_for(a)
+        key = None if self.graphs is None or prompt is not None else self.graphs.key_for(a)
         noted = self.buffers.load(a, key.num_tokens if key else a.num_tokens, key, self._prev_tokens)
-        verify = None if a.num_drafts is None else self._verify_batch(a, out.chunks, states)
-        t_prepared = time.perf_counter()
-        if key is not None:
+        verify = self.spec.plan(a, out.chunks, states, self.model.config.eos_token_ids, self.vocab_size,
+                                self.device, self.masks.failed)
+        return _Step(out, a, states, prompt, key, noted, verify)
+
+    def _forward(self, step: _Step) -> torch.Tensor:
+        """Hidden states [N, hidden] of the sampling rows (the draft model follows the step)."""
+        if step.key is not None:
             self.num_graph_steps += 1
-            self.num_verify_graph_steps += key.uniform_query_len > 1
-            hidden = graphs.replay(key, a)  # [N, hidden]
+            self.num_verify_graph_steps += step.key.uniform_query_len > 1
+            hidden = self.graphs.replay(step.key, step.a)
         else:
             self.num_eager_steps += 1
-            hidden = self.forward_eager(a, noted, prompt)
-        if self.drafter is not None:
-            self.drafter.mirror(a, self._prev_tokens)
-        t_forward = time.perf_counter()
+            hidden = self.forward_eager(step.a, step.noted, step.prompt)
+        self.spec.mirror(step.a, self._prev_tokens)
+        return hidden
+
+    def _sample(self, step: _Step, hidden: torch.Tensor) -> StepHandle:
+        """The logits of the sampling rows, drafted rows verified, the others sampled."""
+        sample_rows = step.a.sample_rows
+        reqs = [step.states[i] for i in sample_rows]
         handle = StepHandle(reqs, None)
-        if prompt is not None:
-            handle.prompt = (prompt, *(_to_pinned_async(t) if t.is_cuda else t for t in self._prompt_scores))
-        sample_rows = a.sample_rows
+        if step.prompt is not None:
+            handle.prompt = (step.prompt, *(_to_pinned_async(t) if t.is_cuda else t for t in self._prompt_scores))
         logits = self.model.compute_logits(hidden) if reqs else None  # [R, vocab]
-        if verify is not None:  # the requests with drafts are verified apart
-            vb, spec, sample_rows = verify
-            handle.spec_reqs, handle.spec_counts = [states[i] for i in spec], vb.counts
-            handle.spec_host = verify_drafts(self.sampler, logits.index_select(0, vb.rows), vb,
-                                             self.force_accept)
-            logits = logits.index_select(0, vb.plain_rows)
-            handle.reqs = reqs = [states[i] for i in sample_rows]
+        if step.verify is not None:
+            logits, sample_rows = self.spec.verify(self.sampler, logits, step.verify, handle, step.states)
+            handle.reqs = reqs = [step.states[i] for i in sample_rows]
         if reqs:
-            params = [r.sampling_params for r in reqs]
-            # outputs before this sample: the sequence through the sampling chunk, less the prompt
-            num_outputs = [c.start + c.num_tokens - len(r.prompt_token_ids)
-                           for c, r in ((out.chunks[i], states[i]) for i in sample_rows)]
-            # Token lists only for penalties (each row's last one may still be on the device:
-            # the previous step's sample, not yet read back); otherwise just the counts.
-            outputs = pending = None
-            if any(p.uses_penalties for p in params):
-                outputs = [r.output_token_ids for r in reqs]
-                rows = pending_output_rows([r.request_id for r in reqs], outputs, num_outputs, self._prev_rows)
-                pending = (self._prev_tokens, rows) if rows else None
-            batch = SamplingBatch.build(
-                params,
-                [r.generator for r in reqs],
-                [r.prompt_token_ids for r in reqs],
-                outputs,
-                self.vocab_size,
-                self.device,
-                eos_token_ids=self.model.config.eos_token_ids,
-                num_outputs=num_outputs,
-                pending_outputs=pending,
-            )
-            if any(r.matcher is not None for r in reqs):
-                # The grammars must first accept the previous step's tokens. With async
-                # scheduling that step is still running: wait for it here, behind this step's
-                # forward pass (launched above), so the mask is built while the GPU works.
-                t_wait = time.perf_counter()
-                if self._prev_handle is not None:
-                    self._read_back(self._prev_handle)
-                t_fill = time.perf_counter()
-                if any(r.constrained for r in reqs):
-                    batch.allowed_token_mask = self._grammar_mask(reqs)
-                self.grammar_seconds[0] += t_fill - t_wait
-                self.grammar_seconds[1] += time.perf_counter() - t_fill
+            batch = self._sampling_batch(step, reqs, sample_rows)
             result = self.sampler(logits, batch)
             handle.reqs, handle.token_ids = reqs, result.token_ids
             # Rows with NaN or Inf logits reach the host as token -1; the device copy the next
             # step reads keeps the sampled ids, which are always in range.
             handle.host = (result.checked_token_ids, result.logprobs, result.logprob_token_ids)
+        return handle
+
+    def _sampling_batch(self, step: _Step, reqs: list[CachedRequest], sample_rows: list[int]) -> SamplingBatch:
+        """The rows' sampling parameters on the device, their grammars' mask included."""
+        params = [r.sampling_params for r in reqs]
+        # outputs before this sample: the sequence through the sampling chunk, less the prompt
+        num_outputs = [c.start + c.num_tokens - len(r.prompt_token_ids)
+                       for c, r in ((step.out.chunks[i], step.states[i]) for i in sample_rows)]
+        # Token lists only for penalties (each row's last one may still be on the device:
+        # the previous step's sample, not yet read back); otherwise just the counts.
+        outputs = pending = None
+        if any(p.uses_penalties for p in params):
+            outputs = [r.output_token_ids for r in reqs]
+            rows = pending_output_rows([r.request_id for r in reqs], outputs, num_outputs, self._prev_rows)
+            pending = (self._prev_tokens, rows) if rows else None
+        batch = SamplingBatch.build(
+            params, [r.generator for r in reqs], [r.prompt_token_ids for r in reqs], outputs,
+            self.vocab_size, self.device, eos_token_ids=self.model.config.eos_token_ids,
+            num_outputs=num_outputs, pending_outputs=pending,
+        )
+        if any(r.matcher is not None for r in reqs):
+            # The grammars must first accept the previous step's tokens. With async
+            # scheduling that step is still running: wait for it here, behind this step's
+            # forward pass (launched above), so the mask is built while the GPU works.
+            t_wait = time.perf_counter()
+            if self._prev_handle is not None:
+                self._read_back(self._prev_handle)
+            t_fill = time.perf_counter()
+            if any(r.constrained for r in reqs):
+                batch.allowed_token_mask = self.masks.fill(reqs)
+            self.grammar_seconds[0] += t_fill - t_wait
+            self.grammar_seconds[1] += time.perf_counter() - t_fill
+        return batch
+
+    def _start_copies(self, handle: StepHandle) -> None:
+        """On CUDA: start the results' copies into pinned host memory, and record `ready`
+        behind them."""
         if (handle.host is not None or handle.spec_reqs or handle.prompt) and self.device.type == "cuda":
             handle.host = tuple(None if t is None else _to_pinned_async(t) for t in handle.host or ())
             handle.spec_host = (None if handle.spec_host is None else
                                 tuple(None if t is None else _to_pinned_async(t) for t in handle.spec_host))
             handle.ready = torch.cuda.Event()
             handle.ready.record()
-        self._prev_tokens = handle.token_ids
-        self._prev_rows = {r.request_id: i for i, r in enumerate(reqs)}
-        self._prev_handle = handle
-        t_end = time.perf_counter()
-        # host ms of this launch: inputs, model, logits + sampling
-        self.last_launch_ms = ((t_prepared - t0) * 1e3, (t_forward - t_prepared) * 1e3, (t_end - t_forward) * 1e3)
-        return handle
-
-    def _verify_batch(self, a: StepArrays, chunks: list[ScheduledChunk],
-                      states: list[CachedRequest]) -> tuple[VerifyBatch, list[int], list[int]]:
-        """The device inputs of the step's verification (copied before its forward pass), the
-        chunk rows of the sequences with drafts, and of the others that sample."""
-        spec = [a.sample_rows[i] for i, d in enumerate(a.num_drafts) if d]
-        plain = [a.sample_rows[i] for i, d in enumerate(a.num_drafts) if not d]
-        drafts = [chunks[i].draft_token_ids for i in spec]
-        usable = mask = None
-        if any(states[i].matcher is not None for i in spec):  # masks from the drafts' grammar walks
-            usable, mask = draft_masks([states[i] for i in spec], drafts, -(-self.vocab_size // 32),
-                                       self._mask_failed)
-        vb = VerifyBatch.build(
-            [states[i].sampling_params for i in spec], drafts,
-            [chunks[i].start + 1 - len(states[i].prompt_token_ids) for i in spec], a.num_drafts,
-            self.vocab_size, self.model.config.eos_token_ids, self.device,
-            [(states[i].prompt_token_ids, states[i].output_token_ids) for i in spec], usable, mask,
-            [states[i].generator for i in spec])
-        return vb, spec, plain
 
     def collect(self, handle: StepHandle) -> StepResult:
         """Wait for a step's sampled tokens and bring them to the host; each request that
@@ -297,12 +308,12 @@ class ModelRunner:
                 del token_ids[rid]
         logprobs: dict[str, list[tuple[float, list[tuple[int, float]]]]] = {}
         if handle.spec_reqs:
-            self._spec_results(handle, token_ids, logprobs, non_finite)
+            self.spec.read_results(handle, token_ids, logprobs, non_finite)
         grammar_done: list[str] = []
         held = [r for r in reqs + handle.spec_reqs
                 if r.request_id in token_ids and self.requests.get(r.request_id) is r]
         failed: dict[str, str] = {r.request_id: why for r in held
-                  if (why := self._mask_failed.pop(r.request_id, None)) is not None}
+                  if (why := self.masks.take_failure(r.request_id)) is not None}
         # Each grammar's first new token in one call (see XGrammarMatcher)
         batch = [r for r in held if r.constrained and r.request_id not in failed]
         took: dict[str, bool] = {}  # request id -> whether its grammar took its first new token
@@ -323,61 +334,8 @@ class ModelRunner:
             lp, lp_ids = logprobs_t.tolist(), logprob_ids_t.tolist()
             for row, r in enumerate(reqs):
                 if r.sampling_params.logprobs is not None:
-                    logprobs[r.request_id] = [_token_logprobs(lp[row], lp_ids[row], r.sampling_params.logprobs)]
+                    logprobs[r.request_id] = [token_logprobs(lp[row], lp_ids[row], r.sampling_params.logprobs)]
         return StepResult(token_ids, logprobs, non_finite, failed, grammar_done, prompt)
-
-    @staticmethod
-    def _spec_results(handle: StepHandle, token_ids: dict, logprobs: dict, non_finite: list) -> None:
-        """The verified requests' new tokens (and logprobs, one per token) into the dicts."""
-        tokens_t, lp_t, ids_t = handle.spec_host
-        lp, lp_ids = (lp_t.tolist(), ids_t.tolist()) if lp_t is not None else (None, None)
-        at = 0  # the request's first row
-        for r, row, count in zip(handle.spec_reqs, tokens_t.tolist(), handle.spec_counts):
-            if row[0] < 0:
-                non_finite.append(r.request_id)
-            else:
-                new = token_ids[r.request_id] = [t for t in row if t >= 0]
-                k = r.sampling_params.logprobs
-                if k is not None:
-                    logprobs[r.request_id] = [_token_logprobs(lp[at + j], lp_ids[at + j], k) for j in range(len(new))]
-            at += count
-
-    def _grammar_mask(self, reqs: list[CachedRequest]) -> torch.Tensor:
-        """[N, ceil(V / 32)] int32 allowed-token bitmask on the device: each constrained row
-        as its grammar allows next (its previous token already accepted), every other row
-        all ones. Filled in a host buffer kept between steps (pinned on CUDA)."""
-        words = -(-self.vocab_size // 32)
-        buf = self._mask_host
-        if buf is None or buf.shape[0] < len(reqs):
-            buf = torch.empty((max(len(reqs), 64), words), dtype=torch.int32,
-                              pin_memory=self.device.type == "cuda")
-            self._mask_host = buf
-        elif self._mask_copied is not None:
-            self._mask_copied.synchronize()  # the last step's copy out of it has finished
-        mask = buf[: len(reqs)]
-        # (a grammar complete with the previous token: that token ended its request, so its
-        # row's token here will be dropped)
-        rows = [i for i, r in enumerate(reqs) if r.constrained and not r.grammar_done]
-        if len(rows) < len(reqs):  # (a grammar's fill writes its whole row)
-            mask.fill_(-1)
-        matchers = [reqs[i].matcher for i in rows]
-        try:
-            if matchers:
-                fill_bitmasks(matchers, mask, rows)
-        except Exception:  # find the rows that fail: each fails its own request alone
-            for row, m in zip(rows, matchers):
-                try:
-                    m.fill_bitmask(mask, row)
-                except Exception as e:
-                    mask[row] = -1
-                    self._mask_failed[reqs[row].request_id] = \
-                        f"its grammar failed: {type(e).__name__}: {e}"[:500]
-        if self.device.type != "cuda":
-            return mask.clone()
-        device_mask = mask.to(self.device, non_blocking=True)
-        self._mask_copied = torch.cuda.Event()
-        self._mask_copied.record()
-        return device_mask
 
     def decode_probe(self, num_seqs: int, length: int):
         """(ids [S], positions [S], metadata) of a decode step of `num_seqs` sequences at

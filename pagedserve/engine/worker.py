@@ -38,6 +38,7 @@ from pagedserve.layers.sampler import Sampler
 from pagedserve.models.loader import build_model
 from pagedserve.models.source import ModelSource
 from pagedserve.quantization.methods import check_quantization_device
+from pagedserve.spec_decode.spec_decoder import SpecDecoder
 
 logger = logging.getLogger("pagedserve")
 
@@ -116,7 +117,7 @@ class Worker:
 
             drafter = DraftRunner(*draft, num_blocks, sched, config.speculative.num_speculative_tokens)
         self.runner = ModelRunner(model, backend, spec, num_blocks, Sampler(kernels.fused_sampling, kernels.top_k_top_p_kernel),
-                                  sched, config.speculative, drafter)
+                                  sched, SpecDecoder(config.speculative, drafter))
         self.num_blocks = num_blocks
 
         self.matmul_plan_seconds = 0.0
