@@ -22,7 +22,7 @@ def pair(tmp_path_factory):
     folder = tmp_path_factory.mktemp("tp_composition") / "ckpt"
     make_hf_checkpoint("llama", folder)
     # (a small step budget: prompts of 27 tokens are prefilled in chunks)
-    kw = dict(dtype="float32", device="cpu", max_num_seqs=8, max_num_batched_tokens=24, block_size=4,
+    kw = dict(dtype="float32", device="cpu", max_num_seqs=16, max_num_batched_tokens=24, block_size=4,
               kv_cache_memory=1 << 20)
     one = LLM(str(folder), **kw)
     split = LLM(str(folder), tensor_parallel_size=2, **kw)
