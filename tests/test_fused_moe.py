@@ -360,33 +360,67 @@ def test_fp8_kernel_refuses_weights_without_their_scales():
         fused_moe(x, q13.bfloat16(), q2.bfloat16(), weights, ids)
 
 
+def _ranks_in_threads(size: int, work) -> list:
+    """work(tp) on `size` tensor-parallel ranks, each a thread of this process with its own
+    gloo group (FusedMoE's FP8 scales agree across ranks through an all-reduce); the results."""
+    import datetime
+    import threading
+
+    import torch.distributed as dist
+
+    store, out = dist.HashStore(), [None] * size
+
+    def rank(r: int) -> None:
+        group = dist.ProcessGroupGloo(dist.PrefixStore("moe", store), r, size, datetime.timedelta(seconds=60))
+        out[r] = work(TensorParallel(rank=r, size=size, group=group))
+
+    threads = [threading.Thread(target=rank, args=(r,)) for r in range(size)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert all(o is not None for o in out)
+    return out
+
+
 @pytest.mark.parametrize("tp_size", [1, 2])
 def test_an_fp8_layer_quantizes_its_experts_once_loaded(tp_size):
     """FusedMoE(fp8=True) loads as the unquantized layer does, then keeps e4m3 experts with a
-    float32 scale per expert and output row (quantize_rows' rule, on each rank's share under
-    tensor parallelism); the router stays as loaded. Its output (the CPU's reference path and
-    the kernel) is the reference on the dequantized experts, and within FP8's error of the
-    unquantized layer's."""
+    float32 scale per expert and output row (quantize_rows' rule); the router stays as loaded.
+    Under tensor parallelism gate/up rows are whole on each rank and down rows split, so a
+    rank's down scales are the whole rows' (a maximum over the ranks) and each rank holds
+    exactly the one-process e4m3 numbers: the ranks' partial outputs sum to the one-process
+    FP8 layer's. Its output (the CPU's reference path and the kernel) is the reference on the
+    dequantized experts, and within FP8's error of the unquantized layer's."""
     from pagedserve.quantization.fp8 import quantize_rows
 
     torch.manual_seed(5)
     w13, w2 = expert_weights(torch.Generator().manual_seed(6))
     tensors = {"gate.weight": torch.randn(E, H), "experts.gate_up_proj": w13, "experts.down_proj": w2}
-    ranks = [loaded_layer(tensors, fp8=True, tp=TensorParallel(rank=r, size=tp_size)) for r in range(tp_size)]
-    plain = loaded_layer(tensors)
-    x = torch.randn(7, H)
-    parts = []
-    for r, layer in enumerate(ranks):
-        share = loaded_layer(tensors, tp=TensorParallel(rank=r, size=tp_size))  # the rank's bf16 share
+
+    def quantized(tp: TensorParallel) -> FusedMoE:
+        layer = loaded_layer(tensors, fp8=True, tp=tp)
         assert layer.w13.dtype == torch.float32  # (quantized only after loading)
         layer.process_weights_after_loading()
         layer.process_weights_after_loading()  # (a second call changes nothing)
+        return layer
+
+    ranks = _ranks_in_threads(tp_size, quantized) if tp_size > 1 else [quantized(TensorParallel())]
+    plain = loaded_layer(tensors)
+    x = torch.randn(7, H)
+    q2_whole, s2_whole = (t.reshape(E, H, -1) for t in quantize_rows(w2.reshape(E * H, INTER)))
+    parts = []
+    for r, layer in enumerate(ranks):
+        share = loaded_layer(tensors, tp=TensorParallel(rank=r, size=tp_size))  # the rank's bf16 share
         assert layer.w13.dtype == layer.w2.dtype == torch.float8_e4m3fn and not layer.w13.requires_grad
         assert layer.w13_scale.shape == share.w13.shape[:2] and layer.w2_scale.shape == share.w2.shape[:2]
         assert layer.gate.weight.dtype == torch.float32 and torch.equal(layer.gate.weight, plain.gate.weight)
-        for got, scale, want in ((layer.w13, layer.w13_scale, share.w13), (layer.w2, layer.w2_scale, share.w2)):
-            q, s = quantize_rows(want.reshape(-1, want.shape[-1]))
-            assert torch.equal(got.reshape(q.shape).float(), q.float()) and torch.equal(scale.reshape(-1), s.reshape(-1))
+        q, s = quantize_rows(share.w13.reshape(-1, H))
+        assert torch.equal(layer.w13.reshape(q.shape).float(), q.float())
+        assert torch.equal(layer.w13_scale.reshape(-1), s.reshape(-1))
+        cols = slice(r * INTER // tp_size, (r + 1) * INTER // tp_size)
+        assert torch.equal(layer.w2.float(), q2_whole[:, :, cols].float())
+        assert torch.equal(layer.w2_scale, s2_whole[..., 0])
         assert layer.w13.weight_loader is share.w13.weight_loader  # (the loaders' facts kept)
         with torch.no_grad():
             weights, ids = select_experts(layer.gate(x), K, renormalize=True)
@@ -399,4 +433,6 @@ def test_an_fp8_layer_quantizes_its_experts_once_loaded(tp_size):
             torch.testing.assert_close(kernel, ref, atol=1e-5, rtol=1e-5)
     with torch.no_grad():
         whole = plain(x)
+        one_fp8 = quantized(TensorParallel())(x)
+    torch.testing.assert_close(sum(parts), one_fp8, atol=1e-5, rtol=1e-5)  # (only the sum's order differs)
     assert ((sum(parts) - whole).norm() / whole.norm()).item() < 0.06  # e4m3 weights: a few percent

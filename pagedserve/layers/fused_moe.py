@@ -13,7 +13,9 @@ router stays unquantized.
 
 Across tensor-parallel ranks every rank holds every expert, each with the rank's share of
 its intermediate features (gate/up rows, down columns): its partial outputs are summed by an
-all-reduce, as a dense MLP's row-parallel down projection; the router is replicated.
+all-reduce, as a dense MLP's row-parallel down projection; the router is replicated. FP8
+down rows are split, so their scales are the whole rows' (the maximum over the ranks): each
+rank holds exactly the one-process e4m3 numbers.
 
 Checkpoint names, relative to the layer's `mlp.` (`map_moe_weight_name`), in both layouts:
   Hub (Qwen/Qwen3-30B-A3B; also what Transformers 5.x `save_pretrained` writes):
@@ -169,13 +171,15 @@ class FusedMoE(ParamAttrsModule):
         A second call, or none without `fp8`, does nothing."""
         if not self.fp8 or self.w13.dtype == FP8:
             return
-        for name in ("w13", "w2"):
+        # (w13's rows are whole on every rank; w2's are split by K over the ranks, so its
+        # scales are the whole rows' maxima: each rank then holds the one-process numbers)
+        for name, tp in (("w13", SINGLE), ("w2", self.tp)):
             param = self.get_parameter(name)
             q = torch.empty(param.shape, dtype=FP8, device=param.device)  # [E, N, K]
             scale = torch.empty(param.shape[:2], dtype=torch.float32, device=param.device)  # [E, N]
             with torch.no_grad():
                 for e in range(self.num_experts):
-                    q_e, s_e = quantize_rows(param.data[e])  # [N, K] e4m3, [N, 1]
+                    q_e, s_e = quantize_rows(param.data[e], tp)  # [N, K] e4m3, [N, 1]
                     q[e], scale[e] = q_e, s_e.reshape(-1)
             attrs = self.__dict__.get("_weight_attrs", {}).get(name, {})
             setattr(self, name, nn.Parameter(q, requires_grad=False))
