@@ -245,13 +245,12 @@ class ObservabilityConfig:
 
 
 EXECUTOR_BACKENDS = ("mp", "uni")
-TP_QUANTIZATION = ("fp8",)  # dynamic methods whose weights split over tensor-parallel ranks
 
 
 def _check_tensor_parallel(size: int, model_cfg: ModelConfig, kw: dict[str, Any],
-                           pre_quantized: bool) -> None:
+                           quant_config: dict[str, Any] | None) -> None:
     """ValueError where `size` ranks (or the executor backend asked for) cannot run this
-    model with these settings (`pre_quantized`: the checkpoint holds quantized weights)."""
+    model with these settings (`quant_config`: a pre-quantized checkpoint's)."""
     if not isinstance(size, int) or size < 1:
         raise ValueError(f"tensor_parallel_size must be a whole number >= 1, got {size!r}")
     backend = kw.get("distributed_executor_backend")
@@ -266,15 +265,11 @@ def _check_tensor_parallel(size: int, model_cfg: ModelConfig, kw: dict[str, Any]
                          f"tensor_parallel_size {size} needs 'mp' (the default for it)")
     if size == 1 and backend != "mp":
         return
-    from pagedserve.distributed.split import check_config_split
+    from pagedserve.distributed.split import check_config_split, check_quantized_split
+    from pagedserve.quantization import split_units
 
     check_config_split(model_cfg, size)
-    quantization = kw.get("quantization")
-    if quantization is not None and (pre_quantized or quantization not in TP_QUANTIZATION):
-        what = f"{quantization} checkpoints" if pre_quantized else f"--quantization {quantization}"
-        raise ValueError(f"tensor parallelism does not split {what} yet (it splits unquantized weights, "
-                         f"with --quantization {' or '.join(TP_QUANTIZATION)} or without): use "
-                         "--tensor-parallel-size 1 without --distributed-executor-backend mp")
+    check_quantized_split(model_cfg, size, split_units(kw.get("quantization"), quant_config))
 
 
 def _checked_draft(spec: SpeculativeConfig, model_cfg: ModelConfig, load_format: str,
@@ -374,7 +369,7 @@ class EngineConfig:
             kw["speculative"] = _checked_draft(spec, model_cfg, load_format,
                                                kw.get("tensor_parallel_size", 1))
         _check_tensor_parallel(kw.get("tensor_parallel_size", 1), model_cfg, kw,
-                               source.hf_config.get("quantization_config") is not None)
+                               source.hf_config.get("quantization_config"))
         kw.setdefault("kernels", envs.kernel_config())
         kw.setdefault("observability", envs.observability_config())
         config = cls(

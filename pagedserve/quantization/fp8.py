@@ -82,8 +82,6 @@ def _row_ranks(layer: nn.Module) -> TensorParallel:
 class Fp8LinearMethod(LinearMethod):
     """Weights quantized to e4m3 per output channel after loading; activations per token."""
 
-    tensor_parallel = True
-
     @classmethod
     def from_config(cls, quant_config: dict | None) -> LinearMethod:
         """Dynamic FP8 for an unquantized checkpoint (None); for an FP8 checkpoint's

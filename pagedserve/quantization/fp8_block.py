@@ -62,6 +62,23 @@ def check_block_borders(output_sizes: Sequence[int], shard_names: Sequence[str],
                 f"(e.g. weight_block_size [{fits}, {fits}])")
 
 
+def check_rank_blocks(layer: nn.Module, output_sizes: Sequence[int], input_size: int,
+                      block: tuple[int, int]) -> None:
+    """ValueError unless a tensor-parallel rank's share (`output_sizes` of each shard of a
+    column-parallel layer, `input_size` of a row-parallel one) is whole blocks: a block has
+    one scale and the layout finds it by row // bn, column // bk from the rank's first row
+    and column. (The config is checked before loading too: `distributed/split.py`.)"""
+    bn, bk = block
+    if layer.parallel == "column" and any(n % bn for n in output_sizes):
+        raise ValueError(f"FP8 blocks of {bn} rows do not split over {layer.tp.size} tensor-parallel "
+                         f"ranks: a rank's share of each output is {list(output_sizes)} rows, which "
+                         f"must be whole blocks")
+    if layer.parallel == "row" and input_size % bk:
+        raise ValueError(f"FP8 blocks of {bk} columns do not split over {layer.tp.size} tensor-"
+                         f"parallel ranks: a rank's share of the input is {input_size} columns, "
+                         "which must be whole blocks")
+
+
 def dequantize_blocks(q: torch.Tensor, scale: torch.Tensor, block: tuple[int, int],
                       dtype: torch.dtype) -> torch.Tensor:
     """e4m3 q [N, K] with block scales [cdiv(N, bn), cdiv(K, bk)] -> [N, K] in `dtype`."""
@@ -122,6 +139,7 @@ class Fp8BlockLinearMethod(LinearMethod):
                        bias: bool, dtype: torch.dtype | None) -> None:
         bn, bk = self.block
         check_block_borders(output_sizes, layer.shard_names, bn)
+        check_rank_blocks(layer, output_sizes, input_size, self.block)
         register_fp8_weight(layer, input_size, sum(output_sizes), bias, dtype)
         rows = [_cdiv(s, bn) for s in output_sizes]  # each shard's scale rows
         starts = [sum(rows[:i]) for i in range(len(rows))]

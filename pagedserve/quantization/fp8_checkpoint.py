@@ -131,7 +131,8 @@ def register_scalars(layer: nn.Module, name: str) -> None:
     """A float32 parameter [shards] (1 for an unfused layer) holding one value per shard."""
     count = max(1, len(layer.shard_names))
     layer.register_parameter(name, nn.Parameter(torch.empty(count, dtype=torch.float32), requires_grad=False))
-    set_weight_attrs(layer, name, output_dim=0, shard_offsets=per_shard_offsets(layer),
+    # (no output_dim: the value covers all its shard's rows, on every rank)
+    set_weight_attrs(layer, name, shard_dim=0, shard_offsets=per_shard_offsets(layer),
                      weight_loader=scalar_loader)
 
 
@@ -139,8 +140,6 @@ class Fp8CheckpointLinearMethod(Fp8LinearMethod):
     """e4m3 weights as stored with a scale per output channel (`per_channel`) or per tensor;
     `static_input`: the checkpoint also stores an `input_scale` per tensor (read and checked,
     then inputs are quantized per token as `Fp8LinearMethod.apply` does)."""
-
-    tensor_parallel = False  # (its scale loaders do not slice per rank yet)
 
     def __init__(self, per_channel: bool, static_input: bool = False,
                  layers: LayerSelection | None = None) -> None:

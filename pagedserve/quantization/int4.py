@@ -18,10 +18,18 @@
 On CUDA the product is `kernels/int4_gemm.py` (nibbles unpacked in registers; large batches
 dequantize to a scratch and use cuBLAS). Elsewhere the reference path dequantizes the whole
 weight with `dequantize` and calls F.linear.
+
+Tensor parallelism: a column-parallel rank keeps its share of the output columns of every
+tensor (packed 8 to a word: the share must be whole words). A row-parallel rank keeps its
+share of the input rows (qweight, GPTQ's g_idx) but all the checkpoint's group scales and
+zeros; once loaded, `group_layout` picks the groups its rows use and sets the layout's group
+size G to the largest run every group's rows fill (the checkpoint's G when the rank's rows are
+whole groups; smaller with GPTQ's act order, where a group's rows lie on several ranks).
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping, Sequence
 
 import torch
@@ -115,6 +123,42 @@ def set_int4_weight(layer: nn.Module, qweight: torch.Tensor, scales: torch.Tenso
         prepare(qweight.device, qweight.shape[0] * PACK // scales.shape[0])
 
 
+def group_layout(g_idx: torch.Tensor, groups: int) -> tuple[torch.Tensor | None, torch.Tensor]:
+    """The layout of input rows whose checkpoint groups are g_idx [K] (0..groups-1): (perm,
+    None if the rows are already in group order, else int64 [K]: the rows sorted by group;
+    the checkpoint group of each layout group, int64 [K / G']), with G' the greatest common
+    divisor of every group's row count, so each layout group lies within one checkpoint group."""
+    g = g_idx.long()
+    if g.numel() and (int(g.min()) < 0 or int(g.max()) >= groups):
+        raise ValueError(f"g_idx names group {int(g.max()) if int(g.max()) >= groups else int(g.min())} "
+                         f"of a layer with {groups} groups; the checkpoint is damaged")
+    order = torch.argsort(g, stable=True)  # [K]
+    runs = torch.bincount(g, minlength=groups)  # [groups]: each group's rows here
+    step = math.gcd(*runs[runs > 0].tolist())
+    perm = None if torch.equal(order, torch.arange(g.numel(), device=g.device)) else order
+    return perm, g[order][::step]
+
+
+def positional_groups(layer: nn.Module, rows: int, groups: int) -> torch.Tensor:
+    """g_idx [rows] of a layer whose input rows go to groups in order (k // G over the whole
+    input): for a row-parallel rank, its rows' groups."""
+    first = layer.tp.rank * rows if layer.parallel == "row" else 0
+    whole = rows * (layer.tp.size if layer.parallel == "row" else 1)
+    return (torch.arange(rows) + first) // (whole // groups)
+
+
+def set_grouped_int4_weight(layer: nn.Module, qweight: torch.Tensor, scales: torch.Tensor,
+                            zeros: torch.Tensor, g_idx: torch.Tensor, drop: Sequence[str]) -> None:
+    """`set_int4_weight` from the checkpoint's groups: qweight int32 [K/8, N] (the layer's
+    input rows, packed along K), scales and zeros [groups, N] (every group of the checkpoint
+    tensor), g_idx [K] (each row's group): the rows sorted by group, each layout group given
+    its checkpoint group's scale and zero (`group_layout`)."""
+    perm, chosen = group_layout(g_idx.to(scales.device), scales.shape[0])
+    if perm is not None:
+        qweight = pack_int4(unpack_int4(qweight, 0)[perm], 0)  # rows sorted by group
+    set_int4_weight(layer, qweight, scales[chosen], zeros[chosen], perm, drop)
+
+
 def packed_offsets(shard_offsets: Mapping[str, tuple[int, int]]) -> dict[str, tuple[int, int]]:
     """Shard offsets along an output dimension packed 8 columns per int32."""
     return {name: (start // PACK, size // PACK) for name, (start, size) in shard_offsets.items()}
@@ -152,23 +196,28 @@ class Int4LinearMethod(LinearMethod):
     def __init__(self, group_size: int) -> None:
         self.group_size = group_size
 
-    def group_for(self, input_size: int, output_sizes: Sequence[int]) -> int:
-        """The group size of a layer with these sizes (-1: one group of all inputs); ValueError
-        naming the size that does not fit the format's packing."""
-        group = input_size if self.group_size == -1 else self.group_size
-        if group <= 0 or input_size % group:
+    def layer_groups(self, layer: nn.Module, input_size: int, output_sizes: Sequence[int]) -> int:
+        """The number of groups the checkpoint stores for a layer of these sizes (this rank's:
+        a row-parallel rank keeps every group of the whole input, see the module docstring);
+        ValueError naming the size that does not fit the format's packing."""
+        ranks = layer.tp.size if layer.parallel == "row" else 1
+        whole = input_size * ranks
+        group = whole if self.group_size == -1 else self.group_size
+        if group <= 0 or whole % group:
             raise ValueError(f"{self.FORMAT}: group_size {self.group_size} does not divide the "
-                             f"layer's {input_size} inputs; the checkpoint does not fit this model "
+                             f"layer's {whole} inputs; the checkpoint does not fit this model "
                              "(re-quantize with a group size dividing every projection's input size)")
         if input_size % PACK:
-            raise ValueError(f"{self.FORMAT}: a layer with {input_size} inputs cannot be packed "
-                             "8 rows per int32; its input size must be a multiple of 8")
+            share = f" (a share of {whole} over {ranks} tensor-parallel ranks)" if ranks > 1 else ""
+            raise ValueError(f"{self.FORMAT}: a layer with {input_size} inputs{share} cannot be "
+                             "packed 8 rows per int32; its input size must be a multiple of 8")
         bad = [n for n in output_sizes if n % PACK]
         if bad:
+            share = ", a tensor-parallel rank's share" if layer.parallel == "column" else ""
             raise ValueError(f"{self.FORMAT} packs 8 output columns into each int32, but this model "
                              f"has a projection (or fused shard) of {bad[0]} outputs: every output "
-                             f"size must be a multiple of 8 (sizes {list(output_sizes)})")
-        return group
+                             f"size must be a multiple of 8 (sizes {list(output_sizes)}{share})")
+        return whole // group
 
     def register_bias(self, layer: nn.Module, output_sizes: Sequence[int], bias: bool,
                       dtype: torch.dtype | None) -> None:
