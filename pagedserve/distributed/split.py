@@ -60,7 +60,7 @@ def check_quantized_split(cfg, size: int, units: SplitUnits) -> None:
     for dims, unit, part in ((column, units.outputs, "outputs"), (row, units.inputs, "inputs")):
         for name, n in dims:
             if (n // size) % unit:
-                problems.append(f"{name} has {n} {part}, {n // size} a rank, not a multiple of {unit}")
+                problems.append(f"{name}: {n} {part}, {n // size} a rank, not a multiple of {unit}")
     if problems:
         raise ValueError(f"the checkpoint's weights do not split over {size} tensor-parallel ranks: "
                          f"{'; '.join(problems)} ({units.why}); use a tensor-parallel size that "

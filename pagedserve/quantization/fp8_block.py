@@ -138,8 +138,8 @@ class Fp8BlockLinearMethod(LinearMethod):
     def create_weights(self, layer: nn.Module, input_size: int, output_sizes: list[int],
                        bias: bool, dtype: torch.dtype | None) -> None:
         bn, bk = self.block
-        check_block_borders(output_sizes, layer.shard_names, bn)
         check_rank_blocks(layer, output_sizes, input_size, self.block)
+        check_block_borders(output_sizes, layer.shard_names, bn)
         register_fp8_weight(layer, input_size, sum(output_sizes), bias, dtype)
         rows = [_cdiv(s, bn) for s in output_sizes]  # each shard's scale rows
         starts = [sum(rows[:i]) for i in range(len(rows))]
@@ -148,7 +148,8 @@ class Fp8BlockLinearMethod(LinearMethod):
         layer.register_parameter(self.scale_name, nn.Parameter(
             torch.empty(sum(rows), _cdiv(input_size, bk), dtype=torch.float32),
             requires_grad=False))  # [cdiv(out, bn) per shard, cdiv(in, bk)]
-        set_weight_attrs(layer, self.scale_name, output_dim=0, shard_offsets=offsets,
+        # (indexed by blocks of outputs and of inputs: a rank's share of each is whole blocks)
+        set_weight_attrs(layer, self.scale_name, output_dim=0, input_dim=1, shard_offsets=offsets,
                          weight_loader=scale_loader)
 
     def process_weights_after_loading(self, layer: nn.Module) -> None:

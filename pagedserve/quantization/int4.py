@@ -22,14 +22,14 @@ weight with `dequantize` and calls F.linear.
 Tensor parallelism: a column-parallel rank keeps its share of the output columns of every
 tensor (packed 8 to a word: the share must be whole words). A row-parallel rank keeps its
 share of the input rows (qweight, GPTQ's g_idx) but all the checkpoint's group scales and
-zeros; once loaded, `group_layout` picks the groups its rows use and sets the layout's group
-size G to the largest run every group's rows fill (the checkpoint's G when the rank's rows are
-whole groups; smaller with GPTQ's act order, where a group's rows lie on several ranks).
+zeros; once loaded, `group_layout` keeps the groups its rows use. With whole groups a rank
+that is the checkpoint's layout; with GPTQ's act order a group's rows lie on several ranks,
+and each group's run is padded to a common length (at most the whole input's rows: never
+more than one rank holding the whole layer).
 """
 
 from __future__ import annotations
 
-import math
 from collections.abc import Mapping, Sequence
 
 import torch
@@ -87,6 +87,9 @@ def dequantize(qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
 
 def int4_product(x: torch.Tensor, layer: nn.Module, bias: torch.Tensor | None) -> torch.Tensor:
     """x [T, K] @ the layer's int4 weight -> [T, N] (+ bias), in x's dtype."""
+    rows = layer.w4_qweight.shape[0] * PACK
+    if x.shape[-1] < rows:  # a layout with padding rows (`group_layout`): they read zeros
+        x = F.pad(x, (0, rows - x.shape[-1]))  # [T, K']
     if x.is_cuda:
         from pagedserve.kernels.int4_gemm import int4_linear
 
@@ -124,19 +127,31 @@ def set_int4_weight(layer: nn.Module, qweight: torch.Tensor, scales: torch.Tenso
 
 
 def group_layout(g_idx: torch.Tensor, groups: int) -> tuple[torch.Tensor | None, torch.Tensor]:
-    """The layout of input rows whose checkpoint groups are g_idx [K] (0..groups-1): (perm,
-    None if the rows are already in group order, else int64 [K]: the rows sorted by group;
-    the checkpoint group of each layout group, int64 [K / G']), with G' the greatest common
-    divisor of every group's row count, so each layout group lies within one checkpoint group."""
+    """The layout of K input rows whose checkpoint groups are g_idx [K] (0..groups-1): rows
+    sorted by group, each group a run of L layout rows. L is the rows every group here has
+    when they all have as many (no padding: the checkpoint's G, or a rank's whole share);
+    else the most any has, rounded up to 16, and shorter runs are padded with rows that read
+    an input column past the K real ones (zeros, `int4_product`). Returns (perm: None for rows
+    already in order without padding, else int64 [K']: the input column of each layout row,
+    K for padding; the checkpoint group of each layout group, int64 [K' / L])."""
     g = g_idx.long()
-    if g.numel() and (int(g.min()) < 0 or int(g.max()) >= groups):
-        raise ValueError(f"g_idx names group {int(g.max()) if int(g.max()) >= groups else int(g.min())} "
-                         f"of a layer with {groups} groups; the checkpoint is damaged")
-    order = torch.argsort(g, stable=True)  # [K]
+    k = g.numel()
+    if k and (int(g.min()) < 0 or int(g.max()) >= groups):
+        raise ValueError(f"g_idx holds groups {int(g.min())}..{int(g.max())} in a layer of {groups} "
+                         "groups; the checkpoint is damaged")
     runs = torch.bincount(g, minlength=groups)  # [groups]: each group's rows here
-    step = math.gcd(*runs[runs > 0].tolist())
-    perm = None if torch.equal(order, torch.arange(g.numel(), device=g.device)) else order
-    return perm, g[order][::step]
+    used = torch.nonzero(runs).flatten()  # [U] the groups these rows use, in order
+    longest = int(runs.max())
+    run = longest if bool((runs[used] == longest).all()) else -(-longest // 16) * 16
+    order = torch.argsort(g, stable=True)  # [K] rows by group
+    if run == longest:
+        perm = None if torch.equal(order, torch.arange(k, device=g.device)) else order
+        return perm, g[order][::run]
+    slot = torch.arange(k, device=g.device) - (torch.cumsum(runs, 0) - runs)[g[order]]  # [K] place in its run
+    where = torch.searchsorted(used, g[order]) * run + slot  # [K] each sorted row's layout row
+    perm = torch.full((used.numel() * run,), k, dtype=torch.long, device=g.device)  # [K']
+    perm[where] = order
+    return perm, used
 
 
 def positional_groups(layer: nn.Module, rows: int, groups: int) -> torch.Tensor:
@@ -154,8 +169,9 @@ def set_grouped_int4_weight(layer: nn.Module, qweight: torch.Tensor, scales: tor
     tensor), g_idx [K] (each row's group): the rows sorted by group, each layout group given
     its checkpoint group's scale and zero (`group_layout`)."""
     perm, chosen = group_layout(g_idx.to(scales.device), scales.shape[0])
-    if perm is not None:
-        qweight = pack_int4(unpack_int4(qweight, 0)[perm], 0)  # rows sorted by group
+    if perm is not None:  # rows sorted by group (padding rows: any value, they meet zeros)
+        q = unpack_int4(qweight, 0)  # [K, N]
+        qweight = pack_int4(F.pad(q, (0, 0, 0, 1))[perm], 0)  # [K'/8, N]
     set_int4_weight(layer, qweight, scales[chosen], zeros[chosen], perm, drop)
 
 
