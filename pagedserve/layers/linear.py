@@ -90,6 +90,10 @@ class Linear(ParamAttrsModule):
         y = self.tp.all_reduce(self.linear_method.apply(self, x, None))  # [T, in / size] -> [T, out]
         return y if self.bias is None else y + self.bias
 
+    def pack_for_cpu(self, rows_hint: int) -> bool:
+        """oneDNN packing of the weight, where the method allows (`layers/cpu_matmul.py`)."""
+        return self.linear_method.pack_for_cpu(self, rows_hint)
+
     def extra_repr(self) -> str:
         shards = f", shards={dict(self.shard_offsets)}" if self.shard_names else ""
         return (f"in_features={self.in_features}, out_features={self.out_features}, "

@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from pagedserve.layers.cpu_matmul import packed_linear
+from pagedserve.layers.cpu_matmul import can_pack, pack, packed_linear
 from pagedserve.layers.skinny import matmul
 from pagedserve.layers.weight_utils import linear_weight_loader, set_weight_attrs
 
@@ -63,6 +63,12 @@ class LinearMethod:
         CUDA graphs: keep it to the product itself."""
         raise NotImplementedError
 
+    def pack_for_cpu(self, layer: nn.Module, rows_hint: int) -> bool:
+        """Give `layer` a oneDNN-packed weight its product then uses (`layers/cpu_matmul.py`),
+        where the method and the weight allow; whether it did. (None here: quantized methods
+        multiply their own way.)"""
+        return False
+
     def plannable(self, layer: nn.Module) -> bool:
         """Whether `layer`'s product follows a small-batch plan (`layers/skinny.py`): its
         `weight` [out, in], with `weight_scale` [1, out] if it is e4m3, goes to
@@ -90,6 +96,13 @@ class UnquantizedLinearMethod(LinearMethod):
         if bias:
             bound = 1 / math.sqrt(input_size) if input_size > 0 else 0
             nn.init.uniform_(layer.bias, -bound, bound)
+
+    def pack_for_cpu(self, layer: nn.Module, rows_hint: int) -> bool:
+        if not can_pack(layer.weight):
+            return False
+        layer.packed_weight = pack(layer.weight, rows_hint)
+        layer.weight.data = layer.weight.data.new_empty(0)  # (released: only the packed copy is read)
+        return True
 
     def plannable(self, layer: nn.Module) -> bool:
         return layer.bias is None

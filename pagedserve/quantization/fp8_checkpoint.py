@@ -177,29 +177,3 @@ class Fp8CheckpointLinearMethod(Fp8LinearMethod):
                 logger.info("the checkpoint's static input scales are read but not used: "
                             "inputs are quantized per token, on the fly")
         set_fp8_weight(layer, layer.weight.data, scale.reshape(-1), layer.compute_dtype)
-
-
-def fp8_config_method(quant_config: dict) -> LinearMethod:
-    """The method for a `quant_method: "fp8"` checkpoint: block FP8 (`weight_block_size`,
-    dynamic activations) or per-tensor FP8 (`weight_scale` per tensor, activation_scheme
-    "dynamic" or "static"). ValueError naming what cannot be read."""
-    scheme = quant_config.get("activation_scheme", "dynamic")
-    if scheme not in ("dynamic", "static"):
-        raise ValueError(f"FP8 checkpoint with activation_scheme {scheme!r}: pagedserve reads "
-                         "'dynamic' and 'static'")
-    fmt = quant_config.get("fmt", "e4m3")
-    if fmt != "e4m3":
-        raise ValueError(f"FP8 checkpoint in format {fmt!r}: pagedserve reads e4m3 weights only")
-    ignore = [*(quant_config.get("ignored_layers") or []),
-              *(quant_config.get("modules_to_not_convert") or [])]
-    layers = LayerSelection(ignore)
-    block = quant_config.get("weight_block_size")
-    if block is None:
-        return Fp8CheckpointLinearMethod(per_channel=False, static_input=scheme == "static", layers=layers)
-    from pagedserve.quantization.fp8_block import Fp8BlockLinearMethod, parse_block
-
-    if scheme != "dynamic":
-        raise ValueError("block FP8 checkpoint with activation_scheme 'static': block-wise "
-                         "weights go with dynamic activation scales only (as in vLLM); "
-                         "requantize with activation_scheme 'dynamic'")
-    return Fp8BlockLinearMethod(parse_block(block, "weight_block_size"), "weight_scale_inv", layers)
