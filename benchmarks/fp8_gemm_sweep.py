@@ -57,8 +57,8 @@ def main() -> None:
 
     from pagedserve.bench.run_info import device_name, git_commit
     from pagedserve.kernels.fp8_quant import quantize_rows_fp8
-    from pagedserve.layers.skinny import _candidates, row_bucket, skinny
-    from pagedserve.quantization.fp8 import fp8_scaled_mm, quantize_rows
+    from pagedserve.layers.fp8_rows import quantize_rows
+    from pagedserve.layers.skinny import _candidates, fp8_scaled_mm, row_bucket, skinny
 
     rows_out = []
     print(f"{'shape':<14} {'rows':>5} {'bf16 us':>9} {'quant us':>9} {'fp8 us':>9} {'fp8/bf16':>9} "

@@ -45,8 +45,8 @@ def main() -> None:
     args = p.parse_args()
 
     from pagedserve.bench.run_info import device_name, git_commit
-    from pagedserve.layers.skinny import skinny
-    from pagedserve.quantization.fp8 import fp8_scaled_mm, quantize_rows
+    from pagedserve.layers.fp8_rows import quantize_rows
+    from pagedserve.layers.skinny import fp8_scaled_mm, skinny
 
     results = []
     for name, (n, k) in SHAPES.items():

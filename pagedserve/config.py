@@ -234,39 +234,6 @@ class ObservabilityConfig:
     step_trace: str | None = None  # append each step's make-up and GPU times to this JSONL file
 
 
-EXECUTOR_BACKENDS = ("mp", "uni")
-TP_QUANTIZATION = ("fp8",)  # dynamic methods whose weights split over tensor-parallel ranks
-
-
-def _check_tensor_parallel(size: int, model_cfg: ModelConfig, kw: dict[str, Any],
-                           pre_quantized: bool) -> None:
-    """ValueError where `size` ranks (or the executor backend asked for) cannot run this
-    model with these settings (`pre_quantized`: the checkpoint holds quantized weights)."""
-    if not isinstance(size, int) or size < 1:
-        raise ValueError(f"tensor_parallel_size must be a whole number >= 1, got {size!r}")
-    backend = kw.get("distributed_executor_backend")
-    if backend == "ray":
-        raise ValueError("distributed_executor_backend 'ray' is not supported: tensor parallelism "
-                         "runs on the GPUs of one host ('mp'); for replicas on many hosts, use "
-                         "`pagedserve serve-ray`")
-    if backend not in (None, *EXECUTOR_BACKENDS):
-        raise ValueError(f"distributed_executor_backend must be one of {EXECUTOR_BACKENDS}, got {backend!r}")
-    if backend == "uni" and size > 1:
-        raise ValueError(f"distributed_executor_backend 'uni' runs one in-process worker; "
-                         f"tensor_parallel_size {size} needs 'mp' (the default for it)")
-    if size == 1 and backend != "mp":
-        return
-    from pagedserve.distributed.split import check_config_split
-
-    check_config_split(model_cfg, size)
-    quantization = kw.get("quantization")
-    if quantization is not None and (pre_quantized or quantization not in TP_QUANTIZATION):
-        what = f"{quantization} checkpoints" if pre_quantized else f"--quantization {quantization}"
-        raise ValueError(f"tensor parallelism does not split {what} yet (it splits unquantized weights, "
-                         f"with --quantization {' or '.join(TP_QUANTIZATION)} or without): use "
-                         "--tensor-parallel-size 1 without --distributed-executor-backend mp")
-
-
 @dataclass(frozen=True)
 class EngineConfig:
     """Everything needed to build an engine core (built once: `EngineArgs.create_engine_config`)."""

@@ -14,18 +14,12 @@ from dataclasses import dataclass, fields, replace
 from typing import Any
 
 from pagedserve import envs
-from pagedserve.config import (
-    CacheConfig,
-    EngineConfig,
-    ModelConfig,
-    SchedulerConfig,
-    _check_tensor_parallel,
-)
-from pagedserve.distributed.split import check_config_split
+from pagedserve.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
+from pagedserve.distributed.split import check_config_split, check_quantized_split
 from pagedserve.faults import FaultPlan
 from pagedserve.models.hf_config import model_config_from_hf
 from pagedserve.models.source import ModelSource, resolve_model
-from pagedserve.quantization import resolve_quantization
+from pagedserve.quantization import resolve_quantization, split_units
 from pagedserve.spec_decode.config import SpeculativeConfig
 
 
@@ -97,10 +91,9 @@ class EngineArgs:
         spec = SpeculativeConfig.parse(self.speculative_config)
         if spec is not None and spec.method == "draft_model":
             spec = _checked_draft(spec, model_cfg, self.load_format, self.tensor_parallel_size)
-        _check_tensor_parallel(self.tensor_parallel_size, model_cfg,
-                               {"quantization": quantization,
-                                "distributed_executor_backend": self.distributed_executor_backend},
-                               source.hf_config.get("quantization_config") is not None)
+        check_tensor_parallel(self.tensor_parallel_size, model_cfg, quantization,
+                              source.hf_config.get("quantization_config"),
+                              self.distributed_executor_backend)
         config = EngineConfig(
             model=model, tokenizer=self.tokenizer, dtype=self.dtype, device=self.device,
             load_format=self.load_format, seed=self.seed, quantization=quantization,
@@ -124,6 +117,30 @@ def engine_args(model: str | None = None, **kwargs: Any) -> EngineArgs:
         raise TypeError(f"unknown engine setting(s) {unknown}: the settings are the fields of "
                         f"pagedserve.engine_args.EngineArgs ({', '.join(sorted(names))})")
     return EngineArgs(model, **kwargs)
+
+
+EXECUTOR_BACKENDS = ("mp", "uni")
+
+
+def check_tensor_parallel(size: int, model_cfg: ModelConfig, quantization: str | None,
+                          quant_config: dict[str, Any] | None, backend: str | None = None) -> None:
+    """ValueError where `size` ranks (or the executor `backend` asked for) cannot run this
+    model with this quantization method (`quant_config`: a pre-quantized checkpoint's)."""
+    if not isinstance(size, int) or size < 1:
+        raise ValueError(f"tensor_parallel_size must be a whole number >= 1, got {size!r}")
+    if backend == "ray":
+        raise ValueError("distributed_executor_backend 'ray' is not supported: tensor parallelism "
+                         "runs on the GPUs of one host ('mp'); for replicas on many hosts, use "
+                         "`pagedserve serve-ray`")
+    if backend not in (None, *EXECUTOR_BACKENDS):
+        raise ValueError(f"distributed_executor_backend must be one of {EXECUTOR_BACKENDS}, got {backend!r}")
+    if backend == "uni" and size > 1:
+        raise ValueError(f"distributed_executor_backend 'uni' runs one in-process worker; "
+                         f"tensor_parallel_size {size} needs 'mp' (the default for it)")
+    if size == 1 and backend != "mp":
+        return
+    check_config_split(model_cfg, size)
+    check_quantized_split(model_cfg, size, split_units(quantization, quant_config))
 
 
 def _checked_draft(spec: SpeculativeConfig, model_cfg: ModelConfig, load_format: str,

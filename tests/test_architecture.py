@@ -1,6 +1,7 @@
 """Rules of the code's shape, checked on the source: no import circles between pagedserve's
-modules, no module over 400 lines, no environment read outside envs.py, and nothing outside
-attention/ reaching into an attention backend's own module."""
+modules (imports inside functions count), imports that run down the layers (the few that run
+up are listed with their reasons), no module over 400 lines, no environment read outside
+envs.py, and nothing outside attention/ reaching into an attention backend's own module."""
 
 from __future__ import annotations
 
@@ -26,13 +27,14 @@ def _modules() -> dict[str, Path]:
 MODULES = _modules()
 
 
-def _imports(path: Path, module: str, everywhere: bool) -> set[str]:
-    """pagedserve modules `module` imports: at module level only (what runs on import), or
-    anywhere in the file."""
+def _imports(path: Path, module: str) -> set[str]:
+    """pagedserve modules `module` imports anywhere in the file: at module level, inside
+    functions and under `if TYPE_CHECKING:` alike (a lazy import is still a dependency).
+    `from pkg import name` is an import of the module `pkg.name` where that is a module, else
+    of `pkg` itself."""
     tree = ast.parse(path.read_text())
-    nodes = ast.walk(tree) if everywhere else _top_level(tree.body)
     found = set()
-    for node in nodes:
+    for node in ast.walk(tree):
         names = []
         if isinstance(node, ast.Import):
             names = [a.name for a in node.names]
@@ -41,54 +43,85 @@ def _imports(path: Path, module: str, everywhere: bool) -> set[str]:
             if node.level:  # (relative imports: resolve against the package)
                 pkg = module.split(".")[: -node.level if path.name != "__init__.py" else None]
                 base = ".".join([*pkg, node.module])
-            names = [base] + [f"{base}.{a.name}" for a in node.names]
+            subs = [f"{base}.{a.name}" for a in node.names]
+            names = [s for s in subs if s in MODULES] or [base]
         found |= {n for n in names if n in MODULES and n != module}
     return found
 
 
-def _top_level(body):
-    """Statements that run on import: the body, through if/try blocks, but not under
-    `if TYPE_CHECKING:` and not inside functions or classes' methods."""
-    for node in body:
-        if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test):
-            continue
-        yield node
-        if isinstance(node, (ast.If, ast.Try)):
-            yield from _top_level(node.body)
-            yield from _top_level(getattr(node, "orelse", []))
-            for handler in getattr(node, "handlers", []):
-                yield from _top_level(handler.body)
+GRAPH = {m: _imports(p, m) for m, p in MODULES.items()}
 
 
 def test_no_import_circles():
-    """Module-level imports form no cycle (a lazy import inside a function does not count
-    as an edge, but a pair of modules importing each other at module level does)."""
-    graph = {m: _imports(p, m, everywhere=False) for m, p in MODULES.items()}
+    """No cycle in the import graph, counting imports inside functions and under
+    TYPE_CHECKING (a package importing its own submodules is no cycle)."""
     cycles, state = [], {}
 
     def visit(m, stack):
         state[m] = "open"
-        for dep in sorted(graph[m]):
+        for dep in sorted(GRAPH[m]):
+            if dep.startswith(m + "."):
+                continue
             if state.get(dep) == "open":
                 cycles.append(stack[stack.index(dep):] + [dep])
             elif dep not in state:
                 visit(dep, stack + [dep])
         state[m] = "done"
 
-    for m in graph:
+    for m in GRAPH:
         if m not in state:
             visit(m, [m])
-    # a package importing its own submodules (pagedserve/__init__ -> pagedserve.llm) is no cycle
-    cycles = [c for c in cycles if not any(a.startswith(b + ".") for a, b in zip(c[1:], c))]
     assert not cycles, cycles
 
 
-def test_engine_and_graph_modules_do_not_import_each_other_lazily_either():
-    """The two circles issue 23 named: the core and the warm-up, the runner and the graphs."""
-    for a, b in (("pagedserve.engine.core", "pagedserve.engine.warm_up"),
-                 ("pagedserve.engine.model_runner", "pagedserve.engine.graphs")):
-        both = (b in _imports(MODULES[a], a, everywhere=True), a in _imports(MODULES[b], b, everywhere=True))
-        assert both != (True, True), (a, b)
+# The layers, lowest first: a module may import its own layer's modules and lower ones. A
+# module belongs to the longest prefix that names it.
+LAYERS = [
+    # plain data and process utilities: what a request asks for, the configs, small helpers
+    ["pagedserve.config", "pagedserve.faults", "pagedserve.sampling_params", "pagedserve.outputs",
+     "pagedserve.structured.params", "pagedserve.structured.bad_words_automaton",
+     "pagedserve.spec_decode.config", "pagedserve.models.moe_config", "pagedserve.models.rope_scaling",
+     "pagedserve.distributed.split", "pagedserve.unicode_checks", "pagedserve.heap",
+     "pagedserve.ipc_dirs", "pagedserve.lifeline", "pagedserve.child_process", "pagedserve.host_copy",
+     "pagedserve.version"],
+    ["pagedserve.envs", "pagedserve.tokenizer"],  # the environment's switches; text <-> ids
+    ["pagedserve.kernels", "pagedserve.distributed"],  # Triton kernels; tensor-parallel groups
+    ["pagedserve.attention"],
+    ["pagedserve.layers"],
+    ["pagedserve.quantization"],  # LinearMethods over layers/linear_method.py
+    ["pagedserve.models"],
+    ["pagedserve.structured"],
+    # the engine's state: requests, scheduling, KV blocks, step buffers, messages
+    ["pagedserve.engine.request", "pagedserve.engine.cached_request", "pagedserve.engine.scheduler",
+     "pagedserve.engine.kv_cache_manager", "pagedserve.engine.kv_cache_spec", "pagedserve.engine.cache_sizing",
+     "pagedserve.engine.input_batch", "pagedserve.engine.graphs", "pagedserve.engine.messages",
+     "pagedserve.engine.limits", "pagedserve.engine.stopping", "pagedserve.engine.step_timer",
+     "pagedserve.engine.step_trace", "pagedserve.engine.step_handle", "pagedserve.engine.heartbeat",
+     "pagedserve.engine.prompt_logprobs"],
+    ["pagedserve.spec_decode"],  # proposers and verification, over the engine's state
+    ["pagedserve.engine"],  # the assembly: runner, worker, executors, core, core process
+    ["pagedserve.engine_args", "pagedserve.llm"],
+    ["pagedserve.server", "pagedserve.monitor", "pagedserve.baseline"],
+    ["pagedserve.bench", "pagedserve.replicas", "pagedserve.ui", "pagedserve.cli", "pagedserve"],
+]
+
+# Imports that run up the layers, each with its reason (at most 7 may exist).
+UPWARD = {
+}
+
+
+def _layer(module: str) -> int:
+    best = max(((len(prefix), i) for i, group in enumerate(LAYERS) for prefix in group
+                if module == prefix or module.startswith(prefix + ".")), default=None)
+    assert best is not None, f"{module} is in no layer: add it to LAYERS"
+    return best[1]
+
+
+def test_imports_run_down_the_layers():
+    upward = {(a, b) for a, deps in GRAPH.items() for b in deps
+              if not b.startswith(a + ".") and _layer(b) > _layer(a)}
+    assert upward == set(UPWARD), sorted(upward ^ set(UPWARD))
+    assert len(UPWARD) <= 7
 
 
 @pytest.mark.parametrize("module", sorted(MODULES))
@@ -114,5 +147,5 @@ def test_only_attention_imports_a_backend_module():
     registry in attention/__init__)."""
     backends = {"pagedserve.attention.triton_backend", "pagedserve.attention.torch_ref"}
     offenders = [m for m, p in MODULES.items() if not m.startswith("pagedserve.attention")
-                 and _imports(p, m, everywhere=True) & backends]
+                 and _imports(p, m) & backends]
     assert not offenders

@@ -12,8 +12,9 @@ import pytest
 import torch
 
 from helpers import run_prefill
+from pagedserve.layers.fp8_rows import dequantize_rows, quantize_rows
 from pagedserve.layers.linear import Linear, MergedLinear
-from pagedserve.quantization.fp8 import Fp8LinearMethod, dequantize_rows, quantize_rows
+from pagedserve.quantization.fp8 import Fp8LinearMethod
 
 E4M3 = torch.float8_e4m3fn
 

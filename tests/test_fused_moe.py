@@ -315,7 +315,7 @@ def test_loaders_survive_meta_build():
 def fp8_experts(gen: torch.Generator):
     """Random experts quantized as FusedMoE does: (e4m3 w13 [E, 2I, H], float32 scale [E, 2I],
     e4m3 w2 [E, H, I], scale [E, H])."""
-    from pagedserve.quantization.fp8 import quantize_rows
+    from pagedserve.layers.fp8_rows import quantize_rows
 
     w13, w2 = expert_weights(gen)
     q13, s13 = quantize_rows(w13.reshape(-1, H))
@@ -392,7 +392,7 @@ def test_an_fp8_layer_quantizes_its_experts_once_loaded(tp_size):
     exactly the one-process e4m3 numbers: the ranks' partial outputs sum to the one-process
     FP8 layer's. Its output (the CPU's reference path and the kernel) is the reference on the
     dequantized experts, and within FP8's error of the unquantized layer's."""
-    from pagedserve.quantization.fp8 import quantize_rows
+    from pagedserve.layers.fp8_rows import quantize_rows
 
     torch.manual_seed(5)
     w13, w2 = expert_weights(torch.Generator().manual_seed(6))

@@ -4,7 +4,8 @@ checkpoints made with Transformers (2 ranks) and the embedded SmolLM2 (3 ranks: 
 and 3 KV heads), each rank holding only its share of the weights; the engine over 2 ranks
 (`LLM(tensor_parallel_size=2)`) gives the one-process tokens, also with FP8 weights and an FP8
 KV cache (issue 56), and a killed rank fails every request and frees everything; splits a
-model cannot make, and settings tensor parallelism does not run yet, are refused naming them.
+model or a weight format cannot make are refused naming them (pre-quantized checkpoints over
+ranks: tests/test_tensor_parallel_quantized.py).
 Speculative decoding over ranks (n-gram, and a draft model split as the model is) gives the
 one-process tokens too."""
 
@@ -111,11 +112,17 @@ def test_splits_a_model_cannot_make_are_refused():
     from pagedserve.quantization.awq import AwqLinearMethod
     from pagedserve.quantization.fp8_checkpoint import Fp8CheckpointLinearMethod
 
-    with pytest.raises(ValueError, match="tensor parallelism does not split AwqLinearMethod weights"):
-        Linear(64, 64, linear_method=AwqLinearMethod(group_size=32), tp=TensorParallel(0, 2), parallel="row")
-    with pytest.raises(ValueError, match="does not split Fp8CheckpointLinearMethod weights"):
-        Linear(64, 64, linear_method=Fp8CheckpointLinearMethod(per_channel=True), tp=TensorParallel(0, 2),
-               parallel="column")
+    # pre-quantized layers split as plain ones (tests/test_tensor_parallel_quantized.py): a
+    # row-parallel AWQ rank holds half the input rows and every group's scales
+    awq = Linear(64, 64, linear_method=AwqLinearMethod(group_size=32), tp=TensorParallel(0, 2), parallel="row")
+    assert awq.qweight.shape == (32, 8) and awq.scales.shape == (2, 64) and awq.qweight.tp_dim == 0
+    assert awq.scales.tp_dim is None
+    fp8 = Linear(64, 64, linear_method=Fp8CheckpointLinearMethod(per_channel=True), tp=TensorParallel(0, 2),
+                 parallel="column")
+    assert fp8.weight.shape == (32, 64) and fp8.weight_scale.shape == (32, 1) and fp8.weight_scale.tp_dim == 0
+    with pytest.raises(ValueError, match=r"AWQ: a layer with 4 inputs \(a share of 8 over 2 tensor-parallel "
+                                         r"ranks\) cannot be packed 8 rows per int32"):
+        Linear(8, 64, linear_method=AwqLinearMethod(group_size=8), tp=TensorParallel(0, 2), parallel="row")
 
 
 NGRAM = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3, "min_accepted_per_step": 0}
@@ -181,14 +188,18 @@ def test_tensor_parallel_settings_it_cannot_run_are_refused(tmp_path, smollm2_di
                                          r"model does: .*the attention heads \(3\)"):
         LLM(str(tmp_path / "ckpt"), device="cpu", tensor_parallel_size=2,
             speculative_config={"method": "draft_model", "model": str(draft)})
-    from pagedserve.config import _check_tensor_parallel
+    from pagedserve.engine_args import check_tensor_parallel
 
+    # (TINY_LLAMA: q 160, kv 32, MLP 160) pre-quantized checkpoints split where their units fit
     cfg = model_config_from_hf(resolve_model(str(tmp_path / "ckpt")).hf_config)
-    with pytest.raises(ValueError, match="does not split fp8 checkpoints"):
-        _check_tensor_parallel(2, cfg, {"quantization": "fp8"}, pre_quantized=True)
-    with pytest.raises(ValueError, match="does not split awq checkpoints"):
-        _check_tensor_parallel(2, cfg, {"quantization": "awq"}, pre_quantized=True)
-    _check_tensor_parallel(2, cfg, {"quantization": "fp8"}, pre_quantized=False)
+    check_tensor_parallel(2, cfg, "fp8", {"quant_method": "fp8"})
+    check_tensor_parallel(2, cfg, "awq", {"quant_method": "awq"})  # (80, 16: words of 8)
+    check_tensor_parallel(2, cfg, "fp8", None)
+    with pytest.raises(ValueError, match=r"k_proj and v_proj: 32 outputs, 16 a rank, not a multiple of 32"):
+        check_tensor_parallel(2, cfg, "fp8",
+                              {"quant_method": "fp8", "weight_block_size": [32, 32]})
+    check_tensor_parallel(2, cfg, "fp8",  # (16-row blocks: whole in every share)
+                          {"quant_method": "fp8", "weight_block_size": [16, 16]})
 
 
 def test_a_killed_rank_fails_every_request_and_frees_everything(tmp_path):

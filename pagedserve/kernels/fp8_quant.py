@@ -1,7 +1,7 @@
 """Per-token FP8 quantization of a product's input: x [M, K] -> e4m3 [M, K] and a float32 scale
 per row, in one launch (one program per row: the row's absolute maximum, then the quantized row).
 
-The numbers are those of `quantization.fp8.quantize_rows` (scale = amax / 448, clamped away
+The numbers are those of `layers.fp8_rows.quantize_rows` (scale = amax / 448, clamped away
 from zero; q = x / scale rounded to nearest, saturated at +-448), which the torch reference
 path and the tests use.
 """

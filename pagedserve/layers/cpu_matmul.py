@@ -51,23 +51,12 @@ def packed_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | No
 
 def pack_model_weights(model: nn.Module, rows_hint: int) -> int:
     """Pack the weights of `model`'s unquantized Linears and logits head (see the module
-    docstring); returns how many. A model on another device, or one oneDNN cannot take,
-    is left as it is (0)."""
-    from pagedserve.layers.linear import Linear
-    from pagedserve.layers.linear_method import UnquantizedLinearMethod
-    from pagedserve.layers.lm_head import LMHead
-
+    docstring): every module with a `pack_for_cpu(rows_hint) -> bool` is asked to (a layer
+    knows its own weights; this module imports none of them). Returns how many did. A model
+    on another device, or one oneDNN cannot take, is left as it is (0)."""
     packed = 0
     for module in model.modules():
-        if isinstance(module, Linear) and type(module.linear_method) is UnquantizedLinearMethod:
-            if not can_pack(module.weight):
-                continue
-            module.packed_weight = pack(module.weight, rows_hint)
-            module.weight.data = module.weight.data.new_empty(0)  # (released: only the packed copy is read)
-            packed += 1
-        elif isinstance(module, LMHead) and can_pack(module.logits_weight()):
-            module.packed_weight = pack(module.logits_weight(), rows_hint)
-            if module.tied_to is None:
-                module.weight.data = module.weight.data.new_empty(0)
+        pack_for_cpu = getattr(module, "pack_for_cpu", None)
+        if pack_for_cpu is not None and pack_for_cpu(rows_hint):
             packed += 1
     return packed

@@ -7,7 +7,7 @@ forward runs the Triton kernels (`kernels/fused_moe.py`) on CUDA and the torch r
 
 With `fp8` (`--quantization fp8` on an unquantized checkpoint) the experts load in the model's
 dtype and `process_weights_after_loading` quantizes them once to e4m3 with a float32 scale per
-expert and output row (`w13_scale` [E, 2I], `w2_scale` [E, H]; `quantization/fp8.quantize_rows`,
+expert and output row (`w13_scale` [E, 2I], `w2_scale` [E, H]; `layers/fp8_rows.quantize_rows`,
 the dense layers' rule); the kernel widens them in registers (W8A16), the CPU dequantizes. The
 router stays unquantized.
 
@@ -34,6 +34,7 @@ import torch
 from torch import nn
 
 from pagedserve.distributed.tensor_parallel import SINGLE, TensorParallel
+from pagedserve.layers.fp8_rows import FP8, quantize_rows
 from pagedserve.layers.linear import Linear
 from pagedserve.layers.moe_reference import moe_reference
 from pagedserve.layers.weight_utils import (
@@ -42,7 +43,6 @@ from pagedserve.layers.weight_utils import (
     copy_checked,
     set_weight_attrs,
 )
-from pagedserve.quantization.fp8 import FP8, quantize_rows
 
 _PER_EXPERT = re.compile(r"experts\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight")
 _FUSED = {"experts.gate_up_proj": "w13", "experts.down_proj": "w2"}

@@ -38,8 +38,9 @@ class Linear(ParamAttrsModule):
 
     Across tensor-parallel ranks (`tp`, `parallel`): "column" keeps this rank's share of
     every output (of each shard of a fused layer), "row" its share of the input, and sums
-    the ranks' partial products (the bias added once, after the sum). The weight loaders
-    take the full checkpoint tensors and copy the rank's slice (`weight_utils`)."""
+    the ranks' partial products (the bias added once, after the sum). The method registers
+    parameters of this rank's sizes; their weight loaders take the full checkpoint tensors and
+    copy the rank's slice (`weight_utils.rank_slice`), whatever the method (plain, FP8, int4)."""
 
     def __init__(self, in_features: int, out_features: int, bias: bool = False,
                  linear_method: LinearMethod | None = None, dtype: torch.dtype | None = None,
@@ -53,10 +54,6 @@ class Linear(ParamAttrsModule):
         if parallel not in (None, "column", "row"):
             raise ValueError(f"parallel must be None, 'column' or 'row', got {parallel!r}")
         if tp.size > 1 and parallel is not None:
-            if linear_method is not None and not linear_method.tensor_parallel:
-                raise ValueError(f"tensor parallelism does not split {type(linear_method).__name__} "
-                                 "weights: serve unquantized or FP8 (--quantization fp8) weights "
-                                 "over several ranks, or this checkpoint on one")
             if parallel == "column":
                 output_sizes = [tp.split(n, "each output of a column-parallel projection") for n in output_sizes]
             else:
@@ -74,18 +71,28 @@ class Linear(ParamAttrsModule):
         self.packed_weight: torch.Tensor | None = None  # on the CPU, for oneDNN (layers/cpu_matmul.py)
         self.linear_method = linear_method if linear_method is not None else UnquantizedLinearMethod()
         self.linear_method.create_weights(self, in_features, self.output_sizes, bias, dtype)
-        if self.parallel is not None:  # which dimension of each parameter the loaders slice
-            set_weight_attrs(self, "weight", tp_rank=tp.rank, tp_size=tp.size,
-                             tp_dim=self.weight.output_dim if parallel == "column" else self.weight.input_dim)
-            if self.bias is not None:
-                set_weight_attrs(self, "bias", tp_rank=tp.rank, tp_size=tp.size,
-                                 tp_dim=0 if parallel == "column" else None)
+        if self.parallel is not None:
+            self._mark_rank_slices()
+
+    def _mark_rank_slices(self) -> None:
+        """Tell the loaders of every parameter the method registered which dimension this rank
+        slices: the one indexed by the outputs (column) or the inputs (row), packed or not. A
+        parameter without it (a per-tensor scale, a row-parallel bias, GPTQ's group scales of a
+        row-parallel layer) is the same on every rank and loads whole."""
+        attr = "output_dim" if self.parallel == "column" else "input_dim"
+        for name, param in self.named_parameters(recurse=False):
+            set_weight_attrs(self, name, tp_rank=self.tp.rank, tp_size=self.tp.size,
+                             tp_dim=getattr(param, attr, None))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.parallel != "row":
             return self.linear_method.apply(self, x, self.bias)  # [T, in] -> [T, out]
         y = self.tp.all_reduce(self.linear_method.apply(self, x, None))  # [T, in / size] -> [T, out]
         return y if self.bias is None else y + self.bias
+
+    def pack_for_cpu(self, rows_hint: int) -> bool:
+        """oneDNN packing of the weight, where the method allows (`layers/cpu_matmul.py`)."""
+        return self.linear_method.pack_for_cpu(self, rows_hint)
 
     def extra_repr(self) -> str:
         shards = f", shards={dict(self.shard_offsets)}" if self.shard_names else ""

@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from pagedserve.layers.cpu_matmul import packed_linear
+from pagedserve.layers.cpu_matmul import can_pack, pack, packed_linear
 from pagedserve.layers.skinny import matmul
 from pagedserve.layers.weight_utils import linear_weight_loader, set_weight_attrs
 
@@ -26,10 +26,11 @@ from pagedserve.layers.weight_utils import linear_weight_loader, set_weight_attr
 class LinearMethod:
     """Interface of a linear layer's weight format. Stateless: per-layer state lives on the layer.
 
-    `tensor_parallel`: whether the method's weights split across tensor-parallel ranks (its
-    parameters sliced by the loaders like plain ones, and its products correct on a slice)."""
-
-    tensor_parallel = False
+    Tensor parallelism: `create_weights` gets this rank's sizes (the layer's `tp` and
+    `parallel` tell the whole ones) and declares on each parameter which dimension its
+    outputs and inputs index (`output_dim` / `input_dim`); the layer then has the loaders
+    slice every parameter along the right one (`Linear._mark_rank_slices`). `apply` computes
+    the rank's product: a row-parallel layer's partial sums are added up by the layer."""
 
     @classmethod
     def from_config(cls, quant_config: dict | None) -> LinearMethod:
@@ -42,10 +43,10 @@ class LinearMethod:
     def create_weights(self, layer: nn.Module, input_size: int, output_sizes: list[int],
                        bias: bool, dtype: torch.dtype | None) -> None:
         """Register the parameters of `layer` (y = x W^T + b, output = the concatenation of
-        `output_sizes`, e.g. [q, kv, kv]) with `set_weight_attrs` giving each its
-        `weight_loader`, `output_dim`/`input_dim` and `layer.shard_offsets` where it is split
-        along the output. Must register `bias` (None when `bias` is False). dtype None: the
-        default dtype."""
+        `output_sizes`, e.g. [q, kv, kv]; this rank's share under tensor parallelism) with
+        `set_weight_attrs` giving each its `weight_loader`, `output_dim`/`input_dim` and
+        `layer.shard_offsets` where it is split along the output. Must register `bias` (None
+        when `bias` is False). dtype None: the default dtype."""
         raise NotImplementedError
 
     def for_layer(self, hf_names: Sequence[str]) -> LinearMethod:
@@ -62,6 +63,12 @@ class LinearMethod:
         CUDA graphs: keep it to the product itself."""
         raise NotImplementedError
 
+    def pack_for_cpu(self, layer: nn.Module, rows_hint: int) -> bool:
+        """Give `layer` a oneDNN-packed weight its product then uses (`layers/cpu_matmul.py`),
+        where the method and the weight allow; whether it did. (None here: quantized methods
+        multiply their own way.)"""
+        return False
+
     def plannable(self, layer: nn.Module) -> bool:
         """Whether `layer`'s product follows a small-batch plan (`layers/skinny.py`): its
         `weight` [out, in], with `weight_scale` [1, out] if it is e4m3, goes to
@@ -71,8 +78,6 @@ class LinearMethod:
 
 class UnquantizedLinearMethod(LinearMethod):
     """A plain weight [out, in] in the model's dtype (nn.Linear's parameters and initialisation)."""
-
-    tensor_parallel = True
 
     def create_weights(self, layer: nn.Module, input_size: int, output_sizes: list[int],
                        bias: bool, dtype: torch.dtype | None) -> None:
@@ -91,6 +96,13 @@ class UnquantizedLinearMethod(LinearMethod):
         if bias:
             bound = 1 / math.sqrt(input_size) if input_size > 0 else 0
             nn.init.uniform_(layer.bias, -bound, bound)
+
+    def pack_for_cpu(self, layer: nn.Module, rows_hint: int) -> bool:
+        if not can_pack(layer.weight):
+            return False
+        layer.packed_weight = pack(layer.weight, rows_hint)
+        layer.weight.data = layer.weight.data.new_empty(0)  # (released: only the packed copy is read)
+        return True
 
     def plannable(self, layer: nn.Module) -> bool:
         return layer.bias is None

@@ -8,7 +8,7 @@ import torch
 from torch import nn
 
 from pagedserve.distributed.tensor_parallel import SINGLE, TensorParallel
-from pagedserve.layers.cpu_matmul import packed_linear
+from pagedserve.layers.cpu_matmul import can_pack, pack, packed_linear
 from pagedserve.layers.embedding import vocab_weight_loader
 from pagedserve.layers.skinny import SkinnyPlan, matmul
 from pagedserve.layers.weight_utils import ParamAttrsModule, set_weight_attrs
@@ -54,6 +54,16 @@ class LMHead(ParamAttrsModule):
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.logits(hidden)
+
+    def pack_for_cpu(self, rows_hint: int) -> bool:
+        """Give the head a oneDNN-packed copy of its weight where oneDNN takes it
+        (`layers/cpu_matmul.py`), releasing its own (a tied embedding's stays); whether it did."""
+        if not can_pack(self.logits_weight()):
+            return False
+        self.packed_weight = pack(self.logits_weight(), rows_hint)
+        if self.tied_to is None:
+            self.weight.data = self.weight.data.new_empty(0)
+        return True
 
     def extra_repr(self) -> str:
         return f"vocab_size={self.vocab_size}, hidden_size={self.hidden_size}, tied={self.tied_to is not None}"

@@ -87,12 +87,20 @@ def skinny(x: torch.Tensor, weight: torch.Tensor, cfg: SkinnyConfig | Fp8GemmCon
 def fallback_matmul(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None) -> torch.Tensor:
     """What runs where no skinny setting does: cuBLAS (`F.linear`) for a plain weight; for an
     e4m3 weight with its float32 scale per row `scale` [1, N], x quantized per token and the
-    two FP8 operands multiplied on the tensor cores (`quantization/fp8.py`)."""
+    two FP8 operands multiplied on the tensor cores (`fp8_scaled_mm`)."""
     if scale is None:
         return F.linear(x, weight)
-    from pagedserve.quantization.fp8 import fp8_scaled_mm
-
     return fp8_scaled_mm(x, weight, scale)
+
+
+def fp8_scaled_mm(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """x [T, K] (bf16, CUDA) @ (weight e4m3 [N, K] * scale float32 [1, N])^T -> [T, N] in x's
+    dtype: x quantized per token (`kernels/fp8_quant.py`), both FP8 operands multiplied on the
+    tensor cores with row-wise scales."""
+    from pagedserve.kernels.fp8_quant import quantize_rows_fp8
+
+    xq, xs = quantize_rows_fp8(x)  # [T, K] e4m3, [T, 1]
+    return torch._scaled_mm(xq, weight.t(), scale_a=xs, scale_b=scale, out_dtype=x.dtype)
 
 
 def _candidates(rows: int, fp8: bool = False) -> list:

@@ -2,11 +2,13 @@
 
 Every parameter can carry a `weight_loader(param, loaded, shard_id=None)` that copies one
 checkpoint tensor into it (`LlamaForCausalLM.load_weights` calls it), plus the facts that
-loader needs: `output_dim` / `input_dim` (which dimension of the parameter is the layer's
-output / input) and, for a fused layer such as qkv_proj, `shard_offsets` (shard id -> (offset,
-size) along `output_dim`), and for a tensor-parallel rank `tp_dim`, `tp_rank`, `tp_size` (the
-slice of each full checkpoint tensor it keeps). Parameters without a loader get
-`default_weight_loader`.
+loader needs: `output_dim` / `input_dim` (which dimension of the parameter is indexed by the
+layer's outputs / inputs, packed or not; a parameter without one, such as a per-tensor scale,
+does not vary along it) and, for a fused layer such as qkv_proj, `shard_offsets` (shard id ->
+(offset, size) along `shard_dim`, which is `output_dim` unless set: a per-shard scale keeps one
+slot per shard), and for a tensor-parallel rank `tp_dim`, `tp_rank`, `tp_size` (the slice of
+each full checkpoint tensor it keeps; `Linear` sets them from `output_dim` / `input_dim`).
+Parameters without a loader get `default_weight_loader`.
 """
 
 from __future__ import annotations
@@ -76,7 +78,8 @@ def default_weight_loader(param: nn.Parameter, loaded: torch.Tensor,
 
 def shard_view(param: nn.Parameter, shard_id: Hashable | None) -> torch.Tensor:
     """The part of `param` that output shard `shard_id` fills (all of it for None): rows
-    `param.shard_offsets[shard_id]` = (offset, size) along `param.output_dim`."""
+    `param.shard_offsets[shard_id]` = (offset, size) along `param.shard_dim` (default: its
+    `output_dim`)."""
     if shard_id is None:
         return param.data
     offsets = getattr(param, "shard_offsets", None) or {}
@@ -84,7 +87,8 @@ def shard_view(param: nn.Parameter, shard_id: Hashable | None) -> torch.Tensor:
         raise ValueError(f"a parameter of shape {tuple(param.shape)} has no shard {shard_id!r} "
                          f"(its shards: {list(offsets) or 'none'})")
     offset, size = offsets[shard_id]
-    return param.data.narrow(param.output_dim, offset, size)
+    dim = param.shard_dim if hasattr(param, "shard_dim") else param.output_dim
+    return param.data.narrow(dim, offset, size)
 
 
 def rank_slice(param: nn.Parameter, loaded: torch.Tensor, local: torch.Tensor) -> torch.Tensor:

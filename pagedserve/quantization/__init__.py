@@ -14,6 +14,8 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
+from pagedserve.distributed.split import SplitUnits
+
 # what --quantization quantizes at load, from an unquantized (bf16/fp16/fp32) checkpoint
 DYNAMIC_METHODS = ("fp8",)
 # quant_method values of pre-quantized checkpoints that load as stored
@@ -64,3 +66,25 @@ def resolve_quantization(requested: str | None, hf_config: Mapping[str, Any]) ->
                          f"{' or '.join(DYNAMIC_METHODS)}")
     raise ValueError(f"quantization {requested!r} is not supported; choose one of "
                      f"{', '.join(QUANTIZATION_CHOICES)}")
+
+
+def split_units(quantization: str | None, quant_config: Mapping[str, Any] | None) -> SplitUnits:
+    """What each tensor-parallel rank's share of a projection must be a whole number of, for
+    the method `quantization` (resolved) and the checkpoint's `quantization_config`: int4
+    words of 8 packed values; FP8 blocks, each with one scale (a block split between ranks
+    would leave one rank a part of it, and the block layout finds scales by row // bn from
+    the rank's first row). Per-channel and per-tensor formats split anywhere."""
+    if quantization in ("awq", "gptq"):
+        return SplitUnits(8, 8, "4-bit weights are packed 8 to an int32 word along both dimensions")
+    block = None
+    if quant_config is not None and quantization == "fp8":
+        block = quant_config.get("weight_block_size")
+    if quant_config is not None and quantization == "compressed-tensors":
+        for group in (quant_config.get("config_groups") or {}).values():
+            weights = group.get("weights") if isinstance(group, Mapping) else None
+            if isinstance(weights, Mapping) and weights.get("strategy") == "block":
+                block = weights.get("block_structure")
+    if isinstance(block, (list, tuple)) and len(block) == 2 and all(isinstance(b, int) and b > 0 for b in block):
+        return SplitUnits(block[0], block[1], f"FP8 weights in blocks of {block[0]} x {block[1]} "
+                          "have one scale a block, and a rank must hold whole blocks")
+    return SplitUnits()

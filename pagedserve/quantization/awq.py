@@ -27,8 +27,9 @@ from pagedserve.quantization.int4 import (
     kept_unquantized,
     pack_int4,
     packed_offsets,
+    positional_groups,
     register,
-    set_int4_weight,
+    set_grouped_int4_weight,
     unpack_int4,
 )
 
@@ -77,10 +78,11 @@ class AwqLinearMethod(Int4LinearMethod):
 
     def create_weights(self, layer: nn.Module, input_size: int, output_sizes: list[int],
                        bias: bool, dtype: torch.dtype | None) -> None:
-        group = self.group_for(input_size, output_sizes)
-        n, groups = sum(output_sizes), input_size // group
+        groups = self.layer_groups(layer, input_size, output_sizes)
+        n = sum(output_sizes)
         packed = packed_offsets(layer.shard_offsets)
         register(layer, "qweight", (input_size, n // 8), torch.int32, packed, input_dim=0)
+        # (every group of the input, also on a row-parallel rank: int4.py's docstring)
         register(layer, "qzeros", (groups, n // 8), torch.int32, packed)
         # float32 holds fp16 and bf16 scales exactly
         register(layer, "scales", (groups, n), torch.float32, layer.shard_offsets)
@@ -89,8 +91,9 @@ class AwqLinearMethod(Int4LinearMethod):
     def process_weights_after_loading(self, layer: nn.Module) -> None:
         with torch.no_grad():
             q = unpack_int4(layer.qweight.data, 1, AWQ_ORDER)  # [K, N]
-            zeros = unpack_int4(layer.qzeros.data, 1, AWQ_ORDER)  # [K/G, N]
+            zeros = unpack_int4(layer.qzeros.data, 1, AWQ_ORDER)  # [groups, N]
             qweight = pack_int4(q, 0)  # [K/8, N]
+            g_idx = positional_groups(layer, q.shape[0], zeros.shape[0])  # [K]
             del q
-            set_int4_weight(layer, qweight, layer.scales.data, zeros, None,
-                            drop=("qweight", "qzeros", "scales"))
+            set_grouped_int4_weight(layer, qweight, layer.scales.data, zeros, g_idx,
+                                    drop=("qweight", "qzeros", "scales"))

@@ -23,36 +23,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from pagedserve.distributed.tensor_parallel import SINGLE, TensorParallel
+from pagedserve.layers.fp8_rows import dequantize_rows, quantize_rows
 from pagedserve.layers.linear_method import LinearMethod, UnquantizedLinearMethod
 from pagedserve.layers.skinny import matmul
-
-FP8 = torch.float8_e4m3fn
-FP8_MAX = float(torch.finfo(FP8).max)  # 448
-_MIN_SCALE = 1e-12  # (a row of zeros keeps a finite scale)
-
-
-def quantize_rows(x: torch.Tensor, tp: TensorParallel = SINGLE) -> tuple[torch.Tensor, torch.Tensor]:
-    """x [R, C] -> (e4m3 [R, C], float32 scales [R, 1]) with x ~= q * scale, per row. `tp`:
-    the ranks that each hold a slice of every row (the scale is the whole row's)."""
-    amax = tp.all_reduce_max(x.abs().amax(dim=-1, keepdim=True).float()).clamp_min(_MIN_SCALE)  # [R, 1]
-    scale = amax / FP8_MAX
-    q = (x.float() / scale).clamp(-FP8_MAX, FP8_MAX).to(FP8)  # [R, C]
-    return q, scale
-
-
-def fp8_scaled_mm(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    """x [T, K] (bf16, CUDA) @ (weight e4m3 [N, K] * scale float32 [1, N])^T -> [T, N] in x's
-    dtype: x quantized per token (`kernels/fp8_quant.py`), both FP8 operands multiplied on the
-    tensor cores with row-wise scales."""
-    from pagedserve.kernels.fp8_quant import quantize_rows_fp8
-
-    xq, xs = quantize_rows_fp8(x)  # [T, K] e4m3, [T, 1]
-    return torch._scaled_mm(xq, weight.t(), scale_a=xs, scale_b=scale, out_dtype=x.dtype)
-
-
-def dequantize_rows(q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """Inverse of `quantize_rows`: [R, C] in `dtype`."""
-    return (q.float() * scale).to(dtype)
 
 
 def scaled_mm_supported(device: torch.device, dtype: torch.dtype) -> bool:
@@ -81,19 +54,6 @@ def _row_ranks(layer: nn.Module) -> TensorParallel:
 
 class Fp8LinearMethod(LinearMethod):
     """Weights quantized to e4m3 per output channel after loading; activations per token."""
-
-    tensor_parallel = True
-
-    @classmethod
-    def from_config(cls, quant_config: dict | None) -> LinearMethod:
-        """Dynamic FP8 for an unquantized checkpoint (None); for an FP8 checkpoint's
-        quantization_config, its method: block FP8 (`fp8_block.py`) or per-tensor FP8
-        (`fp8_checkpoint.py`)."""
-        if quant_config is None:
-            return cls()
-        from pagedserve.quantization.fp8_checkpoint import fp8_config_method
-
-        return fp8_config_method(quant_config)
 
     def create_weights(self, layer: nn.Module, input_size: int, output_sizes: list[int],
                        bias: bool, dtype: torch.dtype | None) -> None:

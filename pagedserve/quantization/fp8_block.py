@@ -26,9 +26,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from pagedserve.layers.fp8_rows import FP8, FP8_MAX
 from pagedserve.layers.linear_method import LinearMethod
 from pagedserve.layers.weight_utils import set_weight_attrs
-from pagedserve.quantization.fp8 import FP8, FP8_MAX
 from pagedserve.quantization.fp8_checkpoint import LayerSelection, register_fp8_weight, scale_loader
 
 MIN_SCALE = 1e-12  # (a group of zeros keeps a finite scale; as kernels/fp8_block_gemm.py)
@@ -60,6 +60,23 @@ def check_block_borders(output_sizes: Sequence[int], shard_names: Sequence[str],
                 f"and pagedserve fuses them into one weight, so each block must lie within one "
                 f"shard; quantize the checkpoint with a block height that divides every shard "
                 f"(e.g. weight_block_size [{fits}, {fits}])")
+
+
+def check_rank_blocks(layer: nn.Module, output_sizes: Sequence[int], input_size: int,
+                      block: tuple[int, int]) -> None:
+    """ValueError unless a tensor-parallel rank's share (`output_sizes` of each shard of a
+    column-parallel layer, `input_size` of a row-parallel one) is whole blocks: a block has
+    one scale and the layout finds it by row // bn, column // bk from the rank's first row
+    and column. (The config is checked before loading too: `distributed/split.py`.)"""
+    bn, bk = block
+    if layer.parallel == "column" and any(n % bn for n in output_sizes):
+        raise ValueError(f"FP8 blocks of {bn} rows do not split over {layer.tp.size} tensor-parallel "
+                         f"ranks: a rank's share of each output is {list(output_sizes)} rows, which "
+                         f"must be whole blocks")
+    if layer.parallel == "row" and input_size % bk:
+        raise ValueError(f"FP8 blocks of {bk} columns do not split over {layer.tp.size} tensor-"
+                         f"parallel ranks: a rank's share of the input is {input_size} columns, "
+                         "which must be whole blocks")
 
 
 def dequantize_blocks(q: torch.Tensor, scale: torch.Tensor, block: tuple[int, int],
@@ -121,6 +138,7 @@ class Fp8BlockLinearMethod(LinearMethod):
     def create_weights(self, layer: nn.Module, input_size: int, output_sizes: list[int],
                        bias: bool, dtype: torch.dtype | None) -> None:
         bn, bk = self.block
+        check_rank_blocks(layer, output_sizes, input_size, self.block)
         check_block_borders(output_sizes, layer.shard_names, bn)
         register_fp8_weight(layer, input_size, sum(output_sizes), bias, dtype)
         rows = [_cdiv(s, bn) for s in output_sizes]  # each shard's scale rows
@@ -130,7 +148,8 @@ class Fp8BlockLinearMethod(LinearMethod):
         layer.register_parameter(self.scale_name, nn.Parameter(
             torch.empty(sum(rows), _cdiv(input_size, bk), dtype=torch.float32),
             requires_grad=False))  # [cdiv(out, bn) per shard, cdiv(in, bk)]
-        set_weight_attrs(layer, self.scale_name, output_dim=0, shard_offsets=offsets,
+        # (indexed by blocks of outputs and of inputs: a rank's share of each is whole blocks)
+        set_weight_attrs(layer, self.scale_name, output_dim=0, input_dim=1, shard_offsets=offsets,
                          weight_loader=scale_loader)
 
     def process_weights_after_loading(self, layer: nn.Module) -> None:

@@ -25,9 +25,10 @@ from types import MappingProxyType
 import torch
 from torch import nn
 
+from pagedserve.layers.fp8_rows import FP8
 from pagedserve.layers.linear_method import LinearMethod, UnquantizedLinearMethod
 from pagedserve.layers.weight_utils import linear_weight_loader, set_weight_attrs
-from pagedserve.quantization.fp8 import FP8, Fp8LinearMethod, set_fp8_weight
+from pagedserve.quantization.fp8 import Fp8LinearMethod, set_fp8_weight
 
 logger = logging.getLogger(__name__)
 _said_static = False  # the note about static input scales is logged once per process
@@ -131,7 +132,8 @@ def register_scalars(layer: nn.Module, name: str) -> None:
     """A float32 parameter [shards] (1 for an unfused layer) holding one value per shard."""
     count = max(1, len(layer.shard_names))
     layer.register_parameter(name, nn.Parameter(torch.empty(count, dtype=torch.float32), requires_grad=False))
-    set_weight_attrs(layer, name, output_dim=0, shard_offsets=per_shard_offsets(layer),
+    # (no output_dim: the value covers all its shard's rows, on every rank)
+    set_weight_attrs(layer, name, shard_dim=0, shard_offsets=per_shard_offsets(layer),
                      weight_loader=scalar_loader)
 
 
@@ -139,8 +141,6 @@ class Fp8CheckpointLinearMethod(Fp8LinearMethod):
     """e4m3 weights as stored with a scale per output channel (`per_channel`) or per tensor;
     `static_input`: the checkpoint also stores an `input_scale` per tensor (read and checked,
     then inputs are quantized per token as `Fp8LinearMethod.apply` does)."""
-
-    tensor_parallel = False  # (its scale loaders do not slice per rank yet)
 
     def __init__(self, per_channel: bool, static_input: bool = False,
                  layers: LayerSelection | None = None) -> None:
@@ -178,29 +178,3 @@ class Fp8CheckpointLinearMethod(Fp8LinearMethod):
                 logger.info("the checkpoint's static input scales are read but not used: "
                             "inputs are quantized per token, on the fly")
         set_fp8_weight(layer, layer.weight.data, scale.reshape(-1), layer.compute_dtype)
-
-
-def fp8_config_method(quant_config: dict) -> LinearMethod:
-    """The method for a `quant_method: "fp8"` checkpoint: block FP8 (`weight_block_size`,
-    dynamic activations) or per-tensor FP8 (`weight_scale` per tensor, activation_scheme
-    "dynamic" or "static"). ValueError naming what cannot be read."""
-    scheme = quant_config.get("activation_scheme", "dynamic")
-    if scheme not in ("dynamic", "static"):
-        raise ValueError(f"FP8 checkpoint with activation_scheme {scheme!r}: pagedserve reads "
-                         "'dynamic' and 'static'")
-    fmt = quant_config.get("fmt", "e4m3")
-    if fmt != "e4m3":
-        raise ValueError(f"FP8 checkpoint in format {fmt!r}: pagedserve reads e4m3 weights only")
-    ignore = [*(quant_config.get("ignored_layers") or []),
-              *(quant_config.get("modules_to_not_convert") or [])]
-    layers = LayerSelection(ignore)
-    block = quant_config.get("weight_block_size")
-    if block is None:
-        return Fp8CheckpointLinearMethod(per_channel=False, static_input=scheme == "static", layers=layers)
-    from pagedserve.quantization.fp8_block import Fp8BlockLinearMethod, parse_block
-
-    if scheme != "dynamic":
-        raise ValueError("block FP8 checkpoint with activation_scheme 'static': block-wise "
-                         "weights go with dynamic activation scales only (as in vLLM); "
-                         "requantize with activation_scheme 'dynamic'")
-    return Fp8BlockLinearMethod(parse_block(block, "weight_block_size"), "weight_scale_inv", layers)

@@ -11,7 +11,8 @@ Per projection the checkpoint holds (K inputs, N outputs, G the group size, K fo
     w[k, n] = (q[k, n] - z[g_idx[k], n]) * s[g_idx[k], n]
 
 qweight is already `int4.py`'s layout. With act order its rows are sorted by group (the
-layer keeps the permutation and gathers the input's columns through it). The shards of a fused
+layer keeps the permutation and gathers the input's columns through it); a row-parallel rank
+reads its share of qweight and g_idx and every group's scales and zeros (`int4.group_layout`). The shards of a fused
 projection share one input, so they must share one g_idx (checked). With
 `modules_in_block_to_quantize` the projections it does not list are stored unquantized and load
 as such (a fused projection all in or all out).
@@ -25,14 +26,13 @@ import torch
 from torch import nn
 
 from pagedserve.layers.linear_method import LinearMethod
-from pagedserve.layers.weight_utils import copy_checked, set_weight_attrs, shard_view
+from pagedserve.layers.weight_utils import copy_checked, rank_slice, set_weight_attrs, shard_view
 from pagedserve.quantization.int4 import (
     Int4LinearMethod,
     kept_unquantized,
-    pack_int4,
     packed_offsets,
     register,
-    set_int4_weight,
+    set_grouped_int4_weight,
     unpack_int4,
 )
 
@@ -40,23 +40,20 @@ FORMATS = ("gptq", "gptq_v2")
 
 
 def g_idx_loader(param: nn.Parameter, loaded: torch.Tensor, shard_id: Hashable | None = None) -> None:
-    """g_idx [K] of one shard into its row of the layer's g_idx [shards, K]."""
-    copy_checked(shard_view(param, shard_id), loaded.reshape(1, -1), f"g_idx of shape {tuple(param.shape[1:])}")
+    """g_idx [K] of one shard into its row of the layer's g_idx [shards, K] (a row-parallel
+    rank: its share of K)."""
+    dst = shard_view(param, shard_id)
+    copy_checked(dst, rank_slice(param, loaded.reshape(1, -1), dst), f"g_idx of shape {tuple(param.shape[1:])}")
 
 
-def sort_by_group(g_idx: torch.Tensor, group: int) -> torch.Tensor | None:
-    """The row order that puts each group's G rows in a run (group 0 first): None if g_idx
-    already is k // G, else int64 [K]. ValueError if g_idx is not G rows per group."""
+def check_group_sizes(g_idx: torch.Tensor, group: int) -> None:
+    """ValueError unless g_idx [K] (the whole input's) puts `group` rows in each group."""
     k = g_idx.numel()
-    want = torch.arange(k, device=g_idx.device) // group  # [K]
-    if torch.equal(g_idx.long(), want):
-        return None
-    perm = torch.argsort(g_idx.long(), stable=True)
-    if not torch.equal(g_idx.long()[perm], want):
+    runs = torch.bincount(g_idx.long().clamp_min(0), minlength=k // group)
+    if runs.numel() != k // group or not bool((runs == group).all()):
         raise ValueError(f"GPTQ g_idx does not put {group} input rows in each of {k // group} "
                          "groups (group_size in quantization_config and g_idx disagree); the "
                          "checkpoint cannot be read")
-    return perm
 
 
 class GptqLinearMethod(Int4LinearMethod):
@@ -110,17 +107,19 @@ class GptqLinearMethod(Int4LinearMethod):
 
     def create_weights(self, layer: nn.Module, input_size: int, output_sizes: list[int],
                        bias: bool, dtype: torch.dtype | None) -> None:
-        group = self.group_for(input_size, output_sizes)
-        n, groups = sum(output_sizes), input_size // group
+        groups = self.layer_groups(layer, input_size, output_sizes)
+        n = sum(output_sizes)
         offsets = layer.shard_offsets
         register(layer, "qweight", (input_size // 8, n), torch.int32, offsets, input_dim=0)
+        # every group of the input, also on a row-parallel rank: g_idx says which its rows use
         register(layer, "qzeros", (groups, n // 8), torch.int32, packed_offsets(offsets))
         register(layer, "scales", (groups, n), torch.float32, offsets)  # (exact for fp16/bf16)
         # one row per shard: each shard brings its own g_idx, which must agree
         rows = {name: (i, 1) for i, name in enumerate(offsets)}
         layer.register_parameter("g_idx", nn.Parameter(
             torch.empty(max(1, len(rows)), input_size, dtype=torch.int32), requires_grad=False))
-        set_weight_attrs(layer, "g_idx", output_dim=0, shard_offsets=rows, weight_loader=g_idx_loader)
+        set_weight_attrs(layer, "g_idx", shard_dim=0, input_dim=1, shard_offsets=rows,
+                         weight_loader=g_idx_loader)
         self.register_bias(layer, output_sizes, bias, dtype)
 
     def process_weights_after_loading(self, layer: nn.Module) -> None:
@@ -130,13 +129,10 @@ class GptqLinearMethod(Int4LinearMethod):
                 raise ValueError(f"GPTQ: the shards of a fused projection ({', '.join(layer.shard_names)}) "
                                  "carry different g_idx; they share one input, so pagedserve "
                                  "needs one act order for all of them")
-            group = layer.qweight.shape[0] * 8 // layer.scales.shape[0]
-            perm = sort_by_group(g_idx[0], group)
-            qweight = layer.qweight.data  # [K/8, N]
-            if perm is not None:
-                qweight = pack_int4(unpack_int4(qweight, 0)[perm], 0)  # rows sorted by group
-            zeros = unpack_int4(layer.qzeros.data, 1)  # [K/G, N]
+            if layer.parallel != "row":  # (a rank's share of the rows need not fill its groups)
+                check_group_sizes(g_idx[0], g_idx.shape[1] // layer.scales.shape[0])
+            zeros = unpack_int4(layer.qzeros.data, 1)  # [groups, N]
             if self.v1_zeros:
                 zeros = zeros + 1
-            set_int4_weight(layer, qweight, layer.scales.data, zeros, perm,
-                            drop=("qweight", "qzeros", "scales", "g_idx"))
+            set_grouped_int4_weight(layer, layer.qweight.data, layer.scales.data, zeros, g_idx[0],
+                                    drop=("qweight", "qzeros", "scales", "g_idx"))

@@ -18,6 +18,14 @@
 On CUDA the product is `kernels/int4_gemm.py` (nibbles unpacked in registers; large batches
 dequantize to a scratch and use cuBLAS). Elsewhere the reference path dequantizes the whole
 weight with `dequantize` and calls F.linear.
+
+Tensor parallelism: a column-parallel rank keeps its share of the output columns of every
+tensor (packed 8 to a word: the share must be whole words). A row-parallel rank keeps its
+share of the input rows (qweight, GPTQ's g_idx) but all the checkpoint's group scales and
+zeros; once loaded, `group_layout` keeps the groups its rows use. With whole groups a rank
+that is the checkpoint's layout; with GPTQ's act order a group's rows lie on several ranks,
+and each group's run is padded to a common length (at most the whole input's rows: never
+more than one rank holding the whole layer).
 """
 
 from __future__ import annotations
@@ -79,6 +87,9 @@ def dequantize(qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
 
 def int4_product(x: torch.Tensor, layer: nn.Module, bias: torch.Tensor | None) -> torch.Tensor:
     """x [T, K] @ the layer's int4 weight -> [T, N] (+ bias), in x's dtype."""
+    rows = layer.w4_qweight.shape[0] * PACK
+    if x.shape[-1] < rows:  # a layout with padding rows (`group_layout`): they read zeros
+        x = F.pad(x, (0, rows - x.shape[-1]))  # [T, K']
     if x.is_cuda:
         from pagedserve.kernels.int4_gemm import int4_linear
 
@@ -113,6 +124,55 @@ def set_int4_weight(layer: nn.Module, qweight: torch.Tensor, scales: torch.Tenso
         from pagedserve.kernels.int4_gemm import prepare
 
         prepare(qweight.device, qweight.shape[0] * PACK // scales.shape[0])
+
+
+def group_layout(g_idx: torch.Tensor, groups: int) -> tuple[torch.Tensor | None, torch.Tensor]:
+    """The layout of K input rows whose checkpoint groups are g_idx [K] (0..groups-1): rows
+    sorted by group, each group a run of L layout rows. L is the rows every group here has
+    when they all have as many (no padding: the checkpoint's G, or a rank's whole share);
+    else the most any has, rounded up to 16, and shorter runs are padded with rows that read
+    an input column past the K real ones (zeros, `int4_product`). Returns (perm: None for rows
+    already in order without padding, else int64 [K']: the input column of each layout row,
+    K for padding; the checkpoint group of each layout group, int64 [K' / L])."""
+    g = g_idx.long()
+    k = g.numel()
+    if k and (int(g.min()) < 0 or int(g.max()) >= groups):
+        raise ValueError(f"g_idx holds groups {int(g.min())}..{int(g.max())} in a layer of {groups} "
+                         "groups; the checkpoint is damaged")
+    runs = torch.bincount(g, minlength=groups)  # [groups]: each group's rows here
+    used = torch.nonzero(runs).flatten()  # [U] the groups these rows use, in order
+    longest = int(runs.max())
+    run = longest if bool((runs[used] == longest).all()) else -(-longest // 16) * 16
+    order = torch.argsort(g, stable=True)  # [K] rows by group
+    if run == longest:
+        perm = None if torch.equal(order, torch.arange(k, device=g.device)) else order
+        return perm, g[order][::run]
+    slot = torch.arange(k, device=g.device) - (torch.cumsum(runs, 0) - runs)[g[order]]  # [K] place in its run
+    where = torch.searchsorted(used, g[order]) * run + slot  # [K] each sorted row's layout row
+    perm = torch.full((used.numel() * run,), k, dtype=torch.long, device=g.device)  # [K']
+    perm[where] = order
+    return perm, used
+
+
+def positional_groups(layer: nn.Module, rows: int, groups: int) -> torch.Tensor:
+    """g_idx [rows] of a layer whose input rows go to groups in order (k // G over the whole
+    input): for a row-parallel rank, its rows' groups."""
+    first = layer.tp.rank * rows if layer.parallel == "row" else 0
+    whole = rows * (layer.tp.size if layer.parallel == "row" else 1)
+    return (torch.arange(rows) + first) // (whole // groups)
+
+
+def set_grouped_int4_weight(layer: nn.Module, qweight: torch.Tensor, scales: torch.Tensor,
+                            zeros: torch.Tensor, g_idx: torch.Tensor, drop: Sequence[str]) -> None:
+    """`set_int4_weight` from the checkpoint's groups: qweight int32 [K/8, N] (the layer's
+    input rows, packed along K), scales and zeros [groups, N] (every group of the checkpoint
+    tensor), g_idx [K] (each row's group): the rows sorted by group, each layout group given
+    its checkpoint group's scale and zero (`group_layout`)."""
+    perm, chosen = group_layout(g_idx.to(scales.device), scales.shape[0])
+    if perm is not None:  # rows sorted by group (padding rows: any value, they meet zeros)
+        q = unpack_int4(qweight, 0)  # [K, N]
+        qweight = pack_int4(F.pad(q, (0, 0, 0, 1))[perm], 0)  # [K'/8, N]
+    set_int4_weight(layer, qweight, scales[chosen], zeros[chosen], perm, drop)
 
 
 def packed_offsets(shard_offsets: Mapping[str, tuple[int, int]]) -> dict[str, tuple[int, int]]:
@@ -152,23 +212,28 @@ class Int4LinearMethod(LinearMethod):
     def __init__(self, group_size: int) -> None:
         self.group_size = group_size
 
-    def group_for(self, input_size: int, output_sizes: Sequence[int]) -> int:
-        """The group size of a layer with these sizes (-1: one group of all inputs); ValueError
-        naming the size that does not fit the format's packing."""
-        group = input_size if self.group_size == -1 else self.group_size
-        if group <= 0 or input_size % group:
+    def layer_groups(self, layer: nn.Module, input_size: int, output_sizes: Sequence[int]) -> int:
+        """The number of groups the checkpoint stores for a layer of these sizes (this rank's:
+        a row-parallel rank keeps every group of the whole input, see the module docstring);
+        ValueError naming the size that does not fit the format's packing."""
+        ranks = layer.tp.size if layer.parallel == "row" else 1
+        whole = input_size * ranks
+        group = whole if self.group_size == -1 else self.group_size
+        if group <= 0 or whole % group:
             raise ValueError(f"{self.FORMAT}: group_size {self.group_size} does not divide the "
-                             f"layer's {input_size} inputs; the checkpoint does not fit this model "
+                             f"layer's {whole} inputs; the checkpoint does not fit this model "
                              "(re-quantize with a group size dividing every projection's input size)")
         if input_size % PACK:
-            raise ValueError(f"{self.FORMAT}: a layer with {input_size} inputs cannot be packed "
-                             "8 rows per int32; its input size must be a multiple of 8")
+            share = f" (a share of {whole} over {ranks} tensor-parallel ranks)" if ranks > 1 else ""
+            raise ValueError(f"{self.FORMAT}: a layer with {input_size} inputs{share} cannot be "
+                             "packed 8 rows per int32; its input size must be a multiple of 8")
         bad = [n for n in output_sizes if n % PACK]
         if bad:
+            share = ", a tensor-parallel rank's share" if layer.parallel == "column" else ""
             raise ValueError(f"{self.FORMAT} packs 8 output columns into each int32, but this model "
                              f"has a projection (or fused shard) of {bad[0]} outputs: every output "
-                             f"size must be a multiple of 8 (sizes {list(output_sizes)})")
-        return group
+                             f"size must be a multiple of 8 (sizes {list(output_sizes)}{share})")
+        return whole // group
 
     def register_bias(self, layer: nn.Module, output_sizes: Sequence[int], bias: bool,
                       dtype: torch.dtype | None) -> None:

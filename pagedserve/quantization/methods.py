@@ -2,18 +2,20 @@
 
 from __future__ import annotations
 
+import functools
 import importlib
 from collections.abc import Mapping
 from typing import Any
 
 from pagedserve.layers.linear_method import LinearMethod
 
-# name -> (module, class); each class builds itself with `from_config(quant_config or None)`
+# name -> (module, builder): the builder, `from_config(quant_config or None)`, makes the method
 METHODS: dict[str, tuple[str, str]] = {
-    "fp8": ("pagedserve.quantization.fp8", "Fp8LinearMethod"),
-    "compressed-tensors": ("pagedserve.quantization.compressed_tensors", "CompressedTensorsLinearMethod"),
-    "awq": ("pagedserve.quantization.awq", "AwqLinearMethod"),
-    "gptq": ("pagedserve.quantization.gptq", "GptqLinearMethod"),
+    "fp8": ("pagedserve.quantization.fp8_config", "fp8_method"),
+    "compressed-tensors": ("pagedserve.quantization.compressed_tensors",
+                           "CompressedTensorsLinearMethod.from_config"),
+    "awq": ("pagedserve.quantization.awq", "AwqLinearMethod.from_config"),
+    "gptq": ("pagedserve.quantization.gptq", "GptqLinearMethod.from_config"),
 }
 
 
@@ -27,9 +29,9 @@ def linear_method_for(quantization: str | None,
     if quantization not in METHODS:
         raise ValueError(f"quantization {quantization!r} is not supported; choose one of "
                          f"{', '.join(METHODS)}")
-    module, cls = METHODS[quantization]
-    method_cls = getattr(importlib.import_module(module), cls)
-    return method_cls.from_config(dict(quant_config) if quant_config is not None else None)
+    module, builder = METHODS[quantization]
+    build = functools.reduce(getattr, builder.split("."), importlib.import_module(module))
+    return build(dict(quant_config) if quant_config is not None else None)
 
 
 # methods whose products need FP8 (e4m3) arithmetic on the GPU

@@ -13,13 +13,9 @@ pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a C
 
 @pytest.mark.parametrize("rows", [1, 7, 64, 300])
 def test_scaled_mm_matches_the_dequantized_reference(rows):
+    from pagedserve.layers.fp8_rows import dequantize_rows, quantize_rows
     from pagedserve.layers.linear import MergedLinear
-    from pagedserve.quantization.fp8 import (
-        Fp8LinearMethod,
-        dequantize_rows,
-        quantize_rows,
-        scaled_mm_supported,
-    )
+    from pagedserve.quantization.fp8 import Fp8LinearMethod, scaled_mm_supported
 
     torch.manual_seed(0)
     method = Fp8LinearMethod()
@@ -39,7 +35,7 @@ def test_scaled_mm_matches_the_dequantized_reference(rows):
 def test_the_quant_kernel_gives_the_reference_numbers(k):
     """kernels/fp8_quant.py against quantize_rows, bit for bit (one pass and two passes)."""
     from pagedserve.kernels.fp8_quant import quantize_rows_fp8
-    from pagedserve.quantization.fp8 import quantize_rows
+    from pagedserve.layers.fp8_rows import quantize_rows
 
     torch.manual_seed(0)
     x = torch.randn(37, k, device=DEV, dtype=torch.bfloat16) * 5
@@ -59,8 +55,8 @@ def test_skinny_fp8_settings_match_their_reference(rows, shape):
     kernels/fp8_gemm.py from 65) against the dequantized x times the dequantized weight."""
     from gpu_helpers import skinny_candidates
 
+    from pagedserve.layers.fp8_rows import dequantize_rows, quantize_rows
     from pagedserve.layers.skinny import skinny
-    from pagedserve.quantization.fp8 import dequantize_rows, quantize_rows
 
     torch.manual_seed(0)
     n, k = shape

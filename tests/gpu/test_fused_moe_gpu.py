@@ -76,7 +76,7 @@ def test_the_layer_on_the_gpu_matches_the_cpu_and_replays_in_a_graph():
 
 
 def _fp8_weights(g):
-    from pagedserve.quantization.fp8 import quantize_rows
+    from pagedserve.layers.fp8_rows import quantize_rows
 
     w13, w2 = _weights(torch.float32, g)
     q13, s13 = quantize_rows(w13.reshape(-1, H))
