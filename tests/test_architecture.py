@@ -84,9 +84,11 @@ def test_no_import_circles():
 
 
 def test_engine_and_graph_modules_do_not_import_each_other_lazily_either():
-    """The two circles issue 23 named: the core and the warm-up, the runner and the graphs."""
+    """The two circles issue 23 named: the core and the warm-up, the runner and the graphs; and
+    issue 56's executor pair (the core picks the executor, so neither needs the other's kind)."""
     for a, b in (("pagedserve.engine.core", "pagedserve.engine.warm_up"),
-                 ("pagedserve.engine.model_runner", "pagedserve.engine.graphs")):
+                 ("pagedserve.engine.model_runner", "pagedserve.engine.graphs"),
+                 ("pagedserve.engine.executor", "pagedserve.engine.tp_executor")):
         both = (b in _imports(MODULES[a], a, everywhere=True), a in _imports(MODULES[b], b, everywhere=True))
         assert both != (True, True), (a, b)
 

@@ -160,6 +160,9 @@ def test_the_engine_over_two_ranks_gives_the_one_process_tokens(tmp_path, settin
         if "speculative_config" in settings:
             assert split.engine.speculator.num_accepted_tokens > 0
         split.engine.kv.check_integrity(expect_all_free=True)
+        # a collective_rpc runs on every rank and brings each one's answer: the same steps
+        counts = split.engine.executor.collective_rpc("graph_counts")
+        assert len(counts) == 2 and counts[0] == counts[1] and sum(counts[0]) > 0
         procs = split.engine.executor._procs
     finally:
         split.close()
