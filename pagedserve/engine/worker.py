@@ -343,6 +343,11 @@ class Worker:
         """Zero the step counters (after the warm-up)."""
         self.runner.reset_stats()
 
+    def held_request_ids(self) -> list[str]:
+        """The requests this worker keeps state for: every one no step's finished_req_ids
+        named yet (the ended ones go with the next step)."""
+        return sorted(self.runner.requests)
+
     def on_progress(self, beat: Callable[[], None]) -> None:
         """(In process only: `beat` is a callable.) On the CPU, call it before each decoder
         layer of a forward pass (one 8,000-token prefill step of SmolLM2 took about 400 s on 2
