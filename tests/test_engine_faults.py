@@ -98,14 +98,18 @@ def test_a_failed_step_mid_generation_loses_nothing_of_the_others(core, solo):
 def test_an_id_reused_while_its_old_step_is_in_flight_gets_only_its_own_tokens(core, solo):
     """Abort a request while its first step is on the device and send another under the same
     id: the old step's token reaches neither the new request's tokens in the engine nor the
-    worker's copy of them (which the next steps read their inputs from)."""
+    worker's copy of them (which the next steps read their inputs from). The worker forgets
+    an ended request at the start of the next step, before it learns that step's new ones."""
     assert core.config.async_scheduling
     core.add_request(EngineRequest("x", PROMPTS["a"], GREEDY))
     assert core.step() == [] and core._inflight is not None  # x's prefill is on its way
+    held = core.executor.worker.runner.requests
+    old = held["x"]
     core.abort_requests(["x"])
-    assert "x" not in core.executor.worker.runner.requests  # the worker forgot it at once
     assert run(core, {"x": PROMPTS["b"]})["x"] == (solo["b"], "length", None)
-    assert not core.executor.worker.runner.requests  # and forgot the new one when it finished
+    assert held["x"] is not old  # (the new x, which ended in the last step)
+    run(core, {"c": PROMPTS["c"]})
+    assert set(held) == {"c"}  # the new x went with c's first step
 
 
 def test_non_finite_logits_fail_only_their_request(core, solo, monkeypatch):

@@ -1,18 +1,17 @@
 """The engine core over a fake executor: the core needs nothing of the model but the
-`Executor` interface (what a tensor-parallel executor will implement)."""
+`Executor` verbs (execute, collect, collective_rpc) and the workers' `WorkerInfo`."""
 
 from __future__ import annotations
-
-from contextlib import nullcontext
 
 from pagedserve.config import EngineConfig, ModelConfig, SchedulerConfig
 from pagedserve.engine.core import EngineCore
 from pagedserve.engine.executor import Executor
 from pagedserve.engine.messages import EngineRequest, StepResult
+from pagedserve.engine.worker_info import WorkerInfo
 from pagedserve.models.source import ModelSource
 from pagedserve.sampling_params import SamplingParams
 
-VOCAB, EOS = 500, 3
+VOCAB, EOS, BLOCK_SIZE = 500, 3, 4
 
 
 def next_token(tokens: list[int]) -> int:
@@ -20,28 +19,26 @@ def next_token(tokens: list[int]) -> int:
     return (sum(t * (i + 1) for i, t in enumerate(tokens)) * 31 + 7) % VOCAB
 
 
-class FakeExecutor(Executor):
-    """Computes each sampling chunk's token from its request's known tokens at launch."""
+class FakeWorker:
+    """The worker side: what a real worker keeps (each request's known tokens) and the
+    methods the core calls through `collective_rpc`."""
 
-    def __init__(self, num_blocks: int = 64, block_size: int = 4) -> None:
-        self.model_config = ModelConfig("LlamaForCausalLM", VOCAB, 8, 8, 1, 1, 1, 8, 1e-6, 1e4,
-                                        max_position_embeddings=256, tie_word_embeddings=True,
-                                        qk_norm=False, eos_token_ids=(EOS,))
-        self.scheduler_config = SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=16, max_model_len=128)
-        self.num_blocks, self.block_size = num_blocks, block_size
-        self.load_seconds = self.graph_capture_seconds = self.matmul_plan_seconds = 0.0
-        self.compile_ahead_seconds, self.is_cuda = 0.0, False
+    def __init__(self) -> None:
         self.steps, self.released = 0, []
-        self.tokens: dict[str, list[int]] = {}  # what a worker keeps: each request's known tokens
+        self.tokens: dict[str, list[int]] = {}
 
-    def execute(self, out, *unexpected):
-        assert not unexpected  # the step's message is all a worker gets
+    def execute(self, out):
+        self.released += out.finished_req_ids
+        for rid in out.finished_req_ids:  # (before the new requests: an id may be reused)
+            self.tokens.pop(rid, None)
+        if not out.chunks:
+            return None
         self.steps += 1
         for new in out.new_requests:
             self.tokens[new.request_id] = list(new.prompt_token_ids)
         sampled = {}
         for c in out.chunks:
-            assert len(c.block_ids) * self.block_size >= c.start + c.num_tokens
+            assert len(c.block_ids) * BLOCK_SIZE >= c.start + c.num_tokens
             if c.samples:  # (synchronous engine: every input token is known)
                 known = self.tokens[c.request_id]
                 assert len(known) == c.start + c.num_tokens
@@ -54,11 +51,6 @@ class FakeExecutor(Executor):
                 self.tokens[rid] += new
         return StepResult(handle, {})
 
-    def release(self, request_ids):
-        self.released += request_ids
-        for rid in request_ids:
-            self.tokens.pop(rid, None)
-
     def graph_counts(self):
         return 0, self.steps
 
@@ -68,11 +60,8 @@ class FakeExecutor(Executor):
     def grammar_seconds(self):
         return 0.0, 0.0
 
-    def rehearsed(self, fn, what):
-        fn()
-
-    def eager_mixed_steps(self):
-        return nullcontext()
+    def set_eager_mixed(self, on):
+        pass
 
     def warm_up_kernels(self):
         pass
@@ -82,6 +71,30 @@ class FakeExecutor(Executor):
 
     def reset_stats(self):
         self.steps = 0
+
+
+class FakeExecutor(Executor):
+    """The three verbs over a `FakeWorker`, which computes each sampling chunk's token from
+    its request's known tokens at launch."""
+
+    def __init__(self, num_blocks: int = 64) -> None:
+        self.info = WorkerInfo(
+            ModelConfig("LlamaForCausalLM", VOCAB, 8, 8, 1, 1, 1, 8, 1e-6, 1e4, max_position_embeddings=256,
+                        tie_word_embeddings=True, qk_norm=False, eos_token_ids=(EOS,)),
+            SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=16, max_model_len=128),
+            num_blocks, BLOCK_SIZE, draft_layer_windows=None, is_cuda=False, load_seconds=0.0,
+            graph_capture_seconds=0.0, matmul_plan_seconds=0.0, compile_ahead_seconds=0.0)
+        self.worker = FakeWorker()
+
+    def execute(self, out, *unexpected):
+        assert not unexpected  # the step's message is all a worker gets
+        return self.worker.execute(out)
+
+    def collect(self, handle) -> StepResult:
+        return self.worker.collect(handle)
+
+    def collective_rpc(self, method, *args):
+        return [getattr(self.worker, method)(*args)]
 
 
 def test_the_core_runs_on_any_executor():
@@ -100,8 +113,39 @@ def test_the_core_runs_on_any_executor():
         for _ in range(5):
             seq.append(next_token(seq))
         assert got[rid] == seq[len(prompt):], rid
-    assert sorted(ex.released) == sorted(prompts)  # each finished request's state dropped
     core.kv.check_integrity(expect_all_free=True)
+    # Each finished request's state is dropped at the start of the next step (no call of its
+    # own): those that finished in the last step go with the next request's first step.
+    assert set(ex.worker.released) < set(prompts)
+    core.add_request(EngineRequest("next", [5, 6, 7], SamplingParams(max_tokens=1)))
+    while core.has_unfinished_requests():
+        core.step()
+    assert sorted(ex.worker.released) == sorted(prompts)
+    assert set(ex.worker.tokens) == {"next"}
+
+
+def test_a_step_that_fails_before_it_reaches_the_workers_sends_its_finished_ids_again():
+    """A finished id rides on the next step; if that step raises before the workers get it,
+    the one after carries it again, and a step without chunks still carries it."""
+    ex = FakeExecutor()
+    core = EngineCore(EngineConfig(async_scheduling=False), ModelSource("fake", {}), executor=ex)
+    core.add_request(EngineRequest("a", [9] * 5, SamplingParams(max_tokens=1)))
+    while core.has_unfinished_requests():
+        core.step()
+    assert ex.worker.released == [] and set(ex.worker.tokens) == {"a"}
+    real = ex.execute
+
+    def fails(out):
+        raise RuntimeError("the pipe broke")
+
+    ex.execute = fails
+    core.add_request(EngineRequest("b", [8] * 5, SamplingParams(max_tokens=1)))
+    outputs = core.step()  # (b fails with the step)
+    assert [(o.request_id, o.finish_reason) for o in outputs] == [("b", "error")]
+    ex.execute = real
+    assert not core.has_unfinished_requests()
+    core.step()  # nothing to run: a step of finished ids alone
+    assert sorted(ex.worker.released) == ["a", "b"] and not ex.worker.tokens
 
 
 def test_the_worker_takes_its_kernel_choices_from_the_config(tmp_path):

@@ -168,6 +168,13 @@ def test_the_engine_over_two_ranks_gives_the_one_process_tokens(tmp_path, settin
         if "speculative_config" in settings:
             assert split.engine.speculator.num_accepted_tokens > 0
         split.engine.kv.check_integrity(expect_all_free=True)
+        # a collective_rpc runs on every rank and brings each one's answer: the same steps
+        counts = split.engine.executor.collective_rpc("graph_counts")
+        assert len(counts) == 2 and counts[0] == counts[1] and sum(counts[0]) > 0
+        # each rank forgot every ended request but at most the last, which goes with the next
+        # step (with speculation its step completes first, and a step of ended ids follows)
+        held = split.engine.executor.collective_rpc("held_request_ids")
+        assert held[0] == held[1] and len(held[0]) <= 1
         procs = split.engine.executor._procs
     finally:
         split.close()

@@ -66,7 +66,7 @@ def run_throughput(args, llm_kwargs: dict, llm=None) -> dict:
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
     executor = llm.engine.executor
-    graph0, eager0 = executor.graph_counts()
+    graph0, eager0 = executor.collective_rpc("graph_counts")[0]
     if llm.engine.speculator is not None:
         llm.engine.speculator.reset_stats()  # (the counters cover the timed run)
     llm.engine.timer.enable()
@@ -76,7 +76,7 @@ def run_throughput(args, llm_kwargs: dict, llm=None) -> dict:
         torch.cuda.synchronize()
     elapsed = time.perf_counter() - t1
     llm.engine.timer.enabled = False
-    graph1, eager1 = executor.graph_counts()
+    graph1, eager1 = executor.collective_rpc("graph_counts")[0]
     steps = {"graph": graph1 - graph0, "eager": eager1 - eager0}
     host_s = {k: round(v, 3) for k, v in llm.engine.timer.totals.items()}
     out_tokens = sum(len(o.outputs[0].token_ids) for o in outs)

@@ -5,6 +5,7 @@ level stops (EOS, stop_token_ids, max_tokens, max_model_len) are decided here; s
 *strings* need text, so the front end (offline LLM or HTTP server) detokenizes and
 aborts a request that hit one. The model, its KV tensors and the sampler live behind the
 executor (`engine/executor.py`, `engine/worker.py`); the core holds only plain Python state.
+It builds the executor the config asks for (`make_executor`).
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ import time
 
 from pagedserve import faults
 from pagedserve.config import EngineConfig
-from pagedserve.engine.executor import Executor, ExecutorDied, make_executor
+from pagedserve.engine.executor import Executor, ExecutorDied, UniprocExecutor
 from pagedserve.engine.kv_cache_manager import KVCacheManager, window_to_free
 from pagedserve.engine.limits import check_prompt, check_token_ids
 from pagedserve.engine.messages import EngineRequest, TokenOutput
@@ -29,6 +30,7 @@ from pagedserve.engine.step_timer import (
 )
 from pagedserve.engine.step_trace import StepTrace
 from pagedserve.engine.stopping import check_stop
+from pagedserve.engine.tp_executor import TensorParallelExecutor
 from pagedserve.engine.warm_up import warm_up
 from pagedserve.models.source import ModelSource, resolve_model
 from pagedserve.spec_decode.speculator import Speculator
@@ -42,6 +44,14 @@ class FatalEngineError(RuntimeError):
     """The engine cannot go on safely (its process ends; the server starts a new one)."""
 
 
+def make_executor(config: EngineConfig, source: ModelSource) -> Executor:
+    """The executor `config` asks for: one in-process worker, or a process per
+    tensor-parallel rank (also at one rank, with distributed_executor_backend "mp")."""
+    if config.multiprocess_executor:
+        return TensorParallelExecutor(config, source)
+    return UniprocExecutor(config, source)
+
+
 class EngineCore:
     """Steps the model over all admitted requests; one `step()` = one forward pass."""
 
@@ -51,15 +61,16 @@ class EngineCore:
         self.config = config
         self.source = source or resolve_model(config.model, load_format=config.load_format)
         self.executor = ex = executor or make_executor(config, self.source)
-        self.model_config = ex.model_config
-        self.scheduler_config = sched = ex.scheduler_config
-        self.kv = KVCacheManager(ex.num_blocks, ex.block_size, config.cache.enable_prefix_caching,
-                                 window_to_free(ex.model_config.sliding_windows, ex.draft_layer_windows))
+        info = ex.info
+        self.model_config = info.model_config
+        self.scheduler_config = sched = info.scheduler_config
+        self.kv = KVCacheManager(info.num_blocks, info.block_size, config.cache.enable_prefix_caching,
+                                 window_to_free(info.model_config.sliding_windows, info.draft_layer_windows))
         self.scheduler = Scheduler(sched, self.kv)
         self.requests: dict[str, Request] = {}
         spec = config.speculative
-        self.speculator = None if spec is None else Speculator(spec, sched.max_model_len, self.kv,
-                                                               ex.propose_drafts)
+        self.speculator = None if spec is None else Speculator(
+            spec, sched.max_model_len, self.kv, lambda reqs: ex.collective_rpc("propose_drafts", reqs)[0])
         self._inflight = None  # (SchedulerOutput, step handle) launched but not yet read back
         self._launching = None  # the SchedulerOutput of the step being scheduled and launched
         self._step_outputs: list[TokenOutput] = []  # outputs made so far in the current step
@@ -77,29 +88,19 @@ class EngineCore:
         self._step_log = PeriodicStepLog(obs.step_times_every, self.timer, self.executor)
         self.num_prefill_tokens = 0  # cumulative tokens computed other than decodes
         self.num_generation_tokens = 0  # cumulative sampled tokens
-        if ex.is_cuda:
+        self.graph_capture_seconds, self.matmul_plan_seconds = info.graph_capture_seconds, info.matmul_plan_seconds
+        self.compile_ahead_seconds = info.compile_ahead_seconds  # (the warm-up's rehearsal added)
+        if info.is_cuda:
             # (greedy warm-up: in the compile-ahead rehearsal the argmax of whatever the
             # skipped kernels left is still a valid id)
-            ex.rehearsed(self.warm_up, "warm-up")
-            ex.report_late_compiles()
+            self.compile_ahead_seconds += ex.rehearsed(self.warm_up, "warm-up")
+            ex.collective_rpc("report_late_compiles")
         self.startup_seconds = time.perf_counter() - t0
         logger.info("engine ready in %.1f s", self.startup_seconds)
         if obs.step_times_every:
             self.timer.enable()
-        if obs.step_trace and ex.is_cuda:
+        if obs.step_trace and info.is_cuda:
             self._trace = StepTrace(obs.step_trace)
-
-    @property
-    def graph_capture_seconds(self) -> float:
-        return self.executor.graph_capture_seconds
-
-    @property
-    def matmul_plan_seconds(self) -> float:
-        return self.executor.matmul_plan_seconds
-
-    @property
-    def compile_ahead_seconds(self) -> float:
-        return self.executor.compile_ahead_seconds
 
     def kv_capacity(self) -> int:
         """Tokens the KV cache holds."""
@@ -115,7 +116,7 @@ class EngineCore:
         """Zero the counters and drop the prefix cache (no request may be running)."""
         self.kv.reset_stats()
         self.scheduler.reset_stats()
-        self.executor.reset_stats()
+        self.executor.collective_rpc("reset_stats")
         if self.speculator is not None:
             self.speculator.reset_stats()
         self.num_prefill_tokens = self.num_generation_tokens = 0
@@ -231,12 +232,14 @@ class EngineCore:
             self._inject_step_fault(out)
         if not out.is_empty:
             if self._trace:
-                trace_start, graphs = self._trace.begin(), self.executor.graph_counts()[0]
+                trace_start, graphs = self._trace.begin(), self._graph_steps()
             launched = (out, self.executor.execute(out))
             if self._trace:
-                self._trace.end(trace_start, out.chunks, self.executor.graph_counts()[0] > graphs,
+                self._trace.end(trace_start, out.chunks, self._graph_steps() > graphs,
                                 (time.perf_counter() - t_scheduled) * 1e3)
             self.num_prefill_tokens += sum(c.num_tokens for c in out.chunks if not c.is_decode)
+        elif out.finished_req_ids and not self.fatal_error:  # only ended requests to forget
+            self.executor.execute(out)
         timer.mark("prepare+launch")
         t_launched = time.perf_counter()
         if self._inflight is not None:
@@ -252,8 +255,12 @@ class EngineCore:
         ms = (time.perf_counter() - t0) * 1e3
         if self._slow_step_ms and ms > self._slow_step_ms:
             log_slow_step(ms, out.chunks, (t_scheduled - t0) * 1e3, (t_launched - t_scheduled) * 1e3,
-                          self.executor.last_launch_ms(), (GC_CLOCK.seconds - gc0) * 1e3, allocs0)
+                          self.executor.collective_rpc("last_launch_ms")[0], (GC_CLOCK.seconds - gc0) * 1e3,
+                          allocs0)
         self._step_log.tick()
+
+    def _graph_steps(self) -> int:
+        return self.executor.collective_rpc("graph_counts")[0][0]
 
     # ---- failures ---------------------------------------------------------------------
 
@@ -266,6 +273,8 @@ class EngineCore:
                          self.consecutive_failed_steps)
         message = f"the engine step running this request failed ({type(error).__name__}: {error})"
         reqs: dict[int, Request] = {}
+        if self._launching is not None:  # (it may not have reached the workers)
+            self.scheduler.resend_finished(self._launching)
         for out in (self._inflight[0] if self._inflight else None, self._launching):
             for req in self.scheduler.drop(out) if out is not None else ():
                 reqs[id(req)] = req
@@ -385,5 +394,4 @@ class EngineCore:
         self.requests.pop(request_id, None)
         self._faults.pop(request_id, None)
         self._compiling.pop(request_id, None)
-        self.executor.release([request_id])
 

@@ -65,11 +65,15 @@ class SchedulerOutput:
     """What the workers must compute this step, in batch order: plain data (request ids,
     block ids), so it can cross to worker processes. A worker learns a request from its
     `NewRequestData` and its new tokens from its own samples (`Worker.collect`); it forgets
-    it when the executor releases it."""
+    it at the start of the first step whose `finished_req_ids` name it, before it learns
+    this step's new requests (an id may be reused at once). A step without chunks may still
+    carry finished ids: the engine core sends it for them alone."""
 
     chunks: list[ScheduledChunk] = field(default_factory=list)
     new_requests: list[NewRequestData] = field(default_factory=list)
     preempted: list[str] = field(default_factory=list)  # request ids
+    # requests the workers hold that finished or were aborted since the last step sent
+    finished_req_ids: list[str] = field(default_factory=list)
     step_id: int = 0  # the scheduler's count of steps
 
     @property
@@ -95,6 +99,7 @@ class Scheduler:
         self._in_flight_starts: dict[int, dict[int, int]] = {}
         self._num_steps = 0
         self.num_preemptions = 0  # total, for metrics and tests
+        self._finished_ids: list[str] = []  # for the next step's finished_req_ids
 
     def reset_stats(self) -> None:
         self.num_preemptions = 0
@@ -138,12 +143,20 @@ class Scheduler:
         req.finish_reason = reason
         req.num_pending = 0  # a token still in flight is dropped
         self.kv.free(req.request_id)
+        if req.first_scheduled_time is not None:  # (the workers learned it with its first step)
+            self._finished_ids.append(req.request_id)
+
+    def resend_finished(self, out: SchedulerOutput) -> None:
+        """`out` failed before it surely reached the workers: its finished ids go with the
+        next step again (forgetting a request twice does no harm)."""
+        self._finished_ids[:0] = out.finished_req_ids
 
     # ---- one step ---------------------------------------------------------------------
 
     def schedule(self) -> SchedulerOutput:
         self._num_steps += 1
-        out = SchedulerOutput(step_id=self._num_steps)
+        out = SchedulerOutput(step_id=self._num_steps, finished_req_ids=self._finished_ids)
+        self._finished_ids = []
         reqs: list[Request] = []  # of out.chunks
         budget = self.config.max_num_batched_tokens
         scheduled: set[int] = set()

@@ -30,9 +30,9 @@ class PeriodicStepLog:
         self._steps += 1
         if self._steps < self.every:
             return
-        n, (graphs, eager) = self._steps, self.executor.graph_counts()
+        n, (graphs, eager) = self._steps, self.executor.collective_rpc("graph_counts")[0]
         phases = ", ".join(f"{k} {v:.2f}" for k, v in self.timer.summary(n).items())
-        wait, fill = self.executor.grammar_seconds()
+        wait, fill = self.executor.collective_rpc("grammar_seconds")[0]
         if fill > self._grammar[1]:  # (inside prepare+launch)
             phases += (f"; of which structured output: waiting for the previous step "
                        f"{(wait - self._grammar[0]) * 1e3 / n:.2f}, "

@@ -3,12 +3,13 @@
 Each rank is a process of its own (started with "spawn", all at once): it joins the process
 group (NCCL on GPUs, one GPU a rank; gloo on the CPU), builds a `Worker` with its
 `TensorParallel` (its share of the weights and heads, `distributed/tensor_parallel.py`), and
-serves the executor's calls from a pipe. Every call goes to every rank, which runs it in step
+runs the calls that arrive on its pipe: a step to launch, a step to collect, or a named
+`Worker` method (`collective_rpc`). Every call goes to every rank, which runs it in step
 with the others (the all-reduces inside the model meet there); every rank samples from the
 same gathered logits with the same random state, so all keep the same tokens, and only rank
-0 sends its results back. A step's launch is not waited for: the core schedules the next
-step while the ranks launch this one, and the launch's answer is read with the next call.
-The KV cache holds what the smallest rank's memory allows.
+0 sends a step's results back. A step's launch is not waited for: the core schedules the
+next step while the ranks launch this one, and the launch's answer is read with the next
+call. The KV cache holds what the smallest rank's memory allows.
 
 A rank that raises answers with its error; a rank that dies is seen at once (the executor
 watches each process, not only its pipe: the others may be stuck in a collective waiting for
@@ -24,14 +25,17 @@ import multiprocessing as mp
 import os
 import shutil
 import threading
-from contextlib import ExitStack, contextmanager, suppress
+from contextlib import suppress
 from datetime import timedelta
 from multiprocessing.connection import wait
 from typing import Any
 
 from pagedserve.config import EngineConfig
 from pagedserve.engine.executor import Executor, ExecutorDied
+from pagedserve.engine.messages import StepResult
+from pagedserve.engine.scheduler import SchedulerOutput
 from pagedserve.engine.tp_grammars import GrammarReceiver, GrammarSender
+from pagedserve.engine.worker_info import WorkerInfo
 from pagedserve.ipc_dirs import new_ipc_dir
 from pagedserve.models.source import ModelSource
 
@@ -44,7 +48,7 @@ class WorkerDied(ExecutorDied):
 
 
 class TensorParallelExecutor(Executor):
-    """`config.tensor_parallel_size` worker processes; the `Executor` interface over them."""
+    """`config.tensor_parallel_size` worker processes; the `Executor` verbs over pipes."""
 
     def __init__(self, config: EngineConfig, source: ModelSource) -> None:
         self.size = size = config.tensor_parallel_size
@@ -52,7 +56,7 @@ class TensorParallelExecutor(Executor):
         self._dir = new_ipc_dir("tp-")
         store = os.path.join(self._dir, "store")
         self._conns, self._procs = [], []
-        self._broken = False  # a rank died or failed: the ranks are out of step
+        self._broken: str | None = None  # why a rank died or failed: the ranks are out of step
         self._unread = 0  # calls sent whose answers are not read yet (launched steps)
         # (the kernel's parent-death signal is tied to the starting thread: main thread only)
         lifeline = (os.getpid(), threading.current_thread() is threading.main_thread())
@@ -68,12 +72,11 @@ class TensorParallelExecutor(Executor):
             self._conns.append(parent)
             self._procs.append(proc)
         try:
-            facts = self._answers()[0]
+            self._answers()  # (each rank has started)
+            self.info: WorkerInfo = self.collective_rpc("info")[0]
         except BaseException:
             self.close()
             raise
-        for key, value in facts.items():
-            setattr(self, key, value)
         self._steps = 0
         self._grammars = GrammarSender()  # (grammars cross to the ranks as text)
 
@@ -92,8 +95,8 @@ class TensorParallelExecutor(Executor):
                 except (EOFError, OSError):
                     raise self._died(rank) from None
                 if not ok:  # (the others may wait in a collective it never reached)
-                    self._broken = True
-                    raise WorkerDied(f"tensor-parallel rank {rank} failed: {value}")
+                    self._broken = f"tensor-parallel rank {rank} failed: {value}"
+                    raise WorkerDied(self._broken)
                 out[rank] = value
                 pending.remove(rank)
             for rank, proc in enumerate(self._procs):
@@ -102,13 +105,15 @@ class TensorParallelExecutor(Executor):
         return out
 
     def _died(self, rank: int) -> WorkerDied:
-        self._broken = True
         proc = self._procs[rank]
         proc.join(timeout=1)
-        return WorkerDied(f"tensor-parallel rank {rank} ended (exit code {proc.exitcode})")
+        self._broken = f"tensor-parallel rank {rank} ended (exit code {proc.exitcode})"
+        return WorkerDied(self._broken)
 
     def _send(self, method: str, *args: Any) -> None:
-        """Send a call to every rank's worker side (`_RankServer`); its answer is read later."""
+        """Send a call to every rank (`_serve_rank`); its answers are read later."""
+        if self._broken:  # (the ranks are out of step: nothing they answer can be trusted)
+            raise WorkerDied(self._broken)
         for rank, conn in enumerate(self._conns):
             try:
                 conn.send((method, args))
@@ -116,15 +121,15 @@ class TensorParallelExecutor(Executor):
                 raise self._died(rank) from None
         self._unread += 1
 
-    def _call(self, method: str, *args: Any) -> Any:
+    def _call(self, method: str, *args: Any) -> list[Any]:
         """Send a call and read the answers of every call not yet read, in order (a failed
-        one raises); rank 0's answer to this one."""
+        one raises); every rank's answer to this one."""
         self._send(method, *args)
-        answer = None
+        answers: list[Any] = []
         while self._unread:
-            answer = self._answers()[0]
+            answers = self._answers()
             self._unread -= 1
-        return answer
+        return answers
 
     def close(self) -> None:
         """End the rank processes: each is asked to stop and killed if it has not within 10
@@ -143,59 +148,26 @@ class TensorParallelExecutor(Executor):
         self._conns = []
         shutil.rmtree(self._dir, ignore_errors=True)
 
-    # ---- the Executor interface ----------------------------------------------------------
+    # ---- the Executor verbs ----------------------------------------------------------
 
-    def execute(self, out):
+    def execute(self, out: SchedulerOutput) -> int:
         # (not waited for: the core schedules the next step while the ranks launch this one;
         # the launch's answer, or its error, is read with the next call, `collect` at the latest)
         self._steps += 1
         self._send("execute", self._steps, self._grammars.outbound(out))
         return self._steps
 
-    def collect(self, handle):
-        return self._call("collect", handle)
+    def collect(self, handle: int) -> StepResult:
+        return self._call("collect", handle)[0]  # (only rank 0 sends a step's results)
 
-    def release(self, request_ids: list[str]) -> None:
-        if not self._broken:  # (once broken, the ranks forget everything with their processes)
-            self._call("release", request_ids)
-
-    def graph_counts(self) -> tuple[int, int]:
-        return self._call("graph_counts")
-
-    def last_launch_ms(self) -> tuple[float, float, float]:
-        return self._call("last_launch_ms")
-
-    def grammar_seconds(self) -> tuple[float, float]:
-        return self._call("grammar_seconds")
-
-    def propose_drafts(self, requests):
-        return self._call("propose_drafts", requests)
-
-    def rehearsed(self, fn, what: str) -> None:
-        fn()  # (the ranks compile their kernels as they go: no rehearsal across processes yet)
-
-    @contextmanager
-    def eager_mixed_steps(self):
-        self._call("set_eager_mixed", True)
-        try:
-            yield
-        finally:
-            self._call("set_eager_mixed", False)
-
-    def warm_up_kernels(self) -> None:
-        self._call("warm_up_kernels", self.scheduler_config.max_num_seqs)
-
-    def report_late_compiles(self) -> None:
-        self._call("report_late_compiles")
-
-    def reset_stats(self) -> None:
-        self._call("reset_stats")
+    def collective_rpc(self, method: str, *args: Any) -> list[Any]:
+        return self._call(method, *args)
 
 
 def _serve_rank(rank: int, size: int, store: str, config: EngineConfig, source: ModelSource, conn,
                 lifeline: tuple[int, bool]) -> None:
-    """A rank's process: join the group, build the worker, answer calls until "stop". It
-    ends as soon as the process that started it does."""
+    """A rank's process: join the group, build the worker, run the executor's calls on it
+    until "stop". It ends as soon as the process that started it does."""
     from pagedserve.lifeline import die_with_parent
 
     die_with_parent(lifeline[0], use_signal=lifeline[1])
@@ -213,18 +185,12 @@ def _serve_rank(rank: int, size: int, store: str, config: EngineConfig, source: 
         dist.init_process_group("nccl" if cuda else "gloo", init_method=f"file://{store}", rank=rank,
                                 world_size=size, timeout=JOIN_TIMEOUT)
         worker = Worker(config, source, TensorParallel(rank, size))
-        conn.send((True, None if rank else {
-            "model_config": worker.model_config, "scheduler_config": worker.scheduler_config,
-            "num_blocks": worker.num_blocks, "block_size": worker.kv_spec.block_size,
-            "load_seconds": worker.load_seconds, "graph_capture_seconds": worker.graph_capture_seconds,
-            "matmul_plan_seconds": worker.matmul_plan_seconds,
-            "compile_ahead_seconds": worker.compile_ahead_seconds, "is_cuda": worker.cuda,
-            "draft_layer_windows": None if worker.runner.drafter is None
-            else worker.runner.drafter.model.config.sliding_windows}))
+        conn.send((True, None))  # (started: the executor asks for its facts next)
     except BaseException as e:  # (start-up failed: say why, then end)
         conn.send((False, f"start-up failed: {type(e).__name__}: {e}"))
         return
-    server = _RankServer(worker)
+    handles = {}  # step number -> its StepHandle, from "execute" until "collect"
+    grammars = GrammarReceiver()
     while True:
         try:
             method, args = conn.recv()
@@ -234,8 +200,20 @@ def _serve_rank(rank: int, size: int, store: str, config: EngineConfig, source: 
             dist.barrier()
             break
         try:
-            answer = getattr(server, method)(*args)
-            conn.send((True, None if rank else answer))  # (only rank 0's answer is read)
+            if method == "execute":
+                step, out = args
+                handle = worker.execute(grammars.inbound(out))
+                if handle is not None:
+                    handles[step] = handle
+                answer = None
+            elif method == "collect":  # (only rank 0's results are read: the others send none)
+                result = worker.collect(handles.pop(args[0]))
+                answer = None if rank else result
+            elif method.startswith("_"):
+                raise AttributeError(f"{method!r} is not a worker method that executors may call")
+            else:
+                answer = getattr(worker, method)(*args)
+            conn.send((True, answer))
         except BaseException as e:
             logger.exception("tensor-parallel rank %d: %s failed", rank, method)
             conn.send((False, f"{type(e).__name__}: {e}"))
@@ -243,49 +221,3 @@ def _serve_rank(rank: int, size: int, store: str, config: EngineConfig, source: 
     # No interpreter clean-up: gloo objects still alive then are destroyed in no set order,
     # and one of their threads aborted the process (SIGABRT) now and then in CI.
     os._exit(0)
-
-
-class _RankServer:
-    """What a rank does for each call (its worker's methods; step handles kept by number)."""
-
-    def __init__(self, worker) -> None:
-        self.worker, self.handles = worker, {}
-        self._grammars = GrammarReceiver()
-        self._eager = ExitStack()  # the runner's eager_mixed_steps while the warm-up wants them
-
-    def execute(self, step: int, out) -> None:
-        self.handles[step] = self.worker.execute(self._grammars.inbound(out))
-
-    def collect(self, step: int):
-        return self.worker.collect(self.handles.pop(step))
-
-    def release(self, request_ids: list[str]) -> None:
-        self.worker.runner.release(request_ids)
-
-    def grammar_seconds(self) -> tuple[float, float]:
-        wait, fill = self.worker.runner.grammar_seconds
-        return wait, fill
-
-    def propose_drafts(self, requests):
-        return self.worker.runner.drafter.propose(requests)
-
-    def graph_counts(self) -> tuple[int, int]:
-        return self.worker.runner.num_graph_steps, self.worker.runner.num_eager_steps
-
-    def last_launch_ms(self) -> tuple[float, float, float]:
-        return self.worker.runner.last_launch_ms
-
-    def set_eager_mixed(self, on: bool) -> None:
-        if on:
-            self._eager.enter_context(self.worker.runner.eager_mixed_steps())
-        else:
-            self._eager.close()
-
-    def warm_up_kernels(self, max_num_seqs: int) -> None:
-        self.worker.warm_up_kernels(max_num_seqs)
-
-    def report_late_compiles(self) -> None:
-        self.worker.report_late_compiles()
-
-    def reset_stats(self) -> None:
-        self.worker.reset_stats()

@@ -38,7 +38,7 @@ def warm_up(core: Steppable) -> None:
     the prefill and mixed steps eager (steps too big for a mixed-step graph run so, and
     Triton specializes the small kernels on whether the token count is a multiple of
     16), once as they normally run; then one step of the full token budget, and the kernel
-    variants no step reaches (`Executor.warm_up_kernels`). The caller resets the statistics
+    variants no step reaches (`Worker.warm_up_kernels`). The caller resets the statistics
     afterwards (the requests are finished and their blocks freed)."""
     t0 = time.perf_counter()
     vocab = core.model_config.vocab_size
@@ -51,11 +51,14 @@ def warm_up(core: Steppable) -> None:
         while core.has_unfinished_requests():
             core.step()
 
-    with core.executor.eager_mixed_steps():
+    core.executor.collective_rpc("set_eager_mixed", True)
+    try:
         two_requests(0)
+    finally:
+        core.executor.collective_rpc("set_eager_mixed", False)
     two_requests(1)
     warm_up_full_step(core)
-    core.executor.warm_up_kernels()
+    core.executor.collective_rpc("warm_up_kernels")
     logger.info("warm-up steps in %.1f s", time.perf_counter() - t0)
 
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable
+from contextlib import ExitStack
 
 import torch
 
@@ -34,6 +35,7 @@ from pagedserve.engine.model_runner import ModelRunner
 from pagedserve.engine.scheduler import SchedulerOutput
 from pagedserve.engine.step_handle import StepHandle
 from pagedserve.engine.warm_up import profile_forward
+from pagedserve.engine.worker_info import WorkerInfo
 from pagedserve.layers.sampler import Sampler
 from pagedserve.models.loader import build_model
 from pagedserve.models.source import ModelSource
@@ -55,7 +57,8 @@ def make_backend(name: str, device: torch.device, cfg: ModelConfig, tp: TensorPa
 
 class Worker:
     """Runs the model on one device; `execute` launches a step, `collect` reads it back.
-    `tp`: its tensor-parallel rank (its share of the model; `engine/tp_executor.py`)."""
+    `tp`: its tensor-parallel rank (its share of the model; `engine/tp_executor.py`). Its
+    other public methods are what an executor's `collective_rpc` calls: plain data in and out."""
 
     def __init__(self, config: EngineConfig, source: ModelSource, tp: TensorParallel = SINGLE) -> None:
         t0 = time.perf_counter()
@@ -89,6 +92,7 @@ class Worker:
                         LONG_MIN_QUERIES, LONG_MIN_KEYS, kernels.long_prefill)
         self._compile_ahead = self.cuda and kernels.compile_ahead
         self.compile_ahead_seconds = 0.0
+        self._eager_mixed = ExitStack()  # the runner's eager_mixed_steps while set_eager_mixed(True)
         self.model = model
 
         draft = None
@@ -234,14 +238,17 @@ class Worker:
         with self.model.first_layers_only(2):
             self.compile_ahead_seconds += compile_ahead(fn, what)
 
-    def rehearsed(self, fn: Callable[[], object], what: str) -> None:
-        """Run a start-up phase, rehearsed first where compile-ahead is on."""
+    def rehearsed(self, fn: Callable[[], object], what: str) -> float:
+        """Run a start-up phase, rehearsed first where compile-ahead is on; the seconds the
+        rehearsal took (0 without one)."""
+        before = self.compile_ahead_seconds
         if self._compile_ahead:
             self._rehearse(fn, what)
         fn()
+        return self.compile_ahead_seconds - before
 
     @torch.inference_mode()
-    def warm_up_kernels(self, max_num_seqs: int) -> None:
+    def warm_up_kernels(self) -> None:
         """Kernel variants no warm-up step reaches: the attention backend's eager variants
         (e.g. every split-KV count of the Triton decode kernel: measured on the H200, each
         first use otherwise stalls a serving step by about half a second) and the fused
@@ -256,7 +263,8 @@ class Worker:
             for variant in variants:
                 backend.prepare(meta, **variant)
                 self.model(ids, positions, AttentionContext(backend, meta))
-        self._sampler_kernels(runner.sampler.fused, runner.sampler.fused_top_k_top_p, max_num_seqs)
+        self._sampler_kernels(runner.sampler.fused, runner.sampler.fused_top_k_top_p,
+                              self.scheduler_config.max_num_seqs)
 
     def _sampler_kernels(self, fused: bool, fused_top_k_top_p: bool, max_num_seqs: int) -> None:
         """Launch the fused samplers at 1 and max_num_seqs rows, on logits in the model's dtype."""
@@ -283,11 +291,69 @@ class Worker:
 
     # ---- steps ------------------------------------------------------------------------
 
-    def execute(self, out: SchedulerOutput) -> StepHandle:
-        return self.runner.execute(out)
+    def execute(self, out: SchedulerOutput) -> StepHandle | None:
+        """Forget the requests that ended since the last step, then launch this one (None:
+        it has no chunks)."""
+        self.runner.release(out.finished_req_ids)
+        return self.runner.execute(out) if out.chunks else None
 
     def collect(self, handle: StepHandle) -> StepResult:
         return self.runner.collect(handle)
 
+    # ---- calls through the executor's collective_rpc ----------------------------------
+
+    def info(self) -> WorkerInfo:
+        """The start-up facts the engine core needs."""
+        drafter = self.runner.drafter
+        return WorkerInfo(
+            model_config=self.model_config, scheduler_config=self.scheduler_config, num_blocks=self.num_blocks,
+            block_size=self.kv_spec.block_size,
+            draft_layer_windows=None if drafter is None else drafter.model.config.sliding_windows,
+            is_cuda=self.cuda, load_seconds=self.load_seconds, graph_capture_seconds=self.graph_capture_seconds,
+            matmul_plan_seconds=self.matmul_plan_seconds, compile_ahead_seconds=self.compile_ahead_seconds)
+
+    def graph_counts(self) -> tuple[int, int]:
+        """(steps replayed from CUDA graphs, eager steps) since the last reset."""
+        return self.runner.num_graph_steps, self.runner.num_eager_steps
+
+    def last_launch_ms(self) -> tuple[float, float, float]:
+        """Host ms of the last launch: inputs, model, logits and sampling (for slow-step logs)."""
+        return self.runner.last_launch_ms
+
+    def grammar_seconds(self) -> tuple[float, float]:
+        """Cumulative host seconds of structured output: waiting for the previous step's
+        tokens before building grammar masks, and building them."""
+        wait, fill = self.runner.grammar_seconds
+        return wait, fill
+
+    def set_eager_mixed(self, on: bool) -> None:
+        """While on, prefill and mixed steps run eagerly (for the warm-up)."""
+        if on:
+            self._eager_mixed.enter_context(self.runner.eager_mixed_steps())
+        else:
+            self._eager_mixed.close()
+
+    def propose_drafts(self, requests: list[tuple[str, list[int], list[int], int]]) -> dict[str, list[int]]:
+        """Speculative drafts from the draft model: (request id, verified tokens, block ids,
+        number of drafts) of each request -> its drafts (`spec_decode/draft_model.py`)."""
+        if self.runner.drafter is None:
+            raise RuntimeError("propose_drafts was called, but this worker has no draft model")
+        return self.runner.drafter.propose(requests)
+
     def reset_stats(self) -> None:
+        """Zero the step counters (after the warm-up)."""
         self.runner.reset_stats()
+
+    def held_request_ids(self) -> list[str]:
+        """The requests this worker keeps state for: every one no step's finished_req_ids
+        named yet (the ended ones go with the next step)."""
+        return sorted(self.runner.requests)
+
+    def on_progress(self, beat: Callable[[], None]) -> None:
+        """(In process only: `beat` is a callable.) On the CPU, call it before each decoder
+        layer of a forward pass (one 8,000-token prefill step of SmolLM2 took about 400 s on 2
+        busy cores). Not on a GPU: its host runs ahead of the device, so a layer launched is
+        no progress, and steps take milliseconds."""
+        if not self.cuda:
+            for layer in self.model.layers:
+                layer.register_forward_pre_hook(lambda *_: beat())

@@ -37,7 +37,7 @@ MAX_PAUSE_STEPS = 1024  # ... doubling after each trial that pauses again at onc
 class Speculator:
     """Proposes drafts (`propose`) and keeps the acceptance counters (`record`). The draft
     model's method needs the KV manager (`kv`: blocks for the positions the draft model
-    writes while it decodes) and `draft_fn` (`Executor.propose_drafts`)."""
+    writes while it decodes) and `draft_fn` (`Worker.propose_drafts`, through the executor)."""
 
     def __init__(self, config: SpeculativeConfig, max_model_len: int, kv=None,
                  draft_fn: Callable[[list], dict[str, list[int]]] | None = None) -> None:

@@ -36,5 +36,5 @@ def test_the_engine_on_the_gpu_generates_transformers_tokens(tmp_path, kind):
               tokenizer=os.environ.get("PS_TOKENIZER"))
     params = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True)
     got = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
-    assert llm.engine.executor.graph_counts()[0] > 0
+    assert llm.engine.executor.collective_rpc("graph_counts")[0][0] > 0
     assert got == [hf_greedy(hf, p, 32) for p in prompts]

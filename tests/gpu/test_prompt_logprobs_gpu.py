@@ -20,7 +20,7 @@ def test_prompt_logprobs_agree_with_the_sampled_tokens_logprobs_on_the_gpu():
     prompts = [[100 + i, 200 + i, 300 + i] * (20 + 30 * i) for i in range(4)]
     greedy = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True, logprobs=0)
     outs = [o.outputs[0] for o in llm.generate(prompts, greedy, use_tqdm=False)]
-    assert llm.engine.executor.graph_counts()[0] > 0  # (the decode steps replayed graphs)
+    assert llm.engine.executor.collective_rpc("graph_counts")[0][0] > 0  # (the decode steps replayed graphs)
     fed = [p + list(o.token_ids) for p, o in zip(prompts, outs)]
     params = [SamplingParams(max_tokens=4, prompt_logprobs=0 if i % 2 == 0 else None, temperature=0)
               for i in range(len(fed))]

@@ -36,7 +36,7 @@ def _generate(llm: LLM, max_tokens: int = 48):
     llm.engine.kv.check_integrity(expect_all_free=True)
     s = llm.engine.speculator
     counts = None if s is None else (s.num_drafts, s.num_draft_tokens, s.num_accepted_tokens)
-    return outs, counts, llm.engine.executor.graph_counts()[0]
+    return outs, counts, llm.engine.executor.collective_rpc("graph_counts")[0][0]
 
 
 def _free(llm: LLM) -> None:

@@ -26,7 +26,7 @@ def _tokens(dtype: str, **kw) -> tuple[list[list[int]], int]:
         params = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True)
         outs = [list(o.outputs[0].token_ids) for o in llm.generate(PROMPTS, params, use_tqdm=False)]
         llm.engine.kv.check_integrity(expect_all_free=True)
-        return outs, llm.engine.executor.graph_counts()[0]
+        return outs, llm.engine.executor.collective_rpc("graph_counts")[0][0]
     finally:
         llm.close()
         del llm
