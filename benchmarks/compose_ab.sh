@@ -23,6 +23,8 @@ fi
 export PYTHONUNBUFFERED=1
 MODEL=qwen3-4b-instruct-2507
 COMMON="--load-format dummy --tokenizer $ROOT/.devtok --dtype bfloat16 --max-model-len 4096 --log-level WARNING"
+# SCALE=small: fewer prompts and steps (a shorter lease)
+if [ "${SCALE:-full}" = small ]; then STEPS=32 P1=300 P2=128 PS=128,512; else STEPS=48 P1=500 P2=256 PS=256,768; fi
 n=0
 for tree in "$@"; do
     n=$((n + 1))
@@ -35,19 +37,19 @@ for tree in "$@"; do
     export PYTHONPATH="$dir:/tmp/pydeps"
     cd "$dir" || exit 1
     echo "=== $tag ($dir)"
-    python3 -m pagedserve.cli bench latency $MODEL $COMMON --batch-sizes 1,64,256 --input-len 512 \
-        --steps 48 --output-json "$OUT/${tag}_latency.json" > "$OUT/${tag}_latency.log" 2>&1
-    python3 -m pagedserve.cli bench throughput $MODEL $COMMON --num-prompts 500 --input-len 1024 \
+    timeout 150 python3 -m pagedserve.cli bench latency $MODEL $COMMON --batch-sizes 1,64,256 --input-len 512 \
+        --steps $STEPS --output-json "$OUT/${tag}_latency.json" > "$OUT/${tag}_latency.log" 2>&1
+    timeout 150 python3 -m pagedserve.cli bench throughput $MODEL $COMMON --num-prompts $P1 --input-len 1024 \
         --output-len 128 --dataset fixed --warmup --disable-tqdm --output-json "$OUT/${tag}_1024_128.json" \
         > "$OUT/${tag}_1024_128.log" 2>&1
-    python3 -m pagedserve.cli bench throughput $MODEL $COMMON --num-prompts 256 --input-range 100 1024 \
+    timeout 150 python3 -m pagedserve.cli bench throughput $MODEL $COMMON --num-prompts $P2 --input-range 100 1024 \
         --output-range 100 1024 --temperature 0.6 --warmup --disable-tqdm \
         --output-json "$OUT/${tag}_u100_1024.json" > "$OUT/${tag}_u100_1024.log" 2>&1
-    PAGEDSERVE_STEP_TIMES=200 python3 -m pagedserve.cli bench serve \
+    PAGEDSERVE_STEP_TIMES=200 timeout 200 python3 -m pagedserve.cli bench serve \
         --launch "python3 -m pagedserve.cli serve $MODEL $COMMON --log-level INFO --port 8000" \
         --launch-log "$OUT/${tag}_server.log" --base-url http://127.0.0.1:8000 --no-progress \
         --temperature 0 --ignore-eos --input-len 1024 --output-len 128 --concurrency-sweep 64,256 \
-        --num-prompts-per-level 256,768 --warmup 8 --save-result "$OUT/${tag}_serve.json" \
+        --num-prompts-per-level $PS --warmup 8 --save-result "$OUT/${tag}_serve.json" \
         > "$OUT/${tag}_serve.log" 2>&1
     cd "$ROOT" || exit 1
     python3 - "$OUT" "$tag" <<'PYEOF'
