@@ -51,6 +51,7 @@ for tree in "$@"; do
         --temperature 0 --ignore-eos --input-len 1024 --output-len 128 --concurrency-sweep 64,256 \
         --num-prompts-per-level $PS --warmup 8 --save-result "$OUT/${tag}_serve.json" \
         > "$OUT/${tag}_serve.log" 2>&1
+    pkill -f "pagedserve.cli serve" 2>/dev/null; sleep 1  # (a server left by a timed-out run)
     cd "$ROOT" || exit 1
     python3 - "$OUT" "$tag" <<'PYEOF'
 import json, re, sys
