@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import logging
 import os
 import signal
 import subprocess
@@ -112,6 +113,46 @@ def test_work_after_a_complete_response_is_not_cancelled_and_outer_cancels_pass(
 
     asyncio.run(run())
     assert done == ["after"]
+
+
+def test_no_engine_core_is_started_once_the_server_shuts_down(caplog):
+    """A core that dies after the drain began is not replaced (a new one would only delay the
+    exit): its requests fail, one log line says so, and no restart is attempted."""
+    from pagedserve.config import EngineConfig
+    from pagedserve.server.engine_client import AsyncEngineClient, EngineDeadError, _Pending
+
+    class DeadProc:
+        pid, exitcode = 123, -9
+
+        def is_alive(self):
+            return False
+
+    class Out:
+        async def poll(self, timeout):
+            return False
+
+    async def scenario():
+        client = AsyncEngineClient(EngineConfig(), tokenizer=None)
+        client._proc, client._out = DeadProc(), Out()
+        restarts = []
+
+        async def restart(cause):
+            restarts.append(cause)
+            return False
+
+        client._restart = restart
+        pending = _Pending()
+        client._pending["r1"] = pending
+        client.restarts_allowed = False  # (what the drain sets)
+        await asyncio.wait_for(client._supervise(), 5)
+        with pytest.raises(EngineDeadError):
+            async for _ in pending.states():
+                pass
+        return restarts
+
+    with caplog.at_level(logging.ERROR, logger="pagedserve"):
+        assert asyncio.run(scenario()) == []
+    assert any("died (exit code -9) while the server shuts down" in r.getMessage() for r in caplog.records)
 
 
 # ---- one server ---------------------------------------------------------------------------
