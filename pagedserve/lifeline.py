@@ -11,10 +11,16 @@ OOM killer or `kill -9`, holding its memory (on a GPU, its VRAM) and its port. T
 - A daemon thread in the child that compares `os.getppid()` with the parent it was started by
   (for the engine core, where the first guard may not apply); a changed parent means the old
   one is gone. It also catches a parent that died before the child could set anything.
+
+A terminal's Ctrl-C sends SIGINT to every process of its foreground process group, the engine
+core (and its tensor-parallel ranks) included. Only the server may act on it (its drain), so
+the core starts with SIGINT blocked (`interrupt_blocked`) and ignores it from its first line
+(`ignore_interrupt`); processes it starts inherit the ignored signal.
 """
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import os
 import signal
@@ -74,3 +80,29 @@ def preexec_die_with_parent():
             os._exit(1)
 
     return preexec
+
+
+@contextlib.contextmanager
+def interrupt_blocked():
+    """Block SIGINT in this thread while child processes are started inside: a child starts
+    with the signal mask of the thread that started it, so a Ctrl-C that comes before the
+    child reaches `ignore_interrupt` stays pending there instead of interrupting its imports.
+    This process loses nothing: a SIGINT meanwhile goes to another thread or waits until the
+    block ends."""
+    if not hasattr(signal, "pthread_sigmask"):
+        yield
+        return
+    old = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
+    try:
+        yield
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, old)
+
+
+def ignore_interrupt() -> None:
+    """Call first thing in a child started under `interrupt_blocked`: ignore SIGINT (a pending
+    one is dropped), then unblock it. The ignored disposition is inherited by the processes
+    this one starts, also across `exec`."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    if hasattr(signal, "pthread_sigmask"):
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})

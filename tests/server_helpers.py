@@ -66,6 +66,15 @@ def alive(pid: int) -> bool:
     return stat.rsplit(")", 1)[1].split()[0] != "Z"
 
 
+def ignores_sigint(pid: int) -> bool:
+    """True when `pid` ignores SIGINT (its SigIgn mask in /proc), as a process that a
+    terminal's Ctrl-C must not stop does."""
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("SigIgn:"):
+            return bool(int(line.split()[1], 16) >> (signal.SIGINT - 1) & 1)
+    return False
+
+
 def metrics(url: str) -> dict[str, float]:
     """The labelled engine gauges and counters of a server's /metrics (`vllm:*`, `pagedserve_*`),
     by metric name; of a series with several label sets, the first."""

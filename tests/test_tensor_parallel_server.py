@@ -20,6 +20,7 @@ from server_helpers import (
     alive,
     child_pids,
     cmdline,
+    ignores_sigint,
     metrics,
     stream_completion,
     wait_idle,
@@ -66,6 +67,8 @@ def test_a_killed_rank_ends_its_streams_and_a_new_engine_serves(tiny_with_tokeni
         url = server.url
         ranks, core = _ranks(server), server.engine_core_pid()
         assert len(ranks) == 2
+        # a terminal's Ctrl-C reaches the whole group: only the server acts on it (issue 57)
+        assert all(ignores_sigint(p) for p in [core, *ranks]) and not ignores_sigint(server.proc.pid)
         killed: dict = {}
 
         async def run():

@@ -24,6 +24,7 @@ from pagedserve.monitor.collectors import register_system_collectors
 from pagedserve.sampling_params import SamplingParams
 from pagedserve.server.chat import create_chat_completion, render_messages
 from pagedserve.server.completions import create_completion
+from pagedserve.server.disconnect import CancelOnDisconnect
 from pagedserve.server.engine_client import (
     AsyncEngineClient,
     EngineStartError,
@@ -128,10 +129,12 @@ def create_app(settings: ServerSettings, core: SpawnedCore | None = None) -> Fas
 
     async def drain() -> None:
         server.draining = "the server is shutting down"
+        if isinstance(client, AsyncEngineClient):
+            client.restarts_allowed = False
         deadline = time.monotonic() + settings.shutdown_timeout
         if server.num_admitted:
-            logger.info("shutting down: waiting up to %.0f s for %d running requests",
-                        settings.shutdown_timeout, server.num_admitted)
+            logger.info("shutting down: waiting up to %.0f s for %d running requests (a second "
+                        "Ctrl-C or SIGTERM ends them now)", settings.shutdown_timeout, server.num_admitted)
         while server.num_admitted and time.monotonic() < deadline:
             await asyncio.sleep(0.1)
         if server.num_admitted:
@@ -184,6 +187,7 @@ def create_app(settings: ServerSettings, core: SpawnedCore | None = None) -> Fas
     app.root_path = settings.root_path.rstrip("/")
     app.state.server, app.state.metrics, app.state.drain = server, metrics, drain
     install_error_handlers(app)
+    app.add_middleware(CancelOnDisconnect)  # (inside the guard: in its admission scope)
     app.add_middleware(_Guard, api_key=settings.api_key, max_body_bytes=settings.max_body_bytes,
                        body_read_timeout=settings.body_read_timeout,
                        body_total_timeout=settings.body_total_timeout, server=server)
@@ -289,7 +293,7 @@ def create_app(settings: ServerSettings, core: SpawnedCore | None = None) -> Fas
         choices = [Choice(0, ids, params)]
         server.check_capacity(choices)
 
-        state = (await generate_all(client, request, new_id("gen"), choices))[0]
+        state = (await generate_all(client, new_id("gen"), choices))[0]
         return JSONResponse({"text": state.visible_text(), "finish_reason": state.finish_reason,
                              "usage": usage(len(ids), len(state.token_ids))})
 

@@ -159,12 +159,12 @@ async def create_chat_completion(server: Server, body: ChatCompletionRequest, re
     choices, prompt_ids, opened = p.choices, p.prompt_ids, p.opened
     rid, created, model = new_id("chatcmpl", body.user), int(time.time()), server.check_model(body.model)
     if body.stream:
-        events = await start_choices(server.client, request, rid, choices, body.priority,
+        events = await start_choices(server.client, rid, choices, body.priority,
                                      p.constraint_field)
         gen = _stream(server, body, events, choices, prompt_ids, opened, p.tools, rid, created, model)
         return StreamingResponse(gen, media_type="text/event-stream")
 
-    final = await generate_all(server.client, request, rid, choices, body.priority,
+    final = await generate_all(server.client, rid, choices, body.priority,
                                p.constraint_field)
     out = []
     for c in choices:

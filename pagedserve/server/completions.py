@@ -98,11 +98,11 @@ async def create_completion(server: Server, body: CompletionRequest, request: Re
     rid, created, model = new_id("cmpl", body.user), int(time.time()), server.check_model(body.model)
     prompt_texts = [await server.decode_async(p) for p in prompts] if body.echo else []
     if body.stream:
-        events = await start_choices(server.client, request, rid, choices, body.priority, field)
+        events = await start_choices(server.client, rid, choices, body.priority, field)
         gen = _stream(server, body, events, choices, prompts, prompt_texts, rid, created, model)
         return StreamingResponse(gen, media_type="text/event-stream")
 
-    final = await generate_all(server.client, request, rid, choices, body.priority, field)
+    final = await generate_all(server.client, rid, choices, body.priority, field)
     out_choices = []
     for c in choices:
         s = final[c.index]

@@ -12,6 +12,7 @@ Failures stay as small as they can:
 - if the core process dies, every in-flight request fails at once (EngineDeadError),
   `healthy` is False, and a new core is started after a back-off (`supervisor.RestartPolicy`);
   when the restart budget is spent, `on_fatal` is called (the server then exits non-zero);
+  none is started once the server shuts down (`restarts_allowed`, cleared by its drain);
 - if the core makes no progress for `Deadlines.step_s` (its heartbeat stops: SIGSTOP, a
   deadlock, a kernel that never returns), it counts as hung: every in-flight request fails
   at once (EngineHungError), the core is killed and restarted as a dead one.
@@ -100,8 +101,7 @@ class AsyncEngineClient:
         self.info: CoreInfo | None = None
         self.stats: CoreStats | None = None
         self.dead_reason: str | None = None
-        self.restarts = 0
-        self.output_loop_failures = 0
+        self.restarts = self.output_loop_failures = 0
         self._tasks: set[asyncio.Task] = set()
         self._pending: dict[str, _Pending] = {}
         self._supervisor: asyncio.Task | None = None
@@ -110,6 +110,7 @@ class AsyncEngineClient:
         self._proc = self._heartbeat = None
         self._ready_at = 0.0  # when the current core said it was ready (time.monotonic())
         self._closing = False
+        self.restarts_allowed = True  # False once the server shuts down: a new core would delay it
         self._outbox = CoreOutbox(lambda: self._in, self._fail)
         # Callbacks the server sets (each optional):
         self.on_finish: Callable | None = None  # (pending, state, now): a sample finished
@@ -194,9 +195,8 @@ class AsyncEngineClient:
 
     # ---- requests ---------------------------------------------------------------------
 
-    async def generate(
-        self, request_id: str, prompt_ids: list[int], params: SamplingParams, priority: int = 0
-    ) -> AsyncIterator[SampleState]:
+    async def generate(self, request_id: str, prompt_ids: list[int], params: SamplingParams,
+                       priority: int = 0) -> AsyncIterator[SampleState]:
         """Yield the sample's state each time it changes; the last one is finished. Cancelling
         the consumer (a client that went away) aborts the request in the core."""
         if self.dead_reason:
@@ -261,7 +261,11 @@ class AsyncEngineClient:
                 self.fail_all(EngineDeadError(f"the engine core process died (exit code {code}) "
                                               "while this request was running; retry it"), "engine_died")
             self.stats = None
-            if not await self._restart("hung (killed)" if self._hung else f"died (exit code {code})"):
+            cause = "hung (killed)" if self._hung else f"died (exit code {code})"
+            if not self.restarts_allowed:
+                logger.error("the engine core %s while the server shuts down", cause)
+                return
+            if not await self._restart(cause):
                 return
 
     async def _restart(self, cause: str) -> bool:
@@ -280,7 +284,7 @@ class AsyncEngineClient:
                 return False
             logger.error("the engine core %s; starting a new one in %.0f s", cause, delay)
             await asyncio.sleep(delay)
-            if self._closing:
+            if self._closing or not self.restarts_allowed:
                 return False
             try:
                 t0 = time.monotonic()

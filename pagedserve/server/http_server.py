@@ -6,7 +6,8 @@
   app (`app._Guard`).
 - Shutdown: the first SIGTERM or SIGINT starts the app's drain (no new requests; running ones
   get `--shutdown-timeout` seconds, then end with an error event and [DONE]) and then uvicorn's
-  own shutdown; a second signal exits at once. Either way the exit code is 0.
+  own shutdown; a second signal exits at once. Either way the exit code is 0. A terminal's
+  Ctrl-C reaches the engine core too, which ignores it (`lifeline.ignore_interrupt`).
 - A fatal engine failure (restarts exhausted) stops the server with exit code 1.
 """
 

@@ -90,7 +90,11 @@ def tool_settings(args: argparse.Namespace, template: str | None):
 
 def serve(args: argparse.Namespace, engine: EngineArgs) -> int:
     check_port_free(args.host, args.port)  # (before the model loads: a taken port fails at once)
-    settings, core = server_settings(args, engine, on_fatal=lambda reason: server.stop_fatal(reason))
+    try:
+        settings, core = server_settings(args, engine, on_fatal=lambda reason: server.stop_fatal(reason))
+    except KeyboardInterrupt:  # Ctrl-C before the server's own handler (the drain) is set
+        logger.warning("interrupted while starting; exiting")
+        return 130
     import uvicorn
 
     from pagedserve.server.app import create_app

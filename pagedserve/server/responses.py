@@ -95,14 +95,14 @@ async def create_response(server: Server, body: ResponsesRequest, request: Reque
                         server.check_model(body.model), echo)
     if body.stream:
         try:
-            events = await start_choices(server.client, request, rid, p.choices, chat.priority,
+            events = await start_choices(server.client, rid, p.choices, chat.priority,
                                          p.constraint_field)
         except APIError as e:
             raise renamed(e) from None
         return StreamingResponse(stream_response(server, p, head, events),
                                  media_type="text/event-stream")
     try:
-        final = await generate_all(server.client, request, rid, p.choices, chat.priority,
+        final = await generate_all(server.client, rid, p.choices, chat.priority,
                                    p.constraint_field)
     except APIError as e:
         raise renamed(e) from None

@@ -7,11 +7,9 @@ import contextlib
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Iterator
+from collections.abc import AsyncIterator, Iterator
 from contextvars import ContextVar
 from dataclasses import dataclass
-
-from fastapi import Request
 
 from pagedserve.engine.limits import PromptError, check_prompt
 from pagedserve.engine.output_processor import SampleState
@@ -320,41 +318,18 @@ def _as_api_error(e: Exception, param: str | None = None) -> Exception:
     return e
 
 
-async def unless_disconnected(request: Request, work: Awaitable):
-    """Run `work`; if the client disconnects first, cancel it (which aborts its requests)."""
-    task = asyncio.ensure_future(work)
-    try:
-        while True:
-            done, _ = await asyncio.wait({task}, timeout=0.5)
-            if done:
-                return task.result()
-            if await request.is_disconnected():
-                task.cancel()
-                await asyncio.gather(task, return_exceptions=True)
-                raise APIError(400, "the client disconnected")
-    finally:
-        if not task.done():
-            task.cancel()
+async def generate_all(client: AsyncEngineClient, request_id: str, choices: list[Choice],
+                       priority: int = 0, param: str | None = None) -> dict[int, SampleState]:
+    """Run every choice to the end (non-streaming); the final state per choice index. (A
+    client that disconnects cancels this, which aborts its engine requests: `disconnect.py`.)"""
+    final: dict[int, SampleState] = {}
+    async for index, state in run_choices(client, request_id, choices, priority, param):
+        final[index] = state
+    return final
 
 
-async def generate_all(client: AsyncEngineClient, request: Request, request_id: str,
-                       choices: list[Choice], priority: int = 0,
-                       param: str | None = None) -> dict[int, SampleState]:
-    """Run every choice to the end (non-streaming); the final state per choice index.
-
-    A client that disconnects first cancels the work, which aborts its engine requests.
-    """
-    async def collect() -> dict[int, SampleState]:
-        final: dict[int, SampleState] = {}
-        async for index, state in run_choices(client, request_id, choices, priority, param):
-            final[index] = state
-        return final
-
-    return await unless_disconnected(request, collect())
-
-
-async def start_choices(client: AsyncEngineClient, request: Request, request_id: str,
-                        choices: list[Choice], priority: int = 0, constraint_field: str | None = None
+async def start_choices(client: AsyncEngineClient, request_id: str, choices: list[Choice],
+                        priority: int = 0, constraint_field: str | None = None
                         ) -> AsyncIterator[tuple[int, SampleState]]:
     """`run_choices` for a stream. A constrained request (`constraint_field`: the field
     holding its constraint) is first run up to its first output, before the response starts:
@@ -362,7 +337,7 @@ async def start_choices(client: AsyncEngineClient, request: Request, request_id:
     events = run_choices(client, request_id, choices, priority, constraint_field)
     if constraint_field is None:
         return events
-    first = await unless_disconnected(request, anext(events))
+    first = await anext(events)
 
     async def chained() -> AsyncIterator[tuple[int, SampleState]]:
         yield first
