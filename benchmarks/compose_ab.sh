@@ -24,7 +24,12 @@ export PYTHONUNBUFFERED=1
 MODEL=qwen3-4b-instruct-2507
 COMMON="--load-format dummy --tokenizer $ROOT/.devtok --dtype bfloat16 --max-model-len 4096 --log-level WARNING"
 # SCALE=small: fewer prompts and steps (a shorter lease)
-if [ "${SCALE:-full}" = small ]; then STEPS=32 P1=300 P2=128 PS=128,512; else STEPS=48 P1=500 P2=256 PS=256,768; fi
+# (tiny: no U[100, 1,024] run)
+case "${SCALE:-full}" in
+    small) STEPS=32 P1=300 P2=128 PS=128,512 ;;
+    tiny) STEPS=32 P1=300 P2=0 PS=128,512 ;;
+    *) STEPS=48 P1=500 P2=256 PS=256,768 ;;
+esac
 n=0
 for tree in "$@"; do
     n=$((n + 1))
@@ -42,7 +47,7 @@ for tree in "$@"; do
     timeout 150 python3 -m pagedserve.cli bench throughput $MODEL $COMMON --num-prompts $P1 --input-len 1024 \
         --output-len 128 --dataset fixed --warmup --disable-tqdm --output-json "$OUT/${tag}_1024_128.json" \
         > "$OUT/${tag}_1024_128.log" 2>&1
-    timeout 150 python3 -m pagedserve.cli bench throughput $MODEL $COMMON --num-prompts $P2 --input-range 100 1024 \
+    [ "$P2" -gt 0 ] && timeout 150 python3 -m pagedserve.cli bench throughput $MODEL $COMMON --num-prompts $P2 --input-range 100 1024 \
         --output-range 100 1024 --temperature 0.6 --warmup --disable-tqdm \
         --output-json "$OUT/${tag}_u100_1024.json" > "$OUT/${tag}_u100_1024.log" 2>&1
     PAGEDSERVE_STEP_TIMES=200 timeout 200 python3 -m pagedserve.cli bench serve \
@@ -77,5 +82,6 @@ print(tag, "decode ms b1/b64/b256:", [row.get(b) for b in (1, 64, 256)],
       "| serve out tok/s, p50 TPOT:", {c: (round(r["output_throughput"]), round(r["tpot_ms"]["median"], 2)) for c, r in levels.items()},
       "| step timer (last):", steps[-1][:200] if steps else None)
 PYEOF
+    tar czf "$DEST/ab.tgz" -C "$OUT" .  # (after each tree: a run cut short keeps what it measured)
 done
 tar czf "$DEST/ab.tgz" -C "$OUT" .
