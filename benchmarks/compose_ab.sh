@@ -24,10 +24,11 @@ export PYTHONUNBUFFERED=1
 MODEL=qwen3-4b-instruct-2507
 COMMON="--load-format dummy --tokenizer $ROOT/.devtok --dtype bfloat16 --max-model-len 4096 --log-level WARNING"
 # SCALE=small: fewer prompts and steps (a shorter lease)
-# (tiny: no U[100, 1,024] run)
+# (tiny: no U[100, 1,024] run; offline: no serving run either)
 case "${SCALE:-full}" in
     small) STEPS=32 P1=300 P2=128 PS=128,512 ;;
     tiny) STEPS=32 P1=300 P2=0 PS=128,512 ;;
+    offline) STEPS=32 P1=300 P2=0 PS= ;;  # (no serving run either)
     *) STEPS=48 P1=500 P2=256 PS=256,768 ;;
 esac
 n=0
@@ -50,7 +51,7 @@ for tree in "$@"; do
     [ "$P2" -gt 0 ] && timeout 150 python3 -m pagedserve.cli bench throughput $MODEL $COMMON --num-prompts $P2 --input-range 100 1024 \
         --output-range 100 1024 --temperature 0.6 --warmup --disable-tqdm \
         --output-json "$OUT/${tag}_u100_1024.json" > "$OUT/${tag}_u100_1024.log" 2>&1
-    PAGEDSERVE_STEP_TIMES=200 timeout 200 python3 -m pagedserve.cli bench serve \
+    [ -n "$PS" ] && PAGEDSERVE_STEP_TIMES=200 timeout 200 python3 -m pagedserve.cli bench serve \
         --launch "python3 -m pagedserve.cli serve $MODEL $COMMON --log-level INFO --port 8000" \
         --launch-log "$OUT/${tag}_server.log" --base-url http://127.0.0.1:8000 --no-progress \
         --temperature 0 --ignore-eos --input-len 1024 --output-len 128 --concurrency-sweep 64,256 \
