@@ -81,18 +81,24 @@ class ThreadRank(TensorParallel):
         return self.meeting.combine(self.rank, x, lambda xs: torch.cat(xs, dim=-1))
 
 
-def in_threads(size: int, work) -> list:
-    """work(tp) in `size` threads, one ThreadRank each; their results in rank order."""
-    meeting, results, errors = _Meeting(size), [None] * size, []
+def thread_ranks(size: int) -> list[ThreadRank]:
+    """`size` ranks that meet in memory."""
+    meeting = _Meeting(size)
+    return [ThreadRank(rank, size, meeting=meeting) for rank in range(size)]
 
-    def run(rank: int) -> None:
+
+def in_threads(ranks: list[ThreadRank], work) -> list:
+    """work(tp) in a thread per rank; their results in rank order."""
+    results, errors = [None] * len(ranks), []
+
+    def run(tp: ThreadRank) -> None:
         try:
-            results[rank] = work(ThreadRank(rank, size, meeting=meeting))
+            results[tp.rank] = work(tp)
         except BaseException as e:  # (reported by the test thread; the others fail at the barrier)
             errors.append(e)
-            meeting.barrier.abort()
+            tp.meeting.barrier.abort()
 
-    threads = [threading.Thread(target=run, args=(r,)) for r in range(size)]
+    threads = [threading.Thread(target=run, args=(tp,)) for tp in ranks]
     for t in threads:
         t.start()
     for t in threads:
@@ -145,8 +151,11 @@ def test_two_ranks_in_threads_give_the_one_process_logits(name, checkpoints):
     folder = checkpoints[name]
     whole = _build(folder)
     want = run_prefill(whole, SEQS)
-    models = in_threads(2, lambda tp: _build(folder, tp))
-    got = in_threads(2, lambda tp: run_prefill(models[tp.rank], SEQS))
+    ranks = thread_ranks(2)
+    # (built one after the other: loading needs no collective, and building sets the
+    # process's default dtype for a while)
+    models = [_build(folder, tp) for tp in ranks]
+    got = in_threads(ranks, lambda tp: run_prefill(models[tp.rank], SEQS))
     for rank in got:
         for a, b in zip(rank, want, strict=True):
             torch.testing.assert_close(a, b, atol=1e-4, rtol=1e-4)

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from test_tensor_parallel_quantized import SEQS, checkpoints, in_threads, states  # noqa: F401 (fixtures)
+from test_tensor_parallel_quantized import SEQS, checkpoints, in_threads, states, thread_ranks  # noqa: F401 (fixtures)
 
 from helpers import run_prefill
 from pagedserve.models.loader import build_model
@@ -33,13 +33,15 @@ def _build(folder, dtype: str, tp=None):
 def test_two_ranks_on_one_gpu_give_the_one_process_logits(name, dtype, tol, checkpoints):  # noqa: F811
     folder = checkpoints[name]
     want = run_prefill(_build(folder, dtype), SEQS)
-    models = in_threads(2, lambda tp: _build(folder, dtype, tp))
+    ranks = thread_ranks(2)
+    # (one after the other: building sets the process's default dtype for a while)
+    models = [_build(folder, dtype, tp) for tp in ranks]
     down = models[1].layers[0].mlp.down_proj
     if name.startswith("fp8"):
         assert down.fp8_block_kernel  # (the rank's share of blocks on the Triton GEMM)
     else:
         assert down.w4_qweight.is_cuda
-    got = in_threads(2, lambda tp: run_prefill(models[tp.rank], SEQS))
+    got = in_threads(ranks, lambda tp: run_prefill(models[tp.rank], SEQS))
     for rank in got:
         for a, b in zip(rank, want, strict=True):
             torch.testing.assert_close(a.float(), b.float(), atol=tol, rtol=tol)
