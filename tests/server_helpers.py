@@ -18,6 +18,7 @@ from pathlib import Path
 import httpx
 
 MODEL = "smollm2-135m-instruct"
+EMBEDDED_DEFAULTS = {"temperature": 0.0}  # its sampling defaults, as served (greedy)
 # Small enough for a CPU test run (the default on CPU is 2 GiB per server), big enough for
 # 64 concurrent short chats without preemption.
 KV_CACHE_BYTES = 512 << 20

@@ -22,7 +22,7 @@ import httpx
 import openai
 import pytest
 import tokenizers
-from server_helpers import MODEL, ServerProcess
+from server_helpers import EMBEDDED_DEFAULTS, MODEL, ServerProcess
 
 import pagedserve
 
@@ -51,7 +51,9 @@ def test_retrieve_model(server):
     model = client.models.retrieve(MODEL)
     listed = httpx.get(server.url + "/v1/models", timeout=10).json()["data"][0]
     assert model.id == MODEL and model.model_dump(exclude_unset=True) == listed
-    assert "sampling_defaults" in listed and listed["max_model_len"] == 2048
+    assert listed["max_model_len"] == 2048
+    # the embedded model's measured defaults (models/embedded/generation_config.json)
+    assert listed["sampling_defaults"] == EMBEDDED_DEFAULTS
     assert (listed["quantization"], listed["kv_cache_dtype"]) == (None, "auto")  # its number formats
     for missing in ("gpt-4", "Qwen/Qwen3-4B-Instruct-2507"):
         with pytest.raises(openai.NotFoundError) as e:

@@ -27,15 +27,17 @@ from ui_helpers import (
 )
 
 QUESTION = "What is the capital of France?"
+EMBEDDED_DEFAULTS = "temperature 0."  # models/embedded/generation_config.json (greedy)
 STATUS = "#pagedserve-status"  # the header's name, logo and server status (public/pagedserve.js)
 
 
 @pytest.fixture(scope="module")
 def uis(server):
-    """Three UIs, started together: on the session's SmolLM2 server, on a dead port, and on a
-    fake server that streams reasoning (with no --temperature: its model's defaults apply)."""
+    """Three UIs, started together: on the session's SmolLM2 server and on a fake server that
+    streams reasoning, both with no --temperature (the server's defaults for its model apply,
+    as after `make run`), and on a dead port."""
     with fake_reasoning_server() as fake:
-        procs = [UIProcess(server.url), UIProcess(f"http://127.0.0.1:{free_port()}"),
+        procs = [UIProcess(server.url, temperature=None), UIProcess(f"http://127.0.0.1:{free_port()}"),
                  UIProcess(fake.url, temperature=None)]
         try:
             yield [p.wait_ready() for p in procs] + [fake]
@@ -71,8 +73,10 @@ def test_chat_streams_an_answer_in_the_browser(uis):
         status = header_status(page, f"connected · {MODEL}")
         assert page.title() == "pagedserve" and "pagedserve" in status.inner_text()
         assert status.locator("img").get_attribute("src") == "/favicon"
+        # The panel starts at the server's sampling defaults for the embedded model.
+        page.get_by_text(f"Model defaults: {EMBEDDED_DEFAULTS}").wait_for(timeout=30_000)
         index = record_answer_lengths(page)
-        send_message(page, QUESTION)
+        send_message(page, QUESTION)  # the README's question, answered at those defaults
         try:
             answer = wait_answer(page, index)
         except PlaywrightTimeout:

@@ -13,7 +13,7 @@ import sys
 import httpx
 import openai
 import pytest
-from server_helpers import ServerProcess, wait_idle
+from server_helpers import EMBEDDED_DEFAULTS, ServerProcess, wait_idle
 
 from pagedserve.models.generation_defaults import sampling_defaults
 from pagedserve.models.source import resolve_model
@@ -34,6 +34,12 @@ def test_generation_config_modes(tmp_path):
         "temperature": 0.3, "top_k": 5, "max_tokens": 9, "min_p": 0.05, "repetition_penalty": 1.1}
     with pytest.raises(ValueError, match="no generation_config.json"):
         sampling_defaults(qwen, str(tmp_path / "missing"))
+    # The embedded model's GGUF carries none: pagedserve's measured choice is served as its
+    # generation_config.json (benchmarks/default_sampling.py), by either of its names.
+    for embedded in (resolve_model(None), resolve_model(MODEL)):
+        assert sampling_defaults(embedded, "auto") == EMBEDDED_DEFAULTS
+        assert sampling_defaults(embedded, "vllm") == {}
+    assert sampling_defaults(resolve_model(MODEL, load_format="dummy"), "auto") == {}  # the preset
 
 
 def test_defaults_fill_only_omitted_fields():

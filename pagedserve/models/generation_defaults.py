@@ -31,6 +31,10 @@ def sampling_defaults(source: ModelSource, mode: str = "auto") -> dict[str, floa
 
 
 def _model_generation_config(source: ModelSource) -> dict:
+    if source.embedded:  # (its GGUF carries none: pagedserve's measured choice, models/embedded/)
+        from pagedserve.models.source import embedded_file
+
+        return json.loads(embedded_file("generation_config.json"))
     if source.folder is not None and (source.folder / "generation_config.json").is_file():
         return _read(source.folder / "generation_config.json")
     if source.is_preset:
