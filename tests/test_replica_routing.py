@@ -102,6 +102,8 @@ def test_serve_ray_flags_become_ray_serve_options(smollm2_dir):
     (["--device", "cuda"], "the Ray cluster has no GPU"),
 ])
 def test_serve_ray_refuses_what_it_cannot_do(flags, message, smollm2_dir):
+    """Each refusal names the flag (the listener's flags parse, but serve-ray's --help leaves
+    them out: Ray Serve's proxy listens)."""
     from pagedserve.replicas.args import parse_replica_args
 
     with pytest.raises(ValueError, match=message):
@@ -120,3 +122,12 @@ def test_ray_serve_can_import_the_application(smollm2_dir):
     assert isinstance(app, Application)
     with pytest.raises(SystemExit):  # (argparse's one-line error for an unknown flag)
         app_builder({"model": str(smollm2_dir), "no-such-flag": "1"})
+
+
+def test_serve_ray_help_lists_no_flag_it_refuses():
+    from pagedserve.replicas.args import _LISTENER_FLAGS, replica_parser
+
+    text = replica_parser().format_help()
+    assert "--num-replicas" in text and "--max-num-seqs" in text and "--api-key" in text
+    for name in _LISTENER_FLAGS:
+        assert f"--{name.replace('_', '-')} " not in text, name

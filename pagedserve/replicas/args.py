@@ -74,9 +74,14 @@ def parse_replica_args(args: argparse.Namespace, gpus_available: float | None):
 
 
 def add_serve_ray_args(p: argparse.ArgumentParser) -> None:
-    """Every flag `serve-ray` takes: the engine's, `serve`'s and the replicas' own."""
+    """Every flag `serve-ray` takes: the engine's, `serve`'s and the replicas' own. The flags
+    of `serve`'s own HTTP listener parse (a clear refusal names them) but are left out of the
+    help, since Ray Serve's proxy listens instead."""
     add_engine_args(p)
     add_serve_args(p)
+    for action in p._actions:
+        if action.dest in _LISTENER_FLAGS:
+            action.help = argparse.SUPPRESS
     add_replica_args(p)
 
 
