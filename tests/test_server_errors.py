@@ -185,8 +185,6 @@ BAD_REQUESTS = [
     ("guided_whitespace_pattern", "/v1/completions",
      {"prompt": "x", "guided_json": {"type": "object"}, "guided_whitespace_pattern": " "}, 400,
      "guided_whitespace_pattern"),
-    ("tools with auto choice on a server without a tool parser", "/v1/chat/completions",
-     {"messages": USER, "tools": [{"type": "function", "function": {"name": "f"}}]}, 400, "tool_choice"),
     ("tool_choice required without tools", "/v1/chat/completions",
      {"messages": USER, "tool_choice": "required"}, 400, "tool_choice"),
     ("tool_choice names a missing function", "/v1/chat/completions",
@@ -312,14 +310,14 @@ def test_good_request_after_the_bad_ones(server):
     assert_nothing_held(server.url)  # (no bad request left anything behind)
 
 
-# ---- a server with an API key, a tiny queue and a reasoning parser -------------------------
+# ---- a server with an API key, a tiny queue, a reasoning parser and no tool calling -------
 
 
 @pytest.fixture(scope="module")
 def guarded():
     proc = ServerProcess("--max-num-seqs", "2", "--max-waiting-requests", "2",
                          "--reasoning-parser", "think", "--trust-request-chat-template",
-                         api_key=KEY).wait_ready()
+                         "--no-enable-auto-tool-choice", api_key=KEY).wait_ready()
     yield proc
     leftovers = proc.stop()
     assert not leftovers, f"child processes outlived the server: {leftovers}\n{proc.log_tail()}"
@@ -351,6 +349,18 @@ def test_api_key_required(guarded):
         openai.OpenAI(base_url=url + "/v1", api_key="wrong", max_retries=0).models.list()
     ok = openai.OpenAI(base_url=url + "/v1", api_key=KEY, max_retries=0)
     assert [m.id for m in ok.models.list().data] == [MODEL]
+
+
+def test_auto_tool_choice_is_a_400_where_tool_calling_is_off(guarded):
+    """With --no-enable-auto-tool-choice, tools under the default tool_choice ("auto") are
+    refused by name, in the chat and the Responses API alike."""
+    tools = [{"type": "function", "function": {"name": "f"}}]
+    r = httpx.post(guarded.url + "/v1/chat/completions", json={"messages": USER, "tools": tools},
+                   headers=guarded.headers, timeout=60)
+    assert_openai_error(r, 400, param="tool_choice")
+    r = httpx.post(guarded.url + "/v1/responses", json={"model": MODEL, "input": "x",
+                   "tools": [{"type": "function", "name": "f"}]}, headers=guarded.headers, timeout=60)
+    assert_openai_error(r, 400, param="tool_choice")
 
 
 def test_queue_limit_answers_503_with_retry_after(guarded):

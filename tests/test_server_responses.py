@@ -264,7 +264,6 @@ BAD = [
     ("tool_choice allowed_tools", {"tools": TOOLS[:1], "tool_choice":
                                    {"type": "allowed_tools", "mode": "auto", "tools": []}},
      "tool_choice", "?"),
-    ("auto tool choice without a tool parser", {"tools": TOOLS[:1]}, "tool_choice", "?"),
     ("json_schema without its schema", {"text": {"format": {"type": "json_schema", "name": "x"}}},
      "text.format", "?"),
     ("a schema that does not compile", {"text": {"format": {"type": "json_schema", "name": "x",
