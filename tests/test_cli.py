@@ -17,6 +17,10 @@ from pagedserve.engine_args import EngineArgs
 
 # (arguments, a word the message must hold)
 BAD_VALUES = [
+    # an unknown flag is named by its command's help; vLLM's data-parallel flag points to replicas
+    (["serve", "--foo"], "see pagedserve serve --help"),
+    (["bench", "serve", "--foo", "1"], "see pagedserve bench serve --help"),
+    (["serve", "--data-parallel-size", "2"], "pagedserve serve-ray --num-replicas"),
     (["serve", "--dtype", "foo"], "--dtype"),
     (["serve", "--port", "99999"], "--port"),
     (["serve", "--port", "0"], "--port"),

@@ -22,6 +22,13 @@ class DefaultsFormatter(argparse.HelpFormatter):
         return f"{text} (default: {shown})".strip()
 
 
+# vLLM flags pagedserve answers another way: the way, named in the refusal
+UNKNOWN_FLAG_HINTS = {
+    "--data-parallel-size": "for several engines behind one endpoint use `pagedserve serve-ray "
+                            "--num-replicas N` (replicas on Ray Serve)",
+}
+
+
 class Parser(argparse.ArgumentParser):
     """argparse with `DefaultsFormatter` and one-line errors; subcommands inherit both."""
 
@@ -32,3 +39,23 @@ class Parser(argparse.ArgumentParser):
     def error(self, message: str):  # type: ignore[override]
         sys.stderr.write(f"{self.prog}: error: {message} (see {self.prog} --help)\n")
         sys.exit(2)
+
+    def parse_args(self, args=None, namespace=None):  # type: ignore[override]
+        """As argparse's, but an unknown flag is named by the command it was given to (`see
+        pagedserve serve --help`, not the top level's help), with a pointer where the flag
+        is vLLM's for something pagedserve does another way."""
+        parsed, extra = self.parse_known_args(args, namespace)
+        if extra:
+            hints = [UNKNOWN_FLAG_HINTS[a.split("=")[0]] for a in extra if a.split("=")[0] in UNKNOWN_FLAG_HINTS]
+            self._command_parser(parsed).error(
+                f"unrecognized arguments: {' '.join(extra)}" + "".join(f"; {h}" for h in hints))
+        return parsed
+
+    def _command_parser(self, parsed: argparse.Namespace) -> argparse.ArgumentParser:
+        """The (sub)command's own parser that `parsed` came through."""
+        for action in self._actions:
+            if isinstance(action, argparse._SubParsersAction):
+                sub = action.choices.get(getattr(parsed, action.dest, None) or "")
+                if isinstance(sub, Parser):
+                    return sub._command_parser(parsed)
+        return self
