@@ -20,7 +20,7 @@ ROOT="$PWD"
 if [ ! -d /tmp/pydeps ] && [ -d .whl ]; then
     python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/pydeps .whl/*.whl
 fi
-export PYTHONUNBUFFERED=1
+export PYTHONUNBUFFERED=1 PS_TOKENIZER="$ROOT/.devtok"  # (the GPU machine has no embedded model)
 MODEL=qwen3-4b-instruct-2507
 COMMON="--load-format dummy --tokenizer $ROOT/.devtok --dtype bfloat16 --max-model-len 4096 --log-level WARNING"
 # SCALE=small: fewer prompts and steps (a shorter lease)
