@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from ray.serve.request_router import PendingRequest, ReplicaID, RequestRouter, RunningReplica
 
-from pagedserve.replicas.affinity import AffinityPolicy
+from pagedserve.server.affinity import AffinityPolicy
 from pagedserve.replicas.asgi_call import ForwardedRequest
 
 
