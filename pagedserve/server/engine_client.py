@@ -198,8 +198,7 @@ class AsyncEngineClient:
     async def generate(self, request_id: str, prompt_ids: list[int], params: SamplingParams,
                        priority: int = 0, route: str | None = None) -> AsyncIterator[SampleState]:
         """Yield the sample's state each time it changes; the last one is finished. Cancelling
-        the consumer (a client that went away) aborts the request in the core. (`route`, the
-        conversation's key, chooses among engines: `dp_client.py`; one core has no choice.)"""
+        the consumer aborts the request in the core. (`route`: unused here, `dp_client.py`.)"""
         if self.dead_reason:
             raise EngineDeadError(self.dead_reason)
         pending = _Pending()
