@@ -178,3 +178,39 @@ def test_a_killed_core_fails_its_stream_and_the_other_serves_while_it_restarts(d
 
     asyncio.run(after())
     wait_idle(url)
+
+
+def test_data_parallel_composes_with_tensor_parallel(tiny_with_tokenizer):
+    """--data-parallel-size 2 --tensor-parallel-size 2 (two cores of two gloo ranks each)
+    answers with the greedy tokens of one unsplit engine, on both cores."""
+    from pagedserve import LLM, SamplingParams
+
+    prompts = [[1, 300 + i, 700 + i, 5 * i + 2] for i in range(4)]
+    llm = LLM(str(tiny_with_tokenizer), dtype="float32", device="cpu", max_model_len=256,
+              kv_cache_memory=16 << 20)
+    try:
+        want = [o.outputs[0].text for o in llm.generate(
+            [{"prompt_token_ids": p} for p in prompts],
+            SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True), use_tqdm=False)]
+    finally:
+        llm.close()
+    assert all(want)  # (text to compare)
+    server = ServerProcess(str(tiny_with_tokenizer), "--data-parallel-size", "2",
+                           "--tensor-parallel-size", "2", "--max-num-seqs", "4").wait_ready()
+    try:
+        assert len(server.engine_core_pids()) == 2
+
+        async def run():
+            async with httpx.AsyncClient(timeout=120) as c:
+                return await asyncio.gather(*(c.post(server.url + "/v1/completions", json={
+                    "prompt": p, "max_tokens": 12, "temperature": 0, "ignore_eos": True})
+                    for p in prompts))
+
+        answers = asyncio.run(run())
+        assert all(r.status_code == 200 for r in answers), [r.text for r in answers]
+        assert [r.json()["choices"][0]["text"] for r in answers] == want
+        assert all(r.json()["usage"]["completion_tokens"] == 12 for r in answers)
+        assert all(n > 0 for n in _served(server.url))  # (both cores answered some)
+    finally:
+        leftovers = server.stop()
+    assert not leftovers, leftovers
