@@ -11,7 +11,7 @@ system prompt plus that conversation's cached tokens on the replica it is routed
 request takes TTFT(n) + (out - 1) TPOT(n) with n its replica's ongoing requests when it
 starts, from the serving curves passed in (cache hits do not shorten it). Routers: random,
 least loaded (ongoing requests), and the project's `AffinityPolicy` with `conversation_key`
-(`pagedserve/replicas/affinity.py`, used as the Ray Serve router uses it).
+(`pagedserve/server/affinity.py`, used as the Ray Serve router uses it).
 
 Not modelled: prefill saved by cache hits, KV taken by running requests from the cache.
 """
@@ -32,7 +32,7 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:  # run from a checkout
     sys.path.insert(0, str(ROOT))
 
-from pagedserve.replicas.affinity import AffinityPolicy, conversation_key  # noqa: E402
+from pagedserve.server.affinity import AffinityPolicy, conversation_key  # noqa: E402
 
 
 class ServingCurves(Protocol):

@@ -21,7 +21,7 @@ Two simulations, fed with one replica's measured serving curves (below):
     prompt the whole conversation so far; R replicas each hold an LRU prefix cache of
     `--kv-tokens` tokens; a request takes TTFT(n) + (out - 1) TPOT(n) on the same curves.
     Routers: random, least loaded, and the project's `AffinityPolicy` with
-    `conversation_key` (`pagedserve/replicas/affinity.py`).
+    `conversation_key` (`pagedserve/server/affinity.py`).
 
 Not modelled: the HTTP ingress and network hop, failures, prefill saved by cache hits, KV
 taken by running requests from the cache in (b), and prompt-length spread in (a).

@@ -258,6 +258,15 @@ class EngineConfig:
     # "mp": a worker process per rank (engine/tp_executor.py); "uni": one in-process worker;
     # None: "mp" when tensor_parallel_size > 1, else "uni" (vLLM's names)
     distributed_executor_backend: str | None = None
+    # engine cores behind one server (`serve --data-parallel-size`), and which one this is:
+    # on CUDA it runs on GPUs first_gpu .. first_gpu + tensor_parallel_size - 1
+    data_parallel_size: int = 1
+    data_parallel_rank: int = 0
+
+    @property
+    def first_gpu(self) -> int:
+        """The CUDA device index of this core's first (tensor-parallel rank 0) GPU."""
+        return self.data_parallel_rank * self.tensor_parallel_size
 
     @property
     def multiprocess_executor(self) -> bool:

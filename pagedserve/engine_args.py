@@ -45,6 +45,7 @@ class EngineArgs:
     kv_cache_dtype: str = "auto"
     speculative_config: dict | str | None = None  # vLLM's JSON or a dict
     tensor_parallel_size: int = 1
+    data_parallel_size: int = 1  # engine cores behind one server (`serve` only)
     distributed_executor_backend: str | None = None
     enforce_eager: bool = False
     attention_backend: str = "auto"
@@ -94,6 +95,7 @@ class EngineArgs:
         check_tensor_parallel(self.tensor_parallel_size, model_cfg, quantization,
                               source.hf_config.get("quantization_config"),
                               self.distributed_executor_backend)
+        check_data_parallel(self.data_parallel_size, self.device)
         config = EngineConfig(
             model=model, tokenizer=self.tokenizer, dtype=self.dtype, device=self.device,
             load_format=self.load_format, seed=self.seed, quantization=quantization,
@@ -105,6 +107,7 @@ class EngineArgs:
             kernels=envs.kernel_config(), observability=envs.observability_config(),
             speculative=spec, tensor_parallel_size=self.tensor_parallel_size,
             distributed_executor_backend=self.distributed_executor_backend,
+            data_parallel_size=self.data_parallel_size,
         )
         return config, source, model_cfg
 
@@ -141,6 +144,18 @@ def check_tensor_parallel(size: int, model_cfg: ModelConfig, quantization: str |
         return
     check_config_split(model_cfg, size)
     check_quantized_split(model_cfg, size, split_units(quantization, quant_config))
+
+
+def check_data_parallel(size: int, device: str) -> None:
+    """ValueError where `size` engine cores cannot be placed on `device` (the GPU count is
+    checked by each core when it starts: `engine/devices.py`)."""
+    if not isinstance(size, int) or size < 1:
+        raise ValueError(f"data_parallel_size must be a whole number >= 1, got {size!r}")
+    if size > 1 and device.startswith("cuda:"):
+        raise ValueError(f"--device {device} names one GPU, but --data-parallel-size {size} runs "
+                         f"an engine core per GPU (core i on GPUs i x tensor_parallel_size and "
+                         "up): give --device cuda or auto, and choose the GPUs with "
+                         "CUDA_VISIBLE_DEVICES")
 
 
 def _checked_draft(spec: SpeculativeConfig, model_cfg: ModelConfig, load_format: str,

@@ -62,6 +62,10 @@ class LLM:
     def __init__(self, model: str | None = None, **kwargs: Any) -> None:
         """`kwargs`: the engine's settings, the fields of `EngineArgs` (`engine_args.py`)."""
         args = engine_args(model, **kwargs)
+        if args.data_parallel_size != 1:
+            raise ValueError(f"data_parallel_size={args.data_parallel_size!r}: the offline LLM runs "
+                             "one engine core; several serve behind one endpoint with `pagedserve "
+                             "serve --data-parallel-size N` (or run one LLM per GPU)")
         config, source, model_cfg = args.create_engine_config()
         self._defaults = sampling_defaults(source, args.generation_config)
         self.engine = EngineCore(config, source)

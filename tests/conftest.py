@@ -76,6 +76,23 @@ def smollm2_dir():
 
 
 @pytest.fixture(scope="session")
+def tiny_with_tokenizer(tmp_path_factory, smollm2_dir):
+    """A tiny random Llama with SmolLM2's vocabulary and tokenizer, for servers split over 2
+    tensor-parallel ranks (SmolLM2's own 9 heads do not split)."""
+    import shutil
+
+    import transformers
+
+    folder = tmp_path_factory.mktemp("tiny-tp")
+    torch.manual_seed(0)
+    cfg = transformers.LlamaConfig(**{**TINY_LLAMA, "vocab_size": 49152, "max_position_embeddings": 2048})
+    transformers.LlamaForCausalLM(cfg).float().save_pretrained(folder)
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(smollm2_dir / name, folder / name)
+    return folder
+
+
+@pytest.fixture(scope="session")
 def server(smollm2_dir):
     """A real `pagedserve serve` of the embedded SmolLM2 on 127.0.0.1 (shared by the server tests).
     The model's cached folder exists before it starts (converting it would need torch)."""

@@ -253,6 +253,10 @@ class ServerProcess(SubprocessUnderTest):
 
     def engine_core_pid(self) -> int:
         """The engine-core child (a multiprocessing 'spawn' child, not the resource tracker)."""
-        pids = [p for p in child_pids(self.proc.pid, depth=1) if "multiprocessing.spawn" in cmdline(p)]
+        pids = self.engine_core_pids()
         assert len(pids) == 1, f"expected one engine-core child, found {pids}"
         return pids[0]
+
+    def engine_core_pids(self) -> list[int]:
+        """Every engine-core child, in the order they were started (by pid)."""
+        return sorted(p for p in child_pids(self.proc.pid, depth=1) if "multiprocessing.spawn" in cmdline(p))

@@ -17,10 +17,11 @@ from pagedserve.engine_args import EngineArgs
 
 # (arguments, a word the message must hold)
 BAD_VALUES = [
-    # an unknown flag is named by its command's help; vLLM's data-parallel flag points to replicas
+    # an unknown flag is named by its command's help
     (["serve", "--foo"], "see pagedserve serve --help"),
     (["bench", "serve", "--foo", "1"], "see pagedserve bench serve --help"),
-    (["serve", "--data-parallel-size", "2"], "pagedserve serve-ray --num-replicas"),
+    (["serve", "--data-parallel-size", "0"], "--data-parallel-size"),
+    (["serve", "-dp", "2", "--device", "cuda:1"], "CUDA_VISIBLE_DEVICES"),
     (["serve", "--dtype", "foo"], "--dtype"),
     (["serve", "--port", "99999"], "--port"),
     (["serve", "--port", "0"], "--port"),

@@ -152,7 +152,7 @@ class _SilentClient:
     def on_failure(self, source):
         self.failures.append(source)
 
-    async def generate(self, rid, prompt_ids, params, priority=0):
+    async def generate(self, rid, prompt_ids, params, priority=0, route=None):
         try:
             await asyncio.sleep(3600)
             yield None

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import pytest
 
-from pagedserve.replicas.affinity import AffinityPolicy, conversation_key
+from pagedserve.server.affinity import AffinityPolicy, conversation_key
 
 SYSTEM = {"role": "system", "content": "You are terse."}
 
@@ -37,6 +37,18 @@ def test_a_conversation_keeps_its_key_across_turns():
     assert conversation_key({"prompt": [1, 2, 3]}) != conversation_key({"prompt": [1, 2, 4]})
     assert conversation_key({"prompt": ["p", "q"]}) == conversation_key({"prompt": "p"})
     assert conversation_key({"prompt": ""}) is None and conversation_key({}) is None
+
+
+def test_prompt_cache_key_names_the_conversation():
+    """OpenAI's prompt_cache_key wins over the messages: the same key, different first
+    messages, one conversation; different keys on the same messages, two."""
+    k = conversation_key({**_chat("plan a trip"), "prompt_cache_key": "user-7"})
+    assert k == conversation_key({**_chat("write a poem"), "prompt_cache_key": "user-7"})
+    assert k == conversation_key({"prompt": "anything", "prompt_cache_key": "user-7"})
+    assert k != conversation_key({**_chat("plan a trip"), "prompt_cache_key": "user-8"})
+    assert k != conversation_key(_chat("plan a trip"))
+    # an empty or non-string key is no key: the messages decide
+    assert conversation_key({**_chat("x"), "prompt_cache_key": ""}) == conversation_key(_chat("x"))
 
 
 def test_the_policy_keeps_conversations_home_until_their_replica_is_too_busy():

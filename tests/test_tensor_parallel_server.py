@@ -7,13 +7,10 @@ from __future__ import annotations
 
 import asyncio
 import os
-import shutil
 import signal
 import time
 
 import httpx
-import pytest
-import torch
 from server_helpers import (
     ServerProcess,
     SseStream,
@@ -25,23 +22,6 @@ from server_helpers import (
     stream_completion,
     wait_idle,
 )
-
-from conftest import TINY_LLAMA
-
-
-@pytest.fixture(scope="module")
-def tiny_with_tokenizer(tmp_path_factory, smollm2_dir):
-    """A tiny random Llama with SmolLM2's vocabulary and tokenizer (SmolLM2's own 9 heads do
-    not split over 2 ranks)."""
-    import transformers
-
-    folder = tmp_path_factory.mktemp("tiny-tp")
-    torch.manual_seed(0)
-    cfg = transformers.LlamaConfig(**{**TINY_LLAMA, "vocab_size": 49152, "max_position_embeddings": 2048})
-    transformers.LlamaForCausalLM(cfg).float().save_pretrained(folder)
-    for name in ("tokenizer.json", "tokenizer_config.json"):
-        shutil.copy(smollm2_dir / name, folder / name)
-    return folder
 
 
 def _ranks(server: ServerProcess) -> list[int]:

@@ -201,9 +201,11 @@ class HFEngineClient:
     # ---- requests ---------------------------------------------------------------------
 
     async def generate(
-        self, request_id: str, prompt_ids: list[int], params: SamplingParams, priority: int = 0
+        self, request_id: str, prompt_ids: list[int], params: SamplingParams, priority: int = 0,
+        route: str | None = None,
     ) -> AsyncIterator[SampleState]:
-        """Yield the sample's state each time it changes; the last one is finished."""
+        """Yield the sample's state each time it changes; the last one is finished (`route`:
+        unused, one engine)."""
         if self.dead_reason:
             raise EngineDeadError(self.dead_reason)
         reason = unsupported_reason(params)

@@ -70,6 +70,12 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                         "on the CPU): its heads, KV heads, MLP features and vocabulary must "
                         "divide by it; unquantized weights or --quantization fp8 on them "
                         "(FP8 weights and an FP8 KV cache); no pre-quantized checkpoints yet")
+    p.add_argument("--data-parallel-size", "-dp", type=types.int_at_least(1), default=1,
+                   help="engine cores behind this one server (`serve` and `up`), each with its "
+                        "own KV cache and model copy: one per GPU (core i on GPUs i x "
+                        "--tensor-parallel-size and up), on the CPU one process each; a "
+                        "conversation (or a prompt_cache_key) stays on its core. For replicas "
+                        "on several hosts: `pagedserve serve-ray --num-replicas N`")
     p.add_argument("--distributed-executor-backend", default=None, choices=["mp", "uni", "ray"],
                    help="mp: a worker process per tensor-parallel rank (the default above 1 "
                         "rank); uni: the model in the engine's own process (the default at 1); "

@@ -50,7 +50,12 @@ def idle_setting_warnings(args: argparse.Namespace, cores: int, gpu_visible: boo
     if args.gpu_memory_utilization is not None:
         out.append(f"--gpu-memory-utilization {args.gpu_memory_utilization:g} does nothing on the "
                    f"CPU: the KV cache there is sized by {CPU_KV_SIZING}; drop the flag")
-    tp = args.tensor_parallel_size
+    tp, dp = args.tensor_parallel_size, getattr(args, "data_parallel_size", 1)
+    if dp > 1 and dp * tp > cores:
+        out.append(f"--data-parallel-size {dp} x --tensor-parallel-size {tp} on the CPU runs "
+                   f"{dp * tp} model processes on {cores} CPU core{'s' if cores != 1 else ''}: "
+                   "they share cores, and each step of each is slower; use at most "
+                   f"{max(1, cores // tp)} engine cores here")
     if tp > cores:
         out.append(f"--tensor-parallel-size {tp} on the CPU runs {tp} worker processes on "
                    f"{cores} CPU core{'s' if cores != 1 else ''}: every step waits for ranks that "

@@ -23,10 +23,7 @@ class DefaultsFormatter(argparse.HelpFormatter):
 
 
 # vLLM flags pagedserve answers another way: the way, named in the refusal
-UNKNOWN_FLAG_HINTS = {
-    "--data-parallel-size": "for several engines behind one endpoint use `pagedserve serve-ray "
-                            "--num-replicas N` (replicas on Ray Serve)",
-}
+UNKNOWN_FLAG_HINTS: dict[str, str] = {}
 
 
 class Parser(argparse.ArgumentParser):

@@ -119,6 +119,9 @@ def check_serve_args(args: argparse.Namespace) -> None:
         path = getattr(args, flag)
         if path and not os.path.isfile(path):
             raise ValueError(f"--{flag.replace('_', '-')} {path}: no such file")
+    if getattr(args, "data_parallel_size", 1) > 1 and getattr(args, "engine", "pagedserve") != "pagedserve":
+        raise ValueError(f"--data-parallel-size {args.data_parallel_size} runs pagedserve engine "
+                         f"cores; the --engine {args.engine} baseline has one engine (drop one flag)")
     if args.shutdown_timeout < 0:
         raise ValueError("--shutdown-timeout must be 0 or more seconds")
     from pagedserve.server.supervisor import MIN_STEP_TIMEOUT_S

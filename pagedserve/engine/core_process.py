@@ -56,7 +56,8 @@ def run_engine_core(config: EngineConfig, in_addr: str, out_addr: str, log_level
         die_with_parent(parent_pid, use_signal=parent_death_signal)
     import zmq
 
-    logging.basicConfig(level=log_level, format="%(asctime)s %(levelname)s engine-core: %(message)s")
+    name = f"engine-core {config.data_parallel_rank}" if config.data_parallel_size > 1 else "engine-core"
+    logging.basicConfig(level=log_level, format=f"%(asctime)s %(levelname)s {name}: %(message)s")
     ctx = zmq.Context()
     inp = ctx.socket(zmq.PULL)
     inp.connect(in_addr)
@@ -64,7 +65,9 @@ def run_engine_core(config: EngineConfig, in_addr: str, out_addr: str, log_level
     out.connect(out_addr)
     try:
         from pagedserve.engine.core import EngineCore, FatalEngineError
+        from pagedserve.engine.devices import claim_devices
 
+        claim_devices(config)  # (several engine cores: this one's GPUs)
         core = EngineCore(config)
     except Exception as e:
         reason = str(e) if isinstance(e, ValueError) else None  # the settings are at fault

@@ -180,7 +180,7 @@ def _serve_rank(rank: int, size: int, store: str, config: EngineConfig, source: 
     try:
         cuda = config.resolved_device().type == "cuda"
         if cuda:
-            torch.cuda.set_device(rank)
+            torch.cuda.set_device(config.first_gpu + rank)  # (data parallelism: this core's GPUs)
         # (a rank that never joins fails the others' start-up after JOIN_TIMEOUT, not never)
         dist.init_process_group("nccl" if cuda else "gloo", init_method=f"file://{store}", rank=rank,
                                 world_size=size, timeout=JOIN_TIMEOUT)

@@ -91,10 +91,11 @@ class ProcessCollector:
     """CPU and resident memory of the HTTP server process and of the engine-core process.
 
     `engine_pid` is asked on every scrape (the core starts after the collector is made); it
-    returns None when there is no separate engine process (the HF baselines).
+    returns None when there is no separate engine process (the HF baselines), or a list of
+    pids, one per engine core (`serve --data-parallel-size`: roles engine, engine1, ...).
     """
 
-    def __init__(self, engine_pid: Callable[[], int | None] = lambda: None) -> None:
+    def __init__(self, engine_pid: Callable[[], int | list[int | None] | None] = lambda: None) -> None:
         import psutil
 
         self.psutil = psutil
@@ -111,10 +112,15 @@ class ProcessCollector:
         rss = GaugeMetricFamily("pagedserve_process_resident_memory_bytes",
                                 "Resident set size", labels=labels)
         try:
-            engine = self.engine_pid()
+            engines = self.engine_pid()
         except Exception:
-            engine = None
-        for role, pid in (("server", os.getpid()), ("engine", engine)):
+            engines = None
+        if not isinstance(engines, list):
+            engines = [engines]
+        # (engine cores after the first, with data parallelism: "engine1", "engine2", ...)
+        roles = [("server", os.getpid())] + [(f"engine{i}" if i else "engine", pid)
+                                             for i, pid in enumerate(engines)]
+        for role, pid in roles:
             if pid is None:
                 continue
             try:
@@ -133,7 +139,7 @@ class ProcessCollector:
         yield from (pct, secs, rss)
 
 
-def register_system_collectors(registry, engine_pid: Callable[[], int | None]) -> None:
+def register_system_collectors(registry, engine_pid: Callable[[], int | list[int | None] | None]) -> None:
     """Add the GPU and process collectors to a server's registry."""
     registry.register(GpuCollector())
     registry.register(ProcessCollector(engine_pid))

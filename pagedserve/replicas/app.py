@@ -27,10 +27,10 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
 from pagedserve.engine_args import EngineArgs
-from pagedserve.replicas.affinity import conversation_key
 from pagedserve.replicas.args import parse_replica_args, replica_parser
 from pagedserve.replicas.asgi_call import ForwardedRequest, ResponseStart, call_app
 from pagedserve.replicas.settings import ReplicaSettings
+from pagedserve.server.affinity import conversation_key
 
 logger = logging.getLogger("pagedserve")
 REPLICA_HEADER = "x-pagedserve-replica"

@@ -49,6 +49,10 @@ def parse_replica_args(args: argparse.Namespace, gpus_available: float | None):
         if getattr(args, name) != serve_flags.get_default(name):
             raise ValueError(f"--{name.replace('_', '-')} configures `pagedserve serve`'s own HTTP "
                              "listener; under serve-ray, Ray Serve's proxy listens (drop the flag)")
+    if args.data_parallel_size != 1:
+        raise ValueError(f"--data-parallel-size {args.data_parallel_size} runs engine cores behind "
+                         "one `pagedserve serve`; under serve-ray each replica has one engine: "
+                         "use --num-replicas N")
     if args.min_replicas is not None and args.max_replicas is None:
         raise ValueError("--min-replicas needs --max-replicas (autoscaling between the two)")
     if args.max_replicas is not None and not (

@@ -6,8 +6,8 @@ from __future__ import annotations
 
 from ray.serve.request_router import PendingRequest, ReplicaID, RequestRouter, RunningReplica
 
-from pagedserve.replicas.affinity import AffinityPolicy
 from pagedserve.replicas.asgi_call import ForwardedRequest
+from pagedserve.server.affinity import AffinityPolicy
 
 
 def _key(pending: PendingRequest | None) -> str | None:

@@ -25,6 +25,7 @@ from pagedserve.sampling_params import SamplingParams
 from pagedserve.server.chat import create_chat_completion, render_messages
 from pagedserve.server.completions import create_completion
 from pagedserve.server.disconnect import CancelOnDisconnect
+from pagedserve.server.dp_client import DataParallelClient
 from pagedserve.server.engine_client import (
     AsyncEngineClient,
     EngineStartError,
@@ -99,14 +100,20 @@ class ServerSettings:
     max_model_len_given: bool = False
 
 
-def create_app(settings: ServerSettings, core: SpawnedCore | None = None) -> FastAPI:
-    """The app; `core`: an engine-core process already started for settings.engine.
+def create_app(settings: ServerSettings, core: SpawnedCore | list[SpawnedCore] | None = None) -> FastAPI:
+    """The app; `core`: the engine-core process already started for settings.engine (a list,
+    one per rank, with data parallelism: `dp_client.py`).
 
     `app.state.drain()` is the graceful shutdown's first half (launch.py calls it on SIGTERM):
     refuse new requests, let running ones finish for up to `shutdown_timeout` seconds, then
     end the rest with an error."""
-    if settings.engine_kind == "pagedserve":
-        client = AsyncEngineClient(settings.engine, settings.tokenizer, settings.log_level, core,
+    cores = core if isinstance(core, list) else [core]
+    if settings.engine_kind == "pagedserve" and settings.engine.data_parallel_size > 1:
+        client = DataParallelClient(settings.engine, settings.tokenizer, settings.log_level,
+                                    cores if core is not None else None,
+                                    settings.restart_policy, settings.deadlines)
+    elif settings.engine_kind == "pagedserve":
+        client = AsyncEngineClient(settings.engine, settings.tokenizer, settings.log_level, cores[0],
                                    settings.restart_policy, settings.deadlines)
     else:  # the naive Transformers baselines, behind the same API
         from pagedserve.baseline.hf_engine import HFEngineClient
@@ -117,19 +124,25 @@ def create_app(settings: ServerSettings, core: SpawnedCore | None = None) -> Fas
     server = Server(client, settings.served_names, settings.max_waiting_requests,
                     settings.reasoning_parser, settings.trust_request_chat_template, settings.tools,
                     settings.sampling_defaults, settings.max_logprobs)
-    metrics = Metrics(settings.served_names[0])
-    client.on_finish = metrics.on_finish
+    engines = getattr(client, "engines", [client])  # (one per core with data parallelism)
+    metrics = Metrics(settings.served_names[0], len(engines))
     client.on_failure = metrics.on_failure
-    client.token_gaps = metrics.itl  # inter-token latency: the client appends, metrics bin
-    client.on_restart = metrics.on_engine_restart
-    client.on_fatal = settings.on_fatal
+    for engine, series in zip(engines, metrics.engines):
+        engine.on_finish = series.on_finish
+        engine.on_failure = metrics.on_failure
+        engine.token_gaps = series.itl  # inter-token latency: the client appends, metrics bin
+        engine.on_restart = series.on_restart
+        # (one core that cannot be restarted any more ends the server, as with one core: it
+        # is broken in a way a restart does not mend, and an outer supervisor takes over)
+        engine.on_fatal = settings.on_fatal
     metrics.admitted.set_function(lambda: server.num_admitted)
     # GPU (NVML) and process CPU/memory, read on each scrape; the baselines have no engine pid.
-    register_system_collectors(metrics.registry, lambda: getattr(client, "engine_pid", None))
+    register_system_collectors(metrics.registry,
+                               lambda: [getattr(e, "engine_pid", None) for e in engines])
 
     async def drain() -> None:
         server.draining = "the server is shutting down"
-        if isinstance(client, AsyncEngineClient):
+        if isinstance(client, (AsyncEngineClient, DataParallelClient)):
             client.restarts_allowed = False
         deadline = time.monotonic() + settings.shutdown_timeout
         if server.num_admitted:
@@ -163,9 +176,10 @@ def create_app(settings: ServerSettings, core: SpawnedCore | None = None) -> Fas
         except EngineStartError as e:
             logger.error("the engine cannot start: %s", e)
             raise
-        logger.info("engine core ready in %.1f s: %s, max_model_len %d, KV capacity %d tokens",
-                    info.startup_seconds, info.model_name, info.max_model_len,
-                    info.num_blocks * info.block_size)
+        logger.info("engine core%s ready in %.1f s: %s, max_model_len %d, KV capacity %d tokens%s",
+                    "s" if len(engines) > 1 else "", info.startup_seconds, info.model_name,
+                    info.max_model_len, info.num_blocks * info.block_size,
+                    f" each ({len(engines)} cores)" if len(engines) > 1 else "")
         # This process holds some 200,000 long-lived objects (the tokenizer, the imported
         # libraries); frozen, they are out of the garbage collector's view, so a full collection
         # while serving (about 0.2 s over all of them, every stream stalled) scans only what
@@ -217,7 +231,7 @@ def create_app(settings: ServerSettings, core: SpawnedCore | None = None) -> Fas
 
     @app.get("/metrics")
     async def get_metrics():
-        return Response(metrics.render(client.stats), media_type="text/plain; version=0.0.4")
+        return Response(metrics.render([e.stats for e in engines]), media_type="text/plain; version=0.0.4")
 
     def model_card(name: str) -> dict:
         info = client.info

@@ -90,9 +90,22 @@ async def prepare_chat(server: Server, body: ChatCompletionRequest) -> PreparedC
         structured = dataclasses.replace(structured, after_tokens=end)
     params = await make_params_async(lambda m, lp: body.sampling_params(m, lp, structured), max_tokens,
                                      body.num_logprobs, server.vocab_size, server.tokenizer)
-    choices = [Choice(i, ids, params) for i in range(body.n)]
+    route = server.route_key(lambda: {"messages": _conversation_head(body.messages),
+                                      "prompt_cache_key": body.prompt_cache_key})
+    choices = [Choice(i, ids, params, route) for i in range(body.n)]
     server.check_capacity(choices)
     return PreparedChat(choices, ids, text.rstrip().endswith("<think>"), field, tools)
+
+
+def _conversation_head(messages: list) -> list[dict]:
+    """The messages up to and including the first user message, as plain dicts (what names
+    the conversation: `affinity.conversation_key`)."""
+    head = []
+    for message in messages:
+        head.append(message.model_dump(exclude_none=True))
+        if head[-1].get("role") == "user":
+            break
+    return head
 
 
 def reasoning_parser_for(server: Server, opened: bool) -> ReasoningParser | None:

@@ -55,7 +55,8 @@ async def _prepare(server: Server, body: CompletionRequest
                                              server.tokenizer)
         else:
             params = with_max_tokens(params, max_tokens)
-        choices += [Choice(p_idx * n + i, ids, params) for i in range(n)]
+        route = server.route_key(lambda ids=ids: {"prompt": ids, "prompt_cache_key": body.prompt_cache_key})
+        choices += [Choice(p_idx * n + i, ids, params, route) for i in range(n)]
     server.check_capacity(choices)
     return choices, prompts, field
 

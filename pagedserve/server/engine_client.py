@@ -196,9 +196,9 @@ class AsyncEngineClient:
     # ---- requests ---------------------------------------------------------------------
 
     async def generate(self, request_id: str, prompt_ids: list[int], params: SamplingParams,
-                       priority: int = 0) -> AsyncIterator[SampleState]:
+                       priority: int = 0, route: str | None = None) -> AsyncIterator[SampleState]:
         """Yield the sample's state each time it changes; the last one is finished. Cancelling
-        the consumer (a client that went away) aborts the request in the core."""
+        the consumer aborts the request in the core. (`route`: unused here, `dp_client.py`.)"""
         if self.dead_reason:
             raise EngineDeadError(self.dead_reason)
         pending = _Pending()

@@ -15,12 +15,12 @@ logger = logging.getLogger("pagedserve")
 
 
 def server_settings(args: argparse.Namespace, engine: EngineArgs, on_fatal=None):
-    """The app's settings from `serve`'s flags, and the engine-core process, started first:
+    """The app's settings from `serve`'s flags, and the engine-core process (a list of them with
+    --data-parallel-size), started first:
     its imports, model and CUDA graphs take most of the start-up, and they overlap with the
     tokenizer loaded here. `on_fatal(reason)`: the engine cannot be restarted any more."""
     from pagedserve.ipc_dirs import remove_stale_ipc_dirs
     from pagedserve.models.generation_defaults import sampling_defaults
-    from pagedserve.server.engine_client import spawn_engine_core
     from pagedserve.server.reasoning import get_reasoning_parser
 
     chat_template = None
@@ -34,7 +34,7 @@ def server_settings(args: argparse.Namespace, engine: EngineArgs, on_fatal=None)
     defaults = sampling_defaults(source, engine.generation_config)
     engine_kind = getattr(args, "engine", "pagedserve")
     remove_stale_ipc_dirs()  # (left by servers killed with SIGKILL)
-    core = spawn_engine_core(config, args.log_level.upper()) if engine_kind == "pagedserve" else None
+    core = spawn_cores(config, args.log_level.upper()) if engine_kind == "pagedserve" else None
     # the web framework's imports (seconds on a slow host) come after the core is on its way
     from pagedserve.models.source import load_tokenizer
     from pagedserve.server.app import ServerSettings
@@ -68,6 +68,17 @@ def server_settings(args: argparse.Namespace, engine: EngineArgs, on_fatal=None)
         max_model_len_given=engine.max_model_len is not None,
     )
     return settings, core
+
+
+def spawn_cores(config, log_level: str):
+    """The engine-core process, or with --data-parallel-size N a list of N (rank i's config:
+    `dp_client.rank_config`), all started now."""
+    from pagedserve.server.dp_client import rank_config
+    from pagedserve.server.engine_client import spawn_engine_core
+
+    if config.data_parallel_size == 1:
+        return spawn_engine_core(config, log_level)
+    return [spawn_engine_core(rank_config(config, i), log_level) for i in range(config.data_parallel_size)]
 
 
 def tool_settings(args: argparse.Namespace, template: str | None):

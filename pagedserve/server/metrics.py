@@ -2,7 +2,8 @@
 
 Names, labels and buckets follow vLLM V1 (`vllm/v1/metrics/loggers.py`), so a Grafana dashboard
 built for vLLM reads a pagedserve server unchanged: each engine series is `vllm:...`, labelled
-`model_name` (the first served name) and `engine` ("0": one engine core per server), and
+`model_name` (the first served name) and `engine` (the engine core's index: "0", and "1" ...
+with `serve --data-parallel-size`; a dashboard sums over it), and
 counters carry the `_total` suffix prometheus_client adds, as vLLM's do. A series is exposed
 only where we fill it with measured data; vLLM series we have no data for are left out
 (`time_per_output_token_seconds`, deprecated in vLLM for `inter_token_latency_seconds`;
@@ -27,6 +28,7 @@ No `*_created` series are exposed.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import time
 
@@ -42,7 +44,6 @@ from pagedserve.engine.output_processor import SampleState
 logger = logging.getLogger("pagedserve")
 
 _ZERO = CoreStats(0, 0, 0.0, 0, 0, 0, 0, 0)
-ENGINE = "0"  # vLLM's `engine` label: the index of the engine core (pagedserve runs one)
 # vLLM V1's buckets.
 TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0,
                 7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)
@@ -109,9 +110,11 @@ class BinnedHistogram:
 
 class Metrics:
     """Engine state gauges (from CoreStats), token counters and latency histograms, on a registry
-    of their own with prometheus_client's process, platform and GC collectors."""
+    of their own with prometheus_client's process, platform and GC collectors. The `vllm:*`
+    series come once per engine core (`engines[i]`, label `engine="i"`: `serve
+    --data-parallel-size`); pagedserve's own are summed over the cores."""
 
-    def __init__(self, model_name: str) -> None:
+    def __init__(self, model_name: str, num_engines: int = 1) -> None:
         prometheus_client.disable_created_metrics()  # no `*_created` series (a process-wide switch)
         self.registry = r = CollectorRegistry()
         for standard in (prometheus_client.ProcessCollector, prometheus_client.PlatformCollector,
@@ -119,55 +122,15 @@ class Metrics:
             standard(registry=r)
         self.model_name = model_name
         labels, own = ["model_name", "engine"], ["model_name"]  # vllm:*, pagedserve_*
-        v = (model_name, ENGINE)
-
-        def gauge(name, doc):
-            return Gauge(name, doc, labels, registry=r).labels(*v)
-
-        def counter(name, doc):
-            return Counter(name, doc, labels, registry=r).labels(*v)
-
-        def histogram(name, doc, buckets):
-            return Histogram(name, doc, labels, buckets=buckets, registry=r).labels(*v)
-
-        self.running = gauge("vllm:num_requests_running", "Number of requests in model execution batches.")
-        self.waiting = gauge("vllm:num_requests_waiting", "Number of requests waiting to be processed.")
-        self.kv_usage = gauge("vllm:kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage.")
-        self.prefix_queries = counter("vllm:prefix_cache_queries",
-                                      "Prefix cache queries, in terms of number of queried tokens.")
-        self.prefix_hits = counter("vllm:prefix_cache_hits", "Prefix cache hits, in terms of number of cached tokens.")
-        self.preemptions = counter("vllm:num_preemptions", "Cumulative number of preemption from the engine.")
-        self.prompt_tokens = counter("vllm:prompt_tokens", "Number of prefill tokens processed "
-                                     "(computed by the engine: prefix-cache hits are not).")
-        self.generation_tokens = counter("vllm:generation_tokens", "Number of generation tokens processed.")
-        self.spec_drafts = counter("vllm:spec_decode_num_drafts", "Number of spec decoding drafts.")
-        self.spec_draft_tokens = counter("vllm:spec_decode_num_draft_tokens", "Number of draft tokens.")
-        self.spec_accepted_tokens = counter("vllm:spec_decode_num_accepted_tokens", "Number of accepted tokens.")
+        self.families = {name: kind(name, doc, labels, registry=r)
+                         for name, (kind, doc) in ENGINE_SERIES.items()}
         self.requests = Counter("vllm:request_success", "Count of successfully processed requests.",
                                 labels + ["finished_reason"], registry=r)
-        for reason in ("stop", "length"):  # present (at 0) from the start, as in vLLM
-            self.requests.labels(*v, reason)
-        self.generation_tokens_request = histogram(
-            "vllm:request_generation_tokens", "Number of generation tokens processed.", TOKEN_COUNT_BUCKETS)
-        self.ttft = histogram("vllm:time_to_first_token_seconds", "Histogram of time to first token in seconds.",
-                              TTFT_BUCKETS)
-        self.tpot = histogram("vllm:request_time_per_output_token_seconds",
-                              "Histogram of time_per_output_token_seconds per request.", TPOT_BUCKETS)
-        self.e2e = histogram("vllm:e2e_request_latency_seconds", "Histogram of e2e request latency in seconds.",
-                             REQUEST_LATENCY_BUCKETS)
-        self.queue_time = histogram("vllm:request_queue_time_seconds",
-                                    "Histogram of time spent in WAITING phase for request.", REQUEST_LATENCY_BUCKETS)
-        self.inference_time = histogram("vllm:request_inference_time_seconds",
-                                        "Histogram of time spent in RUNNING phase for request.",
-                                        REQUEST_LATENCY_BUCKETS)
-        self.prefill_time = histogram("vllm:request_prefill_time_seconds",
-                                      "Histogram of time spent in PREFILL phase for request.", REQUEST_LATENCY_BUCKETS)
-        self.decode_time = histogram("vllm:request_decode_time_seconds",
-                                     "Histogram of time spent in DECODE phase for request.", REQUEST_LATENCY_BUCKETS)
-        self.itl = BinnedHistogram("vllm:inter_token_latency_seconds",
-                                   "Histogram of inter-token latency in seconds.", TPOT_BUCKETS,
-                                   labels, v)
-        r.register(self.itl)
+        self.histograms = {name: Histogram(name, doc, labels, buckets=buckets, registry=r)
+                           for name, (doc, buckets) in ENGINE_HISTOGRAMS.items()}
+        self.engines = [EngineSeries(self, str(i)) for i in range(num_engines)]
+        for e in self.engines:
+            r.register(e.itl)
         # pagedserve's own
         self.prefix_hit_rate = Gauge("pagedserve_prefix_cache_hit_rate", "Prefix-cache hits / queries (tokens) "
                                      "since the engine core started", own, registry=r).labels(model_name)
@@ -183,83 +146,52 @@ class Metrics:
         # set to read the server's count (app.py): 0 whenever no HTTP request holds a sample
         self.admitted = Gauge("pagedserve_samples_admitted", "Samples (prompts x n) admitted whose "
                               "HTTP requests have not ended", own, registry=r).labels(model_name)
-        self._last = _ZERO
-        self._logged = (time.monotonic(), 0, 0, 0, 0, 0)  # (time, prompt, generation, spec counts)
+        self._logged: tuple | None = (time.monotonic(), 0, 0, 0, 0, 0)  # (time, prompt, generation, spec)
 
-    def update(self, stats: CoreStats | None) -> None:
-        """Bring gauges and counters up to the core's latest stats (None: no core serving, or
-        none yet: the gauges read as an empty engine, the counters stay)."""
-        if stats is None:
-            stats = CoreStats(0, 0, 0.0, *self._cumulative(self._last))
-        last = self._last
-        self.running.set(stats.num_running)
-        self.waiting.set(stats.num_waiting)
-        self.kv_usage.set(stats.kv_usage)
-        self.prefix_hit_rate.set(stats.prefix_hits / stats.prefix_queries if stats.prefix_queries else 0.0)
-        self.prefix_queries.inc(stats.prefix_queries - last.prefix_queries)
-        self.prefix_hits.inc(stats.prefix_hits - last.prefix_hits)
-        self.preemptions.inc(stats.num_preemptions - last.num_preemptions)
-        self.prompt_tokens.inc(stats.prompt_tokens_computed - last.prompt_tokens_computed)
-        self.generation_tokens.inc(stats.generation_tokens - last.generation_tokens)
-        self.step_failures.inc(stats.failed_steps - last.failed_steps)
-        self.spec_drafts.inc(stats.spec_drafts - last.spec_drafts)
-        self.spec_draft_tokens.inc(stats.spec_draft_tokens - last.spec_draft_tokens)
-        self.spec_accepted_tokens.inc(stats.spec_accepted_tokens - last.spec_accepted_tokens)
-        self._last = stats
+    # (one engine: engine 0's, as before data parallelism)
+    @property
+    def itl(self) -> BinnedHistogram:
+        return self.engines[0].itl
+
+    def on_finish(self, pending, state: SampleState, now: float) -> None:
+        self.engines[0].on_finish(pending, state, now)
 
     def on_engine_restart(self) -> None:
-        """A new engine core serves: its cumulative counts start from zero again."""
-        self.restarts.inc()
-        self._last = _ZERO
-        self._logged = (time.monotonic(), 0, 0, 0, 0, 0)
-        self.update(_ZERO)  # gauges back to an empty engine
+        self.engines[0].on_restart()
+
+    def update(self, stats: list[CoreStats | None] | CoreStats | None) -> None:
+        """Bring each engine's gauges and counters up to its core's latest stats (a list, one
+        per engine; one CoreStats or None for a single engine)."""
+        per_engine = stats if isinstance(stats, list) else [stats]
+        for series, s in zip(self.engines, per_engine):
+            series.update(s)
+        last = [e.last for e in self.engines]
+        queries, hits = sum(s.prefix_queries for s in last), sum(s.prefix_hits for s in last)
+        self.prefix_hit_rate.set(hits / queries if queries else 0.0)
 
     def on_failure(self, source: str) -> None:
         self.failures.labels(self.model_name, source).inc()
 
-    @staticmethod
-    def _cumulative(s: CoreStats) -> tuple:
-        return (s.prefix_queries, s.prefix_hits, s.num_preemptions, s.prompt_tokens_computed,
-                s.generation_tokens, s.failed_steps, s.failed_requests, s.spec_drafts,
-                s.spec_draft_tokens, s.spec_accepted_tokens)
-
-    def on_finish(self, pending, state: SampleState, now: float) -> None:
-        """Record one finished sample (called by the engine client); `now` is when its last
-        output arrived here."""
-        self.requests.labels(self.model_name, ENGINE, state.finish_reason or "unknown").inc()
-        self.e2e.observe(now - pending.arrival)
-        n = len(state.token_ids)
-        self.generation_tokens_request.observe(n)
-        decode = None
-        if pending.first_token is not None:
-            self.ttft.observe(pending.first_token - pending.arrival)
-            decode = now - pending.first_token
-            self.decode_time.observe(decode)
-            if n > 1:
-                self.tpot.observe(decode / (n - 1))
-        if state.queue_s is not None:
-            prefill = max(state.prefill_s, 0.0)
-            self.queue_time.observe(max(state.queue_s, 0.0))
-            self.prefill_time.observe(prefill)
-            if decode is not None:
-                self.inference_time.observe(prefill + decode)
-
-    def render(self, stats: CoreStats | None) -> bytes:
+    def render(self, stats: list[CoreStats | None] | CoreStats | None) -> bytes:
         self.update(stats)
         return generate_latest(self.registry)
 
     def log_line(self, stats: CoreStats | None) -> str | None:
-        """The periodic status line, or None when nothing happened since the last one."""
+        """The periodic status line (`stats`: every core's, summed), or None when nothing
+        happened since the last one (or a core restarted since: its counts started again)."""
         if stats is None:
             return None
-        t0, p0, g0, d0, dt0, a0 = self._logged
         now = time.monotonic()
+        current = (now, stats.prompt_tokens_computed, stats.generation_tokens, stats.spec_drafts,
+                   stats.spec_draft_tokens, stats.spec_accepted_tokens)
+        previous, self._logged = self._logged, current
+        if previous is None or any(c < p for c, p in zip(current[1:], previous[1:])):
+            return None  # (a restart: the next line measures from here)
+        t0, p0, g0, d0, dt0, a0 = previous
         dp, dg = stats.prompt_tokens_computed - p0, stats.generation_tokens - g0
         if not (dp or dg or stats.num_running or stats.num_waiting):
             return None
         dt = max(now - t0, 1e-6)
-        self._logged = (now, stats.prompt_tokens_computed, stats.generation_tokens, stats.spec_drafts,
-                        stats.spec_draft_tokens, stats.spec_accepted_tokens)
         hit = stats.prefix_hits / stats.prefix_queries if stats.prefix_queries else 0.0
         line = (f"prompt throughput: {dp / dt:.1f} tokens/s, generation throughput: {dg / dt:.1f} "
                 f"tokens/s, running: {stats.num_running} reqs, waiting: {stats.num_waiting} reqs, "
@@ -270,6 +202,104 @@ class Metrics:
             line += (f", speculative decoding: {draft_tokens} draft tokens, {accepted} accepted "
                      f"({accepted / draft_tokens:.1%}), mean accepted length {1 + accepted / drafts:.2f}")
         return line
+
+
+# vLLM's per-engine gauges and counters: name -> (kind, doc)
+ENGINE_SERIES = {
+    "vllm:num_requests_running": (Gauge, "Number of requests in model execution batches."),
+    "vllm:num_requests_waiting": (Gauge, "Number of requests waiting to be processed."),
+    "vllm:kv_cache_usage_perc": (Gauge, "KV-cache usage. 1 means 100 percent usage."),
+    "vllm:prefix_cache_queries": (Counter, "Prefix cache queries, in terms of number of queried tokens."),
+    "vllm:prefix_cache_hits": (Counter, "Prefix cache hits, in terms of number of cached tokens."),
+    "vllm:num_preemptions": (Counter, "Cumulative number of preemption from the engine."),
+    "vllm:prompt_tokens": (Counter, "Number of prefill tokens processed (computed by the engine: "
+                                    "prefix-cache hits are not)."),
+    "vllm:generation_tokens": (Counter, "Number of generation tokens processed."),
+    "vllm:spec_decode_num_drafts": (Counter, "Number of spec decoding drafts."),
+    "vllm:spec_decode_num_draft_tokens": (Counter, "Number of draft tokens."),
+    "vllm:spec_decode_num_accepted_tokens": (Counter, "Number of accepted tokens."),
+}
+ENGINE_HISTOGRAMS = {
+    "vllm:request_generation_tokens": ("Number of generation tokens processed.", TOKEN_COUNT_BUCKETS),
+    "vllm:time_to_first_token_seconds": ("Histogram of time to first token in seconds.", TTFT_BUCKETS),
+    "vllm:request_time_per_output_token_seconds": ("Histogram of time_per_output_token_seconds per request.",
+                                                   TPOT_BUCKETS),
+    "vllm:e2e_request_latency_seconds": ("Histogram of e2e request latency in seconds.", REQUEST_LATENCY_BUCKETS),
+    "vllm:request_queue_time_seconds": ("Histogram of time spent in WAITING phase for request.",
+                                        REQUEST_LATENCY_BUCKETS),
+    "vllm:request_inference_time_seconds": ("Histogram of time spent in RUNNING phase for request.",
+                                            REQUEST_LATENCY_BUCKETS),
+    "vllm:request_prefill_time_seconds": ("Histogram of time spent in PREFILL phase for request.",
+                                          REQUEST_LATENCY_BUCKETS),
+    "vllm:request_decode_time_seconds": ("Histogram of time spent in DECODE phase for request.",
+                                         REQUEST_LATENCY_BUCKETS),
+}
+# CoreStats' cumulative fields -> the counter each one feeds
+COUNTED = {"prefix_queries": "vllm:prefix_cache_queries", "prefix_hits": "vllm:prefix_cache_hits",
+           "num_preemptions": "vllm:num_preemptions", "prompt_tokens_computed": "vllm:prompt_tokens",
+           "generation_tokens": "vllm:generation_tokens", "spec_drafts": "vllm:spec_decode_num_drafts",
+           "spec_draft_tokens": "vllm:spec_decode_num_draft_tokens",
+           "spec_accepted_tokens": "vllm:spec_decode_num_accepted_tokens"}
+
+
+class EngineSeries:
+    """One engine core's `vllm:*` series (label `engine`), fed from its CoreStats and its
+    finished requests; `itl` is its inter-token-latency histogram (the client appends)."""
+
+    def __init__(self, metrics: Metrics, engine: str) -> None:
+        self.metrics, self.engine = metrics, engine
+        v = (metrics.model_name, engine)
+        self.series = {name: family.labels(*v) for name, family in metrics.families.items()}
+        self.hist = {name: family.labels(*v) for name, family in metrics.histograms.items()}
+        for reason in ("stop", "length"):  # present (at 0) from the start, as in vLLM
+            metrics.requests.labels(*v, reason)
+        self.itl = BinnedHistogram("vllm:inter_token_latency_seconds",
+                                   "Histogram of inter-token latency in seconds.", TPOT_BUCKETS,
+                                   ["model_name", "engine"], v)
+        self.last = _ZERO
+
+    def update(self, stats: CoreStats | None) -> None:
+        """Up to the core's latest stats (None: no core serving, or none yet: the gauges read
+        as an empty engine, the counters stay)."""
+        if stats is None:
+            stats = dataclasses.replace(self.last, num_running=0, num_waiting=0, kv_usage=0.0)
+        s = self.series
+        s["vllm:num_requests_running"].set(stats.num_running)
+        s["vllm:num_requests_waiting"].set(stats.num_waiting)
+        s["vllm:kv_cache_usage_perc"].set(stats.kv_usage)
+        for field_name, name in COUNTED.items():
+            s[name].inc(getattr(stats, field_name) - getattr(self.last, field_name))
+        self.metrics.step_failures.inc(stats.failed_steps - self.last.failed_steps)
+        self.last = stats
+
+    def on_restart(self) -> None:
+        """A new engine core serves: its cumulative counts start from zero again."""
+        self.metrics.restarts.inc()
+        self.last = _ZERO
+        self.update(_ZERO)  # gauges back to an empty engine
+
+    def on_finish(self, pending, state: SampleState, now: float) -> None:
+        """Record one finished sample (called by the engine client); `now` is when its last
+        output arrived here."""
+        h = self.hist
+        self.metrics.requests.labels(self.metrics.model_name, self.engine,
+                                     state.finish_reason or "unknown").inc()
+        h["vllm:e2e_request_latency_seconds"].observe(now - pending.arrival)
+        n = len(state.token_ids)
+        h["vllm:request_generation_tokens"].observe(n)
+        decode = None
+        if pending.first_token is not None:
+            h["vllm:time_to_first_token_seconds"].observe(pending.first_token - pending.arrival)
+            decode = now - pending.first_token
+            h["vllm:request_decode_time_seconds"].observe(decode)
+            if n > 1:
+                h["vllm:request_time_per_output_token_seconds"].observe(decode / (n - 1))
+        if state.queue_s is not None:
+            prefill = max(state.prefill_s, 0.0)
+            h["vllm:request_queue_time_seconds"].observe(max(state.queue_s, 0.0))
+            h["vllm:request_prefill_time_seconds"].observe(prefill)
+            if decode is not None:
+                h["vllm:request_inference_time_seconds"].observe(prefill + decode)
 
 
 async def log_periodically(metrics: Metrics, client, interval: float) -> None:

@@ -115,6 +115,10 @@ class _SamplingFields(RequestBody):
     include_stop_str_in_output: bool = False
     priority: int = 0
     user: str | None = None  # the end user, for the server's logs (as OpenAI's abuse monitoring)
+    # OpenAI's: names the conversation for routing (with --data-parallel-size or serve-ray
+    # replicas, requests with one key go to one engine: its prefix cache); instead of the
+    # messages-derived key (server/affinity.py)
+    prompt_cache_key: str | None = Field(None, max_length=1024)
     # structured output (server/constraints.py): OpenAI's response_format, vLLM's
     # structured_outputs and its older guided_* fields; at most one of them
     response_format: ResponseFormat | None = None

@@ -41,8 +41,6 @@ UNSUPPORTED: dict[str, tuple[Any, str]] = {
                    'truncation "auto" is not supported: a prompt longer than the context is a 400'),
     "top_logprobs": (lambda v: v in (None, 0), "top_logprobs is not supported on /v1/responses"),
     "service_tier": (lambda v: v in (None, "auto", "default"), "service tiers are not supported"),
-    "prompt_cache_key": (lambda v: v is None, "prompt_cache_key is not supported (the prefix "
-                                              "cache works without it)"),
     "prompt_cache_retention": (lambda v: v is None, "prompt_cache_retention is not supported"),
     "context_management": (_unset, "context_management is not supported"),
     "stream_options": (lambda v: _unset(v) or v == {"include_obfuscation": False},
@@ -267,6 +265,7 @@ class ResponsesRequest(_Strict):
     metadata: dict[str, str] | None = Field(None, max_length=16)  # echoed in the response
     user: str | None = None  # logged with the request id
     safety_identifier: str | None = Field(None, max_length=128)  # (the same, OpenAI's new name)
+    prompt_cache_key: str | None = Field(None, max_length=1024)  # routing (as chat's)
     # vLLM's extensions
     top_k: int | None = None
     seed: int | None = Field(None, ge=-(2**63), le=2**63 - 1)

@@ -7,13 +7,14 @@ import contextlib
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator, Mapping
 from contextvars import ContextVar
 from dataclasses import dataclass
 
 from pagedserve.engine.limits import PromptError, check_prompt
 from pagedserve.engine.output_processor import SampleState
 from pagedserve.sampling_params import MAX_LOGPROBS, SamplingParams
+from pagedserve.server.affinity import conversation_key
 from pagedserve.server.engine_client import (
     AsyncEngineClient,
     EngineDeadError,
@@ -66,6 +67,7 @@ class Choice:
     index: int
     prompt_ids: list[int]
     params: SamplingParams
+    route: str | None = None  # the conversation's key (`affinity.conversation_key`): which engine
 
 
 class Server:
@@ -93,6 +95,14 @@ class Server:
         # not by the engine client, which only learns of a sample when its generation starts:
         # a burst would all pass the check before that.
         self.num_admitted = 0
+
+    def route_key(self, body: Callable[[], Mapping]) -> str | None:
+        """The conversation key a request routes by (`affinity.conversation_key` of the
+        fields `body()` gives: messages, prompt, prompt_cache_key), or None where the client
+        has one engine to route to (then `body` is not called)."""
+        if getattr(self.client, "num_engines", 1) < 2:
+            return None
+        return conversation_key(body())
 
     @property
     def max_model_len(self) -> int:
@@ -271,7 +281,7 @@ async def run_choices(
         try:
             rid = f"{request_id}-{choice.index}"
             params = choice.params.for_sample(choice.index % choice.params.n)
-            async for state in client.generate(rid, choice.prompt_ids, params, priority):
+            async for state in client.generate(rid, choice.prompt_ids, params, priority, choice.route):
                 queue.put_nowait((choice.index, state))
         except Exception as e:  # delivered to the consumer below
             queue.put_nowait((choice.index, e))

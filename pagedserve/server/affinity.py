@@ -1,4 +1,5 @@
-"""Which replica a request goes to (torch-free, Ray-free).
+"""Which replica (a Ray Serve replica of `serve-ray`, or an engine core of `serve
+--data-parallel-size`) a request goes to (torch-free, Ray-free).
 
 A conversation's later turns resend its earlier ones, so the replica that served turn n holds
 turn n+1's longest prefix in its KV prefix cache. The policy remembers, per conversation, the
@@ -9,7 +10,8 @@ new conversations evenly and every router breaks a tie the same way).
 
 A conversation is named by what stays the same across its turns: a chat's messages up to and
 including the first user message; a completion's first `PROMPT_KEY_CHARS` characters (or
-first 256 token ids).
+first 256 token ids). OpenAI's `prompt_cache_key`, when a request gives one, names it instead:
+requests with the same key go to the same place whatever their messages.
 """
 
 from __future__ import annotations
@@ -26,7 +28,11 @@ PROMPT_KEY_CHARS = 1024
 def conversation_key(body: Mapping) -> str | None:
     """The key of the conversation an OpenAI request body belongs to; None: nothing to key on.
     Chat `messages` and the Responses API's `input` items count up to and including the first
-    user message (with the `instructions`); a prompt (text or token ids) by its beginning."""
+    user message (with the `instructions`); a prompt (text or token ids) by its beginning. A
+    non-empty `prompt_cache_key` (a string) names the conversation instead."""
+    cache_key = body.get("prompt_cache_key")
+    if isinstance(cache_key, str) and cache_key:
+        return hashlib.blake2b(f"prompt_cache_key|{cache_key}".encode(), digest_size=12).hexdigest()
     messages = body.get("messages")
     if messages is None and isinstance(body.get("input"), list):
         messages = body["input"]
