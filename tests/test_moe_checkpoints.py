@@ -18,11 +18,16 @@ import re
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
-from test_fp8_checkpoints import ref_block_dequantize, ref_block_quantize, ref_rows_quantize, ref_tensor_quantize
+from test_fp8_checkpoints import (
+    ref_block_dequantize,
+    ref_block_quantize,
+    ref_rows_quantize,
+    ref_tensor_quantize,
+)
 from test_tensor_parallel_quantized import in_threads, thread_ranks
 
 from conftest import TINY_QWEN3_MOE
-from helpers import run_prefill
+from helpers import greedy_nocache, run_prefill
 from pagedserve.layers.fused_moe import FusedMoE
 from pagedserve.models.loader import build_model
 from pagedserve.models.source import resolve_model
@@ -167,7 +172,8 @@ def test_ranks_in_threads_give_the_one_process_logits(name, size, checkpoints):
 
 def test_the_engine_gives_the_dequantized_models_tokens_on_one_and_two_ranks(checkpoints):
     """Block FP8 experts (Qwen's format) through `LLM`: the greedy tokens of the fp32 model of
-    the dequantized experts, in one process and over two gloo ranks."""
+    the dequantized experts (recomputed without a cache), in one process and over two gloo
+    ranks."""
     from pagedserve import LLM, SamplingParams
 
     quantized, dequantized = checkpoints["fp8-block16"]
@@ -176,9 +182,10 @@ def test_the_engine_gives_the_dequantized_models_tokens_on_one_and_two_ranks(che
     kw = dict(dtype="float32", device="cpu", max_num_seqs=4, kv_cache_memory=1 << 20)
 
     def tokens(llm):
-        return [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+        return [list(o.outputs[0].token_ids) for o in llm.generate(prompts, params, use_tqdm=False)]
 
-    want = tokens(LLM(str(dequantized), **kw))
+    reference = _build(dequantized)
+    want = [greedy_nocache(reference, p, 8) for p in prompts]
     assert tokens(LLM(str(quantized), **kw)) == want
     split = LLM(str(quantized), tensor_parallel_size=2, **kw)
     try:
