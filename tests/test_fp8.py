@@ -251,9 +251,13 @@ def test_four_bit_qwen3_moe_checkpoints_are_refused_naming_the_problem(tmp_path,
     cfg = json.loads((tmp_path / "config.json").read_text())
     cfg["quantization_config"] = quant_config
     (tmp_path / "config.json").write_text(json.dumps(cfg))
-    with pytest.raises(ValueError, match=r"Qwen3-MoE checkpoints in (Awq|Gptq)LinearMethod's format \(4-bit AWQ / "
-                                         r"GPTQ\) are not supported: .*not int4 ones. Serve an FP8 or "
-                                         r"unquantized release \(with --quantization fp8"):
+    from pagedserve.engine_args import EngineArgs
+
+    refusal = (rf"Qwen3-MoE checkpoints quantized with '{quant_config['quant_method']}' \(4-bit weights\) are "
+               r"not supported: .*not int4 ones. Serve an FP8 or unquantized release \(with --quantization fp8")
+    with pytest.raises(ValueError, match=refusal):  # (before anything loads)
+        EngineArgs(str(tmp_path), device="cpu").create_engine_config()
+    with pytest.raises(ValueError, match=refusal):
         build_model(resolve_model(str(tmp_path)), dtype="float32")
     with pytest.raises(ValueError, match="quantization 'int4' is not supported"):
         build_model(resolve_model(str(tiny_qwen3_moe)), dtype="float32", quantization="int4")

@@ -228,8 +228,8 @@ def test_what_the_experts_cannot_read_is_refused_naming_it(tmp_path, checkpoints
 
     awq = write(tmp_path / "awq", state, {"quant_method": "awq", "bits": 4, "group_size": 32,
                                           "version": "gemm", "zero_point": True})
-    with pytest.raises(ValueError, match=r"4-bit AWQ / GPTQ\) are not supported: the fused-MoE kernel.*"
-                                         r"not int4 ones. Serve an FP8 or unquantized release"):
+    with pytest.raises(ValueError, match=r"quantized with 'awq' \(4-bit weights\) are not supported: the "
+                                         r"fused-MoE kernel.*not int4 ones. Serve an FP8 or unquantized release"):
         _build(awq)
 
     qc = dict(FORMATS["fp8-block16"][0], weight_block_size=[32, 32])

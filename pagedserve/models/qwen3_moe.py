@@ -19,6 +19,7 @@ from pagedserve.layers.fused_moe import FusedMoE
 from pagedserve.layers.linear_method import LinearMethod, UnquantizedLinearMethod
 from pagedserve.layers.moe_format import PLAIN, ExpertFormat
 from pagedserve.models.llama import DecoderLayer, LlamaForCausalLM
+from pagedserve.quantization import moe_refusal
 from pagedserve.quantization.fp8 import Fp8LinearMethod
 from pagedserve.quantization.fp8_block import Fp8BlockLinearMethod
 from pagedserve.quantization.fp8_checkpoint import Fp8CheckpointLinearMethod
@@ -35,11 +36,7 @@ def experts_format(linear_method: LinearMethod | None, prefix: str, num_experts:
     if type(linear_method) is Fp8LinearMethod:  # (not a subclass: those read FP8 checkpoints)
         return ExpertFormat("fp8_dynamic")
     if not isinstance(linear_method, (Fp8BlockLinearMethod, Fp8CheckpointLinearMethod)):
-        raise ValueError(
-            f"pre-quantized Qwen3-MoE checkpoints in {type(linear_method).__name__}'s format "
-            "(4-bit AWQ / GPTQ) are not supported: the fused-MoE kernel and its reference multiply "
-            "bf16 or FP8 experts only, not int4 ones. Serve an FP8 or unquantized release (with "
-            "--quantization fp8 for FP8 experts quantized at load)")
+        raise moe_refusal(type(linear_method).__name__.removesuffix("LinearMethod").lower())
     names = [f"{prefix}.experts.{e}.{p}" for e in range(num_experts) for p in ("gate_proj", "up_proj", "down_proj")]
     if type(linear_method.for_layer(names)) is UnquantizedLinearMethod:  # (all of them left out)
         return PLAIN
