@@ -82,7 +82,7 @@ class Qwen3MoeForCausalLM(LlamaForCausalLM):
                 if isinstance(layer.mlp, FusedMoE)}
 
     def process_weights_after_loading(self) -> None:
-        """The linear methods' pass, then each sparse block's (FP8 experts: quantized here)."""
+        """The linear methods' pass, then each sparse block's (`--quantization fp8`: experts quantized here)."""
         super().process_weights_after_loading()
         for module in self.self_loading_modules().values():
             module.process_weights_after_loading()
