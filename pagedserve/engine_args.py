@@ -19,7 +19,7 @@ from pagedserve.distributed.split import check_config_split, check_quantized_spl
 from pagedserve.faults import FaultPlan
 from pagedserve.models.hf_config import model_config_from_hf
 from pagedserve.models.source import ModelSource, resolve_model
-from pagedserve.quantization import resolve_quantization, split_units
+from pagedserve.quantization import check_moe_quantization, resolve_quantization, split_units
 from pagedserve.spec_decode.config import SpeculativeConfig
 
 
@@ -84,6 +84,7 @@ class EngineArgs:
         model = str(source.folder) if source.from_hub else self.model  # (the core loads the folder)
         quantization = resolve_quantization(self.quantization, source.hf_config)
         model_cfg = model_config_from_hf(source.hf_config)
+        check_moe_quantization(quantization, model_cfg.moe is not None)
         limit = model_cfg.max_position_embeddings
         max_len = self.max_model_len or limit
         if max_len > limit:

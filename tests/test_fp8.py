@@ -235,13 +235,13 @@ def test_the_engine_generates_with_fp8_experts_on_the_cpu(tiny_qwen3_moe):
 
 
 @pytest.mark.parametrize("quant_config", [
-    {"quant_method": "fp8", "activation_scheme": "dynamic", "weight_block_size": [16, 16]},
     {"quant_method": "awq", "bits": 4, "group_size": 32, "version": "gemm", "zero_point": True},
+    {"quant_method": "gptq", "bits": 4, "group_size": 32, "desc_act": False, "sym": True},
 ])
-def test_pre_quantized_qwen3_moe_checkpoints_are_refused_naming_the_problem(tmp_path, tiny_qwen3_moe, quant_config):
-    """A Qwen3-MoE checkpoint stored quantized (FP8 blocks, 4-bit AWQ) is refused while the
-    model is built, saying what is missing and the way round it; an int4 request is refused
-    as an unknown method."""
+def test_four_bit_qwen3_moe_checkpoints_are_refused_naming_the_problem(tmp_path, tiny_qwen3_moe, quant_config):
+    """A Qwen3-MoE checkpoint stored in 4 bits (AWQ, GPTQ) is refused while the model is built,
+    saying why (no int4 experts in the fused-MoE kernel) and the way round it; an int4
+    request is refused as an unknown method. (FP8 checkpoints load: test_moe_checkpoints.py.)"""
     import shutil
 
     from pagedserve.models.loader import build_model
@@ -251,8 +251,13 @@ def test_pre_quantized_qwen3_moe_checkpoints_are_refused_naming_the_problem(tmp_
     cfg = json.loads((tmp_path / "config.json").read_text())
     cfg["quantization_config"] = quant_config
     (tmp_path / "config.json").write_text(json.dumps(cfg))
-    with pytest.raises(ValueError, match=r"pre-quantized Qwen3-MoE checkpoints are not supported yet.*"
-                                         r"unquantized release, with --quantization fp8 for FP8 experts"):
+    from pagedserve.engine_args import EngineArgs
+
+    refusal = (rf"Qwen3-MoE checkpoints quantized with '{quant_config['quant_method']}' \(4-bit weights\) are "
+               r"not supported: .*not int4 ones. Serve an FP8 or unquantized release \(with --quantization fp8")
+    with pytest.raises(ValueError, match=refusal):  # (before anything loads)
+        EngineArgs(str(tmp_path), device="cpu").create_engine_config()
+    with pytest.raises(ValueError, match=refusal):
         build_model(resolve_model(str(tmp_path)), dtype="float32")
     with pytest.raises(ValueError, match="quantization 'int4' is not supported"):
         build_model(resolve_model(str(tiny_qwen3_moe)), dtype="float32", quantization="int4")

@@ -347,6 +347,42 @@ def test_fp8_kernel_matches_the_reference_on_the_same_weights(T, dtype):
             assert not torch.allclose(out, ref, atol=1e-3)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("T", [3, 37])
+def test_block_fp8_kernel_matches_the_reference_on_the_same_weights(T, dtype):
+    """Pre-quantized experts with a scale per block of 24 x 32 weights (the last row block
+    partial): each K step's partial product scaled by its columns' block scales. Against the
+    reference dequantizing block by block: float32 up to the accumulation order, fp16 up to
+    the intermediate's rounding. One block's scale changed fails the check."""
+    gen = torch.Generator().manual_seed(300 + T)
+    weights, ids = routing(T, gen, skip_expert=0)
+    block = (24, 32)
+    q13 = (torch.randn(E, 2 * INTER, H, generator=gen) * 100).to(torch.float8_e4m3fn)  # [E, 2I, H]
+    q2 = (torch.randn(E, H, INTER, generator=gen) * 100).to(torch.float8_e4m3fn)  # [E, H, I]
+    s13 = torch.rand(E, 3, 2, generator=gen) * 1e-3 + 1e-4  # [E, cdiv(2I, 24), H / 32]
+    s2 = torch.rand(E, 3, 1, generator=gen) * 1e-3 + 1e-4  # [E, cdiv(H, 24), I / 32]
+    x = torch.randn(T, H, generator=gen).to(dtype)
+    ref = moe_reference(x.float(), q13, q2, weights, ids, s13, s2, block)  # [T, H]
+    full13 = s13.repeat_interleave(24, 1)[:, :2 * INTER].repeat_interleave(32, 2)  # [E, 2I, H]
+    dequant = moe_reference(x.float(), q13.float() * full13, q2.float() * s2.repeat_interleave(24, 1)[:, :H].repeat_interleave(32, 2),
+                            weights, ids)
+    torch.testing.assert_close(ref, dequant, atol=1e-6, rtol=1e-6)  # (the reference dequantizes so)
+    for tiles in (None, SMALL_TILES):
+        out = fused_moe(x, q13, q2, weights, ids, tiles, w13_scale=s13, w2_scale=s2, block=block)
+        assert out.shape == (T, H) and out.dtype == dtype
+        torch.testing.assert_close(out.float(), ref, atol=TOL[dtype], rtol=TOL[dtype])
+    if dtype == torch.float32:
+        wrong = s13.clone()
+        wrong[:, 2, 1] *= 2  # (the partial row block, the second column block)
+        out = fused_moe(x, q13, q2, weights, ids, SMALL_TILES, w13_scale=wrong, w2_scale=s2, block=block)
+        assert not torch.allclose(out, ref, atol=1e-3)
+        with pytest.raises(ValueError, match=r"needs a contiguous float32 scale of shape \(8, 3, 2\)"):
+            fused_moe(x, q13, q2, weights, ids, w13_scale=s13[:, :2], w2_scale=s2, block=block)
+        with pytest.raises(ValueError, match=r"column count is a multiple of 16; blocks of 24 x 8 are not"):
+            fused_moe(x, q13, q2, weights, ids, w13_scale=torch.ones(E, 3, 8), w2_scale=torch.ones(E, 3, 4),
+                      block=(24, 8))
+
+
 def test_fp8_kernel_refuses_weights_without_their_scales():
     gen = torch.Generator().manual_seed(9)
     weights, ids = routing(3, gen)

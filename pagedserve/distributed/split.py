@@ -57,6 +57,10 @@ def check_quantized_split(cfg, size: int, units: SplitUnits) -> None:
     column = [("q_proj", cfg.q_size), ("k_proj and v_proj", cfg.kv_size),
               ("gate_proj and up_proj", cfg.intermediate_size)]
     row = [("o_proj", cfg.q_size), ("down_proj", cfg.intermediate_size)]
+    moe = getattr(cfg, "moe", None)
+    if moe is not None:  # each expert's share of its intermediate features
+        column.append(("the experts' gate_proj and up_proj", moe.intermediate_size))
+        row.append(("the experts' down_proj", moe.intermediate_size))
     for dims, unit, part in ((column, units.outputs, "outputs"), (row, units.inputs, "inputs")):
         for name, n in dims:
             if (n // size) % unit:

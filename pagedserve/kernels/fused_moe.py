@@ -24,7 +24,10 @@ FP8 experts (`--quantization fp8`, weight-only W8A16): the weights are e4m3 with
 scale per expert and output row ([E, N]); the kernel loads 1 byte a weight, widens each tile
 to the activations' dtype in registers (exact: e4m3's values are bf16/fp16 values) for the
 same `tl.dot`, and multiplies the float32 accumulator by the expert's scale of each output
-column once, after the K loop (HAS_SCALE; off, the bf16 path is unchanged).
+column once, after the K loop (ROW_SCALE; off, the bf16 path is unchanged). Pre-quantized
+experts in blocks (`block` (bn, bk): a float32 scale per expert and block, [E, cdiv(N, bn),
+cdiv(K, bk)]) take BLOCK_K dividing bk, so each K step lies in one block column: its partial
+product is scaled by its columns' block scales before it joins the accumulator (BLOCK_SCALE).
 """
 
 from __future__ import annotations
@@ -126,11 +129,15 @@ def moe_align_pairs(topk_ids: torch.Tensor, block_m: int) -> MoeAlignment:
 def _moe_gemm_kernel(
     A, W, OUT, WEIGHTS,  # a [rows, K] (row stride stride_am), w [E, N, K], out [num_pairs, N],
     # weights [num_pairs] routing weight per pair (MUL_WEIGHT)
-    W_SCALE,  # HAS_SCALE only (w e4m3): float32 [E, N] (row stride stride_se), out[:, n] *= W_SCALE[e, n]
+    W_SCALE,  # w e4m3 only: ROW_SCALE float32 [E, N], out[:, n] *= W_SCALE[e, n]; BLOCK_SCALE float32
+    # [E, cdiv(N, SCALE_BN), cdiv(K, SCALE_BK)] (strides stride_se, stride_sn, stride_sk)
     SORTED_IDS, EXPERT_IDS, NUM_PADDED,  # moe_align's [P] int32, [P / BLOCK_M] int32, [1] int32
-    num_pairs, N, K, stride_am, stride_we, stride_wn, stride_wk, stride_om, stride_se,
+    num_pairs, N, K, stride_am, stride_we, stride_wn, stride_wk, stride_om, stride_se, stride_sn, stride_sk,
     ROW_DIV: tl.constexpr,  # pair p reads a's row p // ROW_DIV (K for gate_up, 1 for down)
-    MUL_WEIGHT: tl.constexpr, EVEN_K: tl.constexpr, HAS_SCALE: tl.constexpr,
+    MUL_WEIGHT: tl.constexpr, EVEN_K: tl.constexpr,
+    HAS_SCALE: tl.constexpr,  # w e4m3 (widened to a's dtype in registers)
+    ROW_SCALE: tl.constexpr, BLOCK_SCALE: tl.constexpr,  # its scales: per row, or per block
+    SCALE_BN: tl.constexpr, SCALE_BK: tl.constexpr,  # BLOCK_SCALE: the block; BLOCK_K divides SCALE_BK
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
     PRECISION: tl.constexpr, DOT_FP32: tl.constexpr,  # DOT_FP32: the interpreter's bf16 dot is wrong
     PDL: tl.constexpr,
@@ -169,10 +176,15 @@ def _moe_gemm_kernel(
             w = w.to(A.dtype.element_ty)  # e4m3 widened in registers (exact)
         if DOT_FP32:
             a, w = a.to(tl.float32), w.to(tl.float32)
-        acc = tl.dot(a, w, acc, input_precision=PRECISION)  # [BLOCK_M, BLOCK_N]
+        if BLOCK_SCALE:  # this K step's block scale of each output column
+            s = tl.load(W_SCALE + expert * stride_se + (offs_nw // SCALE_BN) * stride_sn
+                        + ((k * BLOCK_K) // SCALE_BK) * stride_sk)  # [BLOCK_N]
+            acc += tl.dot(a, w, input_precision=PRECISION) * s[None, :]  # [BLOCK_M, BLOCK_N]
+        else:
+            acc = tl.dot(a, w, acc, input_precision=PRECISION)  # [BLOCK_M, BLOCK_N]
         a_ptrs += BLOCK_K
         w_ptrs += BLOCK_K * stride_wk
-    if HAS_SCALE:  # the expert's scale of each output column (wrapped columns: never stored)
+    if ROW_SCALE:  # the expert's scale of each output column (wrapped columns: never stored)
         acc = acc * tl.load(W_SCALE + expert * stride_se + offs_nw)[None, :]
     if MUL_WEIGHT:
         weight = tl.load(WEIGHTS + pair, mask=valid, other=0.0).to(tl.float32)  # [BLOCK_M]
@@ -183,27 +195,31 @@ def _moe_gemm_kernel(
 
 def moe_gemm(a: torch.Tensor, w: torch.Tensor, out: torch.Tensor, align: MoeAlignment,
              row_div: int, tiles: MoeTiles, weights: torch.Tensor | None = None,
-             w_scale: torch.Tensor | None = None) -> torch.Tensor:
+             w_scale: torch.Tensor | None = None, block: tuple[int, int] | None = None) -> torch.Tensor:
     """out[p] = a[p // row_div] @ w[expert of p]^T (* weights[p]) for every pair p of `align`.
 
     a: [rows, K] (columns contiguous); w: [E, N, K] in a's dtype, or e4m3 with `w_scale`
-    float32 [E, N] (w[e] ~= q[e] * w_scale[e, :, None]); out: [num_pairs, N], columns
+    float32 [E, N] (w[e] ~= q[e] * w_scale[e, :, None]) or, with `block` (bn, bk), float32
+    [E, cdiv(N, bn), cdiv(K, bk)] (a scale per block); out: [num_pairs, N], columns
     contiguous; weights: [num_pairs] routing weights or None. Returns `out`."""
     num_pairs, n = out.shape
     k = a.shape[1]
     if w.shape[2] != k or w.shape[1] != n:
         raise ValueError(f"moe_gemm: weight {tuple(w.shape)} does not map {k} inputs to {n} outputs")
-    _check_weight(a, w, w_scale)
+    _check_weight(a, w, w_scale, block)
     if num_pairs == 0:
         return out
+    if block is not None:
+        tiles = tiles._replace(block_k=block_k_for(block, tiles.block_k))
     grid = (align.expert_ids.numel() * triton.cdiv(n, tiles.block_n),)
     _moe_gemm_kernel[grid](
         a, w, out, weights if weights is not None else out, w_scale if w_scale is not None else out,
         align.sorted_ids, align.expert_ids, align.num_padded,
         num_pairs, n, k, a.stride(0), w.stride(0), w.stride(1), w.stride(2), out.stride(0),
-        w_scale.stride(0) if w_scale is not None else 0,
+        *(w_scale.stride() if block is not None else (w_scale.stride(0) if w_scale is not None else 0, 0, 0)),
         ROW_DIV=row_div, MUL_WEIGHT=weights is not None, EVEN_K=k % tiles.block_k == 0,
-        HAS_SCALE=w_scale is not None,
+        HAS_SCALE=w_scale is not None, ROW_SCALE=w_scale is not None and block is None,
+        BLOCK_SCALE=block is not None, SCALE_BN=block[0] if block else 1, SCALE_BK=block[1] if block else 1,
         BLOCK_M=align.block_m, BLOCK_N=tiles.block_n, BLOCK_K=tiles.block_k, GROUP_M=tiles.group_m,
         PRECISION="ieee" if a.dtype == torch.float32 else "tf32",
         DOT_FP32=interpreting() and a.dtype == torch.bfloat16,
@@ -212,19 +228,34 @@ def moe_gemm(a: torch.Tensor, w: torch.Tensor, out: torch.Tensor, align: MoeAlig
     return out
 
 
-def _check_weight(a: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor | None) -> None:
-    """w in a's dtype without a scale, or e4m3 with a contiguous float32 scale [E, N] on its
-    device; the last dimension contiguous."""
+def block_k_for(block: tuple[int, int], block_k: int) -> int:
+    """The K tile for block scales of `block` columns: the largest power of two dividing bk, at
+    most `block_k` (each K step then lies in one block column); ValueError below 16 (tl.dot's
+    least)."""
+    bk = block[1]
+    fits = min(block_k, bk & -bk)
+    if fits < 16:
+        raise ValueError(f"the fused-MoE kernel multiplies FP8 blocks whose column count is a "
+                         f"multiple of 16; blocks of {block[0]} x {bk} are not")
+    return fits
+
+
+def _check_weight(a: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor | None,
+                  block: tuple[int, int] | None = None) -> None:
+    """w in a's dtype without a scale, or e4m3 with a contiguous float32 scale on its device
+    ([E, N], or [E, cdiv(N, bn), cdiv(K, bk)] with `block`); the last dimension contiguous."""
     if w.stride(-1) != 1 and w.shape[-1] > 1:
         raise ValueError("moe_gemm: the weight's last dimension must be contiguous (stride 1)")
     if w.dtype == torch.float8_e4m3fn:
-        if (w_scale is None or w_scale.dtype != torch.float32 or w_scale.shape != w.shape[:2]
+        e, n, k = w.shape
+        want = (e, n) if block is None else (e, -(-n // block[0]), -(-k // block[1]))
+        if (w_scale is None or w_scale.dtype != torch.float32 or tuple(w_scale.shape) != want
                 or not w_scale.is_contiguous() or w_scale.device != w.device):
             raise ValueError(f"moe_gemm: an e4m3 weight {tuple(w.shape)} needs a contiguous float32 "
-                             f"scale of shape {tuple(w.shape[:2])} on its device")
+                             f"scale of shape {want} on its device")
         if a.dtype not in (torch.float32, torch.float16, torch.bfloat16):
             raise TypeError(f"moe_gemm: an e4m3 weight multiplies float32/float16/bfloat16 inputs, got {a.dtype}")
-    elif w_scale is not None:
+    elif w_scale is not None or block is not None:
         raise ValueError("moe_gemm: a scale goes with an e4m3 weight only")
     elif w.dtype != a.dtype:
         raise TypeError(f"moe_gemm: dtype mismatch: weight {w.dtype} vs input {a.dtype}")
@@ -232,7 +263,8 @@ def _check_weight(a: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor | None
 
 def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
               topk_ids: torch.Tensor, tiles: MoeTiles | None = None,
-              w13_scale: torch.Tensor | None = None, w2_scale: torch.Tensor | None = None) -> torch.Tensor:
+              w13_scale: torch.Tensor | None = None, w2_scale: torch.Tensor | None = None,
+              block: tuple[int, int] | None = None) -> torch.Tensor:
     """A SiLU-gated mixture-of-experts layer on the Triton kernels.
 
     out[t] = sum_k topk_weights[t, k] * w2[e] @ (silu(g) * u), [g | u] = w13[e] @ x[t],
@@ -240,7 +272,8 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights
 
     x: [T, H] float32/float16/bfloat16; w13: [E, 2I, H] (rows [gate | up]); w2: [E, H, I], both
     in x's dtype with contiguous last dimensions, or both e4m3 with float32 scales per expert and
-    output row `w13_scale` [E, 2I] and `w2_scale` [E, H] (FP8 experts, W8A16); topk_weights:
+    output row `w13_scale` [E, 2I] and `w2_scale` [E, H] (FP8 experts, W8A16) or, with `block`
+    (bn, bk), per block: [E, cdiv(2I, bn), cdiv(H, bk)] and [E, cdiv(H, bn), cdiv(I, bk)]; topk_weights:
     [T, K] float (applied in float32 to the down projection's accumulator); topk_ids: [T, K]
     int in [0, E). `tiles`: `moe_tiles`' default for T. Returns [T, H] in x's dtype.
     """
@@ -262,8 +295,8 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights
     else:
         align = moe_align(topk_ids, num_experts, tiles.block_m)
     gate_up = torch.empty((pairs, two_inter), dtype=x.dtype, device=x.device)  # [T*K, 2I]
-    moe_gemm(x, w13, gate_up, align, top_k, tiles, w_scale=w13_scale)
+    moe_gemm(x, w13, gate_up, align, top_k, tiles, w_scale=w13_scale, block=block)
     inter = silu_and_mul(gate_up)  # [T*K, I]
     down = torch.empty((pairs, hidden), dtype=x.dtype, device=x.device)  # [T*K, H]
-    moe_gemm(inter, w2, down, align, 1, tiles, topk_weights.reshape(-1).contiguous(), w2_scale)
+    moe_gemm(inter, w2, down, align, 1, tiles, topk_weights.reshape(-1).contiguous(), w2_scale, block)
     return down.view(num_tokens, top_k, hidden).sum(dim=1)  # [T, H]

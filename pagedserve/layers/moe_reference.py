@@ -3,7 +3,8 @@
 It follows Transformers' `Qwen3MoeExperts` (eager): for each expert that received pairs, one
 matmul over its tokens in the input dtype, SiLU(gate) * up, the down projection, each row
 scaled by its routing weight, added into the token's output row. FP8 experts (e4m3 with a
-float32 scale per expert and output row) are dequantized one expert at a time first.
+float32 scale per expert and output row, or per block of bn x bk weights) are dequantized one
+expert at a time first.
 """
 
 from __future__ import annotations
@@ -14,7 +15,8 @@ import torch.nn.functional as F
 
 def moe_reference(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
                   topk_weights: torch.Tensor, topk_ids: torch.Tensor,
-                  w13_scale: torch.Tensor | None = None, w2_scale: torch.Tensor | None = None) -> torch.Tensor:
+                  w13_scale: torch.Tensor | None = None, w2_scale: torch.Tensor | None = None,
+                  block: tuple[int, int] | None = None) -> torch.Tensor:
     """out[t] = sum_k topk_weights[t, k] * w2[e] @ (silu(g) * u), [g | u] = w13[e] @ x[t],
     e = topk_ids[t, k].
 
@@ -22,7 +24,9 @@ def moe_reference(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
     product with a row takes torch's promotion of the two dtypes: pass them in x's dtype for
     Transformers' rounding); topk_ids: [T, K] int. FP8 experts: w13 and w2 e4m3 with float32
     scales `w13_scale` [E, 2I] and `w2_scale` [E, H], each used as (q.float() * scale[:, None])
-    in x's dtype. Returns [T, H] in x's dtype. Loops over the experts that have pairs (one host
+    in x's dtype; with `block` (bn, bk) the scales are per block instead, `w13_scale` [E,
+    cdiv(2I, bn), cdiv(H, bk)] and `w2_scale` [E, cdiv(H, bn), cdiv(I, bk)]. Returns [T, H] in
+    x's dtype. Loops over the experts that have pairs (one host
     synchronisation)."""
     num_tokens, top_k = topk_ids.shape
     out = torch.zeros_like(x)  # [T, H]
@@ -35,8 +39,8 @@ def moe_reference(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
         pairs = order[start:start + count]  # [n]
         start += count
         tokens = pairs // top_k  # [n]
-        w_in = _expert_weight(w13, w13_scale, expert, x.dtype)  # [2I, H]
-        w_out = _expert_weight(w2, w2_scale, expert, x.dtype)  # [H, I]
+        w_in = _expert_weight(w13, w13_scale, expert, x.dtype, block)  # [2I, H]
+        w_out = _expert_weight(w2, w2_scale, expert, x.dtype, block)  # [H, I]
         gate, up = F.linear(x[tokens], w_in).chunk(2, dim=-1)  # [n, I] each
         y = F.linear(F.silu(gate) * up, w_out)  # [n, H]
         out.index_add_(0, tokens, (y * weights[pairs, None]).to(out.dtype))
@@ -44,8 +48,14 @@ def moe_reference(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
 
 
 def _expert_weight(w: torch.Tensor, scale: torch.Tensor | None, expert: int,
-                   dtype: torch.dtype) -> torch.Tensor:
-    """Expert `expert`'s weight [N, K]: as stored, or dequantized (e4m3 * its row scales)."""
+                   dtype: torch.dtype, block: tuple[int, int] | None) -> torch.Tensor:
+    """Expert `expert`'s weight [N, K]: as stored, or dequantized (e4m3 * its row or block
+    scales)."""
     if scale is None:
         return w[expert]
-    return (w[expert].float() * scale[expert, :, None]).to(dtype)
+    if block is None:
+        return (w[expert].float() * scale[expert, :, None]).to(dtype)
+    n, k = w.shape[1:]
+    bn, bk = block
+    full = scale[expert].repeat_interleave(bn, 0)[:n].repeat_interleave(bk, 1)[:, :k]  # [N, K]
+    return (w[expert].float() * full).to(dtype)

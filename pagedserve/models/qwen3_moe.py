@@ -2,10 +2,12 @@
 of the dense MLP in the layers `ModelConfig.moe` names (`layers/fused_moe.py`: router, top-k
 routing, the experts' fused Triton kernel on the GPU).
 
-Quantization: `--quantization fp8` on an unquantized checkpoint quantizes the experts too (e4m3
-per expert and output row, after loading; the router stays unquantized). A pre-quantized
-checkpoint (config.json's quantization_config: FP8, compressed-tensors, AWQ, GPTQ) is refused:
-its experts' stored formats are not read yet."""
+Quantization (`experts_format`): `--quantization fp8` on an unquantized checkpoint quantizes
+the experts too (e4m3 per expert and output row, after loading; the router stays
+unquantized). A pre-quantized FP8 checkpoint (quant_method fp8 in blocks or per tensor,
+compressed-tensors FP8 per channel, per tensor or in blocks) has its experts read as stored,
+with their scales, and its router as the config says (Qwen's releases leave it unquantized).
+4-bit AWQ / GPTQ checkpoints are refused: the fused-MoE kernel has no int4 experts."""
 
 from __future__ import annotations
 
@@ -15,22 +17,41 @@ from pagedserve.config import ModelConfig
 from pagedserve.distributed.tensor_parallel import SINGLE, TensorParallel
 from pagedserve.layers.fused_moe import FusedMoE
 from pagedserve.layers.linear_method import LinearMethod, UnquantizedLinearMethod
+from pagedserve.layers.moe_format import PLAIN, ExpertFormat
 from pagedserve.models.llama import DecoderLayer, LlamaForCausalLM
+from pagedserve.quantization import moe_refusal
 from pagedserve.quantization.fp8 import Fp8LinearMethod
+from pagedserve.quantization.fp8_block import Fp8BlockLinearMethod
+from pagedserve.quantization.fp8_checkpoint import Fp8CheckpointLinearMethod
 
 
-def experts_fp8(linear_method: LinearMethod | None) -> bool:
-    """Whether the experts are FP8 for the model's method: no for none (or unquantized), yes
-    for dynamic FP8 (`--quantization fp8` on an unquantized checkpoint); ValueError naming the
-    problem and the fix for a pre-quantized checkpoint's method."""
+def experts_format(linear_method: LinearMethod | None, prefix: str, num_experts: int) -> ExpertFormat:
+    """How the experts of the sparse block at checkpoint prefix `prefix` (e.g.
+    "model.layers.0.mlp") are stored, for the model's method: plain for none (or unquantized,
+    or a checkpoint that leaves them out), fp8_dynamic for `--quantization fp8`, the stored
+    FP8 format of a pre-quantized checkpoint. ValueError naming the problem and the fix for
+    what the experts cannot read (4-bit checkpoints)."""
     if linear_method is None or type(linear_method) is UnquantizedLinearMethod:
-        return False
+        return PLAIN
     if type(linear_method) is Fp8LinearMethod:  # (not a subclass: those read FP8 checkpoints)
-        return True
-    raise ValueError(
-        f"pre-quantized Qwen3-MoE checkpoints are not supported yet (this one's quantization_config "
-        f"gives {type(linear_method).__name__}; its experts' stored format is not read): serve an "
-        "unquantized release, with --quantization fp8 for FP8 experts quantized at load")
+        return ExpertFormat("fp8_dynamic")
+    if not isinstance(linear_method, (Fp8BlockLinearMethod, Fp8CheckpointLinearMethod)):
+        raise moe_refusal(type(linear_method).__name__.removesuffix("LinearMethod").lower())
+    names = [f"{prefix}.experts.{e}.{p}" for e in range(num_experts) for p in ("gate_proj", "up_proj", "down_proj")]
+    if type(linear_method.for_layer(names)) is UnquantizedLinearMethod:  # (all of them left out)
+        return PLAIN
+    if isinstance(linear_method, Fp8BlockLinearMethod):
+        return ExpertFormat("fp8_block", linear_method.block, linear_method.scale_name)
+    kind = "fp8_channel" if linear_method.per_channel else "fp8_tensor"
+    return ExpertFormat(kind, static_input=linear_method.static_input)
+
+
+def router_method(linear_method: LinearMethod | None, prefix: str) -> LinearMethod | None:
+    """The router's method: unquantized unless a pre-quantized checkpoint stores it quantized
+    (`--quantization fp8` keeps it unquantized)."""
+    if linear_method is None or type(linear_method) in (UnquantizedLinearMethod, Fp8LinearMethod):
+        return None
+    return linear_method.for_layer([f"{prefix}.gate"])
 
 
 class Qwen3MoeDecoderLayer(DecoderLayer):
@@ -40,11 +61,14 @@ class Qwen3MoeDecoderLayer(DecoderLayer):
                  tp: TensorParallel = SINGLE) -> None:
         moe = cfg.moe
         sparse = moe is not None and layer_idx in moe.layers
-        fp8 = sparse and experts_fp8(linear_method)  # (refused here, before anything is built)
+        prefix = f"model.layers.{layer_idx}.mlp"
+        # (refused here, before anything is built)
+        fmt = experts_format(linear_method, prefix, moe.num_experts) if sparse else PLAIN
         super().__init__(cfg, layer_idx, linear_method, tp)
         if sparse:
             self.mlp = FusedMoE(moe.num_experts, moe.top_k, cfg.hidden_size, moe.intermediate_size,
-                                renormalize=moe.renormalize, tp=tp, fp8=fp8)
+                                renormalize=moe.renormalize, tp=tp, fmt=fmt,
+                                gate_method=router_method(linear_method, prefix))
 
 
 class Qwen3MoeForCausalLM(LlamaForCausalLM):
@@ -58,7 +82,7 @@ class Qwen3MoeForCausalLM(LlamaForCausalLM):
                 if isinstance(layer.mlp, FusedMoE)}
 
     def process_weights_after_loading(self) -> None:
-        """The linear methods' pass, then each sparse block's (FP8 experts: quantized here)."""
+        """The linear methods' pass, then each sparse block's (`--quantization fp8`: experts quantized here)."""
         super().process_weights_after_loading()
         for module in self.self_loading_modules().values():
             module.process_weights_after_loading()

@@ -68,6 +68,27 @@ def resolve_quantization(requested: str | None, hf_config: Mapping[str, Any]) ->
                      f"{', '.join(QUANTIZATION_CHOICES)}")
 
 
+# methods whose weights a mixture-of-experts model's experts cannot take: the fused-MoE kernel
+# and its reference multiply bf16 or FP8 experts, no int4 ones
+MOE_REFUSED = ("awq", "gptq")
+
+
+def moe_refusal(quantization: str) -> ValueError:
+    """The error for a Qwen3-MoE checkpoint quantized with `quantization` (one of MOE_REFUSED)."""
+    return ValueError(
+        f"pre-quantized Qwen3-MoE checkpoints quantized with {quantization!r} (4-bit weights) are "
+        "not supported: the fused-MoE kernel and its reference multiply bf16 or FP8 experts only, "
+        "not int4 ones. Serve an FP8 or unquantized release (with --quantization fp8 for FP8 "
+        "experts quantized at load)")
+
+
+def check_moe_quantization(quantization: str | None, moe: bool) -> None:
+    """ValueError (`moe_refusal`) where a mixture-of-experts model (`moe`) cannot take the
+    resolved method `quantization`; checked before anything loads."""
+    if moe and quantization in MOE_REFUSED:
+        raise moe_refusal(quantization)
+
+
 def split_units(quantization: str | None, quant_config: Mapping[str, Any] | None) -> SplitUnits:
     """What each tensor-parallel rank's share of a projection must be a whole number of, for
     the method `quantization` (resolved) and the checkpoint's `quantization_config`: int4
