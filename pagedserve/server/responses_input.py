@@ -105,7 +105,8 @@ def _tool_choice(choice: Any) -> Any:
 def chat_request(body: ResponsesRequest) -> ChatCompletionRequest:
     """The chat-completions request that `body` asks for (n = 1)."""
     data: dict[str, Any] = {"messages": _messages(body), "stream": body.stream}
-    for name in ("model", "temperature", "top_p", "parallel_tool_calls", "top_k", "seed"):
+    for name in ("model", "temperature", "top_p", "parallel_tool_calls", "top_k", "seed",
+                 "reasoning_effort"):
         value = getattr(body, name)
         if value is not None:
             data[name] = value
