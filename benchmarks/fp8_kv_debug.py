@@ -33,7 +33,7 @@ def run(kv: str, eager: bool, env: dict[str, str] | None = None, dtype: str = "a
         os.environ.clear()
         os.environ.update(saved)
     params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, logprobs=2)
-    outs = [(o.outputs[0].token_ids, o.outputs[0].logprobs)
+    outs = [(o.outputs[0].token_ids, [{t: x.logprob for t, x in d.items()} for d in o.outputs[0].logprobs])
             for o in llm.generate(PROMPTS, params, use_tqdm=False)]
     del llm
     gc.collect()

@@ -4,8 +4,8 @@ from pagedserve.sampling_params import SamplingParams
 from pagedserve.structured.params import StructuredOutputsParams
 from pagedserve.version import __version__
 
-__all__ = ["LLM", "RequestOutput", "CompletionOutput", "SamplingParams", "StructuredOutputsParams",
-           "__version__"]
+__all__ = ["LLM", "RequestOutput", "CompletionOutput", "Logprob", "SamplingParams",
+           "StructuredOutputsParams", "__version__"]
 
 
 def __getattr__(name: str):
@@ -14,7 +14,7 @@ def __getattr__(name: str):
         from pagedserve.llm import LLM
 
         return LLM
-    if name in ("RequestOutput", "CompletionOutput"):
+    if name in ("RequestOutput", "CompletionOutput", "Logprob"):
         from pagedserve import outputs
 
         return getattr(outputs, name)

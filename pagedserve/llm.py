@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import itertools
 import logging
 from collections.abc import Sequence
@@ -155,14 +156,16 @@ class LLM:
         if self.engine.fatal_error:  # (a worker process died: this LLM is done)
             self.close()
             raise FatalEngineError(f"{self.engine.fatal_error}; create a new LLM to go on")
+        decode = functools.lru_cache(maxsize=None)(
+            lambda t: self.tokenizer.decode([t], skip_special_tokens=False))
         for rid, (ro, _) in children.items():
             s = samples.get(rid)
             if s is not None and s.error:
                 logger.error("request %s failed: %s", rid, s.error)
             if s is not None:
-                ro.outputs.append(s.to_completion())
+                ro.outputs.append(s.to_completion(decode))
                 ro.num_cached_tokens = s.num_cached_tokens
-                ro.prompt_logprobs = ro.prompt_logprobs or s.prompt_logprobs
+                ro.prompt_logprobs = ro.prompt_logprobs or s.prompt_logprob_entries(decode)
         for ro, _ in children.values():
             ro.outputs.sort(key=lambda o: o.index)
             ro.finished = all(o.finished for o in ro.outputs)

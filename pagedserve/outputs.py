@@ -2,7 +2,27 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
+
+
+@dataclass
+class Logprob:
+    """One token's log-probability at one position (vLLM's `Logprob`)."""
+
+    logprob: float
+    # 1 + the number of tokens strictly likelier here; a top-k entry's: its place in the top k
+    rank: int | None = None
+    decoded_token: str | None = None  # the token's text alone (special tokens included)
+
+
+def logprob_entry(entry: dict[int, float], token: int, rank: int | None,
+                  decode: Callable[[int], str]) -> dict[int, Logprob]:
+    """{token id: Logprob} of one position from the engine's {token id: logprob} (its top k,
+    likeliest first, then `token` if it is not among them): `token`, the sampled (or prompt)
+    token, gets its own `rank`, the others their place in the top k."""
+    return {t: Logprob(lp, rank if t == token else place, decode(t))
+            for place, (t, lp) in enumerate(entry.items(), 1)}
 
 
 @dataclass
@@ -14,8 +34,8 @@ class CompletionOutput:
     token_ids: list[int]
     finish_reason: str | None = None  # "stop" | "length" | "abort" | "error"; None while running
     stop_reason: int | str | None = None  # the stop string or stop token id that ended it
-    # Per generated token: {token id: logprob} holding the sampled token and the top-k.
-    logprobs: list[dict[int, float]] | None = None
+    # Per generated token: {token id: Logprob} holding the sampled token and the top-k.
+    logprobs: list[dict[int, Logprob]] | None = None
     cumulative_logprob: float | None = None
     error: str | None = None  # with finish_reason "error": what failed
 
@@ -32,9 +52,9 @@ class RequestOutput:
     outputs: list[CompletionOutput] = field(default_factory=list)
     finished: bool = False
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache
-    # with SamplingParams.prompt_logprobs: per prompt token, {token id: logprob} of it and the
+    # with SamplingParams.prompt_logprobs: per prompt token, {token id: Logprob} of it and the
     # top-k given the tokens before it; None for the first
-    prompt_logprobs: list[dict[int, float] | None] | None = None
+    prompt_logprobs: list[dict[int, Logprob] | None] | None = None
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -236,6 +236,14 @@ class Tokenizer:
 
     # ---- chat -------------------------------------------------------------------------------
 
+    @property
+    def chat_template(self) -> str | None:
+        """The source of the model's own chat template (named templates joined), if any."""
+        template = getattr(self.hf, "chat_template", None)
+        if isinstance(template, dict):
+            return "\n".join(str(t) for t in template.values())
+        return template if isinstance(template, str) else None
+
     def render_chat(
         self, messages: list[dict[str, Any]], add_generation_prompt: bool = True, **template_kwargs
     ) -> str:

@@ -33,7 +33,7 @@ def _tokens(outs) -> list[list[int]]:
 
 def _scores(outs) -> list[float]:
     """Each prompt token's own logprob, over the SCORED requests (the last len(PROMPTS))."""
-    return [d[t] for o in outs[-len(PROMPTS):]
+    return [d[t].logprob for o in outs[-len(PROMPTS):]
             for t, d in zip(o.prompt_token_ids[1:], o.prompt_logprobs[1:], strict=True)]
 
 

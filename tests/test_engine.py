@@ -231,8 +231,10 @@ def test_logprobs_are_consistent(llm):
     assert len(out.logprobs) == len(out.token_ids)
     for tok, entry in zip(out.token_ids, out.logprobs):
         assert tok in entry and len(entry) <= 4
-        assert entry[tok] == pytest.approx(max(entry.values()))  # greedy picks the top token
-        assert all(v <= 0 for v in entry.values())
+        values = [x.logprob for x in entry.values()]
+        assert entry[tok].logprob == pytest.approx(max(values))  # greedy picks the top token
+        assert entry[tok].rank == 1 and [x.rank for x in entry.values()] == [1, 2, 3]
+        assert all(v <= 0 for v in values)
 
 
 def test_bad_requests_raise_clear_errors(llm):

@@ -208,7 +208,7 @@ def test_the_engine_generates_transformers_tokens(tmp_path, kind):
         with torch.no_grad():
             logits = hf(torch.tensor([prompt + out.token_ids[:-1]])).logits[0, len(prompt) - 1:]
         ref = logits.log_softmax(-1).gather(1, torch.tensor(out.token_ids)[:, None])[:, 0]
-        ours = torch.tensor([lp[t] for lp, t in zip(out.logprobs, out.token_ids, strict=True)])
+        ours = torch.tensor([lp[t].logprob for lp, t in zip(out.logprobs, out.token_ids, strict=True)])
         torch.testing.assert_close(ours, ref, rtol=1e-4, atol=1e-4)
 
 

@@ -34,10 +34,15 @@ def _check(out, prompt: list[int], ref: torch.Tensor, k: int) -> None:
     assert pl is not None and len(pl) == len(prompt) and pl[0] is None
     for j in range(1, len(prompt)):
         entry, want = pl[j], ref[j - 1]
-        assert entry[prompt[j]] == pytest.approx(want[prompt[j]].item(), abs=2e-4)
+        own = entry[prompt[j]]
+        assert own.logprob == pytest.approx(want[prompt[j]].item(), abs=2e-4)
+        # (vLLM's Logprob.rank: 1 + the tokens likelier; near-ties may order either way)
+        target = want[prompt[j]].item()
+        assert int((want > target + 1e-4).sum()) + 1 <= own.rank <= int((want > target - 1e-4).sum()) + 1
         top = want.topk(k)
-        for t, v in zip(top.indices.tolist(), top.values.tolist()):
-            assert entry[t] == pytest.approx(v, abs=2e-4)
+        for place, (t, v) in enumerate(zip(top.indices.tolist(), top.values.tolist()), 1):
+            assert entry[t].logprob == pytest.approx(v, abs=2e-4)
+            assert entry[t].rank == (own.rank if t == prompt[j] else place)
         assert len(entry) in (k, k + 1)  # the top k, and the prompt token if not among them
 
 
@@ -77,7 +82,9 @@ def test_prompt_logprobs_agree_with_the_sampled_tokens_logprobs():
     again = llm.generate([prompt + list(out.token_ids)], SamplingParams(max_tokens=1, prompt_logprobs=0),
                          use_tqdm=False)[0]
     for j, (token, sampled) in enumerate(zip(out.token_ids, out.logprobs)):
-        assert again.prompt_logprobs[len(prompt) + j][token] == pytest.approx(sampled[token], abs=2e-4)
+        assert again.prompt_logprobs[len(prompt) + j][token].logprob == pytest.approx(
+            sampled[token].logprob, abs=2e-4)
+        assert again.prompt_logprobs[len(prompt) + j][token].rank == sampled[token].rank
     llm.check_no_leaks()
 
 

@@ -36,6 +36,11 @@ FOUND = [
      "metadata.a"),
     ("responses metadata key", "/v1/responses",
      b'{"input": "hi", "max_output_tokens": 2, "metadata": {"' + LONE + b'": "a"}}', "metadata"),
+    ("chat metadata", "/v1/chat/completions",
+     b'{"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2, "metadata": {"a": "'
+     + LONE + b'"}}', "metadata.a"),
+    ("completions metadata key", "/v1/completions",
+     b'{"prompt": "hi", "max_tokens": 2, "metadata": {"' + LONE + b'": "a"}}', "metadata"),
     ("responses user", "/v1/responses",
      b'{"input": "hi", "max_output_tokens": 2, "user": "' + LONE + b'"}', "user"),
     ("responses tool description", "/v1/responses",

@@ -108,7 +108,8 @@ def test_requests_with_logprobs_penalties_or_min_tokens_are_unchanged(engines):
     assert len(lp_only.logprobs) == len(lp_only.token_ids)
     want_lp, got_lp = want[2].outputs[0].logprobs, got[2].outputs[0].logprobs
     assert len(got_lp) == 24 and [d.keys() for d in got_lp] == [d.keys() for d in want_lp]
-    flat = [[v for d in lps for v in d.values()] for lps in (got_lp, want_lp)]
+    flat = [[v.logprob for d in lps for v in d.values()] for lps in (got_lp, want_lp)]
+    assert [[v.rank for v in d.values()] for d in got_lp] == [[v.rank for v in d.values()] for d in want_lp]
     assert flat[0] == pytest.approx(flat[1], abs=1e-4)
     spec.engine.kv.check_integrity(expect_all_free=True)
 
@@ -314,7 +315,7 @@ def test_verify_gives_the_logprobs_of_each_emitted_token():
     logits = torch.tensor([[0.0, 5, 0, 0], [0, 0, 5, 1], [1, 0, 0, 5]])
     params = SamplingParams(temperature=0, logprobs=1)
     vb = VerifyBatch.build([params], [[1, 3]], [0], [2], 4, (), "cpu")
-    tokens, lp, ids = verify_drafts(Sampler(), logits, vb)
+    tokens, lp, ids, ranks = verify_drafts(Sampler(), logits, vb)
     assert tokens.tolist() == [[1, 2, -1]]  # the second draft (3) rejected: 2 instead
     raw = logits.log_softmax(dim=-1)
     assert ids[:2].tolist() == [[1, 1], [2, 2]]  # the emitted token, then the top one

@@ -34,8 +34,9 @@ class TokenOutput:
 
     request_id: str
     new_token_ids: list[int]
-    # per new token: (its logprob, [(token id, logprob) of the top-k]); empty if not requested
-    new_logprobs: list[tuple[float, list[tuple[int, float]]]]
+    # per new token: (its logprob, its rank, [(token id, logprob) of the top-k]); empty if not
+    # requested
+    new_logprobs: list[tuple[float, int, list[tuple[int, float]]]]
     finished: bool = False
     finish_reason: str | None = None  # "stop" | "length" | "abort" | "error"
     stop_reason: int | str | None = None
@@ -149,8 +150,8 @@ class StepResult:
     requests that sampled."""
 
     token_ids: dict[str, list[int]]  # request id -> its new tokens this step (in order)
-    # request id -> per new token: (its logprob, [(token id, logprob) of the top-k])
-    logprobs: dict[str, list[tuple[float, list[tuple[int, float]]]]]
+    # request id -> per new token: (its logprob, its rank, [(token id, logprob) of the top-k])
+    logprobs: dict[str, list[tuple[float, int, list[tuple[int, float]]]]]
     # requests whose logits held a NaN or an Inf (not in token_ids: their token is garbage)
     non_finite: list[str] = field(default_factory=list)
     # request id -> why its part of the step failed (e.g. its grammar refused the token)

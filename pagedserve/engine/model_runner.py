@@ -230,7 +230,8 @@ class ModelRunner:
             handle.reqs, handle.token_ids = reqs, result.token_ids
             # Rows with NaN or Inf logits reach the host as token -1; the device copy the next
             # step reads keeps the sampled ids, which are always in range.
-            handle.host = (result.checked_token_ids, result.logprobs, result.logprob_token_ids)
+            handle.host = (result.checked_token_ids, result.logprobs, result.logprob_token_ids,
+                           result.logprob_ranks)
         return handle
 
     def _sampling_batch(self, step: _Step, reqs: list[CachedRequest], sample_rows: list[int]) -> SamplingBatch:
@@ -298,7 +299,7 @@ class ModelRunner:
         reqs = handle.reqs
         if handle.ready is not None:
             handle.ready.synchronize()
-        tokens_t, logprobs_t, logprob_ids_t = handle.host or (None, None, None)
+        tokens_t, logprobs_t, logprob_ids_t, ranks_t = handle.host or (None, None, None, None)
         tokens = tokens_t.tolist() if reqs else []
         token_ids = {r.request_id: [t] for r, t in zip(reqs, tokens)}
         non_finite = []
@@ -306,7 +307,7 @@ class ModelRunner:
             non_finite = [r.request_id for r, t in zip(reqs, tokens) if t < 0]
             for rid in non_finite:
                 del token_ids[rid]
-        logprobs: dict[str, list[tuple[float, list[tuple[int, float]]]]] = {}
+        logprobs: dict[str, list[tuple[float, int, list[tuple[int, float]]]]] = {}
         if handle.spec_reqs:
             self.spec.read_results(handle, token_ids, logprobs, non_finite)
         grammar_done: list[str] = []
@@ -331,10 +332,11 @@ class ModelRunner:
             elif r.grammar_done:
                 grammar_done.append(r.request_id)
         if logprobs_t is not None:
-            lp, lp_ids = logprobs_t.tolist(), logprob_ids_t.tolist()
+            lp, lp_ids, ranks = logprobs_t.tolist(), logprob_ids_t.tolist(), ranks_t.tolist()
             for row, r in enumerate(reqs):
                 if r.sampling_params.logprobs is not None:
-                    logprobs[r.request_id] = [token_logprobs(lp[row], lp_ids[row], r.sampling_params.logprobs)]
+                    logprobs[r.request_id] = [token_logprobs(lp[row], lp_ids[row], r.sampling_params.logprobs,
+                                                             ranks[row])]
         return StepResult(token_ids, logprobs, non_finite, failed, grammar_done, prompt)
 
     def decode_probe(self, num_seqs: int, length: int):

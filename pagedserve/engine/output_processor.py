@@ -10,12 +10,13 @@ and an `error` message; the others in the same batch of outputs are unaffected.
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from pagedserve import faults
 from pagedserve.engine.messages import TokenOutput
 from pagedserve.faults import FaultPlan
-from pagedserve.outputs import CompletionOutput
+from pagedserve.outputs import CompletionOutput, Logprob, logprob_entry
 from pagedserve.sampling_params import SamplingParams
 from pagedserve.tokenizer import IncrementalDetokenizer, Tokenizer
 
@@ -31,6 +32,7 @@ class SampleState:
     detok: IncrementalDetokenizer
     token_ids: list[int] = field(default_factory=list)
     logprobs: list[dict[int, float]] | None = None
+    ranks: list[int] | None = None  # ... each sampled token's rank (1: likeliest)
     cumulative_logprob: float | None = None
     # with prompt_logprobs: per prompt token, {token id: logprob} (its own and the top-k);
     # None for the first, which nothing precedes (vLLM's shape)
@@ -59,12 +61,27 @@ class SampleState:
         hold = max(len(s) for s in self.params.stop) - 1
         return self.text[: max(len(self.text) - hold, 0)] if hold else self.text
 
-    def to_completion(self) -> CompletionOutput:
+    def to_completion(self, decode: Callable[[int], str]) -> CompletionOutput:
+        """The offline API's output of this sample: logprobs as {token id: Logprob}, each
+        token's text from `decode`."""
+        logprobs = None
+        if self.logprobs is not None:
+            assert self.ranks is not None
+            logprobs = [logprob_entry(e, t, rank, decode)
+                        for e, t, rank in zip(self.logprobs, self.token_ids, self.ranks)]
         return CompletionOutput(
             index=self.index, text=self.visible_text(), token_ids=list(self.token_ids),
             finish_reason=self.finish_reason, stop_reason=self.stop_reason,
-            logprobs=self.logprobs, cumulative_logprob=self.cumulative_logprob, error=self.error,
+            logprobs=logprobs, cumulative_logprob=self.cumulative_logprob, error=self.error,
         )
+
+    def prompt_logprob_entries(self, decode: Callable[[int], str]) -> list[dict[int, Logprob] | None] | None:
+        """The prompt logprobs as the offline API returns them (None for the first token)."""
+        if self.prompt_logprobs is None:
+            return None
+        assert self.prompt_ranks is not None
+        return [None if e is None else logprob_entry(e, t, rank, decode)
+                for e, t, rank in zip(self.prompt_logprobs, self.prompt_ids, self.prompt_ranks)]
 
 
 class OutputProcessor:
@@ -89,7 +106,7 @@ class OutputProcessor:
         state = SampleState(request_id, index, params, detok)
         state.inject_fault = "output" in self.fault_plan.places_for(prompt_ids)
         if params.logprobs is not None:
-            state.logprobs, state.cumulative_logprob = [], 0.0
+            state.logprobs, state.ranks, state.cumulative_logprob = [], [], 0.0
         if params.prompt_logprobs is not None:
             state.prompt_ids = prompt_ids
         self.samples[request_id] = state
@@ -133,10 +150,11 @@ class OutputProcessor:
             s.prompt_ranks = [None] + [rank for _, rank, _ in o.prompt_logprobs]
         s.token_ids.extend(o.new_token_ids)
         if s.logprobs is not None:
-            for token, (lp, top) in zip(o.new_token_ids, o.new_logprobs):
+            for token, (lp, rank, top) in zip(o.new_token_ids, o.new_logprobs):
                 entry = dict(top)
                 entry[token] = lp  # the sampled token is always present
                 s.logprobs.append(entry)
+                s.ranks.append(rank)  # type: ignore[union-attr]
                 s.cumulative_logprob += lp
         prev_len = len(s.text)
         # the EOS or stop token that ended the sample is not text (Llama's <|eot_id|> would

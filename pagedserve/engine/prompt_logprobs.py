@@ -70,11 +70,10 @@ def score(model, hidden: torch.Tensor, p: PromptRows
     for at in range(0, len(rows), ROWS_AT_ONCE):
         part = slice(at, at + ROWS_AT_ONCE)
         logits = model.compute_logits(hidden.index_select(0, rows[part])).float()  # [r, V]
-        lp, top_ids = Sampler.token_logprobs(logits, targets[part, 0], k)  # [r, 1 + k] each
+        lp, top_ids, rank = Sampler.token_logprobs(logits, targets[part, 0], k)  # [r, 1 + k] x2, [r]
         values.append(lp)
         ids.append(top_ids)
-        # (raw logits order the vocabulary as its logprobs do)
-        ranks.append((logits > logits.gather(1, targets[part])).sum(dim=1) + 1)  # [r]
+        ranks.append(rank)
     return torch.cat(values), torch.cat(ids), torch.cat(ranks)
 
 

@@ -24,7 +24,7 @@ class StepHandle:
     #  ids [N, 1+k] | None)
     host: tuple | None = None
     spec_reqs: list = field(default_factory=list)  # the requests whose drafts were verified
-    spec_host: tuple | None = None  # their (tokens [Ns, k + 1], logprobs, ids) (verify_drafts)
+    spec_host: tuple | None = None  # their (tokens [Ns, k + 1], logprobs, ids, ranks) (verify_drafts)
     spec_counts: list[int] = field(default_factory=list)  # their logits rows (drafts + 1)
     ready: torch.cuda.Event | None = None
     result: StepResult | None = None  # once read back (by collect, or by the next step's grammar)

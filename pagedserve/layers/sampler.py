@@ -30,6 +30,7 @@ class SamplerOutput:
     checked_token_ids: Tensor  # [N] int64: the same, -1 in rows whose logits hold a NaN or Inf
     logprobs: Tensor | None  # [N, 1 + k] float32: sampled token's logprob, then the top-k
     logprob_token_ids: Tensor | None  # [N, 1 + k] int64: sampled token id, then the top-k ids
+    logprob_ranks: Tensor | None = None  # [N] int64: the sampled token's rank (1: likeliest)
 
 
 def _token_counts(token_ids: Tensor, vocab_size: int, dtype: torch.dtype) -> Tensor:
@@ -158,11 +159,11 @@ class Sampler:
             # [N] int64
             token_ids = logits.argmax(dim=-1) if batch.all_greedy else self._sample(logits, batch, keys)
             checked = check_finite(raw_logits, token_ids)
-        logprobs = ids = None
+        logprobs = ids = ranks = None
         if batch.max_num_logprobs is not None:
-            logprobs, ids = self.token_logprobs(source.float(), token_ids, batch.max_num_logprobs)
+            logprobs, ids, ranks = self.token_logprobs(source.float(), token_ids, batch.max_num_logprobs)
         return SamplerOutput(token_ids=token_ids, checked_token_ids=checked, logprobs=logprobs,
-                             logprob_token_ids=ids)
+                             logprob_token_ids=ids, logprob_ranks=ranks)
 
     def target_probs(self, logits: Tensor, batch: SamplingBatch) -> Tensor:
         """[N, V] float32: the distribution each row's token would be drawn from (penalties,
@@ -225,15 +226,17 @@ class Sampler:
         return torch.where(batch.temperature == 0, logits.argmax(dim=-1), sampled)
 
     @staticmethod
-    def token_logprobs(raw_logits: Tensor, token_ids: Tensor, k: int) -> tuple[Tensor, Tensor]:
-        """([N, 1 + k] float32, [N, 1 + k] int64): each row's log-probability of token_ids [N]
-        under raw_logits [N, V], then its top k (ids and values)."""
+    def token_logprobs(raw_logits: Tensor, token_ids: Tensor, k: int) -> tuple[Tensor, Tensor, Tensor]:
+        """([N, 1 + k] float32, [N, 1 + k] int64, [N] int64): each row's log-probability of
+        token_ids [N] under raw_logits [N, V], then its top k (ids and values); and the token's
+        rank, 1 + the number of tokens strictly likelier (vLLM's Logprob.rank)."""
         logprobs = raw_logits.log_softmax(dim=-1)  # [N, V]
         sampled_ids = token_ids.unsqueeze(1)  # [N, 1]
         sampled = logprobs.gather(1, sampled_ids)  # [N, 1]
+        ranks = (logprobs > sampled).sum(dim=1) + 1  # [N]
         k = min(k, logprobs.shape[-1])
         if k == 0:
-            return sampled, sampled_ids
+            return sampled, sampled_ids, ranks
         top = torch.topk(logprobs, k, dim=-1)  # values, indices: [N, k]
         return (torch.cat([sampled, top.values], dim=1),
-                torch.cat([sampled_ids, top.indices], dim=1))
+                torch.cat([sampled_ids, top.indices], dim=1), ranks)

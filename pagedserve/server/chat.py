@@ -14,6 +14,7 @@ from pagedserve.engine.output_processor import SampleState
 from pagedserve.server.chat_template import render_chat, template_kwargs
 from pagedserve.server.constraints import request_constraint
 from pagedserve.server.errors import APIError
+from pagedserve.server.openai_fields import apply_reasoning_effort
 from pagedserve.server.prompt_scores import vllm_prompt_logprobs
 from pagedserve.server.protocol import ChatCompletionRequest, TokenizeRequest
 from pagedserve.server.reasoning import ReasoningParser, get_reasoning_parser
@@ -39,11 +40,17 @@ from pagedserve.server.tools import (
 
 
 async def render_messages(server: Server, body: ChatCompletionRequest | TokenizeRequest,
-                          tools: list[dict] | None = None) -> str:
+                          tools: list[dict] | None = None, reasoning_effort: str | None = None,
+                          effort_param: str = "reasoning_effort") -> str:
     """The prompt text of a request's messages, and its `tools` (checked for size first,
-    rendered off the event loop when large or when the request brings its own template)."""
+    rendered off the event loop when large or when the request brings its own template);
+    `reasoning_effort` sets the template's thinking switch (`openai_fields.py`; a 400 naming
+    `effort_param` where the template has none)."""
     kwargs = template_kwargs(body.chat_template_kwargs, body.chat_template,
                              server.trust_request_chat_template)
+    kwargs = apply_reasoning_effort(reasoning_effort, kwargs,
+                                    kwargs.get("chat_template") or server.tokenizer.chat_template,
+                                    effort_param)
     if tools:
         if "tools" in kwargs:
             raise APIError(400, "send tools once: as tools, not in chat_template_kwargs",
@@ -63,8 +70,10 @@ class PreparedChat:
     tools: ToolPlan | None
 
 
-async def prepare_chat(server: Server, body: ChatCompletionRequest) -> PreparedChat:
-    """Render the chat template; tokenize; build each choice's sampling parameters."""
+async def prepare_chat(server: Server, body: ChatCompletionRequest,
+                       effort_param: str = "reasoning_effort") -> PreparedChat:
+    """Render the chat template; tokenize; build each choice's sampling parameters
+    (`effort_param`: what an error about reasoning_effort calls the field)."""
     server.check_model(body.model)
     server.check_logprobs(body.num_logprobs, "top_logprobs")
     server.check_logprobs(body.prompt_logprobs, "prompt_logprobs")
@@ -78,7 +87,8 @@ async def prepare_chat(server: Server, body: ChatCompletionRequest) -> PreparedC
             raise APIError(400, f"tool_choice {tools.mode!r} constrains the output to tool calls; "
                                 f"it cannot be combined with {field}", param=field)
         structured, field = tools.constraint, "tool_choice"
-    text = await render_messages(server, body, tools.tools if tools is not None else None)
+    text = await render_messages(server, body, tools.tools if tools is not None else None,
+                                 body.reasoning_effort, effort_param)
     ids = await server.encode_async(text, False, "messages",
                                     fit_context=body.truncate_prompt_tokens is None)
     ids = server.truncate_prompt(ids, body.truncate_prompt_tokens)
@@ -170,7 +180,9 @@ def chat_message(server: Server, p: PreparedChat, s: SampleState) -> tuple[dict,
 async def create_chat_completion(server: Server, body: ChatCompletionRequest, request: Request):
     p = await prepare_chat(server, body)
     choices, prompt_ids, opened = p.choices, p.prompt_ids, p.opened
-    rid, created, model = new_id("chatcmpl", body.user), int(time.time()), server.check_model(body.model)
+    # (the chat completion object echoes metadata; a stream's chunks have no such field)
+    rid = new_id("chatcmpl", body.end_user, body.metadata if body.stream else None)
+    created, model = int(time.time()), server.check_model(body.model)
     if body.stream:
         events = await start_choices(server.client, rid, choices, body.priority,
                                      p.constraint_field)
@@ -192,6 +204,8 @@ async def create_chat_completion(server: Server, body: ChatCompletionRequest, re
     completion = sum(len(final[c.index].token_ids) for c in choices)
     response = {"id": rid, "object": "chat.completion", "created": created, "model": model,
                 "choices": out, "usage": usage(len(prompt_ids), completion)}
+    if body.metadata is not None:  # (OpenAI's ChatCompletion.metadata)
+        response["metadata"] = body.metadata
     if body.prompt_logprobs is not None:  # (vLLM's: one list for the request's one prompt)
         first = final[choices[0].index]
         response["prompt_logprobs"] = vllm_prompt_logprobs(server.tokenizer, first, body.prompt_logprobs)

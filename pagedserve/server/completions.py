@@ -11,6 +11,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 
 from pagedserve.engine.output_processor import SampleState
 from pagedserve.server.constraints import request_constraint
+from pagedserve.server.errors import APIError
 from pagedserve.server.prompt_scores import echo_entries, vllm_prompt_logprobs
 from pagedserve.server.protocol import CompletionRequest
 from pagedserve.server.request_params import make_params_async, with_max_tokens
@@ -30,6 +31,12 @@ async def _prepare(server: Server, body: CompletionRequest
                    ) -> tuple[list[Choice], list[list[int]], str | None]:
     """The choices, the prompts' ids, and the field that constrains the output (if any)."""
     server.check_model(body.model)
+    if body.reasoning_effort is not None:  # (openai_fields.py: no template, no thinking switch)
+        raise APIError(400, "Unsupported parameter: 'reasoning_effort' is not supported on "
+                            "/v1/completions: the prompt is sent as written, with no chat "
+                            "template whose thinking switch it could set (use "
+                            "/v1/chat/completions)", param="reasoning_effort",
+                       code="unsupported_parameter")
     server.check_logprobs(body.logprobs, "logprobs")
     server.check_logprobs(body.prompt_logprobs, "prompt_logprobs")
     body = body.with_defaults(server.sampling_defaults)
@@ -96,7 +103,8 @@ def _echo_logprobs(server: Server, prompt: list[int], s: SampleState, k: int, pr
 
 async def create_completion(server: Server, body: CompletionRequest, request: Request):
     choices, prompts, field = await _prepare(server, body)
-    rid, created, model = new_id("cmpl", body.user), int(time.time()), server.check_model(body.model)
+    rid = new_id("cmpl", body.end_user, body.metadata)  # (a completion object has no metadata)
+    created, model = int(time.time()), server.check_model(body.model)
     prompt_texts = [await server.decode_async(p) for p in prompts] if body.echo else []
     if body.stream:
         events = await start_choices(server.client, rid, choices, body.priority, field)

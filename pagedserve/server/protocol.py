@@ -15,7 +15,14 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, StrictInt, field_validator, model_validator
 
 from pagedserve.sampling_params import MAX_LOGPROBS, SamplingParams
-from pagedserve.server.request_body import InvalidField, RequestBody
+from pagedserve.server.openai_fields import (
+    MAX_SAFETY_IDENTIFIER,
+    ReasoningEffort,
+    Verbosity,
+    check_metadata,
+    verbosity_error,
+)
+from pagedserve.server.request_body import InvalidField, RequestBody, UnsupportedValue
 from pagedserve.structured.params import StructuredOutputsParams
 
 logger = logging.getLogger("pagedserve")
@@ -119,6 +126,12 @@ class _SamplingFields(RequestBody):
     # replicas, requests with one key go to one engine: its prefix cache); instead of the
     # messages-derived key (server/affinity.py)
     prompt_cache_key: str | None = Field(None, max_length=1024)
+    # OpenAI's request tags (server/openai_fields.py): logged, metadata echoed by chat
+    safety_identifier: str | None = Field(None, max_length=MAX_SAFETY_IDENTIFIER)
+    metadata: dict[str, str] | None = None
+    # the thinking switch (chat; a 400 on /v1/completions) and the answer's length ("medium")
+    reasoning_effort: ReasoningEffort | None = None
+    verbosity: Verbosity | None = None
     # structured output (server/constraints.py): OpenAI's response_format, vLLM's
     # structured_outputs and its older guided_* fields; at most one of them
     response_format: ResponseFormat | None = None
@@ -136,6 +149,23 @@ class _SamplingFields(RequestBody):
         if len(items) > 16 or any(not s for s in items):
             raise ValueError("stop must hold at most 16 non-empty strings")
         return v
+
+    @field_validator("metadata")
+    @classmethod
+    def _metadata(cls, v: dict[str, str] | None) -> dict[str, str] | None:
+        return check_metadata(v)
+
+    @model_validator(mode="after")
+    def _verbosity(self):
+        why = verbosity_error(self.verbosity)
+        if why:
+            raise UnsupportedValue("verbosity", why)
+        return self
+
+    @property
+    def end_user(self) -> str | None:
+        """Who the request is for: `user`, or OpenAI's newer name for it, `safety_identifier`."""
+        return self.user or self.safety_identifier
 
     @model_validator(mode="after")
     def _stream_fields(self):

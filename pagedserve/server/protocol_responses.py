@@ -14,6 +14,13 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
+from pagedserve.server.openai_fields import (
+    MAX_SAFETY_IDENTIFIER,
+    ReasoningEffort,
+    Verbosity,
+    check_metadata,
+    verbosity_error,
+)
 from pagedserve.server.request_body import UnsupportedField
 
 _NAME = re.compile(r"^[a-zA-Z0-9_-]{1,64}$")
@@ -33,7 +40,6 @@ UNSUPPORTED: dict[str, tuple[Any, str]] = {
                                           "turns in input instead"),
     "background": (lambda v: v in (None, False), "background responses are not supported"),
     "include": (_unset, "include (extra output data) is not supported"),
-    "reasoning": (_unset, "reasoning options (effort, summary) are not supported"),
     "prompt": (lambda v: v is None, "stored prompt templates are not supported"),
     "max_tool_calls": (lambda v: v is None, "max_tool_calls limits built-in tools, which are not "
                                             "supported"),
@@ -45,7 +51,6 @@ UNSUPPORTED: dict[str, tuple[Any, str]] = {
     "context_management": (_unset, "context_management is not supported"),
     "stream_options": (lambda v: _unset(v) or v == {"include_obfuscation": False},
                        "stream_options (obfuscation) is not supported"),
-    "verbosity": (lambda v: v in (None, "medium"), "text.verbosity is not supported"),
     # (in input items echoed from a response)
     "encrypted_content": (lambda v: v is None, "encrypted reasoning is not supported"),
     "annotations": (_unset, "annotations are not supported"),
@@ -246,6 +251,32 @@ class TextFormat(_Strict):
 
 class TextConfig(_Strict):
     format: TextFormat | None = None
+    verbosity: Verbosity | None = None  # "medium" only (server/openai_fields.py)
+
+    @model_validator(mode="after")
+    def _verbosity(self):
+        why = verbosity_error(self.verbosity)
+        if why:
+            raise FieldError("verbosity", why, "unsupported_value")
+        return self
+
+
+class ReasoningConfig(_Strict):
+    """`reasoning`: its effort sets the chat template's thinking switch, as chat's
+    reasoning_effort does (server/openai_fields.py)."""
+
+    effort: ReasoningEffort | None = None
+    summary: None = None  # (the reasoning item carries the whole reasoning, never a summary)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _no_summary(cls, data: Any) -> Any:
+        for name in ("summary", "generate_summary"):
+            if isinstance(data, dict) and data.get(name) is not None:
+                raise FieldError(name, f"{name}: reasoning summaries are not supported (the "
+                                       "reasoning item holds the model's whole reasoning text)",
+                                 "unsupported_field")
+        return data
 
 
 class ResponsesRequest(_Strict):
@@ -262,9 +293,11 @@ class ResponsesRequest(_Strict):
     tool_choice: Any = None  # "none" | "auto" | "required" | {"type": "function", "name": ...}
     parallel_tool_calls: bool | None = None
     text: TextConfig | None = None
-    metadata: dict[str, str] | None = Field(None, max_length=16)  # echoed in the response
+    reasoning: ReasoningConfig | None = None
+    metadata: dict[str, str] | None = None  # echoed in the response
     user: str | None = None  # logged with the request id
-    safety_identifier: str | None = Field(None, max_length=128)  # (the same, OpenAI's new name)
+    # (the same, OpenAI's new name)
+    safety_identifier: str | None = Field(None, max_length=MAX_SAFETY_IDENTIFIER)
     prompt_cache_key: str | None = Field(None, max_length=1024)  # routing (as chat's)
     # vLLM's extensions
     top_k: int | None = None
@@ -296,10 +329,12 @@ class ResponsesRequest(_Strict):
     @field_validator("metadata")
     @classmethod
     def _metadata(cls, v: dict[str, str] | None) -> dict[str, str] | None:
-        if v and any(len(k) > 64 or len(x) > 512 for k, x in v.items()):
-            raise ValueError("metadata keys are at most 64 characters, values at most 512")
-        return v
+        return check_metadata(v)
 
     @property
     def format(self) -> TextFormat | None:
         return self.text.format if self.text is not None else None
+
+    @property
+    def reasoning_effort(self) -> str | None:
+        return self.reasoning.effort if self.reasoning is not None else None

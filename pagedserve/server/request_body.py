@@ -29,9 +29,7 @@ UNSUPPORTED: dict[str, tuple[Any, str]] = {
     "modalities": (lambda v: _unset(v) or v == ["text"], "only text output is supported"),
     "audio": (_unset, "audio output is not supported"),
     "web_search_options": (_unset, "web search is not supported"),
-    "reasoning_effort": (lambda v: v is None, "reasoning_effort is not supported"),
     "store": (lambda v: v in (None, False), "stored completions are not supported"),
-    "metadata": (_unset, "metadata is only for stored completions, which are not supported"),
     "service_tier": (lambda v: v in (None, "auto", "default"), "service tiers are not supported"),
     "prompt_logprobs": (lambda v: v is None, "prompt_logprobs is only for /v1/completions and "
                         "/v1/chat/completions"),
@@ -76,6 +74,12 @@ class UnsupportedField(ValueError):
 class InvalidField(UnsupportedField):
     """A field that cannot take effect as sent (it needs another field): a 400 naming it."""
     code = "invalid_value"
+
+
+class UnsupportedValue(UnsupportedField):
+    """A value of a known field that this server cannot honour (OpenAI's code for a value
+    its model does not support): a 400 naming the field."""
+    code = "unsupported_value"
 
 
 class RequestBody(BaseModel):

@@ -46,9 +46,11 @@ def _echo(server: Server, body: ResponsesRequest, chat: ChatCompletionRequest) -
         "tools": [t.model_dump(exclude_none=True) for t in body.tools or []],
         "tool_choice": body.tool_choice or "auto",
         "parallel_tool_calls": body.parallel_tool_calls is not False,
-        "text": {"format": fmt.model_dump(by_alias=True, exclude_none=True) if fmt else {"type": "text"}},
+        "text": {"format": fmt.model_dump(by_alias=True, exclude_none=True) if fmt else {"type": "text"},
+                 "verbosity": "medium"},  # (the only one served: server/openai_fields.py)
         "metadata": body.metadata or {}, "user": body.user, "store": False, "background": False,
-        "previous_response_id": None, "reasoning": None, "service_tier": "default",
+        "previous_response_id": None, "service_tier": "default",
+        "reasoning": {"effort": body.reasoning_effort, "summary": None} if body.reasoning else None,
         "truncation": "disabled", "top_logprobs": 0, "max_tool_calls": None,
     }
 
@@ -85,7 +87,7 @@ async def create_response(server: Server, body: ResponsesRequest, request: Reque
     echo = _echo(server, body, chat)
     _check_echo(echo)
     try:
-        p = await prepare_chat(server, chat)
+        p = await prepare_chat(server, chat, effort_param="reasoning.effort")
     except APIError as e:
         raise renamed(e) from None
     if p.constraint_field == "response_format":

@@ -106,7 +106,7 @@ def chat_request(body: ResponsesRequest) -> ChatCompletionRequest:
     """The chat-completions request that `body` asks for (n = 1)."""
     data: dict[str, Any] = {"messages": _messages(body), "stream": body.stream}
     for name in ("model", "temperature", "top_p", "parallel_tool_calls", "top_k", "seed",
-                 "prompt_cache_key"):
+                 "prompt_cache_key", "reasoning_effort"):
         value = getattr(body, name)
         if value is not None:
             data[name] = value

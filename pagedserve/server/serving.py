@@ -251,12 +251,15 @@ class Server:
             raise APIError(400, f"{param} must be at most {self.max_logprobs} on this server "
                                 f"(--max-logprobs), got {logprobs}", param=param)
 
-def new_id(prefix: str, user: str | None = None) -> str:
-    """A request id; a request that names its end `user` has the pair logged (the OpenAI
-    field's purpose: tracing abuse to a user)."""
+def new_id(prefix: str, user: str | None = None, metadata: dict[str, str] | None = None) -> str:
+    """A request id; a request that names its end `user` (or `safety_identifier`) has the
+    pair logged (the OpenAI field's purpose: tracing abuse to a user), and one with
+    `metadata` has that logged too (where no response object echoes it)."""
     rid = f"{prefix}-{uuid.uuid4().hex}"
     if user:
         request_logger.info("request %s is from user %r", rid, user[:200])
+    if metadata:
+        request_logger.info("request %s has metadata %r", rid, metadata)
     return rid
 
 

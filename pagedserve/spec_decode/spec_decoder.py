@@ -29,9 +29,11 @@ from pagedserve.spec_decode.draft_model import DraftRunner
 from pagedserve.spec_decode.verify import VerifyBatch, verify_drafts
 
 
-def token_logprobs(lp: list[float], ids: list[int], k: int) -> tuple[float, list[tuple[int, float]]]:
-    """(the token's logprob, [(id, logprob) of the top k]) from one row of token_logprobs."""
-    return lp[0], list(zip(ids[1 : 1 + k], lp[1 : 1 + k]))
+def token_logprobs(lp: list[float], ids: list[int], k: int, rank: int
+                   ) -> tuple[float, int, list[tuple[int, float]]]:
+    """(the token's logprob, its rank, [(id, logprob) of the top k]) from one row of
+    `Sampler.token_logprobs`."""
+    return lp[0], rank, list(zip(ids[1 : 1 + k], lp[1 : 1 + k]))
 
 
 @dataclass
@@ -91,8 +93,9 @@ class SpecDecoder:
     @staticmethod
     def read_results(handle: StepHandle, token_ids: dict, logprobs: dict, non_finite: list) -> None:
         """The verified requests' new tokens (and logprobs, one per token) into the dicts."""
-        tokens_t, lp_t, ids_t = handle.spec_host
-        lp, lp_ids = (lp_t.tolist(), ids_t.tolist()) if lp_t is not None else (None, None)
+        tokens_t, lp_t, ids_t, ranks_t = handle.spec_host
+        lp, lp_ids, ranks = ((lp_t.tolist(), ids_t.tolist(), ranks_t.tolist()) if lp_t is not None
+                             else (None, None, None))
         at = 0  # the request's first row
         for r, row, count in zip(handle.spec_reqs, tokens_t.tolist(), handle.spec_counts):
             if row[0] < 0:
@@ -101,5 +104,6 @@ class SpecDecoder:
                 new = token_ids[r.request_id] = [t for t in row if t >= 0]
                 k = r.sampling_params.logprobs
                 if k is not None:
-                    logprobs[r.request_id] = [token_logprobs(lp[at + j], lp_ids[at + j], k) for j in range(len(new))]
+                    logprobs[r.request_id] = [token_logprobs(lp[at + j], lp_ids[at + j], k, ranks[at + j])
+                                              for j in range(len(new))]
             at += count

@@ -95,12 +95,14 @@ class VerifyBatch:
 
 
 def verify_drafts(sampler: Sampler, logits: Tensor, vb: VerifyBatch,
-                  force_accept: bool = False) -> tuple[Tensor, Tensor | None, Tensor | None]:
+                  force_accept: bool = False
+                  ) -> tuple[Tensor, Tensor | None, Tensor | None, Tensor | None]:
     """logits [R, V] (the rows `vb.rows` of the step's logits). Returns the tokens [N, k + 1]
     int64: each request's emitted tokens, then -1 (all -1: its logits hold a NaN or an Inf);
     and where some request wants logprobs, for each of the R rows the log-probability of
     the token emitted there (from the raw logits) and the top ones ([R, 1 + K] values and
-    ids, as `Sampler.token_logprobs`; rows past a request's emitted tokens mean nothing).
+    ids, and [R] ranks, as `Sampler.token_logprobs`; rows past a request's emitted tokens
+    mean nothing).
     `force_accept` (a benchmark mode): every draft is kept, then the token verification would
     have emitted first."""
     n, k = vb.draft_ids.shape
@@ -130,7 +132,7 @@ def verify_drafts(sampler: Sampler, logits: Tensor, vb: VerifyBatch,
     bad_req = torch.zeros(n, dtype=torch.int32, device=device).index_add_(0, vb.req_of, bad.int()) > 0  # [N]
     tokens = tokens.masked_fill(bad_req.unsqueeze(1), -1)
     if vb.max_logprobs is None:
-        return tokens, None, None
+        return tokens, None, None, None
     emitted = tokens[vb.req_of, vb.pos_of].clamp(min=0)  # [R]
-    lp, ids = sampler.token_logprobs(logits, emitted, vb.max_logprobs)
-    return tokens, lp, ids
+    lp, ids, ranks = sampler.token_logprobs(logits, emitted, vb.max_logprobs)
+    return tokens, lp, ids, ranks

@@ -118,6 +118,11 @@ def assert_graphs_match_eager(model: str, inspect=None, prompts: list[list[int]]
 NEAR_TIE = 0.1  # log-probability gap (about three bf16 units at the logits' size)
 
 
+def floats(logprobs: list) -> list[dict[int, float]]:
+    """An output's logprobs ({token id: Logprob} per token) as {token id: logprob}."""
+    return [{t: x.logprob for t, x in d.items()} for d in logprobs]
+
+
 def top2_gap(logprobs: dict[int, float]) -> float:
     best = sorted(logprobs.values())[-2:]
     return best[-1] - best[0]

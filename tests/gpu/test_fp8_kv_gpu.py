@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from gpu_helpers import DEV, assert_agree_until_near_tie, rel_err, runner_of
+from gpu_helpers import DEV, assert_agree_until_near_tie, floats, rel_err, runner_of
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
@@ -160,7 +160,7 @@ def test_fp8_kv_engine_graphs_agree_with_eager():
         del llm
         gc.collect()
         torch.cuda.empty_cache()
-        return [(list(o.token_ids), o.logprobs) for o in outs]
+        return [(list(o.token_ids), floats(o.logprobs)) for o in outs]
 
     graphs, eager = run(False), run(True)
     compared = assert_agree_until_near_tie(eager, [t for t, _ in graphs], [lp for _, lp in graphs])

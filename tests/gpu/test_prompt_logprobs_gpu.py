@@ -29,7 +29,7 @@ def test_prompt_logprobs_agree_with_the_sampled_tokens_logprobs_on_the_gpu():
         if i % 2:
             assert a.prompt_logprobs is None
             continue
-        got = [a.prompt_logprobs[len(p) + j][t] for j, t in enumerate(o.token_ids)]
-        want = [lp[t] for t, lp in zip(o.token_ids, o.logprobs)]
+        got = [a.prompt_logprobs[len(p) + j][t].logprob for j, t in enumerate(o.token_ids)]
+        want = [lp[t].logprob for t, lp in zip(o.token_ids, o.logprobs)]
         assert got == pytest.approx(want, abs=1e-3), i
     llm.engine.kv.check_integrity(expect_all_free=True)

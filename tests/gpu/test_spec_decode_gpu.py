@@ -71,7 +71,7 @@ def test_speculative_greedy_tokens_equal_plain_decoding(dtype):
             if d is not None:  # each of the two tokens' log-probability there (a bias picks it)
                 lps[d] = {t: plain_llm.generate([prompt + a[:d]], SamplingParams(
                     temperature=0, max_tokens=1, logprobs=0, logit_bias={t: 100.0}),
-                    use_tqdm=False)[0].outputs[0].logprobs[0][t] for t in (a[d], b[d])}
+                    use_tqdm=False)[0].outputs[0].logprobs[0][t].logprob for t in (a[d], b[d])}
             scored.append((a, lps))
         compared = assert_agree_until_near_tie(scored, spec)
         print(f"bf16: {compared} of {sum(map(len, plain))} tokens equal before a near-tie")
