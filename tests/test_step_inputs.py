@@ -390,3 +390,60 @@ def test_pending_output_rows_finds_the_tokens_still_on_the_device():
         pending_output_rows(["a"], [[]], [2], prev)
     with pytest.raises(RuntimeError, match="more than the previous step's"):
         pending_output_rows(["c"], [[]], [1], prev)  # not sampled by the previous step
+
+
+def test_graphs_only_for_the_steps_a_builder_declares():
+    """A backend whose metadata builder declares decode graphs only gets decode keys (its
+    mixed and verify steps run eagerly); the torch backend's builder declares none."""
+    from pagedserve.attention.backend import GraphStep
+    from pagedserve.attention.torch_ref import TorchReferenceBackend
+    from pagedserve.attention.triton_backend import TritonMetadataBuilder
+    from pagedserve.engine.graphs import GraphRunner
+
+    class DecodeOnly(TritonMetadataBuilder):
+        graph_steps = frozenset({GraphStep.DECODE})
+
+    class DecodeOnlyBackend(TritonBackend):
+        name = "decode-only (test)"
+        builder_class = DecodeOnly
+
+    backend = DecodeOnlyBackend(4, 2, 16, 0.25)
+    buffers = StepBuffers(backend, max_tokens=64, max_seqs=8, max_blocks=16, device=torch.device("cpu"),
+                          max_drafts=2)
+    graphs = GraphRunner(_model(torch.float32), buffers, 8, 48, 64, verify_len=3, max_verify_batch=4)
+    assert graphs.decode_keys and graphs.mixed_keys == [] and graphs.verify_keys == []
+    chunks, tokens = _chunks()
+    assert graphs.key_for(pack_step(chunks[:2], tokens[:2], {"b": 1}, 4)) == GraphKey(2, 1)
+    assert graphs.key_for(pack_step(chunks, tokens, {"b": 1}, 4)) is None  # mixed: eager
+    verify, verify_tokens = _verify_chunks()
+    assert graphs.key_for(pack_step(verify, verify_tokens, {"b": 1}, 4)) is None
+    assert backend.supports_cuda_graphs() and not TorchReferenceBackend(4, 2, 16, 0.25).supports_cuda_graphs()
+    with pytest.raises(NotImplementedError, match="no CUDA graphs"):
+        TorchReferenceBackend(4, 2, 16, 0.25).metadata_builder().build_for_capture(None, GraphKey(4, 1))
+
+
+def test_torch_metadata_plans_the_decodes_once_a_step(monkeypatch):
+    """The torch backend's decode plan is made by its builder, once for every layer of a
+    step (not by the first layer), and its model output equals the Triton kernels'."""
+    from pagedserve.attention import torch_ref
+
+    calls = []
+    real = torch_ref.decode_plan
+    monkeypatch.setattr(torch_ref, "decode_plan", lambda *args: calls.append(1) or real(*args))
+    model = _model(torch.float32)
+    chunks, tokens = _chunks()
+    a = pack_step(chunks, tokens, {"b": 1}, 4)
+    prev_tokens = torch.tensor([5, 41, 9])
+    with torch.inference_mode():
+        backend = torch_ref.TorchReferenceBackend(4, 2, 16, 16**-0.5)
+        backend.bind_kv_caches(_caches(model, 12, 4, torch.float32))
+        buffers = StepBuffers(backend, max_tokens=64, max_seqs=8, max_blocks=4, device=torch.device("cpu"))
+        buffers.load(a, a.num_tokens, None, prev_tokens)
+        meta = buffers.metadata(a)
+        assert isinstance(meta, torch_ref.TorchMetadata) and calls == [1]
+        assert meta.decodes.rows.tolist() == [0, 1] and meta.decodes.others == (2, 3)
+        rows = buffers.token_rows(a.num_tokens)
+        got = model(rows[0], rows[1], AttentionContext(backend, meta))[torch.from_numpy(a.logits_idx)]
+        assert calls == [1]  # (two layers, one plan)
+        want = _standalone(model, a, _caches(model, 12, 4, torch.float32), prev_tokens)
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
