@@ -129,8 +129,9 @@ class AttentionMetadataBuilder(ABC, Generic[M]):
 
     def build_for_capture(self, common: CommonAttentionMetadata, key: GraphKey) -> M:
         """The static metadata a graph of `key` is captured with (`common`: views of the
-        step buffers): fixed buffers, kernel grids sized for the key (the fields say at
-        replay which entries are real)."""
+        step buffers, an entry for every sequence the graph can take; no host lists):
+        fixed buffers, kernel grids sized for the key (the fields say at replay which
+        entries are real)."""
         raise NotImplementedError(f"the {self.backend.name} attention backend has no CUDA graphs")
 
 

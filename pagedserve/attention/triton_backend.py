@@ -209,9 +209,9 @@ class TritonMetadataBuilder(AttentionMetadataBuilder[TritonMetadata]):
             return TritonMetadata(**fields, decode_seq_ids=view("decodes", rows), tile_seq=view("tile_seq", 0),
                                   tile_start=view("tile_start", 0),
                                   num_splits=self.backend._splits(rows, common.max_seq_len), query_len=q_len)
-        # any mix: grids for the capacity, counts on the device (`common` holds the rows of
-        # every sequence the buffers can take)
-        max_seqs = common.block_tables.shape[0]
+        # any mix: grids for the capacity, counts on the device (`common.seq_lens` has an
+        # entry for every sequence the graph can take)
+        max_seqs = common.seq_lens.shape[0]
         tiles = tile_capacity(key.num_tokens, max_seqs, EXTEND_BLOCK_M, MAX_EXTEND_SEQS)
         return TritonMetadata(**fields, decode_seq_ids=view("decodes"), tile_seq=view("tile_seq", tiles),
                               tile_start=view("tile_start", tiles), num_splits=1, counts=view("counts"))

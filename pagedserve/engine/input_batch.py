@@ -238,7 +238,7 @@ class StepBuffers:
         slots.copy_(torch.where(real, page * block_size + positions % block_size, slots))
         self.view("seq_lens", rows).add_(real.int())
 
-    def metadata(self, a: StepArrays):
+    def metadata(self, a: StepArrays) -> CommonAttentionMetadata:
         """The backend's metadata of an eager step over the loaded buffers (exact sizes),
         built once for every layer."""
         S = a.num_seqs
@@ -250,7 +250,7 @@ class StepBuffers:
         )
         return self.builder.build(common)
 
-    def capture_metadata(self, key: GraphKey, max_seq_len: int):
+    def capture_metadata(self, key: GraphKey, max_seq_len: int) -> CommonAttentionMetadata:
         """The backend's static metadata a graph of `key` reads (kernel grids sized for the
         key), over the buffers."""
         num_seqs = key.num_tokens // key.uniform_query_len if key.uniform_query_len else self.max_seqs
