@@ -68,7 +68,7 @@ def kernel_speed(quick: bool) -> None:
     cache = torch.randn(2, nb, bs, hkv, d, device=DEV, dtype=bf)
     tri = TritonBackend(hq, hkv, d, d**-0.5)
     tri.bind_kv_caches([cache])
-    tri.prepare(meta)
+    meta = tri.metadata(meta)
     q = torch.randn(b, hq, d, device=DEV, dtype=bf)
     k = torch.randn(b, hkv, d, device=DEV, dtype=bf)
     ms = triton.testing.do_bench(lambda: tri.forward(0, q, k, k, meta), return_mode="median")

@@ -99,7 +99,7 @@ def extend_tune(quick: bool) -> None:
         ref.bind_kv_caches([cache.float()])
         k_new = cache[0].view(-1, hkv, d)[meta.slot_mapping]  # the new tokens' K/V, already stored
         v_new = cache[1].view(-1, hkv, d)[meta.slot_mapping]
-        want = ref.forward(0, q.float(), k_new.float(), v_new.float(), meta)
+        want = ref.forward(0, q.float(), k_new.float(), v_new.float(), ref.metadata(meta))
         flops = sum(4 * hq * d * (n * (s - n) + n * (n + 1) / 2) for n, s in zip(q_lens, seq_lens))
         qsl = np.asarray(meta.query_start_loc_cpu, dtype=np.int64)
         rows = []

@@ -149,7 +149,7 @@ def main() -> None:
     meta, cache, q, kn, vn = setup(512, 1536, gen)
     ref = TorchReferenceBackend(HQ, HKV, D, SCALE)
     ref.bind_kv_caches([cache.float()])
-    want = ref.forward(0, q.float(), kn.float(), vn.float(), meta)
+    want = ref.forward(0, q.float(), kn.float(), vn.float(), ref.metadata(meta))
     for name, fn in small_cands.items():
         try:
             got = fn(q, kn, vn, cache, meta, torch.empty_like(q))

@@ -54,7 +54,7 @@ def mean_and_error(x: torch.Tensor) -> tuple[float, float]:
 def logits_of(model, ids: list[int], kv_cache_dtype: str = "auto") -> torch.Tensor:
     """float32 logits [len(ids), vocab] of one prefill; attention reads K/V back from a paged
     cache stored as `kv_cache_dtype`."""
-    from pagedserve.attention.backend import AttentionContext, AttentionMetadata
+    from pagedserve.attention.backend import AttentionContext, CommonAttentionMetadata
     from pagedserve.attention.torch_ref import TorchReferenceBackend
     from pagedserve.engine.kv_cache_spec import KVCacheSpec
 
@@ -64,9 +64,10 @@ def logits_of(model, ids: list[int], kv_cache_dtype: str = "auto") -> torch.Tens
     backend = TorchReferenceBackend(cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.attention_scale)
     nb = -(-n // bs)
     backend.bind_kv_caches(spec.allocate(nb, dev), spec.allocate_scales(dev))
-    meta = AttentionMetadata.for_prefill([n], dev)
-    meta.slot_mapping = torch.arange(n, device=dev)
-    meta.block_tables = torch.arange(nb, dtype=torch.int32, device=dev)[None]
+    common = CommonAttentionMetadata.for_prefill([n], dev)
+    common.slot_mapping = torch.arange(n, device=dev)
+    common.block_tables = torch.arange(nb, dtype=torch.int32, device=dev)[None]
+    meta = backend.metadata(common)
     with torch.no_grad():
         hidden = model(torch.tensor(ids, device=dev), torch.arange(n, device=dev), AttentionContext(backend, meta))
         return model.compute_logits(hidden).float()

@@ -6,7 +6,7 @@ import inspect
 
 import torch
 
-from pagedserve.attention import AttentionContext, AttentionMetadata, TorchReferenceBackend
+from pagedserve.attention import AttentionContext, CommonAttentionMetadata, TorchReferenceBackend
 
 
 def run_prefill(model, seqs: list[list[int]]) -> list[torch.Tensor]:
@@ -17,7 +17,7 @@ def run_prefill(model, seqs: list[list[int]]) -> list[torch.Tensor]:
     attn = model.layers[0].self_attn
     backend = TorchReferenceBackend(attn.num_heads, attn.num_kv_heads, cfg.head_dim, cfg.attention_scale,
                                     sliding_windows=cfg.sliding_windows or None)
-    meta = AttentionMetadata.for_prefill([len(s) for s in seqs], device)
+    meta = backend.metadata(CommonAttentionMetadata.for_prefill([len(s) for s in seqs], device))
     ids = torch.tensor([t for s in seqs for t in s], device=device)
     positions = torch.cat([torch.arange(len(s), device=device) for s in seqs])
     with torch.no_grad():

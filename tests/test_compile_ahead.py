@@ -80,7 +80,7 @@ def test_rehearsals_run_the_first_two_decoder_layers_only():
     also when the rehearsal fails."""
     import torch
 
-    from pagedserve.attention.backend import AttentionContext, AttentionMetadata
+    from pagedserve.attention.backend import AttentionContext, CommonAttentionMetadata
     from pagedserve.attention.torch_ref import TorchReferenceBackend
     from pagedserve.config import ModelConfig
     from pagedserve.models.llama import LlamaForCausalLM
@@ -99,12 +99,11 @@ def test_rehearsals_run_the_first_two_decoder_layers_only():
     ids, pos = torch.tensor([3, 7, 1]), torch.arange(3)
 
     def forward():
-        meta = AttentionMetadata(
+        common = CommonAttentionMetadata(
             query_start_loc=torch.tensor([0, 3], dtype=torch.int32), seq_lens=torch.tensor([3], dtype=torch.int32),
             slot_mapping=torch.arange(3), block_tables=torch.tensor([[0]], dtype=torch.int32),
             max_query_len=3, max_seq_len=3, query_start_loc_cpu=[0, 3], seq_lens_cpu=[3])
-        backend.prepare(meta)
-        return model(ids, pos, AttentionContext(backend, meta))
+        return model(ids, pos, AttentionContext(backend, backend.metadata(common)))
 
     with torch.no_grad():
         full = forward()

@@ -14,7 +14,7 @@ import torch  # noqa: E402
 
 pytest.importorskip("triton")
 
-from pagedserve.attention.testing import random_paged_step  # noqa: E402
+from pagedserve.attention.testing import random_paged_step, with_splits  # noqa: E402
 from pagedserve.attention.torch_ref import TorchReferenceBackend  # noqa: E402
 from pagedserve.attention.triton_backend import TritonBackend  # noqa: E402
 from pagedserve.engine.kv_cache_spec import KVCacheSpec  # noqa: E402
@@ -131,18 +131,17 @@ def test_attention_over_fp8_equals_attention_over_the_dequantized_cache(case):
 
     tri = TritonBackend(heads, kv_heads, dim, scale)
     tri.bind_kv_caches([cache.clone()], scales)
-    tri.prepare(meta, num_splits=splits)
-    out_tri = tri.forward(0, q, k, v, meta)
+    out_tri = tri.forward(0, q, k, v, with_splits(tri.metadata(meta), splits))
     ref = TorchReferenceBackend(heads, kv_heads, dim, scale)
     ref.bind_kv_caches([cache.clone()], scales)
-    out_ref = ref.forward(0, q, k, v, meta)
+    out_ref = ref.forward(0, q, k, v, ref.metadata(meta))
     assert torch.equal(_bytes(tri.kv_caches[0]), _bytes(ref.kv_caches[0]))
 
     after = tri.kv_caches[0]
     plain = TorchReferenceBackend(heads, kv_heads, dim, scale)
     plain.bind_kv_caches([torch.stack([dequantize_kv(after[0], 0.5, torch.float32),
                                        dequantize_kv(after[1], 2.0, torch.float32)])])
-    out_plain = plain.forward(0, q, k, v, meta, kv_stored=True)
+    out_plain = plain.forward(0, q, k, v, plain.metadata(meta), kv_stored=True)
     assert out_plain.isfinite().all()
     torch.testing.assert_close(out_ref, out_plain, rtol=1e-6, atol=1e-6)
     torch.testing.assert_close(out_tri, out_plain, rtol=1e-4, atol=1e-4)
@@ -168,7 +167,7 @@ def test_fp8_decode_with_a_half_precision_query(dtype):
     plain.bind_kv_caches([torch.stack([dequantize_kv(cache[0], 1.0, torch.float32),
                                        dequantize_kv(cache[1], 0.5, torch.float32)])])
     unused = torch.zeros(2, kv_heads, dim)  # (the new K/V are in the cache already)
-    want = plain.forward(0, q.float(), unused, unused, meta, kv_stored=True)
+    want = plain.forward(0, q.float(), unused, unused, plain.metadata(meta), kv_stored=True)
     tol = 2e-3 if dtype == torch.float16 else 1e-2  # (the output is rounded to q's dtype)
     torch.testing.assert_close(out.float(), want, rtol=tol, atol=tol)
 
@@ -241,16 +240,17 @@ def test_flag_config_and_errors(monkeypatch):
 def _teacher_forced_tokens(model, ids: list[int], kv_cache_dtype: str) -> torch.Tensor:
     """Next-token argmax [len(ids)] of one prefill whose attention reads every key and value
     back from a cache of `kv_cache_dtype` (the torch backend)."""
-    from pagedserve.attention.backend import AttentionContext, AttentionMetadata
+    from pagedserve.attention.backend import AttentionContext, CommonAttentionMetadata
 
     cfg, n, bs = model.config, len(ids), 16
     spec = KVCacheSpec.for_model(cfg, bs, torch.float32, kv_cache_dtype)
     backend = TorchReferenceBackend(cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.head_dim**-0.5)
     nb = -(-n // bs)
     backend.bind_kv_caches(spec.allocate(nb, "cpu"), spec.allocate_scales("cpu"))
-    meta = AttentionMetadata.for_prefill([n], "cpu")
-    meta.slot_mapping = torch.arange(n)
-    meta.block_tables = torch.arange(nb, dtype=torch.int32)[None]
+    common = CommonAttentionMetadata.for_prefill([n], "cpu")
+    common.slot_mapping = torch.arange(n)
+    common.block_tables = torch.arange(nb, dtype=torch.int32)[None]
+    meta = backend.metadata(common)
     with torch.no_grad():
         hidden = model(torch.tensor(ids), torch.arange(n), AttentionContext(backend, meta))
         return model.compute_logits(hidden).argmax(-1)

@@ -40,7 +40,7 @@ def _step(q_lens, seq_lens, seed=0, dtype=torch.float32):
 def _reference(meta, q, k, v, cache):
     ref = TorchReferenceBackend(HEADS, KV_HEADS, DIM, DIM**-0.5)
     ref.bind_kv_caches([cache.clone().float()])
-    return ref.forward(0, q.float(), k.float(), v.float(), meta), ref.kv_caches[0]
+    return ref.forward(0, q.float(), k.float(), v.float(), ref.metadata(meta)), ref.kv_caches[0]
 
 
 @pytest.mark.parametrize("before", [0, 16, 31, 64, 95])  # none, one page, a page's tail, whole pieces, a partial one
@@ -72,27 +72,29 @@ def test_triton_backend_routes_long_chunks(dtype):
     tri = TritonBackend(HEADS, KV_HEADS, DIM, DIM**-0.5)
     assert tri.enable_long_prefill("math", dtype, "cpu", **SMALL)
     tri.bind_kv_caches([cache.clone()])
-    tri.prepare(meta)
-    data = meta.backend_data
+    data = tri.metadata(meta)
     assert [c[3] for c in data.long_chunks] == [1]
     assert data.long_chunks[0][:3] == (1, 30, 130)
     assert 1 not in data.tile_seq.tolist() and 3 in data.tile_seq.tolist()
-    out = tri.forward(0, q, k, v, meta)
+    out = tri.forward(0, q, k, v, data)
     tol = 1e-4 if dtype == torch.float32 else 3e-3
     torch.testing.assert_close(out.float(), want, rtol=tol, atol=tol)
 
 
-def test_step_fields_long_only_when_eager():
-    """The engine's step buffers: an eager step notes its long chunks and gives them no
-    tiles; a graph step (fixed grids) keeps every chunk as tiles."""
+def test_long_chunks_only_in_eager_metadata():
+    """An eager step's metadata gives its long chunks no tiles; a graph step's fields
+    (fixed grids) keep every chunk as tiles."""
     tri = TritonBackend(HEADS, KV_HEADS, DIM, DIM**-0.5)
     assert tri.enable_long_prefill("math", torch.float32, "cpu", **SMALL)
-    qsl, lens = np.array([0, 1, 31, 56]), np.array([40, 130, 25])
+    q_lens, seq_lens = [1, 30, 25], [40, 130, 25]
+    common = random_paged_step(q_lens, seq_lens, BS, 20, torch.Generator().manual_seed(0))
+    eager = tri.metadata(common)
+    assert eager.long_chunks == ((1, 30, 130, 1),) and set(eager.tile_seq.tolist()) == {2}
     got = {}
-    nd, nt, long = tri.fill_step_fields(qsl, lens, None, lambda name, a: got.__setitem__(name, a))
-    assert long == ((1, 30, 130, 1),) and set(got["tile_seq"][:nt].tolist()) == {2}
-    nd, nt, long = tri.fill_step_fields(qsl, lens, GraphKey(64), lambda name, a: got.__setitem__(name, a))
-    assert long == () and set(got["tile_seq"][:nt].tolist()) == {1, 2}
+    qsl, lens = np.array([0, 1, 31, 56]), np.array(seq_lens)
+    tri.metadata_builder().fill_for_replay(qsl, lens, GraphKey(64), lambda name, a: got.__setitem__(name, a))
+    nd, nt = got["counts"].tolist()
+    assert (nd, nt) == (1, 2) and set(got["tile_seq"][:nt].tolist()) == {1, 2}
 
 
 def test_enable_long_prefill_refuses_what_it_cannot_run():

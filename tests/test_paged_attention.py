@@ -11,7 +11,7 @@ import torch  # noqa: E402
 
 pytest.importorskip("triton")
 
-from pagedserve.attention.testing import random_paged_step  # noqa: E402
+from pagedserve.attention.testing import random_paged_step, with_splits  # noqa: E402
 from pagedserve.attention.torch_ref import TorchReferenceBackend  # noqa: E402
 from pagedserve.attention.triton_backend import TritonBackend  # noqa: E402
 
@@ -45,8 +45,7 @@ def test_triton_matches_reference(case, dtype):
 
     tri = TritonBackend(heads, kv_heads, dim, scale)
     tri.bind_kv_caches([cache.clone()])
-    tri.prepare(meta, num_splits=splits)
-    out = tri.forward(0, q, k, v, meta)
+    out = tri.forward(0, q, k, v, with_splits(tri.metadata(meta), splits))
     tol = 1e-4 if dtype == torch.float32 else 2e-3
     torch.testing.assert_close(out.float(), ref, rtol=tol, atol=tol)
     torch.testing.assert_close(tri.kv_caches[0].float(), ref_backend.kv_caches[0], rtol=0, atol=0)
@@ -72,7 +71,7 @@ def test_extend_tile_sizes(block_m, block_n):
     cache = torch.randn(2, num_blocks, bs, kv_heads, dim, generator=gen)
     ref_backend = TorchReferenceBackend(heads, kv_heads, dim, dim**-0.5)
     ref_backend.bind_kv_caches([cache.clone()])
-    ref = ref_backend.forward(0, q, k, v, meta)
+    ref = ref_backend.forward(0, q, k, v, ref_backend.metadata(meta))
 
     from pagedserve.kernels.kv_cache import store_kv_cache
 
@@ -97,7 +96,7 @@ def _decode_case(heads, kv_heads, dim, seq_lens, seed, spare_blocks, bs=16):
     ref_backend = TorchReferenceBackend(heads, kv_heads, dim, dim**-0.5)
     ref_backend.bind_kv_caches([cache.clone()])
     k, v = (cache[i].view(-1, kv_heads, dim)[meta.slot_mapping] for i in (0, 1))
-    return meta, q, cache, ref_backend.forward(0, q, k, v, meta)
+    return meta, q, cache, ref_backend.forward(0, q, k, v, ref_backend.metadata(meta))
 
 
 @pytest.mark.parametrize("splits", [1, 4])  # (split counts are powers of two)
@@ -143,4 +142,4 @@ def _strided_kv(T, kv_heads, dim, gen, dtype):
 
 def _as_float(meta, backend):
     backend.kv_caches = [c.float() for c in backend.kv_caches]
-    return meta
+    return backend.metadata(meta)

@@ -15,7 +15,7 @@ import torch  # noqa: E402
 
 pytest.importorskip("triton")
 
-from pagedserve.attention.testing import random_paged_step  # noqa: E402
+from pagedserve.attention.testing import random_paged_step, with_splits  # noqa: E402
 from pagedserve.attention.torch_ref import TorchReferenceBackend, write_kv_cache  # noqa: E402
 from pagedserve.attention.triton_backend import TritonBackend  # noqa: E402
 from pagedserve.kernels.kv_quant_torch import E4M3, dequantize_kv, quantize_kv  # noqa: E402
@@ -29,7 +29,7 @@ SEQ_LENS = [1, 37, 300, 190, 300, 40]
 
 @dataclasses.dataclass
 class Step:
-    meta: object  # AttentionMetadata
+    meta: object  # CommonAttentionMetadata
     q: torch.Tensor  # [T, H, D] float32
     k: torch.Tensor  # [T, Hkv, D] this step's keys (already in the cache)
     v: torch.Tensor  # [T, Hkv, D]
@@ -93,7 +93,7 @@ def _drop_blocks_before_windows(step: Step, window: int) -> object:
     for i, seq_len in enumerate(meta.seq_lens_cpu):
         first_key = max(0, seq_len - (qsl[i + 1] - qsl[i]) - window + 1)
         tables[i, : first_key // bs] = step.bogus
-    return dataclasses.replace(meta, block_tables=tables, backend_data=None)
+    return dataclasses.replace(meta, block_tables=tables)
 
 
 def _run(backend_cls, step: Step, meta, window: int | None, num_splits: int | None = None,
@@ -103,9 +103,9 @@ def _run(backend_cls, step: Step, meta, window: int | None, num_splits: int | No
     backend = backend_cls(HEADS, KV_HEADS, DIM, DIM**-0.5, windows)
     backend.bind_kv_caches([step.cache] * layers,
                            None if step.kv_scale is None else step.kv_scale.expand(layers, 2))
-    meta = dataclasses.replace(meta, backend_data=None)
+    meta = backend.metadata(meta)
     if backend_cls is TritonBackend:
-        backend.prepare(meta, num_splits=num_splits)
+        meta = with_splits(meta, num_splits)
     return backend.forward(layers - 1, step.q, step.k, step.v, meta, kv_stored=True)
 
 
@@ -146,9 +146,9 @@ def test_blocks_before_the_window_are_never_read(window, fp8):
     for cls, splits in ((TorchReferenceBackend, None), (TritonBackend, 1), (TritonBackend, 4)):
         backend = cls(HEADS, KV_HEADS, DIM, DIM**-0.5, (window, window))
         backend.bind_kv_caches([step.cache] * 2, None if step.kv_scale is None else step.kv_scale.expand(2, 2))
-        meta = dataclasses.replace(dropped, backend_data=None)
+        meta = backend.metadata(dropped)
         if cls is TritonBackend:
-            backend.prepare(meta, num_splits=splits)
+            meta = with_splits(meta, splits)
         out = backend.forward(1, step.q, step.k, step.v, meta, kv_stored=True)
         assert out.isfinite().all(), (cls.name, splits)
         torch.testing.assert_close(out, want, rtol=tol, atol=tol)
@@ -161,9 +161,9 @@ def test_a_mixed_model_windows_each_layer_on_its_own():
     for cls in (TorchReferenceBackend, TritonBackend):
         backend = cls(HEADS, KV_HEADS, DIM, DIM**-0.5, (None, 30))
         backend.bind_kv_caches([step.cache] * 2)
-        meta = dataclasses.replace(step.meta, backend_data=None)
+        meta = backend.metadata(step.meta)
         if cls is TritonBackend:
-            backend.prepare(meta, num_splits=2)
+            meta = with_splits(meta, 2)
         for layer, window in ((1, 30), (0, None)):
             out = backend.forward(layer, step.q, step.k, step.v, meta, kv_stored=True)
             torch.testing.assert_close(out, want[window], rtol=1e-4, atol=1e-4)

@@ -13,7 +13,7 @@ import numpy as np  # noqa: E402
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
-from pagedserve.attention.backend import AttentionContext, AttentionMetadata, GraphKey  # noqa: E402
+from pagedserve.attention.backend import AttentionContext, CommonAttentionMetadata, GraphKey  # noqa: E402
 from pagedserve.config import ModelConfig  # noqa: E402
 from pagedserve.engine.graphs import graph_buckets, token_buckets  # noqa: E402
 from pagedserve.engine.input_batch import SeqLayout, StepBuffers, pack_inputs, pack_step  # noqa: E402
@@ -118,9 +118,9 @@ def test_pack_step_flattens_any_step():
 def test_mixed_key_pads_tokens_and_sequences():
     chunks, tokens = _chunks()
     a = pack_step(chunks, tokens, {"b": 1}, block_size=4)
-    backend = _backend()
-    layout = SeqLayout(8, backend.step_fields(64, 8))
-    tokens, seq, noted = pack_inputs(a, 32, GraphKey(32, 0), layout, backend)
+    builder = _backend().metadata_builder()
+    layout = SeqLayout(8, builder.field_sizes(64, 8))
+    tokens, seq = pack_inputs(a, 32, GraphKey(32, 0), layout, builder)
     T = 18
     assert tokens.shape == (4, 32)
     ids, pos, slots, src = tokens
@@ -134,7 +134,7 @@ def test_mixed_key_pads_tokens_and_sequences():
 
     assert get("query_start_loc") == [0, 1, 2, 9, T, T, T, T, T]
     assert get("seq_lens") == [7, 4, 12, 9, 0, 0, 0, 0]
-    assert get("decodes")[:2] == [0, 1] and get("counts") == [2, 2] and noted == (2, 2, ())
+    assert get("decodes")[:2] == [0, 1] and get("counts") == [2, 2]
     assert get("logits_idx")[:3] == [0, 1, T - 1]
     assert sorted(get("tile_seq")[:2]) == [2, 3]
 
@@ -143,9 +143,9 @@ def test_decode_key_pads_one_query_token_per_sequence():
     # b's third token was sampled last step and is still on the device
     chunks = [ScheduledChunk("a", 4, 1, [7, 3], samples=True), ScheduledChunk("b", 2, 1, [5], samples=True)]
     arrays = pack_step(chunks, [[10, 11, 12, 13, 14], [20, 21]], {"b": 9}, block_size=4)
-    backend = _backend()
-    layout = SeqLayout(8, backend.step_fields(16, 8))
-    tokens, seq, _ = pack_inputs(arrays, 4, GraphKey(4, 1), layout, backend)
+    builder = _backend().metadata_builder()
+    layout = SeqLayout(8, builder.field_sizes(16, 8))
+    tokens, seq = pack_inputs(arrays, 4, GraphKey(4, 1), layout, builder)
     ids, pos, slots, src = tokens
     assert ids.tolist() == [14, 0, 0, 0] and src.tolist() == [-1, 9, -1, -1]
     assert pos[:2].tolist() == [4, 2] and slots.tolist() == [3 * 4 + 0, 5 * 4 + 2, -1, -1]
@@ -217,19 +217,18 @@ def _caches(model, num_blocks, block_size, dtype):
 
 
 def _standalone(model, a, caches, prev_tokens):
-    """The step through a standalone metadata (`AttentionBackend.prepare`), not the buffers."""
+    """The step through a standalone metadata (`AttentionBackend.metadata`), not the buffers."""
     backend = _backend()
     backend.bind_kv_caches(caches)
     ids = torch.from_numpy(a.ids.copy())
     pending = a.src_rows >= 0
     ids[torch.from_numpy(pending)] = prev_tokens[torch.from_numpy(a.src_rows[pending])]
-    meta = AttentionMetadata(
+    common = CommonAttentionMetadata(
         query_start_loc=torch.from_numpy(a.query_start_loc).int(), seq_lens=torch.from_numpy(a.seq_lens).int(),
         slot_mapping=torch.from_numpy(a.slots), block_tables=torch.from_numpy(a.tables),
         max_query_len=a.max_query_len, max_seq_len=int(a.seq_lens.max()),
         query_start_loc_cpu=a.query_start_loc.tolist(), seq_lens_cpu=a.seq_lens.tolist())
-    backend.prepare(meta)
-    hidden = model(ids, torch.from_numpy(a.positions), AttentionContext(backend, meta))
+    hidden = model(ids, torch.from_numpy(a.positions), AttentionContext(backend, backend.metadata(common)))
     return hidden[torch.from_numpy(a.logits_idx)]
 
 
@@ -276,9 +275,9 @@ def test_buffered_forward_matches_a_standalone_step(dtype, kind):
         assert key == {"mixed": GraphKey(32, 0), "decode": GraphKey(2, 1), "eager": GraphKey(32, 0),
                        "verify": GraphKey(12, 3)}[kind]
         if kind == "eager":
-            noted = buffers.load(a, a.num_tokens, None, prev_tokens)
+            buffers.load(a, a.num_tokens, None, prev_tokens)
             rows = buffers.token_rows(a.num_tokens)
-            got = model(rows[0], rows[1], AttentionContext(backend, buffers.metadata(a, noted)))
+            got = model(rows[0], rows[1], AttentionContext(backend, buffers.metadata(a)))
             got = got[torch.from_numpy(a.logits_idx)]
         else:
             buffers.load(a, key.num_tokens, key, prev_tokens)
@@ -370,9 +369,9 @@ def test_verify_graphs_only_for_rows_a_decode_program_can_hold():
     from pagedserve.engine.graphs import GraphRunner
 
     model = _model(torch.float32)
-    assert _backend(4, 2).max_verify_len() == MAX_VERIFY_ROWS // 2
-    assert _backend(32, 2).max_verify_len() == MAX_VERIFY_ROWS // 16
-    assert _backend(64, 1).max_verify_len() == 1
+    assert _backend(4, 2).metadata_builder().max_verify_len() == MAX_VERIFY_ROWS // 2
+    assert _backend(32, 2).metadata_builder().max_verify_len() == MAX_VERIFY_ROWS // 16
+    assert _backend(64, 1).metadata_builder().max_verify_len() == 1
     for k_plus_1, kept in ((MAX_VERIFY_ROWS // 2, True), (MAX_VERIFY_ROWS // 2 + 1, False)):
         buffers = StepBuffers(_backend(4, 2), max_tokens=256, max_seqs=8, max_blocks=16,
                               device=torch.device("cpu"), max_drafts=k_plus_1 - 1)
@@ -391,3 +390,60 @@ def test_pending_output_rows_finds_the_tokens_still_on_the_device():
         pending_output_rows(["a"], [[]], [2], prev)
     with pytest.raises(RuntimeError, match="more than the previous step's"):
         pending_output_rows(["c"], [[]], [1], prev)  # not sampled by the previous step
+
+
+def test_graphs_only_for_the_steps_a_builder_declares():
+    """A backend whose metadata builder declares decode graphs only gets decode keys (its
+    mixed and verify steps run eagerly); the torch backend's builder declares none."""
+    from pagedserve.attention.backend import GraphStep
+    from pagedserve.attention.torch_ref import TorchReferenceBackend
+    from pagedserve.attention.triton_backend import TritonMetadataBuilder
+    from pagedserve.engine.graphs import GraphRunner
+
+    class DecodeOnly(TritonMetadataBuilder):
+        graph_steps = frozenset({GraphStep.DECODE})
+
+    class DecodeOnlyBackend(TritonBackend):
+        name = "decode-only (test)"
+        builder_class = DecodeOnly
+
+    backend = DecodeOnlyBackend(4, 2, 16, 0.25)
+    buffers = StepBuffers(backend, max_tokens=64, max_seqs=8, max_blocks=16, device=torch.device("cpu"),
+                          max_drafts=2)
+    graphs = GraphRunner(_model(torch.float32), buffers, 8, 48, 64, verify_len=3, max_verify_batch=4)
+    assert graphs.decode_keys and graphs.mixed_keys == [] and graphs.verify_keys == []
+    chunks, tokens = _chunks()
+    assert graphs.key_for(pack_step(chunks[:2], tokens[:2], {"b": 1}, 4)) == GraphKey(2, 1)
+    assert graphs.key_for(pack_step(chunks, tokens, {"b": 1}, 4)) is None  # mixed: eager
+    verify, verify_tokens = _verify_chunks()
+    assert graphs.key_for(pack_step(verify, verify_tokens, {"b": 1}, 4)) is None
+    assert backend.supports_cuda_graphs() and not TorchReferenceBackend(4, 2, 16, 0.25).supports_cuda_graphs()
+    with pytest.raises(NotImplementedError, match="no CUDA graphs"):
+        TorchReferenceBackend(4, 2, 16, 0.25).metadata_builder().build_for_capture(None, GraphKey(4, 1))
+
+
+def test_torch_metadata_plans_the_decodes_once_a_step(monkeypatch):
+    """The torch backend's decode plan is made by its builder, once for every layer of a
+    step (not by the first layer), and its model output equals the Triton kernels'."""
+    from pagedserve.attention import torch_ref
+
+    calls = []
+    real = torch_ref.decode_plan
+    monkeypatch.setattr(torch_ref, "decode_plan", lambda *args: calls.append(1) or real(*args))
+    model = _model(torch.float32)
+    chunks, tokens = _chunks()
+    a = pack_step(chunks, tokens, {"b": 1}, 4)
+    prev_tokens = torch.tensor([5, 41, 9])
+    with torch.inference_mode():
+        backend = torch_ref.TorchReferenceBackend(4, 2, 16, 16**-0.5)
+        backend.bind_kv_caches(_caches(model, 12, 4, torch.float32))
+        buffers = StepBuffers(backend, max_tokens=64, max_seqs=8, max_blocks=4, device=torch.device("cpu"))
+        buffers.load(a, a.num_tokens, None, prev_tokens)
+        meta = buffers.metadata(a)
+        assert isinstance(meta, torch_ref.TorchMetadata) and calls == [1]
+        assert meta.decodes.rows.tolist() == [0, 1] and meta.decodes.others == (2, 3)
+        rows = buffers.token_rows(a.num_tokens)
+        got = model(rows[0], rows[1], AttentionContext(backend, meta))[torch.from_numpy(a.logits_idx)]
+        assert calls == [1]  # (two layers, one plan)
+        want = _standalone(model, a, _caches(model, 12, 4, torch.float32), prev_tokens)
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)

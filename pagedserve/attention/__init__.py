@@ -3,7 +3,9 @@
 from pagedserve.attention.backend import (
     AttentionBackend,
     AttentionContext,
-    AttentionMetadata,
+    AttentionMetadataBuilder,
+    CommonAttentionMetadata,
+    GraphStep,
     get_backend_class,
     register_backend,
 )
@@ -13,7 +15,9 @@ from pagedserve.attention.triton_backend import TritonBackend
 __all__ = [
     "AttentionBackend",
     "AttentionContext",
-    "AttentionMetadata",
+    "AttentionMetadataBuilder",
+    "CommonAttentionMetadata",
+    "GraphStep",
     "TorchReferenceBackend",
     "TritonBackend",
     "get_backend_class",

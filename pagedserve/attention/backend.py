@@ -8,18 +8,20 @@ tokens sit at positions seq_lens[i] - query_len_i ... seq_lens[i] - 1.
 
 from __future__ import annotations
 
+import enum
 from abc import ABC, abstractmethod
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, NamedTuple
+from typing import ClassVar, Generic, NamedTuple, TypeVar
 
 import numpy as np
 import torch
 
 
 @dataclass
-class AttentionMetadata:
-    """Everything attention needs to read and write the paged KV cache for one step."""
+class CommonAttentionMetadata:
+    """The fields of one step that every backend reads: where each sequence's new tokens
+    are, how long its context is, where its K/V go and where its blocks are."""
 
     query_start_loc: torch.Tensor  # [num_seqs + 1] int32, on the model's device
     seq_lens: torch.Tensor  # [num_seqs] int32, context length incl. the new tokens
@@ -27,17 +29,21 @@ class AttentionMetadata:
     block_tables: torch.Tensor  # [num_seqs, max_blocks_per_seq] int32
     max_query_len: int
     max_seq_len: int
-    # Host copies, for backends that loop over sequences in Python.
+    # Host copies, for builders and backends that loop over sequences in Python (empty
+    # in a graph's metadata: its step's sizes are known at replay only).
     query_start_loc_cpu: list[int]
     seq_lens_cpu: list[int]
-    backend_data: Any = None  # the backend's own fields (see prepare and step_metadata)
 
     @property
     def num_seqs(self) -> int:
         return len(self.seq_lens_cpu)
 
+    def common_fields(self) -> dict[str, object]:
+        """The common fields by name, to build a backend's metadata (a subclass) from."""
+        return {name: getattr(self, name) for name in _COMMON_FIELDS}
+
     @classmethod
-    def for_prefill(cls, seq_lens: list[int], device: torch.device | str) -> AttentionMetadata:
+    def for_prefill(cls, seq_lens: list[int], device: torch.device | str) -> CommonAttentionMetadata:
         """Metadata for whole prompts with no KV cache (parity tests, profiling)."""
         starts = [0]
         for n in seq_lens:
@@ -54,14 +60,89 @@ class AttentionMetadata:
         )
 
 
-class AttentionBackend(ABC):
-    """Computes attention for every layer and owns the per-layer KV cache tensors.
+_COMMON_FIELDS = tuple(CommonAttentionMetadata.__dataclass_fields__)
+
+# A backend's own metadata: a subclass of the common fields with its per-step fields.
+M = TypeVar("M", bound=CommonAttentionMetadata)
+
+# The engine's step buffers: `view(name, length=None)` is the device view of a per-step
+# int32 field, `put(name, values)` writes it into this step's host image (one copy a step).
+FieldView = Callable[..., torch.Tensor]
+FieldPut = Callable[[str, np.ndarray], None]
+
+
+class GraphStep(enum.Enum):
+    """The kinds of step a CUDA graph can be captured for (GraphKey's uniform query length:
+    1, k + 1 or 0)."""
+
+    DECODE = "decode"  # every sequence one new token
+    VERIFY = "verify"  # every sequence k + 1 new tokens (speculative verification)
+    MIXED = "mixed"  # any split of the tokens (prefill chunks and decodes)
+
+
+class AttentionMetadataBuilder(ABC, Generic[M]):
+    """Builds one backend's typed metadata `M` from a step's common fields.
+
+    Eager steps (and standalone ones: tests, the memory profile): `build(common)`, once per
+    step, before the first layer. CUDA graphs: `build_for_capture(common, key)` once per
+    graph, over the engine's persistent step buffers (its per-step fields are views of them,
+    `view`); each replayed step then writes its fields with `fill_for_replay` before the
+    buffers' one copy. `graph_steps` declares which kinds of step its graphs support (none:
+    every step runs eagerly)."""
+
+    graph_steps: ClassVar[frozenset[GraphStep]] = frozenset()
+    has_eager_variants: ClassVar[bool] = False  # (see eager_variants)
+
+    def __init__(self, backend: AttentionBackend[M], view: FieldView | None = None) -> None:
+        """`view`: the engine's step-buffer fields (None: a standalone builder, no graphs)."""
+        self.backend = backend
+        self.view = view
+
+    def field_sizes(self, max_tokens: int, max_seqs: int) -> dict[str, int]:
+        """Name -> length of this backend's per-step int32 fields in the step buffers."""
+        return {}
+
+    @abstractmethod
+    def build(self, common: CommonAttentionMetadata) -> M:
+        """An eager step's metadata (its device tensors of its own, not the step buffers')."""
+
+    def eager_variants(self, meta: M) -> list[M]:
+        """`meta`'s step in each kernel variant an eager step may pick at run time (each is
+        compiled during the warm-up); none by default."""
+        return []
+
+    def max_verify_len(self) -> int:
+        """The most new tokens a sequence may have in a verify graph; 1: no verify graphs."""
+        return 1
+
+    def graph_fits(self, query_start_loc: np.ndarray, key: GraphKey, max_seqs: int) -> bool:
+        """Whether a step with these query starts can replay the graph of `key` (beyond the
+        token and sequence counts, which the graph runner checks)."""
+        return True
+
+    def fill_for_replay(self, query_start_loc: np.ndarray, seq_lens: np.ndarray, key: GraphKey,
+                        put: FieldPut) -> None:
+        """Host side, a step that replays `key`'s graph: write this backend's fields with
+        `put(name, values)` for a step with these query starts [S + 1] and context lengths
+        [S] (padded sequences follow: see `engine/input_batch.py`)."""
+        raise NotImplementedError(f"the {self.backend.name} attention backend has no CUDA graphs")
+
+    def build_for_capture(self, common: CommonAttentionMetadata, key: GraphKey) -> M:
+        """The static metadata a graph of `key` is captured with (`common`: views of the
+        step buffers, an entry for every sequence the graph can take; no host lists):
+        fixed buffers, kernel grids sized for the key (the fields say at replay which
+        entries are real)."""
+        raise NotImplementedError(f"the {self.backend.name} attention backend has no CUDA graphs")
+
+
+class AttentionBackend(ABC, Generic[M]):
+    """Computes attention for every layer and owns the per-layer KV cache tensors; its
+    `builder_class` makes its per-step metadata `M`, which its `forward` reads.
 
     `kv_caches[layer]` has shape [2, num_blocks, block_size, num_kv_heads, head_dim]
     (index 0 = keys, 1 = values), or the list is empty when running without a cache. Its
     dtype is the model's, or float8_e4m3fn: then `kv_scales[layer]` ([2] float32: K, V) are
     the scales its elements are stored in (`engine/kv_cache_spec.py`, `kernels/kv_quant_torch.py`).
-    Backends that support CUDA graphs override the capture hooks.
 
     Sliding-window attention: `sliding_windows[layer]` is that layer's window W (None: full
     attention; no tuple: every layer full). Transformers' convention (`masking_utils.py`,
@@ -74,6 +155,7 @@ class AttentionBackend(ABC):
     """
 
     name: str = "abstract"
+    builder_class: ClassVar[type[AttentionMetadataBuilder]]
 
     def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float,
                  sliding_windows: tuple[int | None, ...] | None = None) -> None:
@@ -116,6 +198,19 @@ class AttentionBackend(ABC):
             return None
         return self.kv_scales[layer_idx]
 
+    def metadata_builder(self, view: FieldView | None = None) -> AttentionMetadataBuilder[M]:
+        """A builder of this backend's metadata; `view`: the engine's step-buffer fields
+        (`engine/input_batch.py`), None for standalone steps."""
+        return self.builder_class(self, view)
+
+    def metadata(self, common: CommonAttentionMetadata) -> M:
+        """A standalone step's metadata (tests, the memory profile): `build` of a builder
+        without step buffers. Bind the KV caches first."""
+        return self.metadata_builder().build(common)
+
+    def supports_cuda_graphs(self) -> bool:
+        return bool(self.builder_class.graph_steps)
+
     @abstractmethod
     def forward(
         self,
@@ -123,7 +218,7 @@ class AttentionBackend(ABC):
         q: torch.Tensor,  # [num_tokens, num_heads, head_dim]
         k: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
         v: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
-        meta: AttentionMetadata,
+        meta: M,
         kv_stored: bool = False,
     ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
         """Write k/v into the cache at meta.slot_mapping (unless `kv_stored`: the caller
@@ -135,61 +230,10 @@ class AttentionBackend(ABC):
         memory profile (the path's workspace is allocated now)."""
         return False
 
-    def kv_store_target(self, layer_idx: int, meta: AttentionMetadata) -> KVStoreTarget | None:
+    def kv_store_target(self, layer_idx: int, meta: M) -> KVStoreTarget | None:
         """Where a caller that can write the new K/V itself (the fused RoPE kernel) puts
         them, or None if this backend stores them in `forward`."""
         return None
-
-    def prepare(self, meta: AttentionMetadata) -> None:
-        """For a standalone step (tests, the memory profile): derive the backend's metadata
-        from meta's host lists, with device copies of its own. The engine's steps go
-        through the step-buffer hooks below instead."""
-        meta.backend_data = None
-
-    def eager_variants(self) -> list[dict[str, Any]]:
-        """Keyword sets for `prepare` that select kernel variants an eager step may pick at
-        run time (each is compiled during the warm-up); none by default."""
-        return []
-
-    # ---- the engine's step buffers (engine/input_batch.py) and CUDA graphs ----------
-    # A backend may keep per-step int32 fields of its own in the engine's field buffer
-    # (copied with the common fields, one copy per step); `view(name, length)` gives the
-    # device view of a field.
-
-    def step_fields(self, max_tokens: int, max_seqs: int) -> dict[str, int]:
-        """Name -> length of this backend's per-step int32 fields (none by default)."""
-        return {}
-
-    def fill_step_fields(self, query_start_loc: np.ndarray, seq_lens: np.ndarray,
-                         key: GraphKey | None, put: Callable[[str, np.ndarray], None]) -> object:
-        """Host side, once per step: write this backend's fields with `put(name, values)`
-        for a step with these query starts [S + 1] and context lengths [S], padded for the
-        graph `key` (None: eager). Returns a note for `step_metadata`."""
-        return None
-
-    def step_metadata(self, meta: AttentionMetadata, noted: object,
-                      view: Callable[..., torch.Tensor]) -> None:
-        """Complete an eager step's metadata (common fields already in `meta`)."""
-        meta.backend_data = None
-
-    def supports_cuda_graphs(self) -> bool:
-        return False
-
-    def max_verify_len(self) -> int:
-        """The most new tokens a sequence may have in a verify graph (GraphKey with
-        uniform_query_len > 1); 1: none (verify steps take mixed-step graphs)."""
-        return 1
-
-    def graph_fits(self, query_start_loc: np.ndarray, key: GraphKey, max_seqs: int) -> bool:
-        """Whether a step with these query starts can replay the graph of `key` (beyond the
-        token and sequence counts, which the graph runner checks)."""
-        return True
-
-    def graph_metadata(self, meta: AttentionMetadata, key: GraphKey, max_seqs: int,
-                       view: Callable[..., torch.Tensor]) -> None:
-        """Complete the static metadata a graph of `key` is captured with: fixed buffers,
-        kernel grids sized for the key (the fields say at replay which entries are real)."""
-        raise NotImplementedError(f"the {self.name} attention backend has no CUDA graphs")
 
 
 class KVStoreTarget(NamedTuple):
@@ -210,11 +254,12 @@ class GraphKey(NamedTuple):
 
 
 @dataclass
-class AttentionContext:
-    """Handed down through the model's forward: which backend, and this step's metadata."""
+class AttentionContext(Generic[M]):
+    """Handed down through the model's forward: which backend, and this step's metadata
+    (the backend's own type)."""
 
-    backend: AttentionBackend
-    meta: AttentionMetadata
+    backend: AttentionBackend[M]
+    meta: M
 
 
 _BACKENDS: dict[str, type[AttentionBackend]] = {}

@@ -3,17 +3,54 @@ written quantized and read dequantized to q's dtype (`kv_quant.py`): the kernels
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
 
-from pagedserve.attention.backend import AttentionBackend, AttentionMetadata, register_backend
+from pagedserve.attention.backend import (
+    AttentionBackend,
+    AttentionMetadataBuilder,
+    CommonAttentionMetadata,
+    register_backend,
+)
 from pagedserve.kernels.kv_quant_torch import E4M3, dequantize_kv, is_fp8, quantize_kv
 
 
+class DecodePlan(NamedTuple):
+    """A step's decodes, for every layer: which sequences and token rows, and where their
+    context lies in the cache."""
+
+    others: tuple[int, ...]  # the step's other sequences (prompts, chunks), looped over
+    rows: torch.Tensor  # [B] int64: their token rows
+    slots: torch.Tensor  # [B, T] int64: the cache slot of each context position from the
+    # first one the widest window sees (T: the longest such span; a shorter one repeats its
+    # first slot, a real token, past its end)
+    padding: torch.Tensor  # [B, 1, 1, T] bool: positions past a sequence's end
+    distance: torch.Tensor  # [B, 1, 1, T] int64: the query's position minus the key's
+
+
+@dataclass
+class TorchMetadata(CommonAttentionMetadata):
+    """The common fields and the step's `DecodePlan` (None without a KV cache: every
+    sequence is a whole prompt, attended on its own)."""
+
+    decodes: DecodePlan | None
+
+
+class TorchMetadataBuilder(AttentionMetadataBuilder[TorchMetadata]):
+    """Plans the step's decodes once for every layer (`decode_plan`). No CUDA graphs."""
+
+    def build(self, common: CommonAttentionMetadata) -> TorchMetadata:
+        backend = self.backend
+        plan = (decode_plan(common, backend.kv_caches[0].shape[2], backend.max_window)
+                if backend.kv_caches else None)
+        return TorchMetadata(**common.common_fields(), decodes=plan)
+
+
 @register_backend
-class TorchReferenceBackend(AttentionBackend):
+class TorchReferenceBackend(AttentionBackend[TorchMetadata]):
     """Plain PyTorch. Decodes (one new token of a cached sequence) are attended together:
     each layer gathers all their context at once through a per-step slot index and runs
     one batched product per side, GQA by grouping the query heads (no repeated K/V).
@@ -22,8 +59,9 @@ class TorchReferenceBackend(AttentionBackend):
     gathers the blocks wholly before it (decodes: before the widest window of any layer)."""
 
     name = "torch"
+    builder_class = TorchMetadataBuilder
 
-    def forward(self, layer_idx, q, k, v, meta: AttentionMetadata, kv_stored: bool = False) -> torch.Tensor:
+    def forward(self, layer_idx, q, k, v, meta: TorchMetadata, kv_stored: bool = False) -> torch.Tensor:
         has_cache = bool(self.kv_caches)
         if has_cache:
             cache = self.kv_caches[layer_idx]  # [2, num_blocks, block_size, kv_heads, head_dim]
@@ -32,7 +70,7 @@ class TorchReferenceBackend(AttentionBackend):
                 write_kv_cache(cache, k, v, meta.slot_mapping, kv_scale)
         out = torch.empty_like(q)
         window = self.window(layer_idx)
-        plan = _decode_plan(meta, cache.shape[2], self.max_window) if has_cache else None
+        plan = meta.decodes
         if plan is not None and plan.rows.numel():
             out[plan.rows] = self._decode(q[plan.rows], cache, plan, kv_scale, window)
         starts, lens = meta.query_start_loc_cpu, meta.seq_lens_cpu
@@ -50,7 +88,7 @@ class TorchReferenceBackend(AttentionBackend):
             out[s:e] = self._attend(q[s:e], k_ctx, v_ctx, first, window)
         return out
 
-    def _decode(self, q: torch.Tensor, cache: torch.Tensor, plan: _DecodePlan,
+    def _decode(self, q: torch.Tensor, cache: torch.Tensor, plan: DecodePlan,
                 kv_scale: torch.Tensor | None, window: int | None) -> torch.Tensor:
         # q: [B, H, D] (one token per sequence) -> [B, H, D]
         b, t = plan.slots.shape
@@ -87,26 +125,9 @@ class TorchReferenceBackend(AttentionBackend):
         return out.transpose(0, 1)
 
 
-class _DecodePlan(NamedTuple):
-    """A step's decodes, for every layer: which sequences and token rows, and where their
-    context lies in the cache."""
-
-    others: tuple[int, ...]  # the step's other sequences (prompts, chunks), looped over
-    rows: torch.Tensor  # [B] int64: their token rows
-    slots: torch.Tensor  # [B, T] int64: the cache slot of each context position from the
-    # first one the widest window sees (T: the longest such span; a shorter one repeats its
-    # first slot, a real token, past its end)
-    padding: torch.Tensor  # [B, 1, 1, T] bool: positions past a sequence's end
-    distance: torch.Tensor  # [B, 1, 1, T] int64: the query's position minus the key's
-    max_window: int | None  # the widest window it covers (None: whole contexts)
-
-
-def _decode_plan(meta: AttentionMetadata, block_size: int, max_window: int | None = None) -> _DecodePlan:
-    """The step's `_DecodePlan`, made by the first layer and kept in `meta.backend_data`;
-    with `max_window` (every layer slides, none wider), from each context's last max_window
-    positions only."""
-    if isinstance(meta.backend_data, _DecodePlan) and meta.backend_data.max_window == max_window:
-        return meta.backend_data
+def decode_plan(meta: CommonAttentionMetadata, block_size: int, max_window: int | None = None) -> DecodePlan:
+    """The step's `DecodePlan` (its builder's, once a step); with `max_window` (every layer
+    slides, none wider), from each context's last max_window positions only."""
     starts, lens = meta.query_start_loc_cpu, meta.seq_lens_cpu
     seqs = [i for i in range(len(lens)) if starts[i + 1] - starts[i] == 1]
     seq_lens = torch.tensor([lens[i] for i in seqs], dtype=torch.int64)  # [B]
@@ -120,12 +141,9 @@ def _decode_plan(meta: AttentionMetadata, block_size: int, max_window: int | Non
     slots = tables.gather(1, pos // block_size) * block_size + pos % block_size
     device = meta.block_tables.device
     others = tuple(i for i in range(len(lens)) if starts[i + 1] - starts[i] != 1)
-    plan = _DecodePlan(others, torch.tensor([starts[i] for i in seqs], dtype=torch.int64, device=device),
-                       slots.to(device), (~inside).view(len(seqs), 1, 1, t).to(device),
-                       distance.view(len(seqs), 1, 1, t).to(device), max_window)
-    if meta.backend_data is None:
-        meta.backend_data = plan
-    return plan
+    return DecodePlan(others, torch.tensor([starts[i] for i in seqs], dtype=torch.int64, device=device),
+                      slots.to(device), (~inside).view(len(seqs), 1, 1, t).to(device),
+                      distance.view(len(seqs), 1, 1, t).to(device))
 
 
 def write_kv_cache(

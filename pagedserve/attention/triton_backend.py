@@ -3,15 +3,17 @@
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 import torch
 
 from pagedserve.attention.backend import (
     AttentionBackend,
-    AttentionMetadata,
+    AttentionMetadataBuilder,
+    CommonAttentionMetadata,
     GraphKey,
+    GraphStep,
     KVStoreTarget,
     register_backend,
 )
@@ -22,8 +24,9 @@ logger = logging.getLogger("pagedserve")
 
 
 @dataclass
-class TritonStepData:
-    """Which sequences go to which kernel this step (built on the host, copied once)."""
+class TritonMetadata(CommonAttentionMetadata):
+    """The common fields, and which sequences go to which kernel this step (laid out on
+    the host, copied once)."""
 
     decode_seq_ids: torch.Tensor  # [Nd] int32
     tile_seq: torch.Tensor  # [num_tiles] int32
@@ -130,13 +133,98 @@ def tile_capacity(num_tokens: int, max_seqs: int, block_m: int, max_extend_seqs:
     return -(-num_tokens // block_m) + seqs
 
 
+class TritonMetadataBuilder(AttentionMetadataBuilder[TritonMetadata]):
+    """Lays a step out for the kernels: decode rows (split-KV for long contexts, longest
+    first in big launches), extend tiles and, in eager steps, long chunks. Graphs of every
+    kind: decode, verify (up to `max_verify_len` tokens a sequence) and mixed steps (up to
+    MAX_EXTEND_SEQS prefilling sequences)."""
+
+    graph_steps = frozenset({GraphStep.DECODE, GraphStep.VERIFY, GraphStep.MIXED})
+    has_eager_variants = True
+    backend: TritonBackend
+
+    def build(self, common: CommonAttentionMetadata) -> TritonMetadata:
+        qsl, lens = np.asarray(common.query_start_loc_cpu, dtype=np.int64), np.asarray(common.seq_lens_cpu)
+        skip, long = self.backend._long_chunks(qsl, lens)
+        dec, tile_seq, tile_start = step_layout(qsl, lens, self.backend.num_kv_heads, skip)
+        dec_t, tile_seq_t, tile_start_t = to_device_views(
+            [dec.astype(np.int32), tile_seq.astype(np.int32), tile_start.astype(np.int32)],
+            common.query_start_loc.device)
+        return TritonMetadata(**common.common_fields(), decode_seq_ids=dec_t, tile_seq=tile_seq_t,
+                              tile_start=tile_start_t, num_splits=self.backend._splits(len(dec), common.max_seq_len),
+                              long_chunks=long)
+
+    def eager_variants(self, meta: TritonMetadata) -> list[TritonMetadata]:
+        return [replace(meta, num_splits=s) for s in (1, 2, 4, 8, 16)]  # choose_num_splits' choices
+
+    def max_verify_len(self) -> int:
+        # the decode kernel holds (k + 1) x group query rows a program: at most as many as a
+        # decode of the widest group we serve (64 rows), so its registers do not spill
+        backend = self.backend
+        return max(1, MAX_VERIFY_ROWS // (backend.num_heads // backend.num_kv_heads))
+
+    # ---- the step buffers' fields and CUDA graphs -----------------------------------
+    # Fields: the decode rows (in `decode_order`), (decodes, tiles) counts for mixed-step
+    # graphs, and the extend tiles (sequence, first token).
+
+    def field_sizes(self, max_tokens: int, max_seqs: int) -> dict[str, int]:
+        from pagedserve.kernels.paged_attention import EXTEND_BLOCK_M
+
+        tiles = tile_capacity(max_tokens, max_seqs, EXTEND_BLOCK_M)
+        return {"decodes": max_seqs, "counts": 2, "tile_seq": tiles, "tile_start": tiles}
+
+    def fill_for_replay(self, query_start_loc, seq_lens, key, put) -> None:
+        kv_heads = self.backend.num_kv_heads
+        if key.uniform_query_len > 1:  # a verify graph: every sequence decodes its k + 1
+            # tokens (the graph runner checked the step is uniform)
+            dec = decode_order(np.arange(len(seq_lens)), np.asarray(seq_lens), kv_heads)
+            tile_seq = tile_start = np.zeros(0, dtype=np.int64)
+        else:  # (graphs take every chunk as tiles: no long chunks)
+            dec, tile_seq, tile_start = step_layout(query_start_loc, seq_lens, kv_heads)
+        if key.uniform_query_len >= 1:  # padding rows take the tail
+            dec = np.concatenate([dec, np.arange(len(seq_lens), key.num_tokens // key.uniform_query_len)])
+        put("decodes", dec)
+        put("counts", np.array([len(dec), len(tile_seq)]))
+        put("tile_seq", tile_seq)
+        put("tile_start", tile_start)
+
+    def graph_fits(self, query_start_loc, key, max_seqs) -> bool:
+        if key.uniform_query_len:
+            return True
+        from pagedserve.kernels.paged_attention import EXTEND_BLOCK_M
+
+        tiles = int(extend_tile_counts(query_start_loc)[1].sum())
+        return tiles <= tile_capacity(key.num_tokens, max_seqs, EXTEND_BLOCK_M, MAX_EXTEND_SEQS)
+
+    def build_for_capture(self, common: CommonAttentionMetadata, key: GraphKey) -> TritonMetadata:
+        from pagedserve.kernels.paged_attention import EXTEND_BLOCK_M
+
+        view, fields = self.view, common.common_fields()
+        if view is None:
+            raise ValueError("a graph's metadata needs the step buffers' fields (a builder made with `view`)")
+        q_len = key.uniform_query_len
+        if q_len:  # decodes (or verify steps: k + 1 tokens each) only: exactly the key's
+            # sequences, split-KV by length
+            rows = key.num_tokens // q_len
+            return TritonMetadata(**fields, decode_seq_ids=view("decodes", rows), tile_seq=view("tile_seq", 0),
+                                  tile_start=view("tile_start", 0),
+                                  num_splits=self.backend._splits(rows, common.max_seq_len), query_len=q_len)
+        # any mix: grids for the capacity, counts on the device (`common.seq_lens` has an
+        # entry for every sequence the graph can take)
+        max_seqs = common.seq_lens.shape[0]
+        tiles = tile_capacity(key.num_tokens, max_seqs, EXTEND_BLOCK_M, MAX_EXTEND_SEQS)
+        return TritonMetadata(**fields, decode_seq_ids=view("decodes"), tile_seq=view("tile_seq", tiles),
+                              tile_start=view("tile_start", tiles), num_splits=1, counts=view("counts"))
+
+
 @register_backend
-class TritonBackend(AttentionBackend):
+class TritonBackend(AttentionBackend[TritonMetadata]):
     """The Triton kernels (`kernels/paged_attention.py`); a sliding-window layer passes its
     window to them. With `enable_long_prefill`, an eager step's long-context chunks take
     torch's fused attention kernels (`long_prefill.py`)."""
 
     name = "triton"
+    builder_class = TritonMetadataBuilder
 
     def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float,
                  sliding_windows: tuple[int | None, ...] | None = None) -> None:
@@ -163,7 +251,7 @@ class TritonBackend(AttentionBackend):
 
     def _long_chunks(self, qsl: np.ndarray, seq_lens: np.ndarray) -> tuple[np.ndarray | None, tuple]:
         """An eager step's sequences that take the long-context path (None: the path is
-        off) and their `TritonStepData.long_chunks` rows."""
+        off) and their `TritonMetadata.long_chunks` rows."""
         if self.long is None:
             return None, ()
         seqs = self.long.chunks(qsl, seq_lens)
@@ -175,89 +263,6 @@ class TritonBackend(AttentionBackend):
         span = max_seq_len if self.max_window is None else min(max_seq_len, self.max_window)
         return choose_num_splits(num_decodes, self.num_kv_heads, span)
 
-    def supports_cuda_graphs(self) -> bool:
-        return True
-
-    def max_verify_len(self) -> int:
-        # the decode kernel holds (k + 1) x group query rows a program: at most as many as a
-        # decode of the widest group we serve (64 rows), so its registers do not spill
-        return max(1, MAX_VERIFY_ROWS // (self.num_heads // self.num_kv_heads))
-
-    def prepare(self, meta: AttentionMetadata, num_splits: int | None = None) -> None:
-        """Host side: sort sequences into decodes, extend tiles and long chunks; attach to
-        meta.backend_data."""
-        qsl, lens = np.asarray(meta.query_start_loc_cpu, dtype=np.int64), np.asarray(meta.seq_lens_cpu)
-        skip, long = self._long_chunks(qsl, lens)
-        dec, tile_seq, tile_start = step_layout(qsl, lens, self.num_kv_heads, skip)
-        dec_t, tile_seq_t, tile_start_t = to_device_views(
-            [dec.astype(np.int32), tile_seq.astype(np.int32), tile_start.astype(np.int32)],
-            meta.query_start_loc.device)
-        if num_splits is None:
-            num_splits = self._splits(len(dec), meta.max_seq_len)
-        meta.backend_data = TritonStepData(dec_t, tile_seq_t, tile_start_t, num_splits, long_chunks=long)
-
-    def eager_variants(self) -> list[dict]:
-        return [{"num_splits": s} for s in (1, 2, 4, 8, 16)]  # choose_num_splits' choices
-
-    # ---- step buffers and CUDA graphs ----------------------------------------------
-    # Fields: the decode rows (in `decode_order`), (decodes, tiles) counts for mixed-step
-    # graphs, and the extend tiles (sequence, first token).
-
-    def step_fields(self, max_tokens: int, max_seqs: int) -> dict[str, int]:
-        from pagedserve.kernels.paged_attention import EXTEND_BLOCK_M
-
-        tiles = tile_capacity(max_tokens, max_seqs, EXTEND_BLOCK_M)
-        return {"decodes": max_seqs, "counts": 2, "tile_seq": tiles, "tile_start": tiles}
-
-    def fill_step_fields(self, query_start_loc, seq_lens, key, put):
-        long = ()  # (graphs take every chunk as tiles; eager steps may send long ones elsewhere)
-        if key is not None and key.uniform_query_len > 1:  # a verify graph: every sequence
-            # decodes its k + 1 tokens (the graph runner checked the step is uniform)
-            dec = decode_order(np.arange(len(seq_lens)), np.asarray(seq_lens), self.num_kv_heads)
-            tile_seq = tile_start = np.zeros(0, dtype=np.int64)
-        else:
-            skip = None
-            if key is None:
-                skip, long = self._long_chunks(query_start_loc, seq_lens)
-            dec, tile_seq, tile_start = step_layout(query_start_loc, seq_lens, self.num_kv_heads, skip)
-        if key is not None and key.uniform_query_len >= 1:  # padding rows take the tail
-            dec = np.concatenate([dec, np.arange(len(seq_lens), key.num_tokens // key.uniform_query_len)])
-        put("decodes", dec)
-        put("counts", np.array([len(dec), len(tile_seq)]))
-        put("tile_seq", tile_seq)
-        put("tile_start", tile_start)
-        return len(dec), len(tile_seq), long
-
-    def step_metadata(self, meta, noted, view) -> None:
-        num_decodes, num_tiles, long = noted
-        splits = self._splits(num_decodes, meta.max_seq_len)
-        meta.backend_data = TritonStepData(view("decodes", num_decodes), view("tile_seq", num_tiles),
-                                           view("tile_start", num_tiles), splits, long_chunks=long)
-
-    def graph_fits(self, query_start_loc, key, max_seqs) -> bool:
-        if key.uniform_query_len:
-            return True
-        from pagedserve.kernels.paged_attention import EXTEND_BLOCK_M
-
-        tiles = int(extend_tile_counts(query_start_loc)[1].sum())
-        return tiles <= tile_capacity(key.num_tokens, max_seqs, EXTEND_BLOCK_M, MAX_EXTEND_SEQS)
-
-    def graph_metadata(self, meta, key: GraphKey, max_seqs: int, view) -> None:
-        from pagedserve.kernels.paged_attention import EXTEND_BLOCK_M
-
-        q_len = key.uniform_query_len
-        if q_len:  # decodes (or verify steps: k + 1 tokens each) only: exactly the key's
-            # sequences, split-KV by length
-            rows = key.num_tokens // q_len
-            meta.backend_data = TritonStepData(
-                view("decodes", rows), view("tile_seq", 0), view("tile_start", 0),
-                self._splits(rows, meta.max_seq_len), query_len=q_len)
-        else:  # any mix: grids for the capacity, counts on the device
-            tiles = tile_capacity(key.num_tokens, max_seqs, EXTEND_BLOCK_M, MAX_EXTEND_SEQS)
-            meta.backend_data = TritonStepData(
-                view("decodes"), view("tile_seq", tiles), view("tile_start", tiles), num_splits=1,
-                counts=view("counts"))
-
     def partials(self, rows: int, splits: int, device) -> tuple[torch.Tensor, torch.Tensor]:
         """Reusable split-KV scratch, at least [rows, splits, ...] (stable for graph capture)."""
         from pagedserve.kernels.paged_attention import alloc_decode_partials
@@ -267,12 +272,12 @@ class TritonBackend(AttentionBackend):
             self._partials[key] = alloc_decode_partials(rows, splits, self.num_heads, self.head_dim, device)
         return self._partials[key]
 
-    def kv_store_target(self, layer_idx, meta: AttentionMetadata) -> KVStoreTarget | None:
+    def kv_store_target(self, layer_idx, meta: TritonMetadata) -> KVStoreTarget | None:
         if not self.kv_caches:
             return None
         return KVStoreTarget(self.kv_caches[layer_idx], meta.slot_mapping, self.kv_scale(layer_idx))
 
-    def forward(self, layer_idx, q, k, v, meta: AttentionMetadata, kv_stored: bool = False) -> torch.Tensor:
+    def forward(self, layer_idx, q, k, v, meta: TritonMetadata, kv_stored: bool = False) -> torch.Tensor:
         from pagedserve.kernels.kv_cache import store_kv_cache
         from pagedserve.kernels.paged_attention import paged_decode, paged_extend
 
@@ -280,23 +285,22 @@ class TritonBackend(AttentionBackend):
         kv_scale = self.kv_scale(layer_idx)
         if not kv_stored:
             store_kv_cache(k, v, cache, meta.slot_mapping, kv_scale)
-        data: TritonStepData = meta.backend_data
         window = self.window(layer_idx)
         out = torch.empty_like(q)
-        counts = data.counts
-        nd = data.decode_seq_ids.shape[0]
+        counts = meta.counts
+        nd = meta.decode_seq_ids.shape[0]
         if nd:
-            parts = (self.partials(nd * data.query_len, data.num_splits, q.device)
-                     if data.num_splits > 1 else None)
-            paged_decode(q, cache, out, data.decode_seq_ids, meta.query_start_loc, meta.seq_lens,
-                         meta.block_tables, self.scale, data.num_splits, parts,
+            parts = (self.partials(nd * meta.query_len, meta.num_splits, q.device)
+                     if meta.num_splits > 1 else None)
+            paged_decode(q, cache, out, meta.decode_seq_ids, meta.query_start_loc, meta.seq_lens,
+                         meta.block_tables, self.scale, meta.num_splits, parts,
                          count=None if counts is None else counts[0:1], kv_scale=kv_scale, window=window,
-                         query_len=data.query_len)
-        if data.tile_seq.shape[0]:
-            paged_extend(q, k, v, cache, out, data.tile_seq, data.tile_start, meta.query_start_loc,
+                         query_len=meta.query_len)
+        if meta.tile_seq.shape[0]:
+            paged_extend(q, k, v, cache, out, meta.tile_seq, meta.tile_start, meta.query_start_loc,
                          meta.seq_lens, meta.block_tables, self.scale,
                          count=None if counts is None else counts[1:2], kv_scale=kv_scale, window=window)
-        for first, n, seq_len, seq in data.long_chunks:
+        for first, n, seq_len, seq in meta.long_chunks:
             rows = slice(first, first + n)
             self.long.attend(q[rows], k[rows], v[rows], cache, meta.block_tables[seq], seq_len, out[rows])
         return out

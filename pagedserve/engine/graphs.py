@@ -23,7 +23,12 @@ from collections.abc import Callable
 
 import torch
 
-from pagedserve.attention.backend import AttentionContext, AttentionMetadata, GraphKey
+from pagedserve.attention.backend import (
+    AttentionContext,
+    CommonAttentionMetadata,
+    GraphKey,
+    GraphStep,
+)
 from pagedserve.engine.input_batch import StepArrays, StepBuffers
 
 logger = logging.getLogger("pagedserve")
@@ -56,28 +61,32 @@ class GraphRunner:
                  max_verify_batch: int = 0) -> None:
         """`verify_len`: k + 1 of a speculative config with k drafts (verify graphs for up to
         `max_verify_batch` sequences, where the backend takes k + 1 tokens a sequence; 0:
-        none)."""
+        none). Only the kinds of step the backend's metadata builder declares get graphs."""
         self.model, self.buffers, self.backend = model, buffers, buffers.backend
+        self.builder = buffers.builder
         self.device = buffers.device
         self.max_seq_len = max_seq_len
         self.prefetch = prefetch
-        self.decode_keys = [GraphKey(b, 1) for b in graph_buckets(min(max_decode_batch, buffers.max_seqs))]
+        steps = self.builder.graph_steps
+        self.decode_keys = ([GraphKey(b, 1) for b in graph_buckets(min(max_decode_batch, buffers.max_seqs))]
+                            if GraphStep.DECODE in steps else [])
         self.verify_keys = []
-        if 1 < verify_len <= self.backend.max_verify_len() and max_verify_batch > 0:
+        if (GraphStep.VERIFY in steps and 1 < verify_len <= self.builder.max_verify_len()
+                and max_verify_batch > 0):
             self.verify_keys = [GraphKey(b * verify_len, verify_len)
                                 for b in graph_buckets(min(max_verify_batch, buffers.max_seqs))
                                 if b * verify_len <= buffers.max_tokens]
         self.mixed_keys = ([GraphKey(t, 0) for t in token_buckets(max_mixed_tokens)]
-                           if max_mixed_tokens > 0 else [])
+                           if max_mixed_tokens > 0 and GraphStep.MIXED in steps else [])
         self.graphs: dict[GraphKey, torch.cuda.CUDAGraph] = {}
         self.outputs: dict[GraphKey, torch.Tensor] = {}  # [key.num_tokens, hidden] each
-        self.metas: dict[GraphKey, AttentionMetadata] = {}  # (kept: the graphs read them)
+        self.metas: dict[GraphKey, CommonAttentionMetadata] = {}  # the backend's (kept: the graphs read them)
         self.prefetchers: dict[GraphKey, object] = {}
         self.use_mixed = True  # off: prefill and mixed steps run eagerly (the warm-up)
 
     @property
     def max_decode_batch(self) -> int:
-        return self.decode_keys[-1].num_tokens
+        return self.decode_keys[-1].num_tokens if self.decode_keys else 0
 
     def key_for(self, a: StepArrays) -> GraphKey | None:
         """The key whose graph this step replays, or None if it must run eagerly."""
@@ -92,12 +101,13 @@ class GraphRunner:
             return None
         for key in self.mixed_keys:
             if key.num_tokens >= a.num_tokens:
-                return key if self.backend.graph_fits(a.query_start_loc, key, self.buffers.max_seqs) else None
+                return key if self.builder.graph_fits(a.query_start_loc, key, self.buffers.max_seqs) else None
         return None
 
-    def meta(self, key: GraphKey) -> AttentionMetadata:
+    def meta(self, key: GraphKey) -> CommonAttentionMetadata:
+        """The backend's metadata `key`'s graph is captured with (built once)."""
         if key not in self.metas:
-            self.metas[key] = self.buffers.graph_metadata(key, self.max_seq_len)
+            self.metas[key] = self.buffers.capture_metadata(key, self.max_seq_len)
         return self.metas[key]
 
     def forward(self, key: GraphKey) -> torch.Tensor:

@@ -15,7 +15,12 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from pagedserve.attention.backend import AttentionBackend, AttentionMetadata, GraphKey
+from pagedserve.attention.backend import (
+    AttentionBackend,
+    AttentionMetadataBuilder,
+    CommonAttentionMetadata,
+    GraphKey,
+)
 from pagedserve.host_copy import ALIGN
 
 
@@ -120,7 +125,7 @@ def _aligned(n: int) -> int:
 
 class SeqLayout:
     """Offsets of the per-sequence int32 fields inside one flat buffer (one copy per step):
-    the common ones, then the attention backend's (`AttentionBackend.step_fields`)."""
+    the common ones, then the attention backend's (`AttentionMetadataBuilder.field_sizes`)."""
 
     def __init__(self, max_seqs: int, backend_fields: dict[str, int], max_logits: int | None = None) -> None:
         sizes = {"query_start_loc": max_seqs + 1, "seq_lens": max_seqs, "logits_idx": max_logits or max_seqs,
@@ -134,12 +139,13 @@ class SeqLayout:
 
 
 def pack_inputs(a: StepArrays, bucket: int, key: GraphKey | None, layout: SeqLayout,
-                backend: AttentionBackend) -> tuple[np.ndarray, np.ndarray, object]:
+                builder: AttentionMetadataBuilder) -> tuple[np.ndarray, np.ndarray]:
     """Host images of the step buffers for a step padded to `bucket` tokens: token rows
     [4, bucket] int64 (ids, positions, slots, pending-source rows) and the int32 field
     buffer of `layout`. Padded sequences: an empty query range at T for a mixed step; for
     a uniform key (every sequence q tokens), one query range of q padding tokens each.
-    Also returns what the backend noted for its metadata (`fill_step_fields`)."""
+    A step that replays a graph (`key`) has the backend's fields too (`fill_for_replay`); an
+    eager step's metadata is built once it is loaded (`StepBuffers.metadata`)."""
     T = a.num_tokens
     tokens = np.zeros((4, bucket), dtype=np.int64)
     tokens[:, :T] = (a.ids, a.positions, a.slots, a.src_rows)
@@ -160,8 +166,9 @@ def pack_inputs(a: StepArrays, bucket: int, key: GraphKey | None, layout: SeqLay
     put("query_start_loc", a.query_start_loc)
     put("seq_lens", a.seq_lens)
     put("logits_idx", a.logits_idx)
-    noted = backend.fill_step_fields(a.query_start_loc, a.seq_lens, key, put)
-    return tokens, seq, noted
+    if key is not None:
+        builder.fill_for_replay(a.query_start_loc, a.seq_lens, key, put)
+    return tokens, seq
 
 
 class StepBuffers:
@@ -172,8 +179,9 @@ class StepBuffers:
     def __init__(self, backend: AttentionBackend, max_tokens: int, max_seqs: int, max_blocks: int,
                  device: torch.device, max_drafts: int = 0) -> None:
         self.backend, self.device = backend, device
+        self.builder = backend.metadata_builder(self.view)  # (its fields: views of self.seq)
         self.max_tokens, self.max_seqs, self.max_blocks = max_tokens, max_seqs, max_blocks
-        self.layout = SeqLayout(max_seqs, backend.step_fields(max_tokens, max_seqs),
+        self.layout = SeqLayout(max_seqs, self.builder.field_sizes(max_tokens, max_seqs),
                                 min(max_seqs * (1 + max_drafts), max(max_tokens, max_seqs)))
         # For a step of n tokens the token rows live at tokens[:4 * n] viewed as [4, n]: one
         # copy of exactly the step's inputs, at the same addresses in every replay.
@@ -193,11 +201,10 @@ class StepBuffers:
         return self.tokens[: 4 * n].view(4, n)  # ids, positions, slots, sources
 
     def load(self, a: StepArrays, bucket: int, key: GraphKey | None,
-             prev_tokens: torch.Tensor | None) -> object:
+             prev_tokens: torch.Tensor | None) -> None:
         """Copy a step's inputs (padded to `bucket` tokens) into the buffers and fill its
-        pending input tokens from the previous step's samples on the device. Returns the
-        backend's note for `metadata`."""
-        tokens, seq, noted = pack_inputs(a, bucket, key, self.layout, self.backend)
+        pending input tokens from the previous step's samples on the device."""
+        tokens, seq = pack_inputs(a, bucket, key, self.layout, self.builder)
         cuda = self.device.type == "cuda"
         pin = _pinned if cuda else (lambda t: t)
         self.tokens[: tokens.size].copy_(pin(torch.from_numpy(tokens.reshape(-1))), non_blocking=cuda)
@@ -214,7 +221,6 @@ class StepBuffers:
             else:
                 pending = src >= 0
                 ids[pending] = prev_tokens[src[pending]]
-        return noted
 
     def advance_decodes(self, rows: int, tokens: torch.Tensor, block_size: int) -> None:
         """On the device: turn the decode step in the first `rows` token rows (a decode graph's
@@ -232,31 +238,30 @@ class StepBuffers:
         slots.copy_(torch.where(real, page * block_size + positions % block_size, slots))
         self.view("seq_lens", rows).add_(real.int())
 
-    def metadata(self, a: StepArrays, noted: object) -> AttentionMetadata:
-        """Metadata of an eager step over the loaded buffers (exact sizes; `noted`: what
-        `load` returned)."""
+    def metadata(self, a: StepArrays) -> CommonAttentionMetadata:
+        """The backend's metadata of an eager step over the loaded buffers (exact sizes),
+        built once for every layer."""
         S = a.num_seqs
-        meta = AttentionMetadata(
+        common = CommonAttentionMetadata(
             query_start_loc=self.view("query_start_loc", S + 1), seq_lens=self.view("seq_lens", S),
             slot_mapping=self.token_rows(a.num_tokens)[2], block_tables=self.block_tables[:S],
             max_query_len=a.max_query_len, max_seq_len=int(a.seq_lens.max()),
             query_start_loc_cpu=a.query_start_loc.tolist(), seq_lens_cpu=a.seq_lens.tolist(),
         )
-        self.backend.step_metadata(meta, noted, self.view)
-        return meta
+        return self.builder.build(common)
 
-    def graph_metadata(self, key: GraphKey, max_seq_len: int) -> AttentionMetadata:
-        """The static metadata a graph of `key` reads (kernel grids sized for the key)."""
+    def capture_metadata(self, key: GraphKey, max_seq_len: int) -> CommonAttentionMetadata:
+        """The backend's static metadata a graph of `key` reads (kernel grids sized for the
+        key), over the buffers."""
         num_seqs = key.num_tokens // key.uniform_query_len if key.uniform_query_len else self.max_seqs
-        meta = AttentionMetadata(
+        common = CommonAttentionMetadata(
             query_start_loc=self.view("query_start_loc", num_seqs + 1),
             seq_lens=self.view("seq_lens", num_seqs),
             slot_mapping=self.token_rows(key.num_tokens)[2], block_tables=self.block_tables[:num_seqs],
             max_query_len=key.uniform_query_len or key.num_tokens, max_seq_len=max_seq_len,
             query_start_loc_cpu=[], seq_lens_cpu=[],
         )
-        self.backend.graph_metadata(meta, key, self.max_seqs, self.view)
-        return meta
+        return self.builder.build_for_capture(common, key)
 
 
 def _pinned(t: torch.Tensor) -> torch.Tensor:

@@ -50,7 +50,6 @@ class _Step:
     states: list[CachedRequest]  # the request of each chunk
     prompt: PromptRows | None  # the rows that score their prompts (such a step runs eagerly)
     key: GraphKey | None  # the CUDA graph that runs it (None: eager)
-    noted: object  # what the buffers noted while loading (for the eager metadata)
     verify: VerifyPlan | None  # its drafts' verification (None: no drafts)
 
 
@@ -159,12 +158,12 @@ class ModelRunner:
         return self.graphs.capture()
 
     @torch.inference_mode()
-    def forward_eager(self, a: StepArrays, noted: object, prompt: PromptRows | None = None) -> torch.Tensor:
+    def forward_eager(self, a: StepArrays, prompt: PromptRows | None = None) -> torch.Tensor:
         """Hidden states [N, hidden] of the sampling tokens of a step loaded into the buffers
         (with `prompt`: also the prompt logprobs of its rows, kept for the step's handle)."""
         buf = self.buffers
         rows = buf.token_rows(a.num_tokens)
-        hidden = self.model(rows[0], rows[1], AttentionContext(self.backend, buf.metadata(a, noted)))
+        hidden = self.model(rows[0], rows[1], AttentionContext(self.backend, buf.metadata(a)))
         self._prompt_scores = None if prompt is None else score(self.model, hidden, prompt)
         return hidden.index_select(0, buf.view("logits_idx", len(a.logits_idx)))  # [T, h] -> [N, h]
 
@@ -196,10 +195,10 @@ class ModelRunner:
         a = pack_step(out.chunks, [r.token_ids for r in states], self._prev_rows, self.block_size)
         prompt = prompt_rows(out.chunks, states, a.query_start_loc) if self._prompt_logprobs else None
         key = None if self.graphs is None or prompt is not None else self.graphs.key_for(a)
-        noted = self.buffers.load(a, key.num_tokens if key else a.num_tokens, key, self._prev_tokens)
+        self.buffers.load(a, key.num_tokens if key else a.num_tokens, key, self._prev_tokens)
         verify = self.spec.plan(a, out.chunks, states, self.model.config.eos_token_ids, self.vocab_size,
                                 self.device, self.masks.failed)
-        return _Step(out, a, states, prompt, key, noted, verify)
+        return _Step(out, a, states, prompt, key, verify)
 
     def _forward(self, step: _Step) -> torch.Tensor:
         """Hidden states [N, hidden] of the sampling rows (the draft model follows the step)."""
@@ -209,7 +208,7 @@ class ModelRunner:
             hidden = self.graphs.replay(step.key, step.a)
         else:
             self.num_eager_steps += 1
-            hidden = self.forward_eager(step.a, step.noted, step.prompt)
+            hidden = self.forward_eager(step.a, step.prompt)
         self.spec.mirror(step.a, self._prev_tokens)
         return hidden
 
@@ -349,6 +348,6 @@ class ModelRunner:
         chunks = [ScheduledChunk(f"probe-{i}", length - 1, 1, list(range(i * per_seq, (i + 1) * per_seq)),
                                  samples=True, is_decode=True) for i in range(num_seqs)]
         a = pack_step(chunks, [[1] * length] * num_seqs, {}, self.block_size)
-        noted = self.buffers.load(a, a.num_tokens, None, None)
+        self.buffers.load(a, a.num_tokens, None, None)
         rows = self.buffers.token_rows(a.num_tokens)
-        return rows[0], rows[1], self.buffers.metadata(a, noted)
+        return rows[0], rows[1], self.buffers.metadata(a)

@@ -9,7 +9,7 @@ from typing import Protocol
 
 import torch
 
-from pagedserve.attention.backend import AttentionContext, AttentionMetadata
+from pagedserve.attention.backend import AttentionContext, CommonAttentionMetadata
 from pagedserve.config import ModelConfig, SchedulerConfig
 from pagedserve.engine.kv_cache_spec import KVCacheSpec
 from pagedserve.engine.messages import EngineRequest
@@ -95,11 +95,11 @@ def profile_forward(model, backend, sched: SchedulerConfig, spec: KVCacheSpec) -
         tables[i, :nb] = torch.arange(first, first + nb)
         slots.append(torch.arange(first * block_size, first * block_size + n))
         first += nb
-    meta = AttentionMetadata.for_prefill(lens, device)
-    meta.slot_mapping = torch.cat(slots).to(device)
-    meta.block_tables = tables.to(device)
+    common = CommonAttentionMetadata.for_prefill(lens, device)
+    common.slot_mapping = torch.cat(slots).to(device)
+    common.block_tables = tables.to(device)
     backend.bind_kv_caches(caches, spec.allocate_scales(device))
-    backend.prepare(meta)
+    meta = backend.metadata(common)
     ids = torch.zeros(total, dtype=torch.long, device=device)
     positions = torch.cat([torch.arange(n, device=device) for n in lens])
     hidden = model(ids, positions, AttentionContext(backend, meta))

@@ -256,13 +256,12 @@ class Worker:
         if not self.cuda:
             return
         runner, backend = self.runner, self.runner.backend
-        variants = backend.eager_variants()
-        if variants:
+        builder = runner.buffers.builder
+        if builder.has_eager_variants:
             length = min(600, self.scheduler_config.max_model_len)
             ids, positions, meta = runner.decode_probe(num_seqs=2, length=length)
-            for variant in variants:
-                backend.prepare(meta, **variant)
-                self.model(ids, positions, AttentionContext(backend, meta))
+            for variant in builder.eager_variants(meta):
+                self.model(ids, positions, AttentionContext(backend, variant))
         self._sampler_kernels(runner.sampler.fused, runner.sampler.fused_top_k_top_p,
                               self.scheduler_config.max_num_seqs)
 

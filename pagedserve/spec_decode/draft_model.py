@@ -95,11 +95,11 @@ class DraftRunner:
         """Hidden states [N, hidden] of a packed step's logits rows (its KV written)."""
         buf, graphs = self.buffers, self.graphs
         key = None if graphs is None else graphs.key_for(a)
-        noted = buf.load(a, key.num_tokens if key else a.num_tokens, key, prev_tokens)
+        buf.load(a, key.num_tokens if key else a.num_tokens, key, prev_tokens)
         if key is not None:
             return graphs.replay(key, a)
         rows = buf.token_rows(a.num_tokens)
-        hidden = self.model(rows[0], rows[1], AttentionContext(self.backend, buf.metadata(a, noted)))
+        hidden = self.model(rows[0], rows[1], AttentionContext(self.backend, buf.metadata(a)))
         return hidden.index_select(0, buf.view("logits_idx", len(a.logits_idx)))
 
     def mirror(self, a: StepArrays, prev_tokens: torch.Tensor | None) -> None:

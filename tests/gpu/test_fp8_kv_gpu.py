@@ -65,7 +65,7 @@ CASES = {
 @pytest.mark.parametrize("case", list(CASES))
 @pytest.mark.parametrize("hq,hkv", [(HQ, HKV), (20, 4)])
 def test_fp8_attention_against_the_reference_over_the_dequantized_cache(hq, hkv, case):
-    from pagedserve.attention.testing import random_paged_step
+    from pagedserve.attention.testing import random_paged_step, with_splits
     from pagedserve.attention.torch_ref import TorchReferenceBackend
     from pagedserve.attention.triton_backend import TritonBackend
     from pagedserve.kernels.kv_quant_torch import dequantize_kv, quantize_kv
@@ -82,13 +82,12 @@ def test_fp8_attention_against_the_reference_over_the_dequantized_cache(hq, hkv,
     cache = torch.stack([quantize_kv(old[0] * 3, 0.5), quantize_kv(old[1], 0.25)])
     tri = TritonBackend(hq, hkv, D, D**-0.5)
     tri.bind_kv_caches([cache.clone()], scales)
-    tri.prepare(meta, num_splits=splits)
-    got = tri.forward(0, q, k, v, meta)
+    got = tri.forward(0, q, k, v, with_splits(tri.metadata(meta), splits))
     after = tri.kv_caches[0]
     ref = TorchReferenceBackend(hq, hkv, D, D**-0.5)
     ref.bind_kv_caches([torch.stack([dequantize_kv(after[0], 0.5, torch.float32),
                                      dequantize_kv(after[1], 0.25, torch.float32)])])
-    want = ref.forward(0, q.float(), k.float(), v.float(), meta, kv_stored=True)
+    want = ref.forward(0, q.float(), k.float(), v.float(), ref.metadata(meta), kv_stored=True)
     assert rel_err(got, want) < 1e-2
 
 

@@ -152,7 +152,7 @@ ATTENTION_CASES = {
 @pytest.mark.parametrize("case", list(ATTENTION_CASES))
 @pytest.mark.parametrize("hq,hkv", [(32, 8), (20, 4)])
 def test_paged_attention_against_the_torch_reference(hq, hkv, case):
-    from pagedserve.attention.testing import random_paged_step
+    from pagedserve.attention.testing import random_paged_step, with_splits
     from pagedserve.attention.torch_ref import TorchReferenceBackend
     from pagedserve.attention.triton_backend import TritonBackend
 
@@ -167,9 +167,8 @@ def test_paged_attention_against_the_torch_reference(hq, hkv, case):
     cache = torch.randn(2, nb, bs, hkv, d, device=DEV, dtype=BF)
     ref = TorchReferenceBackend(hq, hkv, d, d**-0.5)
     ref.bind_kv_caches([cache.float()])
-    want = ref.forward(0, q.float(), k.float(), v.float(), meta)
+    want = ref.forward(0, q.float(), k.float(), v.float(), ref.metadata(meta))
     tri = TritonBackend(hq, hkv, d, d**-0.5)
     tri.bind_kv_caches([cache.clone()])
-    tri.prepare(meta, num_splits=splits)
-    got = tri.forward(0, q, k, v, meta)
+    got = tri.forward(0, q, k, v, with_splits(tri.metadata(meta), splits))
     assert rel_err(got, want) < TOL

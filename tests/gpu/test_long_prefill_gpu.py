@@ -42,7 +42,7 @@ def test_long_path_matches_reference(kernel, expand):
     meta, cache, q, k, v = _chunk(1024, 2500)
     ref = TorchReferenceBackend(HQ, HKV, D, D**-0.5)
     ref.bind_kv_caches([cache.float()])
-    want = ref.forward(0, q.float(), k.float(), v.float(), meta, kv_stored=True)
+    want = ref.forward(0, q.float(), k.float(), v.float(), ref.metadata(meta), kv_stored=True)
     path = LongPrefill(kernel, HQ, HKV, D, D**-0.5, torch.bfloat16, DEV, piece_keys=1024, expand_kv=expand)
     if not expand and not path.runs():  # (the backend then repeats the KV heads: the other case)
         pytest.skip(f"this torch's {kernel} attention takes no grouped KV heads")

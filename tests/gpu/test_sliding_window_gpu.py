@@ -32,7 +32,7 @@ def _drop_blocks_before_windows(meta, window: int, bogus: int):
     for i, seq_len in enumerate(meta.seq_lens_cpu):
         first_key = max(0, seq_len - (qsl[i + 1] - qsl[i]) - window + 1)
         tables[i, : first_key // BS] = bogus
-    return dataclasses.replace(meta, block_tables=tables, backend_data=None)
+    return dataclasses.replace(meta, block_tables=tables)
 
 
 @pytest.mark.parametrize("fp8", [False, True])
@@ -40,9 +40,7 @@ def _drop_blocks_before_windows(meta, window: int, bogus: int):
 def test_windowed_kernels_match_the_torch_backend(window, fp8):
     """A mixed step: decodes (one past 2,000 tokens) with split-KV, a 700-token chunk after
     1,300 cached tokens, a whole 300-token prompt."""
-    import dataclasses
-
-    from pagedserve.attention.testing import random_paged_step
+    from pagedserve.attention.testing import random_paged_step, with_splits
     from pagedserve.attention.torch_ref import TorchReferenceBackend, write_kv_cache
     from pagedserve.attention.triton_backend import TritonBackend
     from pagedserve.kernels.kv_quant_torch import dequantize_kv, quantize_kv
@@ -62,13 +60,11 @@ def test_windowed_kernels_match_the_torch_backend(window, fp8):
 
     tri = TritonBackend(HQ, HKV, D, D**-0.5, (window,))
     tri.bind_kv_caches([cache], None if scales is None else scales[None])
-    tri.prepare(dropped, num_splits=4)
-    got = tri.forward(0, q, k, v, dropped, kv_stored=True)
+    got = tri.forward(0, q, k, v, with_splits(tri.metadata(dropped), 4), kv_stored=True)
     plain = cache if not fp8 else torch.stack([dequantize_kv(cache[s], scales[s], torch.float32)
                                                for s in (0, 1)])
     ref = TorchReferenceBackend(HQ, HKV, D, D**-0.5, (window, None))  # (gathers whole contexts)
     ref.bind_kv_caches([plain.float()] * 2)
-    want = ref.forward(0, q.float(), k.float(), v.float(), dataclasses.replace(meta, backend_data=None),
-                       kv_stored=True)
+    want = ref.forward(0, q.float(), k.float(), v.float(), ref.metadata(meta), kv_stored=True)
     assert got.isfinite().all()
     assert rel_err(got, want) < 1e-2
