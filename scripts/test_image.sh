@@ -62,7 +62,16 @@ if ! ls "$index/torch" | grep -q "^torch-$TORCH_VERSION+cpu-cp311"; then
          "(found: $(ls "$index/torch")); put its wheel where pip looks (find-links)" >&2
     exit 1
 fi
-port=$("$PY" -c 'import socket; s = socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])')
+# A fixed port when free: the index's address is a build argument, hence part of the key of the
+# build's cached layers (another port rebuilds torch's layer and those after it).
+port=$("$PY" -c '
+import socket
+s = socket.socket()
+try:
+    s.bind(("127.0.0.1", 18765))
+except OSError:
+    s.bind(("127.0.0.1", 0))
+print(s.getsockname()[1])')
 "$PY" -m http.server "$port" --bind 127.0.0.1 --directory "$index" >"$CACHE/index.log" 2>&1 &
 index_pid=$!
 container=""
