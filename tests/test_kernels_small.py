@@ -467,7 +467,10 @@ def test_planned_model_matches_unplanned(tmp_path, monkeypatch):
     model = build_model(resolve_model(str(tmp_path)), dtype="float32")
     seqs = [[5, 9, 200], [7], [3, 3]]
     before = run_prefill(model, seqs)
-    plans = plan_model_matmuls(model, timer=lambda fn: (fn(), 1.0)[1])
+    # (equal times, and the timed code not run again: each candidate already ran on these
+    # shapes in the planner's agreement check, and test_plan_picks_the_fastest_that_agrees
+    # runs the timed code)
+    plans = plan_model_matmuls(model, timer=lambda fn: 1.0)
     assert set(plans) == {"qkv_proj (256, 64)", "o_proj (64, 128)", "gate_up_proj (256, 64)",
                           "down_proj (64, 128)", "logits"}
     for key, plan in plans.items():  # equal times: cuBLAS kept everywhere
