@@ -14,6 +14,15 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
 
 
+def pytest_collection_finish(session):
+    """The kernel tests' modules turn Triton's interpreter on as they are collected; once they
+    are, it is made faster (tests/triton_interpreter.py). Never imports triton otherwise."""
+    if os.environ.get("TRITON_INTERPRET") == "1":
+        from triton_interpreter import speed_up_interpreter
+
+        speed_up_interpreter()
+
+
 @pytest.fixture(autouse=True)
 def _seed_every_test(request):
     """Every test draws its random inputs from generators seeded by its own name: the same

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import inspect
 
 import torch
@@ -34,15 +35,40 @@ def greedy_nocache(model, prompt: list[int], n: int) -> list[int]:
 
 
 @torch.no_grad()
-def hf_greedy(hf, prompt: list[int], n: int) -> list[int]:
-    """Greedy continuation with a Transformers model, n tokens, EOS neither stopping nor banned."""
-    # Transformers 5.x calls the KV cache `cache` (`past_key_values` is deprecated); 4.x
-    # calls it `past_key_values`.
-    name = "cache" if "cache" in inspect.signature(hf.forward).parameters else "past_key_values"
-    out = hf(torch.tensor([prompt]), use_cache=True)
+def hf_greedy(hf, prompt: list[int], n: int, prefix=None) -> list[int]:
+    """Greedy continuation with a Transformers model, n tokens, EOS neither stopping nor banned.
+    Only the last position's logits are computed (`logits_to_keep=1`, as Transformers'
+    generate does). `prefix` (from `hf_prefix`): leading tokens of `prompt` already run; the
+    rest of the prompt continues a copy of their cache (Transformers' own prefix reuse)."""
+    name = _cache_name(hf)
+    kwargs = {"use_cache": True}
+    if prefix is not None:
+        ids, cache = prefix
+        assert prompt[:len(ids)] == ids and len(prompt) > len(ids), "the prompt does not extend the prefix"
+        kwargs[name] = copy.deepcopy(cache)
+        prompt = prompt[len(ids):]
+    out = hf(torch.tensor([prompt]), **kwargs, **_last_logits(hf))
     tokens = []
     for _ in range(n):
         tok = int(out.logits[0, -1].argmax())
         tokens.append(tok)
         out = hf(torch.tensor([[tok]]), use_cache=True, **{name: getattr(out, name)})
     return tokens
+
+
+@torch.no_grad()
+def hf_prefix(hf, ids: list[int]):
+    """Run `ids` once with a Transformers model: the `prefix` argument of `hf_greedy`."""
+    out = hf(torch.tensor([ids]), use_cache=True, **_last_logits(hf))
+    return list(ids), getattr(out, _cache_name(hf))
+
+
+def _cache_name(hf) -> str:
+    # Transformers 5.x calls the KV cache `cache` (`past_key_values` is deprecated); 4.x
+    # calls it `past_key_values`.
+    return "cache" if "cache" in inspect.signature(hf.forward).parameters else "past_key_values"
+
+
+def _last_logits(hf) -> dict:
+    params = inspect.signature(hf.forward).parameters
+    return {"logits_to_keep": 1} if "logits_to_keep" in params else {}

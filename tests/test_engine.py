@@ -10,7 +10,7 @@ import textwrap
 import pytest
 import torch
 
-from helpers import hf_greedy
+from helpers import hf_greedy, hf_prefix
 from pagedserve import LLM, SamplingParams
 
 NUM_NEW = 8
@@ -87,7 +87,8 @@ def test_shared_system_prompt_hits_prefix_cache(corpus_ids, hf_model):
     system = corpus_ids[:300]
     prompts = [system + corpus_ids[s : s + rng.randint(5, 40)]
                for s in (rng.randrange(1000, 5000) for _ in range(32))]
-    reference = [hf_greedy(hf_model, p, NUM_NEW) for p in prompts]
+    shared = hf_prefix(hf_model, system)  # (Transformers runs the system prompt once too)
+    reference = [hf_greedy(hf_model, p, NUM_NEW, prefix=shared) for p in prompts]
     # Small budget: the first request's prompt is computed before most others are admitted.
     llm, outs = _generate(prompts, max_num_batched_tokens=400)
     assert [o.outputs[0].token_ids for o in outs] == reference
