@@ -41,6 +41,9 @@ from pagedserve.models.loader import build_model
 from pagedserve.models.source import ModelSource
 from pagedserve.quantization.methods import check_quantization_device
 from pagedserve.spec_decode.spec_decoder import SpecDecoder
+from pagedserve.structured.backend import Grammar
+from pagedserve.structured.compiler import GrammarCompiler
+from pagedserve.structured.params import StructuredOutputsParams
 
 logger = logging.getLogger("pagedserve")
 
@@ -120,8 +123,12 @@ class Worker:
             from pagedserve.spec_decode.draft_model import DraftRunner
 
             drafter = DraftRunner(*draft, num_blocks, sched, config.speculative.num_speculative_tokens)
+        # compiled grammars by constraint: the core's where it shares them (in process), else
+        # this worker's own, built on first use
+        self.grammar_compiler: GrammarCompiler | None = None
+        self._source, self._tokenizer_path = source, config.tokenizer
         self.runner = ModelRunner(model, backend, spec, num_blocks, Sampler(kernels.fused_sampling, kernels.top_k_top_p_kernel),
-                                  sched, SpecDecoder(config.speculative, drafter))
+                                  sched, SpecDecoder(config.speculative, drafter), self._grammar)
         self.num_blocks = num_blocks
 
         self.matmul_plan_seconds = 0.0
@@ -288,6 +295,13 @@ class Worker:
             from pagedserve.kernels.compile_ahead import report_late_compiles
 
             report_late_compiles(True)
+
+    def _grammar(self, spec: StructuredOutputsParams) -> Grammar:
+        """A constraint's compiled grammar (for a new request's matcher)."""
+        if self.grammar_compiler is None:
+            self.grammar_compiler = GrammarCompiler.for_model(self._source, self.model_config,
+                                                              self._tokenizer_path)
+        return self.grammar_compiler.get(spec)
 
     # ---- steps ------------------------------------------------------------------------
 
