@@ -2,10 +2,11 @@
 
 Owns the model, the KV-cache tensors, the step buffers and CUDA graphs. Every step takes
 one path: the step's diff is applied to what the runner keeps (new requests, their block
-tables' changes: `BlockTables`, host rows kept step to step), `pack_step` flattens it on the
-host (numpy), `StepBuffers.load` copies it into the persistent device buffers, then the step replays the graph of its key
-(`engine/graphs.py`) or runs eagerly over the same buffers; logits are computed only for
-the requests that sample this step, and sampled on the device.
+tables' changes: `BlockTables`, host rows kept step to step), `pack_step` flattens it on
+the host (numpy), `StepBuffers.load` copies it into the persistent device buffers, then the
+step replays the graph of its key (`engine/graphs.py`) or runs eagerly over the same
+buffers; logits are computed only for the requests that sample this step, and sampled on
+the device.
 """
 
 from __future__ import annotations
