@@ -359,9 +359,9 @@ class Worker:
         self.runner.reset_stats()
 
     def held_request_ids(self) -> list[str]:
-        """The requests this worker keeps state for: every one no step's finished_req_ids
-        named yet (the ended ones go with the next step)."""
-        return sorted(self.runner.requests)
+        """The requests this worker keeps state (or a block table) for: every one no step's
+        finished_req_ids named yet (the ended ones go with the next step)."""
+        return sorted(set(self.runner.requests) | set(self.runner.tables.row_of))
 
     def on_progress(self, beat: Callable[[], None]) -> None:
         """(In process only: `beat` is a callable.) On the CPU, call it before each decoder
