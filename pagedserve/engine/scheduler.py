@@ -50,9 +50,10 @@ class ScheduledChunk:
     changed since they last heard of it: its table's entries from `blocks_from` on are
     `new_block_ids`, and it has `blocks_from + len(new_block_ids)` entries (usually the blocks
     allocated since: `blocks_from` is below the length the workers hold only after rejected
-    drafts gave blocks back). `resumed`: the request comes back after a preemption, and
-    `new_block_ids` is its whole table (`blocks_from` 0). Entries given back before a
-    sliding window (NULL_BLOCK here) are not sent: the backends never read them.
+    drafts gave blocks back, or blocks before a sliding window went back: their entries
+    became NULL_BLOCK). `resumed`: the request comes back after a preemption, and
+    `new_block_ids` is its whole table (`blocks_from` 0). So the workers' tables are the
+    KV manager's, entry for entry.
 
     `samples` is True when the chunk reaches the
     request's last token, so its logits give a new token; `is_decode` when it is one new
@@ -266,7 +267,10 @@ class Scheduler:
             first = req.num_computed_tokens
             for starts in in_flight:
                 first = min(first, starts.get(id(req), first))
-            self.kv.release_out_of_window(req.request_id, first, req.token_ids)
+            released = self.kv.release_out_of_window(req.request_id, first, req.token_ids)
+            if released:  # (their entries are NULL_BLOCK now: the next chunk sends them)
+                slid = self.kv.num_slid_out(req.request_id) - released
+                req.num_blocks_sent = min(req.num_blocks_sent, slid)
 
     def _reached_length(self, req: Request) -> bool:
         """No more tokens may be generated (pending ones counted)."""
