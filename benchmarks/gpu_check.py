@@ -253,8 +253,10 @@ def time_prefill(engine, num_seqs: int, length: int) -> float:
     for i in range(num_seqs):
         rid = f"pf{i}"
         assert engine.kv.allocate(rid, length)
-        out.new_requests.append(NewRequestData(rid, [rng.randrange(100, 150_000) for _ in range(length)], params))
-        out.chunks.append(ScheduledChunk(rid, 0, length, engine.kv.block_ids(rid), samples=True))
+        table = list(engine.kv.block_ids(rid))
+        out.new_requests.append(NewRequestData(rid, [rng.randrange(100, 150_000) for _ in range(length)], params,
+                                               table))
+        out.chunks.append(ScheduledChunk(rid, 0, length, blocks_from=len(table), samples=True))
     runner = runner_of(engine)
     for _ in range(2):
         runner.collect(runner.execute(out))

@@ -114,6 +114,7 @@ def _engine(model: str, max_batch: int, ctx: int):
     `ctx` tokens with random K/V (as in `bench latency`'s batch-size sweep)."""
     from pagedserve import LLM
     from pagedserve.attention.backend import GraphKey
+    from pagedserve.engine.block_tables import table_rows
     from pagedserve.engine.input_batch import pack_step
     from pagedserve.engine.scheduler import ScheduledChunk
 
@@ -121,9 +122,9 @@ def _engine(model: str, max_batch: int, ctx: int):
               kv_cache_memory=8 << 30, tokenizer=os.environ.get("PS_TOKENIZER"))
     runner = runner_of(llm.engine)
     nb = ctx // 16  # blocks per row: row r owns blocks r * nb ... (r + 1) * nb - 1
-    chunks = [ScheduledChunk(f"r{r}", ctx - 1, 1, list(range(r * nb, (r + 1) * nb)), samples=True,
-                             is_decode=True) for r in range(max_batch)]
-    a = pack_step(chunks, [[1234 + r] * ctx for r in range(max_batch)], {}, 16)
+    chunks = [ScheduledChunk(f"r{r}", ctx - 1, 1, samples=True, is_decode=True) for r in range(max_batch)]
+    tables = table_rows([list(range(r * nb, (r + 1) * nb)) for r in range(max_batch)])
+    a = pack_step(chunks, [[1234 + r] * ctx for r in range(max_batch)], {}, 16, tables)
     runner.buffers.load(a, max_batch, GraphKey(max_batch, 1), None)
     for cache in runner.kv_caches:  # the contexts' K/V: random, not leftover memory
         cache[:, : max_batch * nb].normal_()

@@ -39,8 +39,9 @@ def _step_chunks(engine, n_dec: int, ctx: int, pre_lens: tuple[int, ...], tag: s
 
     def add(rid: str, prompt: list[int], start: int) -> None:
         assert engine.kv.allocate(rid, len(prompt))
-        out.new_requests.append(NewRequestData(rid, prompt, params))
-        out.chunks.append(ScheduledChunk(rid, start, len(prompt) - start, engine.kv.block_ids(rid),
+        table = list(engine.kv.block_ids(rid))
+        out.new_requests.append(NewRequestData(rid, prompt, params, table))
+        out.chunks.append(ScheduledChunk(rid, start, len(prompt) - start, blocks_from=len(table),
                                          samples=True, is_decode=start > 0))
 
     for i in range(n_dec):
@@ -54,7 +55,8 @@ def _with_tables(out, tables):
     """`out` with other block tables (same requests)."""
     from dataclasses import replace
 
-    return replace(out, chunks=[replace(c, block_ids=t) for c, t in zip(out.chunks, tables)])
+    return replace(out, chunks=[replace(c, new_block_ids=t, blocks_from=0, resumed=True)
+                                for c, t in zip(out.chunks, tables)])
 
 
 def _step_gpu_ms(runner, out) -> float:
@@ -87,7 +89,7 @@ def sustained(quick: bool) -> None:
 
     shape = (224, 1130, (1024,) * 7 + (745,))
     reqs, out = _step_chunks(engine, *shape, "same")
-    tables = [c.block_ids for c in out.chunks]
+    tables = [n.block_ids for n in out.new_requests]  # (in the chunks' order)
     used = {b for t in tables for b in t}
     spare = [b for b in range(engine.kv.num_blocks) if b not in used]
     random.Random(0).shuffle(spare)

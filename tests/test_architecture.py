@@ -94,7 +94,8 @@ LAYERS = [
     # the engine's state: requests, scheduling, KV blocks, step buffers, messages
     ["pagedserve.engine.request", "pagedserve.engine.cached_request", "pagedserve.engine.scheduler",
      "pagedserve.engine.kv_cache_manager", "pagedserve.engine.kv_cache_spec", "pagedserve.engine.cache_sizing",
-     "pagedserve.engine.input_batch", "pagedserve.engine.graphs", "pagedserve.engine.messages",
+     "pagedserve.engine.input_batch", "pagedserve.engine.block_tables", "pagedserve.engine.graphs",
+     "pagedserve.engine.messages",
      "pagedserve.engine.limits", "pagedserve.engine.stopping", "pagedserve.engine.step_timer",
      "pagedserve.engine.step_trace", "pagedserve.engine.step_handle", "pagedserve.engine.heartbeat",
      "pagedserve.engine.prompt_logprobs"],

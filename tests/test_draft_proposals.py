@@ -17,6 +17,7 @@ pytest.importorskip("triton")
 from pagedserve.attention.backend import GraphKey  # noqa: E402
 from pagedserve.attention.triton_backend import TritonBackend  # noqa: E402
 from pagedserve.config import ModelConfig, SchedulerConfig  # noqa: E402
+from pagedserve.engine.block_tables import table_rows  # noqa: E402
 from pagedserve.engine.graphs import GraphRunner  # noqa: E402
 from pagedserve.engine.input_batch import pack_step  # noqa: E402
 from pagedserve.engine.kv_cache_spec import KVCacheSpec  # noqa: E402
@@ -52,8 +53,9 @@ def _requests():
 
 def _prefill(runner: DraftRunner, requests) -> None:
     """The prompts but their last token into the draft's KV (as the mirror of their prefill)."""
-    chunks = [ScheduledChunk(rid, 0, len(toks) - 1, blocks) for rid, toks, blocks, _ in requests]
-    runner.mirror(pack_step(chunks, [toks for _, toks, _, _ in requests], {}, BS), None)
+    chunks = [ScheduledChunk(rid, 0, len(toks) - 1) for rid, toks, _, _ in requests]
+    runner.mirror(pack_step(chunks, [toks for _, toks, _, _ in requests], {}, BS,
+                            table_rows([blocks for _, _, blocks, _ in requests])), None)
 
 
 def test_device_proposals_equal_the_host_loop():

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 from pagedserve.config import EngineConfig, ModelConfig, SchedulerConfig
+from pagedserve.engine.block_tables import BlockTables
 from pagedserve.engine.core import EngineCore
 from pagedserve.engine.executor import Executor
 from pagedserve.engine.messages import EngineRequest, StepResult
@@ -26,19 +27,22 @@ class FakeWorker:
     def __init__(self) -> None:
         self.steps, self.released = 0, []
         self.tokens: dict[str, list[int]] = {}
+        self.tables = BlockTables(max_blocks=4)  # each request's block table, from the steps' diffs
 
     def execute(self, out):
         self.released += out.finished_req_ids
         for rid in out.finished_req_ids:  # (before the new requests: an id may be reused)
             self.tokens.pop(rid, None)
+            self.tables.drop(rid)
         if not out.chunks:
             return None
         self.steps += 1
         for new in out.new_requests:
             self.tokens[new.request_id] = list(new.prompt_token_ids)
+        self.tables.apply(out)
         sampled = {}
         for c in out.chunks:
-            assert len(c.block_ids) * BLOCK_SIZE >= c.start + c.num_tokens
+            assert len(self.tables.block_ids(c.request_id)) * BLOCK_SIZE >= c.start + c.num_tokens
             if c.samples:  # (synchronous engine: every input token is known)
                 known = self.tokens[c.request_id]
                 assert len(known) == c.start + c.num_tokens

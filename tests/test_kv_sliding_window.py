@@ -12,6 +12,7 @@ import random
 import pytest
 
 from pagedserve.config import SchedulerConfig
+from pagedserve.engine.block_tables import BlockTables
 from pagedserve.engine.kv_cache_manager import NULL_BLOCK, KVCacheManager, window_to_free
 from pagedserve.engine.request import Request, RequestStatus
 from pagedserve.engine.scheduler import Scheduler
@@ -183,6 +184,8 @@ class DeviceFake:
         self.slots: dict[int, int] = {}  # cache slot -> hash of the sequence through it
         self.reqs: dict[str, Request] = {}
         self.inflight = None
+        self.worker = BlockTables(4, rows=2)  # the worker's tables, kept from the steps' diffs (grows)
+        self.launched: dict[int, dict[str, list[int]]] = {}  # step id -> the tables it was launched with
 
     def add(self, rid, prompt, max_tokens):
         req = Request(rid, prompt, SamplingParams(max_tokens=max_tokens), max_tokens=max_tokens)
@@ -213,6 +216,12 @@ class DeviceFake:
         if self.drafts:
             self._propose()
         out = self.sched.schedule()
+        for rid in out.finished_req_ids:
+            self.worker.drop(rid)
+        self.worker.apply(out)
+        self.launched[out.step_id] = {c.request_id: self.worker.block_ids(c.request_id) for c in out.chunks}
+        for c in out.chunks:  # the worker's table is the scheduler's, released entries included
+            assert self.worker.block_ids(c.request_id) == self.kv.block_ids(c.request_id)
         for o in (out, self.inflight):
             if o is not None:
                 self._check_owned(o)
@@ -225,10 +234,10 @@ class DeviceFake:
             self.inflight = None
         self.kv.check_integrity()
 
-    def _attend(self, c, req):
-        """Write the chunk's KV, then read each query's window (as each layer does)."""
+    def _attend(self, c, table, req):
+        """Write the chunk's KV, then read each query's window (as each layer does), through
+        the block table the worker launched the step with."""
         bs, w = self.kv.block_size, self.window
-        table = self.kv.block_ids(c.request_id)
         slid = self.kv.num_slid_out(c.request_id)
         new = c.num_tokens - len(c.draft_token_ids)
         hashes = _prefix_hashes(req.token_ids[: c.start + new] + c.draft_token_ids)
@@ -242,10 +251,11 @@ class DeviceFake:
 
     def resolve(self, out):
         sampled = {}
+        tables = self.launched.pop(out.step_id)
         for c in out.chunks:
             req = self.reqs[c.request_id]
             if req.status == RequestStatus.RUNNING:  # (not finished or preempted since)
-                self._attend(c, req)
+                self._attend(c, tables[c.request_id], req)
             if c.samples and req.status != RequestStatus.FINISHED:
                 # the target's tokens: drafts kept while right, then its own
                 toks = list(req.token_ids)

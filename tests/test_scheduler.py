@@ -7,6 +7,7 @@ import random
 import pytest
 
 from pagedserve.config import SchedulerConfig
+from pagedserve.engine.block_tables import BlockTables
 from pagedserve.engine.kv_cache_manager import KVCacheManager
 from pagedserve.engine.request import Request, RequestStatus
 from pagedserve.engine.scheduler import Scheduler
@@ -35,6 +36,7 @@ class FakeEngine:
         self.inflight = None
         self.reqs = {}  # request id -> Request
         self.announced = set()  # ids sent to the workers as new requests
+        self.worker = BlockTables(max_blocks=2, rows=1)  # a worker's tables, from the diffs (grows)
 
     def add(self, rid, prompt, max_tokens, priority=0):
         req = Request(rid, prompt, SamplingParams(max_tokens=max_tokens), priority=priority,
@@ -51,13 +53,17 @@ class FakeEngine:
         new = [n.request_id for n in out.new_requests]
         assert not self.announced & set(new) and len(set(new)) == len(new)  # each once
         self.announced |= set(new)
+        for rid in out.finished_req_ids:
+            self.worker.drop(rid)
+        self.worker.apply(out)
         for c in out.chunks:
             req = self.reqs[c.request_id]
             assert c.request_id in self.announced  # a worker knows every request it runs
             # The chunk's KV counts as computed once scheduled; blocks must cover it.
             assert c.start + c.num_tokens == req.num_computed_tokens
-            assert c.block_ids == self.kv.block_ids(req.request_id)
-            assert len(c.block_ids) * self.kv.block_size >= c.start + c.num_tokens
+            # the worker's table, kept from the steps' diffs, is the scheduler's
+            assert self.worker.block_ids(c.request_id) == self.kv.block_ids(req.request_id)
+            assert len(self.kv.block_ids(req.request_id)) * self.kv.block_size >= c.start + c.num_tokens
             assert c.is_decode == (c.num_tokens == 1 and c.start >= req.num_prompt_tokens)
         prev, self.inflight = self.inflight, (out if out.chunks else None)
         if prev is not None:

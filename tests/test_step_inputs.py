@@ -15,9 +15,15 @@ import torch  # noqa: E402
 
 from pagedserve.attention.backend import AttentionContext, CommonAttentionMetadata, GraphKey  # noqa: E402
 from pagedserve.config import ModelConfig  # noqa: E402
+from pagedserve.engine.block_tables import table_rows  # noqa: E402
 from pagedserve.engine.graphs import graph_buckets, token_buckets  # noqa: E402
 from pagedserve.engine.input_batch import SeqLayout, StepBuffers, pack_inputs, pack_step  # noqa: E402
 from pagedserve.engine.scheduler import ScheduledChunk  # noqa: E402
+
+
+def _pack(chunks, tokens, prev_rows, block_size):
+    """`pack_step` of chunks whose `new_block_ids` are their whole tables (a first step)."""
+    return pack_step(chunks, tokens, prev_rows, block_size, table_rows([c.new_block_ids for c in chunks]))
 from pagedserve.models.llama import LlamaForCausalLM  # noqa: E402
 
 pytest.importorskip("triton")
@@ -106,7 +112,7 @@ def _backend(heads=4, kv_heads=2, head_dim=16):
 
 def test_pack_step_flattens_any_step():
     chunks, tokens = _chunks()
-    a = pack_step(chunks, tokens, {"b": 1}, block_size=4)
+    a = _pack(chunks, tokens, {"b": 1}, block_size=4)
     assert a.num_tokens == 18 and a.num_seqs == 4 and a.has_pending
     assert a.ids[:2].tolist() == [7, 0] and a.src_rows[:3].tolist() == [-1, 1, -1]
     assert a.positions[:3].tolist() == [6, 3, 5] and a.slots[0] == 1 * 4 + 2  # position 6: block 1, row 2
@@ -117,7 +123,7 @@ def test_pack_step_flattens_any_step():
 
 def test_mixed_key_pads_tokens_and_sequences():
     chunks, tokens = _chunks()
-    a = pack_step(chunks, tokens, {"b": 1}, block_size=4)
+    a = _pack(chunks, tokens, {"b": 1}, block_size=4)
     builder = _backend().metadata_builder()
     layout = SeqLayout(8, builder.field_sizes(64, 8))
     tokens, seq = pack_inputs(a, 32, GraphKey(32, 0), layout, builder)
@@ -142,7 +148,7 @@ def test_mixed_key_pads_tokens_and_sequences():
 def test_decode_key_pads_one_query_token_per_sequence():
     # b's third token was sampled last step and is still on the device
     chunks = [ScheduledChunk("a", 4, 1, [7, 3], samples=True), ScheduledChunk("b", 2, 1, [5], samples=True)]
-    arrays = pack_step(chunks, [[10, 11, 12, 13, 14], [20, 21]], {"b": 9}, block_size=4)
+    arrays = _pack(chunks, [[10, 11, 12, 13, 14], [20, 21]], {"b": 9}, block_size=4)
     builder = _backend().metadata_builder()
     layout = SeqLayout(8, builder.field_sizes(16, 8))
     tokens, seq = pack_inputs(arrays, 4, GraphKey(4, 1), layout, builder)
@@ -259,7 +265,7 @@ def test_buffered_forward_matches_a_standalone_step(dtype, kind):
     elif kind == "verify":
         chunks, tokens = _verify_chunks()
     prev_tokens = torch.tensor([5, 41, 9])  # the previous step's samples (b's is 41)
-    a = pack_step(chunks, tokens, {"b": 1}, block_size)
+    a = _pack(chunks, tokens, {"b": 1}, block_size)
     with torch.inference_mode():
         want_caches = _caches(model, num_blocks, block_size, dtype)
         want = _standalone(model, a, want_caches, prev_tokens)  # [N, hidden]
@@ -307,15 +313,15 @@ def test_steps_that_do_not_fit_run_eagerly():
     buffers = StepBuffers(_backend(), max_tokens=64, max_seqs=4, max_blocks=16, device=torch.device("cpu"))
     graphs = GraphRunner(model, buffers, max_decode_batch=4, max_mixed_tokens=48, max_seq_len=64)
     chunks, tokens = _chunks()
-    assert graphs.key_for(pack_step(chunks, tokens, {"b": 1}, 4)) == GraphKey(32, 0)
-    assert graphs.key_for(pack_step(chunks[:2], tokens[:2], {"b": 1}, 4)) == GraphKey(2, 1)
-    big = pack_step([ScheduledChunk("long", 0, 56, list(range(14)), samples=True)], [list(range(56))], {}, 4)
+    assert graphs.key_for(_pack(chunks, tokens, {"b": 1}, 4)) == GraphKey(32, 0)
+    assert graphs.key_for(_pack(chunks[:2], tokens[:2], {"b": 1}, 4)) == GraphKey(2, 1)
+    big = _pack([ScheduledChunk("long", 0, 56, list(range(14)), samples=True)], [list(range(56))], {}, 4)
     assert buffers.fits(big) and graphs.key_for(big) is None  # 56 tokens > the largest graph
-    many = pack_step(chunks[:1] * 5, tokens[:1] * 5, {}, 4)  # 5 sequences > 4
+    many = _pack(chunks[:1] * 5, tokens[:1] * 5, {}, 4)  # 5 sequences > 4
     assert graphs.key_for(many) is None
     graphs.use_mixed = False  # (the warm-up's eager round)
-    assert graphs.key_for(pack_step(chunks, tokens, {"b": 1}, 4)) is None
-    assert graphs.key_for(pack_step(chunks[:2], tokens[:2], {"b": 1}, 4)) == GraphKey(2, 1)
+    assert graphs.key_for(_pack(chunks, tokens, {"b": 1}, 4)) is None
+    assert graphs.key_for(_pack(chunks[:2], tokens[:2], {"b": 1}, 4)) == GraphKey(2, 1)
 
 
 def test_each_bucket_is_cleared_in_its_own_layout():
@@ -347,18 +353,18 @@ def test_verify_steps_replay_a_verify_graph_only_when_uniform():
                          verify_len=3, max_verify_batch=4)
     assert graphs.verify_keys == [GraphKey(3, 3), GraphKey(6, 3), GraphKey(12, 3)]
     chunks, tokens = _verify_chunks()
-    assert graphs.key_for(pack_step(chunks[:1], tokens[:1], {}, 4)) == GraphKey(3, 3)
-    assert graphs.key_for(pack_step(chunks, tokens, {"b": 1}, 4)) == GraphKey(12, 3)
+    assert graphs.key_for(_pack(chunks[:1], tokens[:1], {}, 4)) == GraphKey(3, 3)
+    assert graphs.key_for(_pack(chunks, tokens, {"b": 1}, 4)) == GraphKey(12, 3)
     fewer = [chunks[0], ScheduledChunk("b", 3, 2, [2, 10], samples=True, is_decode=True, draft_token_ids=[52])]
-    assert graphs.key_for(pack_step(fewer, tokens[:2], {"b": 1}, 4)) == GraphKey(16, 0)
-    one_more = [ScheduledChunk(c.request_id, c.start, 4, [*c.block_ids, 11], samples=True, is_decode=True,
+    assert graphs.key_for(_pack(fewer, tokens[:2], {"b": 1}, 4)) == GraphKey(16, 0)
+    one_more = [ScheduledChunk(c.request_id, c.start, 4, [*c.new_block_ids, 11], samples=True, is_decode=True,
                                draft_token_ids=[*c.draft_token_ids, 56]) for c in chunks]
-    assert graphs.key_for(pack_step(one_more, tokens, {"b": 1}, 4)) == GraphKey(16, 0)  # k = 3: mixed
+    assert graphs.key_for(_pack(one_more, tokens, {"b": 1}, 4)) == GraphKey(16, 0)  # k = 3: mixed
     quiet = [*chunks[:2], ScheduledChunk("c", 7, 3, [3, 4, 5])]  # a prefill chunk of 3, no sample
-    assert graphs.key_for(pack_step(quiet, tokens, {"b": 1}, 4)) == GraphKey(16, 0)
+    assert graphs.key_for(_pack(quiet, tokens, {"b": 1}, 4)) == GraphKey(16, 0)
     five = [ScheduledChunk(f"r{i}", 0, 3, [i], samples=True, is_decode=True, draft_token_ids=[1, 2])
             for i in range(5)]
-    assert graphs.key_for(pack_step(five, [[7]] * 5, {}, 4)) == GraphKey(16, 0)  # 5 > 4 sequences
+    assert graphs.key_for(_pack(five, [[7]] * 5, {}, 4)) == GraphKey(16, 0)  # 5 > 4 sequences
     assert GraphRunner(model, buffers, 8, 48, 64).verify_keys == []  # no speculation: none
 
 
@@ -413,10 +419,10 @@ def test_graphs_only_for_the_steps_a_builder_declares():
     graphs = GraphRunner(_model(torch.float32), buffers, 8, 48, 64, verify_len=3, max_verify_batch=4)
     assert graphs.decode_keys and graphs.mixed_keys == [] and graphs.verify_keys == []
     chunks, tokens = _chunks()
-    assert graphs.key_for(pack_step(chunks[:2], tokens[:2], {"b": 1}, 4)) == GraphKey(2, 1)
-    assert graphs.key_for(pack_step(chunks, tokens, {"b": 1}, 4)) is None  # mixed: eager
+    assert graphs.key_for(_pack(chunks[:2], tokens[:2], {"b": 1}, 4)) == GraphKey(2, 1)
+    assert graphs.key_for(_pack(chunks, tokens, {"b": 1}, 4)) is None  # mixed: eager
     verify, verify_tokens = _verify_chunks()
-    assert graphs.key_for(pack_step(verify, verify_tokens, {"b": 1}, 4)) is None
+    assert graphs.key_for(_pack(verify, verify_tokens, {"b": 1}, 4)) is None
     assert backend.supports_cuda_graphs() and not TorchReferenceBackend(4, 2, 16, 0.25).supports_cuda_graphs()
     with pytest.raises(NotImplementedError, match="no CUDA graphs"):
         TorchReferenceBackend(4, 2, 16, 0.25).metadata_builder().build_for_capture(None, GraphKey(4, 1))
@@ -432,7 +438,7 @@ def test_torch_metadata_plans_the_decodes_once_a_step(monkeypatch):
     monkeypatch.setattr(torch_ref, "decode_plan", lambda *args: calls.append(1) or real(*args))
     model = _model(torch.float32)
     chunks, tokens = _chunks()
-    a = pack_step(chunks, tokens, {"b": 1}, 4)
+    a = _pack(chunks, tokens, {"b": 1}, 4)
     prev_tokens = torch.tensor([5, 41, 9])
     with torch.inference_mode():
         backend = torch_ref.TorchReferenceBackend(4, 2, 16, 16**-0.5)

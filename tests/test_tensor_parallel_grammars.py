@@ -1,18 +1,18 @@
 """Structured output under tensor parallelism (issue 56): SmolLM2 over 3 CPU ranks (its 9
 heads and 3 KV heads) gives the one-process engine's tokens for JSON-schema, regex, choice and
 EBNF constraints mixed with an unconstrained request, greedy and seeded; every rank walks its
-own matchers from the grammar text the executor sends (`engine/tp_grammars.py`)."""
+own matchers, compiled from the constraint each new request carries (`structured/compiler.py`)."""
 
 from __future__ import annotations
 
 import json
+import pickle
 import re
 
 import jsonschema
 
 from pagedserve import LLM, SamplingParams
 from pagedserve.engine.scheduler import NewRequestData, SchedulerOutput
-from pagedserve.engine.tp_grammars import GrammarReceiver, GrammarSender, WireGrammar
 from pagedserve.structured.params import StructuredOutputsParams as Constraint
 
 PAIR = {"type": "array", "items": {"type": "integer"}, "minItems": 2, "maxItems": 2}
@@ -47,28 +47,28 @@ def test_constrained_requests_over_three_ranks_give_the_one_process_tokens():
         split.close()
 
 
-def test_a_grammar_crosses_as_text_and_the_vocabulary_once():
-    """The sender leaves the core's own step alone, sends the vocabulary with the first
-    grammar only, and the receiver's grammar walks like the original."""
+def test_a_constraint_crosses_as_plain_data_and_each_worker_has_its_grammar():
+    """A step carries a new request's constraint, not a compiled grammar: it pickles as it is
+    (what a rank receives). A rank compiles its own grammar from it (`GrammarCompiler.for_model`),
+    which walks like the core's; the in-process worker takes the core's compiler, no second one."""
     from pagedserve.models.source import load_tokenizer
-    from pagedserve.structured.xgrammar_backend import XGrammarBackend
+    from pagedserve.structured.compiler import GrammarCompiler
 
     llm = LLM(dtype="float32", device="cpu", max_model_len=128, kv_cache_memory=4 << 20)
-    tok = load_tokenizer(llm.engine.source, llm.engine.model_config, None)
-    backend = XGrammarBackend(tok.hf, llm.engine.model_config.vocab_size, llm.engine.model_config.eos_token_ids)
-    grammar = backend.compile(Constraint(regex=r"ab+"))
-    outs = [SchedulerOutput(new_requests=[NewRequestData(f"r{i}", [1], None, grammar),
-                                          NewRequestData(f"u{i}", [1], None)]) for i in range(2)]
-    sender, receiver = GrammarSender(), GrammarReceiver()
-    sent = [sender.outbound(o) for o in outs]
-    assert [n.grammar for o in outs for n in o.new_requests] == [grammar, None, grammar, None]
-    wires = [o.new_requests[0].grammar for o in sent]
-    assert all(isinstance(w, WireGrammar) for w in wires)
-    assert wires[0].vocabulary is not None and wires[1].vocabulary is None
-    for o in sent:
-        loaded = receiver.inbound(o).new_requests[0].grammar
-        m, ref = loaded.matcher(), grammar.matcher()
-        ids = tok.hf.encode("abb", add_special_tokens=False)
-        assert [m.accept_token(t) for t in ids] == [ref.accept_token(t) for t in ids] == [True] * len(ids)
-    none = SchedulerOutput(new_requests=[NewRequestData("x", [1], None)])
-    assert sender.outbound(none) is none
+    engine = llm.engine
+    regex = Constraint(regex=r"ab+")
+    params = SamplingParams(max_tokens=4, structured_outputs=regex)
+    llm.generate(["x"], params, use_tqdm=False)
+    assert engine.executor.worker.grammar_compiler is engine._grammars  # shared in process
+    out = SchedulerOutput(new_requests=[NewRequestData("r", [1, 2], params, [0, 1])])
+    sent = pickle.loads(pickle.dumps(out))
+    assert sent.new_requests[0].sampling_params.structured_outputs == regex
+    assert sent.new_requests[0].block_ids == [0, 1]
+    rank = GrammarCompiler.for_model(engine.source, engine.model_config)  # (a rank's own)
+    mine, core = rank.get(regex).matcher(), engine._grammars.get(regex).matcher()
+    tok = load_tokenizer(engine.source, engine.model_config, None)
+    ids = tok.hf.encode("abbc", add_special_tokens=False)
+    walked = [mine.accept_token(t) for t in ids]
+    assert walked == [core.accept_token(t) for t in ids] and walked[0] and not all(walked)  # ("c" refused)
+    assert rank.get(regex) is rank.get(regex)  # (compiled once)
+    rank.shutdown()

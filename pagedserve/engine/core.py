@@ -151,15 +151,8 @@ class EngineCore:
 
     def _grammar_compiler(self) -> GrammarCompiler:
         if self._grammars is None:
-            def make_backend():
-                from pagedserve.models.source import load_tokenizer
-                from pagedserve.structured.xgrammar_backend import XGrammarBackend
-
-                tokenizer = load_tokenizer(self.source, self.model_config, self.config.tokenizer)
-                return XGrammarBackend(tokenizer.hf, self.model_config.vocab_size,
-                                       self.model_config.eos_token_ids)
-
-            self._grammars = GrammarCompiler(make_backend)
+            self._grammars = GrammarCompiler.for_model(self.source, self.model_config, self.config.tokenizer)
+            self.executor.share_grammars(self._grammars)  # (an in-process worker uses it too)
         return self._grammars
 
     def _fail_bad_grammars(self) -> None:

@@ -20,6 +20,7 @@ from pagedserve.engine.messages import StepResult
 from pagedserve.engine.scheduler import SchedulerOutput
 from pagedserve.engine.worker_info import WorkerInfo
 from pagedserve.models.source import ModelSource
+from pagedserve.structured.compiler import GrammarCompiler
 
 
 class ExecutorDied(RuntimeError):
@@ -51,13 +52,19 @@ class Executor(ABC):
         """End the executor's worker processes, if it has any (at once if they are stuck)."""
         return None  # (an in-process worker ends with its process)
 
-    # Two hooks take a callable of the core's process, which cannot cross to a worker process:
+    # Three hooks take an object of the core's process, which cannot cross to a worker process:
     # only an in-process worker can use them; elsewhere they do the least that is correct.
 
     def on_progress(self, beat: Callable[[], None]) -> None:
         """Call `beat` as a step makes progress within it, where one step can run for minutes
         (the CPU), so that the engine core's heartbeat tells a slow step from a hung one. By
         default a step is the unit of progress."""
+        return None
+
+    def share_grammars(self, compiler: GrammarCompiler) -> None:
+        """Let the workers take compiled grammars from the core's `compiler` where they run in
+        this process (no second compile). By default they compile their own from the
+        constraints the steps carry."""
         return None
 
     def rehearsed(self, fn: Callable[[], object], what: str) -> float:
@@ -88,6 +95,9 @@ class UniprocExecutor(Executor):
 
     def on_progress(self, beat: Callable[[], None]) -> None:
         self.worker.on_progress(beat)
+
+    def share_grammars(self, compiler: GrammarCompiler) -> None:
+        self.worker.grammar_compiler = compiler
 
     def rehearsed(self, fn: Callable[[], object], what: str) -> float:
         return self.worker.rehearsed(fn, what)

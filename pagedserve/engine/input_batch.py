@@ -56,9 +56,10 @@ class StepArrays:
 
 
 def pack_step(chunks, token_ids: list[list[int]], prev_rows: dict[str, int],
-              block_size: int) -> StepArrays:
+              block_size: int, tables: np.ndarray) -> StepArrays:
     """Flatten a step's chunks (`ScheduledChunk`s; token_ids[i]: the known tokens of chunk
-    i's request) into arrays, vectorised except for one loop over sequences. A chunk whose
+    i's request; tables[i]: its block table, [S, widest] int32, e.g. the worker's persistent
+    rows `BlockTables.gather`) into arrays, vectorised except for one loop over sequences. A chunk whose
     last input token is still pending (sampled by the previous step, not yet read back) gets
     id 0 and the row of its request in the previous step's samples. A chunk's draft tokens
     follow its known ones, and each of their positions' logits is needed too."""
@@ -71,7 +72,6 @@ def pack_step(chunks, token_ids: list[list[int]], prev_rows: dict[str, int],
     total = int(cu[-1])
     ids = np.zeros(total, dtype=np.int64)
     src = np.full(total, -1, dtype=np.int64)
-    tables = np.zeros((n, max(len(c.block_ids) for c in chunks)), dtype=np.int32)
     any_drafts = False
     for i, (chunk, toks) in enumerate(zip(chunks, token_ids)):
         s = int(cu[i])
@@ -84,7 +84,6 @@ def pack_step(chunks, token_ids: list[list[int]], prev_rows: dict[str, int],
         if drafts:
             ids[s + new : s + chunk.num_tokens] = drafts
             any_drafts = True
-        tables[i, : len(chunk.block_ids)] = chunk.block_ids
     positions = np.repeat(starts - cu[:-1], q_lens) + np.arange(total)
     row_of_token = np.repeat(np.arange(n), q_lens)
     slots = tables[row_of_token, positions // bs].astype(np.int64) * bs + positions % bs

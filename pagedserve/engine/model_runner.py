@@ -1,10 +1,12 @@
 """Turns a SchedulerOutput into one forward pass and sampled tokens.
 
 Owns the model, the KV-cache tensors, the step buffers and CUDA graphs. Every step takes
-one path: `pack_step` flattens it on the host (numpy), `StepBuffers.load` copies it into the
-persistent device buffers, then the step replays the graph of its key
-(`engine/graphs.py`) or runs eagerly over the same buffers; logits are computed only for
-the requests that sample this step, and sampled on the device.
+one path: the step's diff is applied to what the runner keeps (new requests, their block
+tables' changes: `BlockTables`, host rows kept step to step), `pack_step` flattens it on
+the host (numpy), `StepBuffers.load` copies it into the persistent device buffers, then the
+step replays the graph of its key (`engine/graphs.py`) or runs eagerly over the same
+buffers; logits are computed only for the requests that sample this step, and sampled on
+the device.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ import torch
 
 from pagedserve.attention.backend import AttentionBackend, AttentionContext, GraphKey
 from pagedserve.config import SchedulerConfig
+from pagedserve.engine.block_tables import BlockTables, table_rows
 from pagedserve.engine.cached_request import CachedRequest
 from pagedserve.engine.graphs import GraphRunner
 from pagedserve.engine.input_batch import StepArrays, StepBuffers, pack_step, pending_output_rows
@@ -29,9 +32,10 @@ from pagedserve.engine.step_handle import StepHandle
 from pagedserve.layers.sampler import Sampler, SamplingBatch
 from pagedserve.models.llama import LlamaForCausalLM
 from pagedserve.spec_decode.spec_decoder import SpecDecoder, VerifyPlan, token_logprobs
-from pagedserve.structured.backend import accept_tokens
+from pagedserve.structured.backend import Grammar, GrammarError, accept_tokens
 from pagedserve.structured.bad_words import BadWordsMatcher
 from pagedserve.structured.grammar_masks import GrammarMasks
+from pagedserve.structured.params import StructuredOutputsParams
 
 
 def _to_pinned_async(t: torch.Tensor) -> torch.Tensor:
@@ -59,9 +63,11 @@ class ModelRunner:
 
     def __init__(self, model: LlamaForCausalLM, backend: AttentionBackend, spec: KVCacheSpec,
                  num_blocks: int, sampler: Sampler, limits: SchedulerConfig,
-                 spec_decoder: SpecDecoder | None = None) -> None:
+                 spec_decoder: SpecDecoder | None = None,
+                 grammars: Callable[[StructuredOutputsParams], Grammar] | None = None) -> None:
         """`spec_decoder`: speculative decoding's part in each step (the worker builds it;
-        None: no speculation)."""
+        None: no speculation). `grammars`: a constraint's compiled grammar (looked up or
+        compiled; GrammarError if it cannot be), for requests that have one."""
         cfg = model.config
         self.model = model
         self.backend = backend
@@ -74,9 +80,11 @@ class ModelRunner:
         backend.bind_kv_caches(self.kv_caches, self.kv_scales)
         self.sampler = sampler
         self.spec = spec_decoder or SpecDecoder()
+        max_blocks = -(-limits.max_model_len // spec.block_size)
         self.buffers = StepBuffers(backend, limits.max_num_batched_tokens, limits.max_num_seqs,
-                                   -(-limits.max_model_len // spec.block_size), self.device,
-                                   max(self.spec.verify_len - 1, 0))
+                                   max_blocks, self.device, max(self.spec.verify_len - 1, 0))
+        self.tables = BlockTables(max_blocks, limits.max_num_seqs)  # held requests' block tables
+        self.grammars = grammars
         self.masks = GrammarMasks(self.vocab_size, self.device)
         self.graphs: GraphRunner | None = None  # once enable_cuda_graphs() ran
         self.last_launch_ms = (0.0, 0.0, 0.0)  # see execute()
@@ -121,6 +129,7 @@ class ModelRunner:
         """Forget requests that ended (their tokens, their seeded generators)."""
         for rid in request_ids:
             self.requests.pop(rid, None)
+            self.tables.drop(rid)
             self.masks.failed.pop(rid, None)
             self._prompt_logprobs.discard(rid)
 
@@ -128,16 +137,28 @@ class ModelRunner:
         for n in new:
             seed = n.sampling_params.seed
             gen = None if seed is None else torch.Generator(device=self.device).manual_seed(seed)
-            matcher = None if n.grammar is None else n.grammar.matcher()
+            so = n.sampling_params.structured_outputs
+            matcher = None if so is None else self._matcher(n.request_id, so)
             words = n.sampling_params.bad_words_automaton or n.sampling_params.bad_words_token_ids
             if words:  # (the grammar's, if any, inside; compiled by the front end, else here)
                 matcher = BadWordsMatcher(words, matcher)
-            so = n.sampling_params.structured_outputs
             if n.sampling_params.prompt_logprobs is not None:
                 self._prompt_logprobs.add(n.request_id)
             self.requests[n.request_id] = CachedRequest(
                 n.request_id, n.prompt_token_ids, n.sampling_params, list(n.prompt_token_ids), gen,
                 matcher, so.after_tokens if so is not None else ())
+
+    def _matcher(self, request_id: str, spec: StructuredOutputsParams):
+        """A new matcher of the request's constraint (None where its grammar cannot be had
+        here: the request then fails with its first result)."""
+        if self.grammars is None:
+            self.masks.failed[request_id] = "this worker has no structured-output backend"
+            return None
+        try:
+            return self.grammars(spec).matcher()
+        except GrammarError as e:  # (the engine core compiled it already: should not happen)
+            self.masks.failed[request_id] = str(e)[:1000]
+            return None
 
     def enable_cuda_graphs(self, max_batch: int, max_mixed_tokens: int, max_model_len: int,
                            prefetch: bool = True,
@@ -191,8 +212,10 @@ class ModelRunner:
         """Pack the step on the host, load it into the device buffers, choose its graph, and
         copy its verification inputs (before the forward pass, so nothing waits for it)."""
         self._add_requests(out.new_requests)
+        self.tables.apply(out)  # (the step's diff: new tables, preempted ones, new blocks)
         states = [self.requests[c.request_id] for c in out.chunks]
-        a = pack_step(out.chunks, [r.token_ids for r in states], self._prev_rows, self.block_size)
+        a = pack_step(out.chunks, [r.token_ids for r in states], self._prev_rows, self.block_size,
+                      self.tables.gather([c.request_id for c in out.chunks]))
         prompt = prompt_rows(out.chunks, states, a.query_start_loc) if self._prompt_logprobs else None
         key = None if self.graphs is None or prompt is not None else self.graphs.key_for(a)
         self.buffers.load(a, key.num_tokens if key else a.num_tokens, key, self._prev_tokens)
@@ -345,9 +368,10 @@ class ModelRunner:
         per_seq = -(-length // self.block_size)
         if per_seq * num_seqs > self.num_blocks:
             raise ValueError("the KV cache is too small for the probe")
-        chunks = [ScheduledChunk(f"probe-{i}", length - 1, 1, list(range(i * per_seq, (i + 1) * per_seq)),
-                                 samples=True, is_decode=True) for i in range(num_seqs)]
-        a = pack_step(chunks, [[1] * length] * num_seqs, {}, self.block_size)
+        chunks = [ScheduledChunk(f"probe-{i}", length - 1, 1, samples=True, is_decode=True)
+                  for i in range(num_seqs)]
+        tables = table_rows([list(range(i * per_seq, (i + 1) * per_seq)) for i in range(num_seqs)])
+        a = pack_step(chunks, [[1] * length] * num_seqs, {}, self.block_size, tables)
         self.buffers.load(a, a.num_tokens, None, None)
         rows = self.buffers.token_rows(a.num_tokens)
         return rows[0], rows[1], self.buffers.metadata(a)

@@ -38,6 +38,8 @@ class Request:
     num_computed_tokens: int = 0
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache (first schedule)
     num_preemptions: int = 0
+    # leading entries of its block table the workers hold (`ScheduledChunk` sends the rest)
+    num_blocks_sent: int = 0
     status: RequestStatus = RequestStatus.WAITING
     finish_reason: str | None = None  # "stop" | "length" | "abort"
     stop_reason: int | str | None = None

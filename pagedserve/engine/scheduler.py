@@ -31,19 +31,31 @@ from pagedserve.engine.request import Request, RequestStatus
 
 @dataclass
 class NewRequestData:
-    """What a worker keeps about a request, sent with the request's first scheduled step."""
+    """What a worker keeps about a request, sent with the request's first scheduled step:
+    plain data only. Its output constraint, if any, is `sampling_params.structured_outputs`
+    (a `StructuredOutputsParams`, the spec, not a compiled grammar: the worker looks the
+    grammar up or compiles it)."""
 
     request_id: str
     prompt_token_ids: list[int]
     sampling_params: Any  # SamplingParams
-    grammar: Any = None  # its compiled structured-output Grammar (structured/backend.py), if any
+    block_ids: list[int] = field(default_factory=list)  # its block table when first scheduled
 
 
 @dataclass
 class ScheduledChunk:
     """The tokens [start, start + num_tokens) of one request, computed this step.
 
-    `block_ids` is the request's block table. `samples` is True when the chunk reaches the
+    The workers keep each request's block table from step to step; a chunk carries only what
+    changed since they last heard of it: its table's entries from `blocks_from` on are
+    `new_block_ids`, and it has `blocks_from + len(new_block_ids)` entries (usually the blocks
+    allocated since: `blocks_from` is below the length the workers hold only after rejected
+    drafts gave blocks back, or blocks before a sliding window went back: their entries
+    became NULL_BLOCK). `resumed`: the request comes back after a preemption, and
+    `new_block_ids` is its whole table (`blocks_from` 0). So the workers' tables are the
+    KV manager's, entry for entry.
+
+    `samples` is True when the chunk reaches the
     request's last token, so its logits give a new token; `is_decode` when it is one new
     token after the prompt (a prompt's last single-token chunk is not one). Both are decided
     when scheduled. A decode may carry speculative `draft_token_ids`: they are the chunk's
@@ -54,7 +66,9 @@ class ScheduledChunk:
     request_id: str
     start: int
     num_tokens: int
-    block_ids: list[int] = field(default_factory=list)
+    new_block_ids: list[int] = field(default_factory=list)
+    blocks_from: int = 0
+    resumed: bool = False
     samples: bool = False
     is_decode: bool = False
     draft_token_ids: list[int] = field(default_factory=list)
@@ -62,12 +76,14 @@ class ScheduledChunk:
 
 @dataclass
 class SchedulerOutput:
-    """What the workers must compute this step, in batch order: plain data (request ids,
-    block ids), so it can cross to worker processes. A worker learns a request from its
-    `NewRequestData` and its new tokens from its own samples (`Worker.collect`); it forgets
-    it at the start of the first step whose `finished_req_ids` name it, before it learns
-    this step's new requests (an id may be reused at once). A step without chunks may still
-    carry finished ids: the engine core sends it for them alone."""
+    """What the workers must compute this step, in batch order: a diff over what they hold,
+    in plain data (request ids, block ids), so it can cross to worker processes. A worker
+    learns a request from its `NewRequestData`, its block table's changes from its chunks
+    and its new tokens from its own samples (`Worker.collect`); it forgets it at the start
+    of the first step whose `finished_req_ids` name it, before it learns this step's new
+    requests (an id may be reused at once). A `preempted` request keeps its tokens there but
+    loses its block table until a chunk marked `resumed` sends the new one. A step without
+    chunks may still carry finished ids: the engine core sends it for them alone."""
 
     chunks: list[ScheduledChunk] = field(default_factory=list)
     new_requests: list[NewRequestData] = field(default_factory=list)
@@ -224,14 +240,16 @@ class Scheduler:
                 if self.kv.enable_prefix_caching:
                     self.kv.record_lookup(req.num_tokens, start)
             req.num_computed_tokens = start
-            if req.first_scheduled_time is None:
+            resumed = req.first_scheduled_time is not None  # (after a preemption)
+            if not resumed:
                 req.first_scheduled_time = time.monotonic()
+                table = self.kv.block_ids(req.request_id)
                 out.new_requests.append(NewRequestData(
-                    req.request_id, req.prompt_token_ids, req.sampling_params,
-                    None if req.grammar is None else req.grammar.result()))
+                    req.request_id, req.prompt_token_ids, req.sampling_params, list(table)))
+                req.num_blocks_sent = len(table)
             req.status = RequestStatus.RUNNING
             self.running.append(req)
-            out.chunks.append(ScheduledChunk(req.request_id, start, n))
+            out.chunks.append(ScheduledChunk(req.request_id, start, n, resumed=resumed))
             reqs.append(req)
             budget -= n
         self._mark_scheduled(out, reqs)
@@ -249,7 +267,10 @@ class Scheduler:
             first = req.num_computed_tokens
             for starts in in_flight:
                 first = min(first, starts.get(id(req), first))
-            self.kv.release_out_of_window(req.request_id, first, req.token_ids)
+            released = self.kv.release_out_of_window(req.request_id, first, req.token_ids)
+            if released:  # (their entries are NULL_BLOCK now: the next chunk sends them)
+                slid = self.kv.num_slid_out(req.request_id) - released
+                req.num_blocks_sent = min(req.num_blocks_sent, slid)
 
     def _reached_length(self, req: Request) -> bool:
         """No more tokens may be generated (pending ones counted)."""
@@ -259,9 +280,13 @@ class Scheduler:
     def _mark_scheduled(self, out: SchedulerOutput, reqs: list[Request]) -> None:
         """Advance each request as if the step already ran: its chunk's tokens count as
         computed (drafts too, until `apply_results` knows how many were right), and a
-        sampling chunk leaves one pending token. Fill in each chunk's block table and kind."""
+        sampling chunk leaves one pending token. Fill in each chunk's kind and its block
+        table's entries the workers do not hold yet."""
         for chunk, req in zip(out.chunks, reqs):
-            chunk.block_ids = self.kv.block_ids(req.request_id)
+            table = self.kv.block_ids(req.request_id)
+            sent = 0 if chunk.resumed else req.num_blocks_sent
+            chunk.blocks_from, chunk.new_block_ids = sent, table[sent:]
+            req.num_blocks_sent = len(table)
             new = chunk.num_tokens - len(chunk.draft_token_ids)
             chunk.is_decode = new == 1 and chunk.start >= req.num_prompt_tokens
             chunk.samples = chunk.start + new == req.num_tokens
@@ -306,6 +331,8 @@ class Scheduler:
             if chunk.draft_token_ids and req.status == RequestStatus.RUNNING:
                 req.num_computed_tokens = len(req.token_ids) - 1
                 self.kv.trim(req.request_id, len(req.token_ids))
+                # (blocks given back: the next chunk re-sends the table from its new end)
+                req.num_blocks_sent = min(req.num_blocks_sent, len(self.kv.block_ids(req.request_id)))
             if req.status == RequestStatus.RUNNING:
                 known = min(req.num_computed_tokens, len(req.token_ids))
                 self.kv.cache_computed_blocks(req.request_id, req.token_ids, known)

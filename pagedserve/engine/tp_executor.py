@@ -34,7 +34,6 @@ from pagedserve.config import EngineConfig
 from pagedserve.engine.executor import Executor, ExecutorDied
 from pagedserve.engine.messages import StepResult
 from pagedserve.engine.scheduler import SchedulerOutput
-from pagedserve.engine.tp_grammars import GrammarReceiver, GrammarSender
 from pagedserve.engine.worker_info import WorkerInfo
 from pagedserve.ipc_dirs import new_ipc_dir
 from pagedserve.models.source import ModelSource
@@ -78,7 +77,6 @@ class TensorParallelExecutor(Executor):
             self.close()
             raise
         self._steps = 0
-        self._grammars = GrammarSender()  # (grammars cross to the ranks as text)
 
     # ---- calls to every rank ----------------------------------------------------------
 
@@ -154,7 +152,7 @@ class TensorParallelExecutor(Executor):
         # (not waited for: the core schedules the next step while the ranks launch this one;
         # the launch's answer, or its error, is read with the next call, `collect` at the latest)
         self._steps += 1
-        self._send("execute", self._steps, self._grammars.outbound(out))
+        self._send("execute", self._steps, out)  # (plain data: constraints, not grammars)
         return self._steps
 
     def collect(self, handle: int) -> StepResult:
@@ -190,7 +188,6 @@ def _serve_rank(rank: int, size: int, store: str, config: EngineConfig, source: 
         conn.send((False, f"start-up failed: {type(e).__name__}: {e}"))
         return
     handles = {}  # step number -> its StepHandle, from "execute" until "collect"
-    grammars = GrammarReceiver()
     while True:
         try:
             method, args = conn.recv()
@@ -202,7 +199,7 @@ def _serve_rank(rank: int, size: int, store: str, config: EngineConfig, source: 
         try:
             if method == "execute":
                 step, out = args
-                handle = worker.execute(grammars.inbound(out))
+                handle = worker.execute(out)
                 if handle is not None:
                     handles[step] = handle
                 answer = None

@@ -41,6 +41,9 @@ from pagedserve.models.loader import build_model
 from pagedserve.models.source import ModelSource
 from pagedserve.quantization.methods import check_quantization_device
 from pagedserve.spec_decode.spec_decoder import SpecDecoder
+from pagedserve.structured.backend import Grammar
+from pagedserve.structured.compiler import GrammarCompiler
+from pagedserve.structured.params import StructuredOutputsParams
 
 logger = logging.getLogger("pagedserve")
 
@@ -120,8 +123,12 @@ class Worker:
             from pagedserve.spec_decode.draft_model import DraftRunner
 
             drafter = DraftRunner(*draft, num_blocks, sched, config.speculative.num_speculative_tokens)
+        # compiled grammars by constraint: the core's where it shares them (in process), else
+        # this worker's own, built on first use
+        self.grammar_compiler: GrammarCompiler | None = None
+        self._source, self._tokenizer_path = source, config.tokenizer
         self.runner = ModelRunner(model, backend, spec, num_blocks, Sampler(kernels.fused_sampling, kernels.top_k_top_p_kernel),
-                                  sched, SpecDecoder(config.speculative, drafter))
+                                  sched, SpecDecoder(config.speculative, drafter), self._grammar)
         self.num_blocks = num_blocks
 
         self.matmul_plan_seconds = 0.0
@@ -288,6 +295,13 @@ class Worker:
 
             report_late_compiles(True)
 
+    def _grammar(self, spec: StructuredOutputsParams) -> Grammar:
+        """A constraint's compiled grammar (for a new request's matcher)."""
+        if self.grammar_compiler is None:
+            self.grammar_compiler = GrammarCompiler.for_model(self._source, self.model_config,
+                                                              self._tokenizer_path)
+        return self.grammar_compiler.get(spec)
+
     # ---- steps ------------------------------------------------------------------------
 
     def execute(self, out: SchedulerOutput) -> StepHandle | None:
@@ -344,9 +358,9 @@ class Worker:
         self.runner.reset_stats()
 
     def held_request_ids(self) -> list[str]:
-        """The requests this worker keeps state for: every one no step's finished_req_ids
-        named yet (the ended ones go with the next step)."""
-        return sorted(self.runner.requests)
+        """The requests this worker keeps state (or a block table) for: every one no step's
+        finished_req_ids named yet (the ended ones go with the next step)."""
+        return sorted(set(self.runner.requests) | set(self.runner.tables.row_of))
 
     def on_progress(self, beat: Callable[[], None]) -> None:
         """(In process only: `beat` is a callable.) On the CPU, call it before each decoder

@@ -25,6 +25,7 @@ import torch
 
 from pagedserve.attention.backend import AttentionBackend, AttentionContext, GraphKey
 from pagedserve.config import SchedulerConfig
+from pagedserve.engine.block_tables import table_rows
 from pagedserve.engine.graphs import GraphRunner, capture_graph
 from pagedserve.engine.input_batch import StepArrays, StepBuffers, pack_step
 from pagedserve.engine.kv_cache_spec import KVCacheSpec
@@ -114,9 +115,10 @@ class DraftRunner:
         step's input is the previous step's argmax, read on the device; the drafts come back
         to the host once."""
         if self.proposers and all(n == self.max_drafts for *_, n in requests):
-            chunks = [ScheduledChunk(rid, len(toks) - 1, 1, blocks, samples=True, is_decode=True)
-                      for rid, toks, blocks, _ in requests]
-            a = pack_step(chunks, [toks for _, toks, _, _ in requests], {}, self.block_size)
+            chunks = [ScheduledChunk(rid, len(toks) - 1, 1, samples=True, is_decode=True)
+                      for rid, toks, _, _ in requests]
+            a = pack_step(chunks, [toks for _, toks, _, _ in requests], {}, self.block_size,
+                          table_rows([blocks for _, _, blocks, _ in requests]))
             key = self.graphs.key_for(a)
             if key is not None and key.num_tokens in self.proposers:
                 self.buffers.load(a, key.num_tokens, key, None)
@@ -127,9 +129,10 @@ class DraftRunner:
         steps = []  # (request ids, argmax [N]) of each step
         for step in range(max(n for *_, n in requests)):
             live = [(rid, toks, blocks) for rid, toks, blocks, n in requests if n > step]
-            chunks = [ScheduledChunk(rid, len(toks) - 1 + step, 1, blocks, samples=True, is_decode=True)
-                      for rid, toks, blocks in live]
-            a = pack_step(chunks, [toks for _, toks, _ in live], prev_rows, self.block_size)
+            chunks = [ScheduledChunk(rid, len(toks) - 1 + step, 1, samples=True, is_decode=True)
+                      for rid, toks, _ in live]
+            a = pack_step(chunks, [toks for _, toks, _ in live], prev_rows, self.block_size,
+                          table_rows([blocks for _, _, blocks in live]))
             prev = self.model.compute_logits(self._forward(a, prev)).argmax(dim=-1)  # [N]
             prev_rows = {rid: i for i, (rid, _, _) in enumerate(live)}
             steps.append(([rid for rid, _, _ in live], prev))

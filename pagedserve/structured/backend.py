@@ -82,16 +82,6 @@ class Grammar(ABC):
     def matcher(self) -> GrammarMatcher:
         """A new matcher at the grammar's start."""
 
-    def to_wire(self) -> str:
-        """The compiled grammar as text, for another process (a tensor-parallel rank) to load
-        with its backend's loader; NotImplementedError where a backend cannot."""
-        raise NotImplementedError(f"{type(self).__name__} cannot be sent to another process")
-
-    def vocabulary_to_wire(self) -> str:
-        """What that loader needs once, whatever the grammar: the tokenizer's vocabulary as the
-        backend sees it, as text."""
-        raise NotImplementedError(f"{type(self).__name__} cannot be sent to another process")
-
 
 class StructuredBackend(ABC):
     """Compiles constraints for one tokenizer and vocabulary."""

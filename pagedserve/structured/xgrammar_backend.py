@@ -55,23 +55,6 @@ class XGrammar(Grammar):
     def matcher(self) -> GrammarMatcher:
         return XGrammarMatcher(self.compiled)
 
-    def to_wire(self) -> str:
-        return self.compiled.serialize_json()
-
-    def vocabulary_to_wire(self) -> str:
-        return self.compiled.tokenizer_info.serialize_json()
-
-
-class XGrammarLoader:
-    """Compiled grammars back from their text (`XGrammar.to_wire`) in another process, for the
-    vocabulary `vocabulary` (`XGrammar.vocabulary_to_wire`); xgrammar checks that they match."""
-
-    def __init__(self, vocabulary: str) -> None:
-        self._info = xgr.TokenizerInfo.deserialize_json(vocabulary)
-
-    def load(self, wire: str) -> XGrammar:
-        return XGrammar(xgr.CompiledGrammar.deserialize_json(wire, self._info))
-
 
 class XGrammarBackend(StructuredBackend):
     """`hf_tokenizer`: the model's Hugging Face tokenizer; `vocab_size`: the width of the

@@ -43,6 +43,7 @@ def teacher_forced_logits(cfg, state_dict: dict, dtype: torch.dtype, ids: list[i
     from pagedserve.attention.backend import GraphKey
     from pagedserve.attention.triton_backend import TritonBackend
     from pagedserve.config import SchedulerConfig
+    from pagedserve.engine.block_tables import table_rows
     from pagedserve.engine.input_batch import pack_step
     from pagedserve.engine.kv_cache_manager import KVCacheManager
     from pagedserve.engine.kv_cache_spec import KVCacheSpec
@@ -68,7 +69,7 @@ def teacher_forced_logits(cfg, state_dict: dict, dtype: torch.dtype, ids: list[i
     with torch.inference_mode():
         for start, count in plan:
             # every position's logits, not just the sampled one's: replay by hand
-            a = pack_step([ScheduledChunk("r", start, count, table, samples=True)], [ids], {}, 16)
+            a = pack_step([ScheduledChunk("r", start, count, samples=True)], [ids], {}, 16, table_rows([table]))
             key = graphs.key_for(a)
             assert key == (GraphKey(1, 1) if count == 1 else GraphKey(128, 0)), key
             runner.buffers.load(a, key.num_tokens, key, None)
