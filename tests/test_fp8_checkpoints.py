@@ -121,6 +121,26 @@ FORMATS = {  # name -> (quantization_config, how each projection's weight is sto
 }
 
 
+def quantize_weight(stored: dict, module: str, w: torch.Tensor, qc: dict, how: str,
+                    scale_as_list: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """(`module`'s e4m3 weight in `how`'s format, its fp32 dequantization); its scales (and a
+    per-tensor one's input scale: [1] with `scale_as_list`, else a scalar) go into `stored`."""
+    ct = qc["quant_method"] == "compressed-tensors"
+    if how == "block":
+        bn, bk = qc.get("weight_block_size") or qc["config_groups"]["group_0"]["weights"]["block_structure"]
+        q, s = ref_block_quantize(w, bn, bk)
+        stored[f"{module}.weight_scale" if ct else f"{module}.weight_scale_inv"] = s
+        return q, ref_block_dequantize(q, s, bn, bk)
+    if how == "channel":
+        q, s = ref_rows_quantize(w)
+        stored[f"{module}.weight_scale"] = s  # [N, 1]
+        return q, q.float() * s
+    q, s = ref_tensor_quantize(w)
+    stored[f"{module}.weight_scale"] = s.reshape(1) if scale_as_list else s  # [1] or []
+    stored[f"{module}.input_scale"] = torch.tensor([0.02]) if scale_as_list else torch.tensor(0.02)
+    return q, q.float() * s
+
+
 def quantize_state(state: dict, qc: dict, how: str, skip=lambda name: False) -> tuple[dict, dict]:
     """(the tensors a checkpoint of this format stores, the dequantized fp32 state dict)."""
     stored, deq = {}, {}
@@ -130,20 +150,7 @@ def quantize_state(state: dict, qc: dict, how: str, skip=lambda name: False) -> 
         if not any(f".{p}.weight" in name for p in PROJ) or skip(module):
             stored[name], deq[name] = w, w
             continue
-        if how == "block":
-            bn, bk = qc.get("weight_block_size") or qc["config_groups"]["group_0"]["weights"]["block_structure"]
-            q, s = ref_block_quantize(w, bn, bk)
-            deq[name] = ref_block_dequantize(q, s, bn, bk)
-            stored[f"{module}.weight_scale" if ct else f"{module}.weight_scale_inv"] = s
-        elif how == "channel":
-            q, s = ref_rows_quantize(w)
-            deq[name] = q.float() * s
-            stored[f"{module}.weight_scale"] = s  # [N, 1]
-        else:
-            q, s = ref_tensor_quantize(w)
-            deq[name] = q.float() * s
-            stored[f"{module}.weight_scale"] = s.reshape(1) if ct else s  # [1] or []
-            stored[f"{module}.input_scale"] = torch.tensor([0.02]) if ct else torch.tensor(0.02)
+        q, deq[name] = quantize_weight(stored, module, w, qc, how, scale_as_list=ct)
         stored[name] = q
     return stored, deq
 

@@ -18,12 +18,7 @@ import re
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
-from test_fp8_checkpoints import (
-    ref_block_dequantize,
-    ref_block_quantize,
-    ref_rows_quantize,
-    ref_tensor_quantize,
-)
+from test_fp8_checkpoints import quantize_weight, ref_block_dequantize, ref_block_quantize
 from test_tensor_parallel_quantized import in_threads, thread_ranks
 
 from conftest import TINY_QWEN3_MOE
@@ -67,25 +62,11 @@ def quantize_experts(state: dict, qc: dict, how: str) -> tuple[dict, dict]:
     """(the tensors a checkpoint of this format stores, the fp32 state of its dequantized
     experts); every tensor but the experts' weights as it was."""
     stored, deq = dict(state), dict(state)
-    ct = qc["quant_method"] == "compressed-tensors"
     for name, w in state.items():
         if not EXPERT.fullmatch(name):
             continue
         module = name.removesuffix(".weight")
-        if how == "block":
-            bn, bk = qc.get("weight_block_size") or qc["config_groups"]["group_0"]["weights"]["block_structure"]
-            q, s = ref_block_quantize(w, bn, bk)
-            deq[name] = ref_block_dequantize(q, s, bn, bk)
-            stored[f"{module}.weight_scale" if ct else f"{module}.weight_scale_inv"] = s
-        elif how == "channel":
-            q, s = ref_rows_quantize(w)
-            deq[name] = q.float() * s
-            stored[f"{module}.weight_scale"] = s  # [N, 1]
-        else:
-            q, s = ref_tensor_quantize(w)
-            deq[name] = q.float() * s
-            stored[f"{module}.weight_scale"] = s  # []
-            stored[f"{module}.input_scale"] = torch.tensor(0.02)
+        q, deq[name] = quantize_weight(stored, module, w, qc, how, scale_as_list=False)
         stored[name] = q
     return stored, deq
 
