@@ -134,14 +134,6 @@ class DataParallelClient:
         return sum(e.num_in_flight for e in self.engines)
 
     @property
-    def engine_pids(self) -> list[int | None]:
-        return [e.engine_pid for e in self.engines]
-
-    @property
-    def engine_pid(self) -> int | None:
-        return self.engines[0].engine_pid
-
-    @property
     def restarts_allowed(self) -> bool:
         return all(e.restarts_allowed for e in self.engines)
 
