@@ -1,0 +1,162 @@
+"""The worker's side of the KV-cache hierarchy: the host pool's tensors, the disk tier's files,
+and a step's copies between them and the KV cache (`kv_tiers.TierOps`, run before the
+step's forward pass; the bookkeeping is `engine/kv_tiers.py`'s).
+
+The host pool is one tensor [layers, 2 (k, v), slots, block_size, kv_heads, head_dim] of the
+KV cache's dtype (pinned on CUDA). Copies run on the device's current stream, before the
+step's forward pass, so they are ordered after every earlier step's writes and before this
+step's: an offload reads a block before it is overwritten, an onload lands before it is read.
+(They are not yet overlapped with the forward pass on a side stream.)
+
+Each block travels as its bytes: FP8 caches copy exactly, like every other dtype.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import time
+from pathlib import Path
+
+import torch
+
+from pagedserve.config import EngineConfig
+from pagedserve.engine.kv_cache_spec import KVCacheSpec
+from pagedserve.engine.kv_disk import DiskStore
+from pagedserve.engine.kv_tiers import TierOps, TierReport
+from pagedserve.models.source import ModelSource
+
+logger = logging.getLogger("pagedserve")
+
+
+def source_description(folder: Path | None, gguf_file: Path | None, name: str, load_format: str,
+                       seed: int) -> dict:
+    """What the weights are, for `model_identity`: dummy weights by name and seed, files by
+    name, size and modification time."""
+    if load_format == "dummy":
+        return {"dummy": name, "seed": seed}
+    files = [gguf_file] if gguf_file is not None else sorted(
+        p for p in (folder or Path(".")).iterdir() if p.suffix in (".safetensors", ".bin", ".gguf", ".pt"))
+    return {"files": [[p.name, p.stat().st_size, p.stat().st_mtime_ns] for p in files if p is not None]}
+
+
+def model_identity(source_desc: dict, spec: KVCacheSpec, dtype: str, tp_rank: int, tp_size: int) -> str:
+    """A fingerprint of what a block's bytes depend on: the weights (their files' names,
+    sizes and times, or a dummy load's seed), the dtypes, the block layout and the rank."""
+    facts = {"source": source_desc, "dtype": dtype, "kv_dtype": spec.dtype, "block_size": spec.block_size,
+             "layers": spec.num_layers, "kv_heads": spec.num_kv_heads, "head_dim": spec.head_dim,
+             "tp": [tp_rank, tp_size]}
+    return hashlib.blake2b(json.dumps(facts, sort_keys=True).encode(), digest_size=16).hexdigest()
+
+
+class KVOffloader:
+    """The host pool (`host_slots` blocks) and the disk store (None: no disk tier) of one
+    worker, bound to its per-layer caches ([2, num_blocks, block_size, kv_heads, head_dim]).
+    """
+
+    def __init__(self, caches: list[torch.Tensor], spec: KVCacheSpec, host_slots: int,
+                 disk: DiskStore | None) -> None:
+        self.caches = caches
+        self.spec = spec
+        self.device = caches[0].device
+        self.block_shape = (spec.num_layers, 2, spec.block_size, spec.num_kv_heads, spec.head_dim)
+        self.host: torch.Tensor | None = None  # [L, 2, slots, block_size, kv_heads, head_dim]
+        if host_slots:
+            self.host = torch.empty((spec.num_layers, 2, host_slots, *self.block_shape[2:]),
+                                    dtype=caches[0].dtype, pin_memory=self.device.type == "cuda")
+        self.disk = disk
+        self._report = TierReport()
+
+    @property
+    def block_bytes(self) -> int:
+        return self.spec.bytes_per_block
+
+    @torch.inference_mode()
+    def run(self, ops: TierOps) -> None:
+        """A step's copies, in TierOps' order."""
+        r = self._report
+        if self.disk is not None:
+            for digest in ops.disk_deletes:
+                self.disk.delete(digest)
+        evicted = sorted({b for b, _ in ops.offloads} | {b for b, _ in ops.disk_writes})
+        if evicted:
+            t0 = time.perf_counter()
+            rows = self._gather(evicted)  # [L, 2, n, bs, h, d] on the host
+            at = {b: i for i, b in enumerate(evicted)}
+            if ops.offloads:
+                self.host[:, :, [s for _, s in ops.offloads]] = rows[:, :, [at[b] for b, _ in ops.offloads]]
+                r.host_bytes += len(ops.offloads) * self.block_bytes
+            t1 = time.perf_counter()
+            r.host_seconds += t1 - t0
+            if ops.disk_writes and self.disk is not None:
+                for b, digest in ops.disk_writes:
+                    self.disk.write(digest, _to_bytes(rows[:, :, at[b]]))
+                r.disk_bytes += len(ops.disk_writes) * self.block_bytes
+                r.disk_seconds += time.perf_counter() - t1
+        if ops.onloads:
+            t0 = time.perf_counter()
+            self._scatter(self.host[:, :, [s for s, _ in ops.onloads]], [b for _, b in ops.onloads])
+            r.host_bytes += len(ops.onloads) * self.block_bytes
+            r.host_seconds += time.perf_counter() - t0
+        if ops.disk_loads:
+            t0 = time.perf_counter()
+            blocks = [self._from_bytes(self.disk.read(d)) for d, _ in ops.disk_loads]
+            self._scatter(torch.stack(blocks, dim=2), [b for _, b in ops.disk_loads])
+            r.disk_bytes += len(ops.disk_loads) * self.block_bytes
+            r.disk_seconds += time.perf_counter() - t0
+
+    def report(self) -> TierReport:
+        """The report since the last call."""
+        r, self._report = self._report, TierReport()
+        if self.disk is not None:
+            r.disk_written = self.disk.drain_written()
+            r.disk_disabled = self.disk.disabled
+        return r
+
+    def _gather(self, blocks: list[int]) -> torch.Tensor:
+        """[L, 2, n, bs, h, d] on the host: the blocks' contents (a synchronous copy)."""
+        idx = torch.tensor(blocks, device=self.device)
+        rows = torch.stack([c.index_select(1, idx) for c in self.caches])
+        return rows.cpu()
+
+    def _scatter(self, rows: torch.Tensor, blocks: list[int]) -> None:
+        """Write `rows` [L, 2, n, bs, h, d] (host) into the KV cache's `blocks`."""
+        idx = torch.tensor(blocks, device=self.device)
+        dev = rows.to(self.device, non_blocking=self.device.type == "cuda" and rows.is_pinned())
+        for layer, cache in enumerate(self.caches):
+            cache.index_copy_(1, idx, dev[layer])
+
+    def _from_bytes(self, payload: bytes) -> torch.Tensor:
+        flat = torch.frombuffer(bytearray(payload), dtype=torch.uint8)
+        return flat.view(self.caches[0].dtype).reshape(self.block_shape)
+
+
+def _to_bytes(block: torch.Tensor) -> bytes:
+    return block.contiguous().view(torch.uint8).numpy().tobytes()
+
+
+def build_offloader(config: EngineConfig, source: ModelSource, caches: list[torch.Tensor], spec: KVCacheSpec,
+                    dtype: str, tp_rank: int, tp_size: int) -> tuple[KVOffloader | None, int, int, list[bytes]]:
+    """The worker's offloader for `config.kv_tiers` (None where they are off), with the host
+    slots, the disk blocks the cap allows and the digests of the valid files already there."""
+    tiers = config.kv_tiers
+    if not tiers.enabled:
+        return None, 0, 0, []
+    identity = model_identity(source_description(source.folder, source.gguf_file, source.name,
+                                                 config.load_format, config.seed),
+                              spec, dtype, tp_rank, tp_size)
+    host_slots = tiers.offload_bytes // spec.bytes_per_block
+    disk, disk_blocks, digests = None, 0, []
+    if tiers.cache_dir is not None:
+        disk = DiskStore(tiers.cache_dir, identity, spec.bytes_per_block)
+        if not disk.disabled:
+            disk_blocks = tiers.cache_dir_bytes // disk.file_bytes
+            digests = disk.scan()
+        else:
+            disk = None
+    logger.info("KV tiers: %d host blocks (%.2f GiB of %s memory)%s", host_slots,
+                host_slots * spec.bytes_per_block / 2**30, "pinned" if caches[0].is_cuda else "host",
+                "" if disk is None else f"; disk {tiers.cache_dir}: up to {disk_blocks} blocks, "
+                f"{len(digests)} found")
+    return KVOffloader(caches, spec, host_slots, disk), host_slots, disk_blocks, digests
