@@ -112,3 +112,23 @@ def test_a_restarted_engine_hits_the_disk_tier_and_skips_a_corrupt_file(host_run
     assert _same(_two_turns(llm, conversations), reference)
     assert llm.engine.kv.tiers.stats.disk_hits > 0
     llm.close()
+
+
+def test_metrics_show_the_tiers_hits_and_bytes(host_run):
+    from pagedserve.engine.core_process import core_stats
+    from pagedserve.monitor.promtext import Scrape
+    from pagedserve.server.metrics import Metrics
+
+    llm, _ = host_run
+    stats = core_stats(llm.engine)
+    tiers = llm.engine.kv.tiers
+    assert (stats.kv_host_hits, stats.kv_disk_hits, stats.kv_tier_misses, stats.kv_offloads) == (
+        tiers.stats.host_hits, tiers.stats.disk_hits, tiers.stats.misses, tiers.stats.offloads)
+    metrics = Metrics("tiny")
+    scrape = Scrape.parse(metrics.render(stats).decode(), 0.0)
+    host = {"model_name": "tiny", "tier": "host"}
+    assert scrape.value("pagedserve_kv_offload_hits_total", **host) == stats.kv_host_hits > 0
+    assert scrape.value("pagedserve_kv_offload_bytes_total", **host) == stats.kv_host_bytes > 0
+    assert scrape.value("pagedserve_kv_offload_seconds_total", **host) > 0
+    assert scrape.value("pagedserve_kv_offload_bytes_total", model_name="tiny", tier="disk") == stats.kv_disk_bytes
+    assert scrape.value("pagedserve_kv_offload_misses_total", model_name="tiny") == stats.kv_tier_misses
