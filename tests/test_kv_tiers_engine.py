@@ -6,6 +6,7 @@ same tokens as an engine without tiers, through chunked prefill and preemption."
 
 from __future__ import annotations
 
+import io
 import logging
 import random
 
@@ -117,6 +118,7 @@ def test_a_restarted_engine_hits_the_disk_tier_and_skips_a_corrupt_file(host_run
 def test_metrics_show_the_tiers_hits_and_bytes(host_run):
     from pagedserve.engine.core_process import core_stats
     from pagedserve.monitor.promtext import Scrape
+    from pagedserve.monitor.top import render, summarize
     from pagedserve.server.metrics import Metrics
 
     llm, _ = host_run
@@ -132,3 +134,14 @@ def test_metrics_show_the_tiers_hits_and_bytes(host_run):
     assert scrape.value("pagedserve_kv_offload_seconds_total", **host) > 0
     assert scrape.value("pagedserve_kv_offload_bytes_total", model_name="tiny", tier="disk") == stats.kv_disk_bytes
     assert scrape.value("pagedserve_kv_offload_misses_total", model_name="tiny") == stats.kv_tier_misses
+    frame = summarize(None, scrape, "http://x")  # `pagedserve top`
+    assert frame.kv_tier_hits == {"host": stats.kv_host_hits, "disk": stats.kv_disk_hits}
+    assert "KV tier hits" in _text(render(frame))
+
+
+def _text(renderable) -> str:
+    from rich.console import Console
+
+    console = Console(width=120, record=True, file=io.StringIO())
+    console.print(renderable)
+    return console.export_text()
