@@ -2,8 +2,8 @@
 and a step's copies between them and the KV cache (`kv_tiers.TierOps`, run before the
 step's forward pass; the bookkeeping is `engine/kv_tiers.py`'s).
 
-The host pool is one tensor [layers, 2 (k, v), slots, block_size, kv_heads, head_dim] of the
-KV cache's dtype (pinned on CUDA). Copies run on the device's current stream, before the
+The host pool is one byte tensor [layers, 2 (k, v), slots, block_size, kv_heads, head_dim x
+the KV cache's element size] (pinned on CUDA). Copies run on the device's current stream, before the
 step's forward pass, so they are ordered after every earlier step's writes and before this
 step's: an offload reads a block before it is overwritten, an onload lands before it is read.
 (They are not yet overlapped with the forward pass on a side stream.)
@@ -57,14 +57,15 @@ class KVOffloader:
 
     def __init__(self, caches: list[torch.Tensor], spec: KVCacheSpec, host_slots: int,
                  disk: DiskStore | None) -> None:
-        self.caches = caches
+        # (as bytes: every dtype's copies are exact, FP8 too, whose copy kernels the CPU lacks)
+        self.caches = [c.view(torch.uint8) for c in caches]  # [2, num_blocks, bs, h, d * itemsize]
         self.spec = spec
         self.device = caches[0].device
-        self.block_shape = (spec.num_layers, 2, spec.block_size, spec.num_kv_heads, spec.head_dim)
-        self.host: torch.Tensor | None = None  # [L, 2, slots, block_size, kv_heads, head_dim]
+        self.block_shape = (spec.num_layers, 2, spec.block_size, spec.num_kv_heads, spec.head_dim * spec.itemsize)
+        self.host: torch.Tensor | None = None  # [L, 2, slots, block_size, kv_heads, head_dim * itemsize] bytes
         if host_slots:
             self.host = torch.empty((spec.num_layers, 2, host_slots, *self.block_shape[2:]),
-                                    dtype=caches[0].dtype, pin_memory=self.device.type == "cuda")
+                                    dtype=torch.uint8, pin_memory=self.device.type == "cuda")
         self.disk = disk
         self._report = TierReport()
 
@@ -128,12 +129,11 @@ class KVOffloader:
             cache.index_copy_(1, idx, dev[layer])
 
     def _from_bytes(self, payload: bytes) -> torch.Tensor:
-        flat = torch.frombuffer(bytearray(payload), dtype=torch.uint8)
-        return flat.view(self.caches[0].dtype).reshape(self.block_shape)
+        return torch.frombuffer(bytearray(payload), dtype=torch.uint8).reshape(self.block_shape)
 
 
 def _to_bytes(block: torch.Tensor) -> bytes:
-    return block.contiguous().view(torch.uint8).numpy().tobytes()
+    return block.contiguous().numpy().tobytes()
 
 
 def build_offloader(config: EngineConfig, source: ModelSource, caches: list[torch.Tensor], spec: KVCacheSpec,
