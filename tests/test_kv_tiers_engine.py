@@ -145,3 +145,18 @@ def _text(renderable) -> str:
     console = Console(width=120, record=True, file=io.StringIO())
     console.print(renderable)
     return console.export_text()
+
+
+@pytest.mark.parametrize(("settings", "message"), [
+    (dict(tensor_parallel_size=2, kv_cache_dir="/tmp/kv"), "--kv-cache-dir does not work with tensor parallelism"),
+    (dict(kv_offload_size=1, speculative_config="draft"), "do not move a draft model's KV cache"),
+    (dict(kv_offload_size=1, enable_prefix_caching=False), "drop --no-enable-prefix-caching"),
+])
+def test_settings_the_tiers_cannot_serve_are_refused(tiny_with_tokenizer, settings, message):
+    from pagedserve.engine_args import EngineArgs
+
+    if settings.get("speculative_config") == "draft":
+        settings["speculative_config"] = {"method": "draft_model", "model": str(tiny_with_tokenizer),
+                                          "num_speculative_tokens": 2}
+    with pytest.raises(ValueError, match=message):
+        EngineArgs(str(tiny_with_tokenizer), device="cpu", **settings).create_engine_config()

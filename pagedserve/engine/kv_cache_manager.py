@@ -100,8 +100,8 @@ class _ReqState:
 
 class KVCacheManager(TieredPrefix):
     """Owns `num_blocks` block ids and hands them to requests. `sliding_window`: the widest
-    window W of a model whose every layer slides (`window_to_free`), or None. `tiers`: the host
-    and disk tiers' index (None: no tiers; they need prefix caching)."""
+    window W of a model whose every layer slides (`window_to_free`), or None. `tiers`: the KV
+    tiers' index (None: none; they need prefix caching and no sliding window)."""
 
     def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True,
                  sliding_window: int | None = None, tiers: KVTiers | None = None) -> None:
@@ -119,7 +119,7 @@ class KVCacheManager(TieredPrefix):
         self._next_reg_id = 0
         self._reqs: dict[str, _ReqState] = {}
         self.stats = PrefixCacheStats()
-        self.tiers = tiers if tiers is not None and tiers.enabled and enable_prefix_caching else None
+        self.tiers = tiers if tiers and tiers.enabled and enable_prefix_caching and not sliding_window else None
 
     # ---- queries ----------------------------------------------------------------------
 

@@ -2,11 +2,14 @@
 and a step's copies between them and the KV cache (`kv_tiers.TierOps`, run before the
 step's forward pass; the bookkeeping is `engine/kv_tiers.py`'s).
 
-The host pool is one byte tensor [layers, 2 (k, v), slots, block_size, kv_heads, head_dim x
-the KV cache's element size] (pinned on CUDA). Copies run on the device's current stream, before the
-step's forward pass, so they are ordered after every earlier step's writes and before this
-step's: an offload reads a block before it is overwritten, an onload lands before it is read.
-(They are not yet overlapped with the forward pass on a side stream.)
+The host pool is one byte tensor [slots, layers, 2 (k, v), block_size, kv_heads, head_dim x
+the KV cache's element size] (pinned on CUDA). A step's copies are queued before its forward
+pass and ordered between it and every earlier step: on CUDA on a side stream that waits for
+the work queued so far and that the forward pass waits for (`run`), so an offload reads a
+block before this step overwrites it and an onload lands before it is read, and the host
+never waits for them (a disk write does: it needs the bytes). Copies into and out of one host
+slot are on that one stream, so they keep their order too. They do not yet overlap the
+forward pass itself: this step's blocks are its inputs.
 
 Each block travels as its bytes: FP8 caches copy exactly, like every other dtype.
 """
@@ -61,11 +64,13 @@ class KVOffloader:
         self.caches = [c.view(torch.uint8) for c in caches]  # [2, num_blocks, bs, h, d * itemsize]
         self.spec = spec
         self.device = caches[0].device
+        self.cuda = self.device.type == "cuda"
+        # one block, slot-major so that a slot is one contiguous (pinned) copy
         self.block_shape = (spec.num_layers, 2, spec.block_size, spec.num_kv_heads, spec.head_dim * spec.itemsize)
-        self.host: torch.Tensor | None = None  # [L, 2, slots, block_size, kv_heads, head_dim * itemsize] bytes
+        self.host: torch.Tensor | None = None  # [slots, L, 2, block_size, kv_heads, head_dim * itemsize] bytes
         if host_slots:
-            self.host = torch.empty((spec.num_layers, 2, host_slots, *self.block_shape[2:]),
-                                    dtype=torch.uint8, pin_memory=self.device.type == "cuda")
+            self.host = torch.empty((host_slots, *self.block_shape), dtype=torch.uint8, pin_memory=self.cuda)
+        self.stream = torch.cuda.Stream(self.device) if self.cuda else None
         self.disk = disk
         self._report = TierReport()
 
@@ -75,35 +80,53 @@ class KVOffloader:
 
     @torch.inference_mode()
     def run(self, ops: TierOps) -> None:
-        """A step's copies, in TierOps' order."""
-        r = self._report
+        """A step's copies, in TierOps' order. On CUDA they run on a side stream that first
+        waits for the work queued so far (earlier steps' writes) and that the step's forward
+        pass then waits for (GPU-side waits: the host goes on at once, except to hand a disk
+        write its bytes)."""
         if self.disk is not None:
             for digest in ops.disk_deletes:
                 self.disk.delete(digest)
+        if not (ops.offloads or ops.disk_writes or ops.onloads or ops.disk_loads):
+            return
+        if self.stream is None:
+            self._run(ops)
+            return
+        self.stream.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(self.stream):
+            self._run(ops)
+        torch.cuda.current_stream(self.device).wait_stream(self.stream)
+
+    def _run(self, ops: TierOps) -> None:
+        r = self._report
         evicted = sorted({b for b, _ in ops.offloads} | {b for b, _ in ops.disk_writes})
         if evicted:
             t0 = time.perf_counter()
-            rows = self._gather(evicted)  # [L, 2, n, bs, h, d] on the host
+            rows = self._gather(evicted)  # [n, L, 2, bs, h, d'] on the device
             at = {b: i for i, b in enumerate(evicted)}
-            if ops.offloads:
-                self.host[:, :, [s for _, s in ops.offloads]] = rows[:, :, [at[b] for b, _ in ops.offloads]]
-                r.host_bytes += len(ops.offloads) * self.block_bytes
+            for b, slot in ops.offloads:  # (pinned, contiguous: asynchronous on CUDA)
+                self.host[slot].copy_(rows[at[b]], non_blocking=True)
+            r.host_bytes += len(ops.offloads) * self.block_bytes
             t1 = time.perf_counter()
             r.host_seconds += t1 - t0
             if ops.disk_writes and self.disk is not None:
+                host_rows = rows.cpu()  # (waits for the gather: the bytes must exist to be written)
                 for b, digest in ops.disk_writes:
-                    self.disk.write(digest, _to_bytes(rows[:, :, at[b]]))
+                    self.disk.write(digest, _to_bytes(host_rows[at[b]]))
                 r.disk_bytes += len(ops.disk_writes) * self.block_bytes
                 r.disk_seconds += time.perf_counter() - t1
         if ops.onloads:
             t0 = time.perf_counter()
-            self._scatter(self.host[:, :, [s for s, _ in ops.onloads]], [b for _, b in ops.onloads])
+            rows = torch.empty((len(ops.onloads), *self.block_shape), dtype=torch.uint8, device=self.device)
+            for i, (slot, _) in enumerate(ops.onloads):  # (after any earlier offload into the slot)
+                rows[i].copy_(self.host[slot], non_blocking=True)
+            self._scatter(rows, [b for _, b in ops.onloads])
             r.host_bytes += len(ops.onloads) * self.block_bytes
             r.host_seconds += time.perf_counter() - t0
         if ops.disk_loads:
             t0 = time.perf_counter()
-            blocks = [self._from_bytes(self.disk.read(d)) for d, _ in ops.disk_loads]
-            self._scatter(torch.stack(blocks, dim=2), [b for _, b in ops.disk_loads])
+            rows = torch.stack([self._from_bytes(self.disk.read(d)) for d, _ in ops.disk_loads])
+            self._scatter(rows.to(self.device), [b for _, b in ops.disk_loads])
             r.disk_bytes += len(ops.disk_loads) * self.block_bytes
             r.disk_seconds += time.perf_counter() - t0
 
@@ -116,17 +139,16 @@ class KVOffloader:
         return r
 
     def _gather(self, blocks: list[int]) -> torch.Tensor:
-        """[L, 2, n, bs, h, d] on the host: the blocks' contents (a synchronous copy)."""
+        """[n, L, 2, bs, h, d'] on the device: the blocks' bytes, one contiguous row each."""
         idx = torch.tensor(blocks, device=self.device)
-        rows = torch.stack([c.index_select(1, idx) for c in self.caches])
-        return rows.cpu()
+        rows = torch.stack([c.index_select(1, idx) for c in self.caches])  # [L, 2, n, bs, h, d']
+        return rows.permute(2, 0, 1, 3, 4, 5).contiguous()
 
     def _scatter(self, rows: torch.Tensor, blocks: list[int]) -> None:
-        """Write `rows` [L, 2, n, bs, h, d] (host) into the KV cache's `blocks`."""
+        """Write `rows` [n, L, 2, bs, h, d'] (on the device) into the KV cache's `blocks`."""
         idx = torch.tensor(blocks, device=self.device)
-        dev = rows.to(self.device, non_blocking=self.device.type == "cuda" and rows.is_pinned())
         for layer, cache in enumerate(self.caches):
-            cache.index_copy_(1, idx, dev[layer])
+            cache.index_copy_(1, idx, rows[:, layer].transpose(0, 1))  # [2, n, bs, h, d']
 
     def _from_bytes(self, payload: bytes) -> torch.Tensor:
         return torch.frombuffer(bytearray(payload), dtype=torch.uint8).reshape(self.block_shape)

@@ -42,7 +42,6 @@ class TieredPrefix:
     blocks: list[Any]
     tiers: Any
     block_size: int
-    sliding_window: int | None
     _hash_to_block: dict[int, int]
     _free: Any
     _next_reg_id: int
@@ -50,9 +49,9 @@ class TieredPrefix:
 
     def find_prefix(self, token_ids: Sequence[int]) -> PrefixHit:
         """`find_cached_prefix`, then, with KV tiers, the blocks after it found in a tier (or
-        in a GPU block by digest). Tiers are not searched for sliding-window models."""
+        in a GPU block by digest). (A sliding-window model has no tiers.)"""
         hit = PrefixHit(self.find_cached_prefix(token_ids))  # type: ignore[attr-defined]
-        if self.tiers is None or self.sliding_window is not None:
+        if self.tiers is None:
             return hit
         bs = self.block_size
         parent: int | None = None

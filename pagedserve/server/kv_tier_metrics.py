@@ -21,7 +21,8 @@ class KVTierSeries:
         moved = Counter("pagedserve_kv_offload_bytes", "Bytes of KV blocks moved between the KV "
                         "cache and a tier (host: both ways; disk: written and read)", labels, registry=registry)
         seconds = Counter("pagedserve_kv_offload_seconds", "Worker seconds spent moving KV blocks "
-                          "to and from a tier (disk writes: handing them to the writer thread)",
+                          "to and from a tier (on CUDA: issuing the copies, which run on a side "
+                          "stream; disk writes: handing them to the writer thread)",
                           labels, registry=registry)
         self.misses = Counter("pagedserve_kv_offload_misses", "Prompt KV blocks looked up in the KV "
                               "tiers after a GPU prefix-cache miss and found in none", ["model_name"],
