@@ -112,6 +112,17 @@ def test_a_restarted_engine_hits_the_disk_tier_and_skips_a_corrupt_file(host_run
     assert llm.engine.kv.tiers.num_disk_files == len(files) - 1
     assert _same(_two_turns(llm, conversations), reference)
     assert llm.engine.kv.tiers.stats.disk_hits > 0
+    # a file that goes bad while the engine runs: the step that reads it fails (its request), the
+    # disk tier forgets its files, and the same request then recomputes the right tokens
+    kv = llm.engine.kv
+    i, digest = next((i, h.digest) for i, c in enumerate(conversations) for h in kv.find_prefix(c).tier_hits
+                     if h.gpu_block is None and kv.tiers.where(h.digest) == "disk")
+    path = store.path(digest)
+    path.write_bytes(path.read_bytes()[:-1] + b"\x00")
+    bad = llm.generate([conversations[i]], GREEDY, use_tqdm=False)[0].outputs[0]
+    assert bad.finish_reason == "error" and kv.tiers.num_disk_files == 0
+    assert store.stats.corrupt_files == 2 and not path.exists()
+    assert _same(_two_turns(llm, conversations[i : i + 1]), [reference[i], reference[6 + i]])
     llm.close()
 
 

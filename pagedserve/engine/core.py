@@ -275,8 +275,8 @@ class EngineCore:
             for req in self.scheduler.drop(out) if out is not None else ():
                 reqs[id(req)] = req
         self._inflight = self._launching = None
-        if self.kv.tiers is not None:  # (some of the failed steps' copies may not have run)
-            self.kv.tiers.forget_all()
+        if self.kv.tiers is not None:  # (some of the failed steps' copies may not have run: their
+            self.kv.tiers.forget_all()  # blocks are freed below, and their prefixes forgotten)
         if isinstance(error, ExecutorDied):  # nothing can run any more: every request fails
             self.fatal_error = f"the engine cannot go on: {error}"
             reqs.update((id(r), r) for r in self.requests.values())
@@ -289,6 +289,8 @@ class EngineCore:
             self.kv.check_integrity()
         except AssertionError as e:
             raise FatalEngineError(f"the KV-cache bookkeeping is broken after a failed step: {e}") from e
+        if self.kv.tiers is not None:
+            self.kv.reset_prefix_cache()
         orphans = set(self.kv.request_ids()) - set(self.requests)
         if orphans:
             raise FatalEngineError("KV blocks are held by unknown requests after a failed step: "

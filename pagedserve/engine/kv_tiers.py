@@ -24,13 +24,10 @@ worker's `disk_disabled` turns the disk tier off for good.
 from __future__ import annotations
 
 import hashlib
-import logging
 import struct
 from collections import OrderedDict
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
-
-logger = logging.getLogger("pagedserve")
 
 DIGEST_BYTES = 16
 
@@ -191,18 +188,17 @@ class KVTiers:
             if d in self._disk_pending:
                 self._disk_pending.discard(d)
                 self._admit_disk(d)
-        if disabled and self.num_disk_blocks:
-            logger.warning("the disk tier of the KV cache is off from now on (the worker could not "
-                           "write its directory)")
+        if disabled and self.num_disk_blocks:  # (the worker warned)
             self.num_disk_blocks = 0
             self._disk.clear()
             self._disk_pending.clear()
 
     def forget_all(self) -> None:
-        """A step failed, so some of its copies may not have run: trust no host slot, and no
-        disk file whose write was not confirmed."""
+        """A step failed, so some of its copies may not have run, or a block file may have
+        failed its check: trust no host slot and no file (the files stay for the next start)."""
         self._host.clear()
         self._free_slots = list(range(self.num_host_slots - 1, -1, -1))
+        self._disk.clear()
         self._disk_pending.clear()
         self._ops = TierOps()
         self._reading = set()
