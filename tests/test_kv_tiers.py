@@ -122,3 +122,16 @@ def test_a_full_disk_turns_the_tier_off_with_one_warning(store, monkeypatch, cap
     assert store.disabled and store.drain_written() == []
     assert len([r for r in caplog.records if "cannot be written" in r.getMessage()]) == 1
     assert list(store.dir.iterdir()) == []  # no temporary file left behind
+
+
+def test_a_payload_can_come_from_a_callable_on_the_writer_thread(store):
+    ok, bad = block_digest(None, [1]), block_digest(None, [2])
+
+    def broken() -> bytes:
+        raise RuntimeError("device error")
+
+    store.write(ok, lambda: b"\x07" * 8)  # (how a CUDA block's bytes come: after its copy)
+    store.write(bad, broken)
+    store.flush()
+    assert store.drain_written() == [ok] and store.read(ok) == b"\x07" * 8
+    assert store.stats.write_errors == 1 and not store.disabled and not store.path(bad).exists()

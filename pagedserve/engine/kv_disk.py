@@ -24,6 +24,7 @@ import logging
 import os
 import struct
 import threading
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -108,8 +109,9 @@ class DiskStore:
 
     # ---- steps ------------------------------------------------------------------------
 
-    def write(self, digest: bytes, payload: bytes) -> None:
-        """Write a block's file in the background (nothing once the tier is off)."""
+    def write(self, digest: bytes, payload: bytes | Callable[[], bytes]) -> None:
+        """Write a block's file in the background (nothing once the tier is off); `payload`
+        may be a callable that the writer thread calls for the bytes (a device block's copy)."""
         if not self.disabled:
             self._pool.submit(self._write, digest, payload)
 
@@ -144,9 +146,16 @@ class DiskStore:
     def close(self) -> None:
         self._pool.shutdown(wait=True)
 
-    def _write(self, digest: bytes, payload: bytes) -> None:
+    def _write(self, digest: bytes, payload: bytes | Callable[[], bytes]) -> None:
         if self.disabled:
             return
+        if callable(payload):
+            try:
+                payload = payload()
+            except Exception:  # (a device error: this block is not written, and not confirmed)
+                logger.exception("a KV block could not be read for the disk tier")
+                self.stats.write_errors += 1
+                return
         p = self.path(digest)
         header = json.dumps({"identity": self.identity, "digest": digest.hex(),
                              "payload_bytes": len(payload)}).encode()

@@ -7,7 +7,7 @@ the KV cache's element size] (pinned on CUDA). A step's copies are queued before
 pass and ordered between it and every earlier step: on CUDA on a side stream that waits for
 the work queued so far and that the forward pass waits for (`run`), so an offload reads a
 block before this step overwrites it and an onload lands before it is read, and the host
-never waits for them (a disk write does: it needs the bytes). Copies into and out of one host
+never waits for them (a disk write's thread does, for its bytes). Copies into and out of one host
 slot are on that one stream, so they keep their order too. They do not yet overlap the
 forward pass itself: this step's blocks are its inputs.
 
@@ -20,6 +20,7 @@ import hashlib
 import json
 import logging
 import time
+from functools import partial
 from pathlib import Path
 
 import torch
@@ -110,9 +111,14 @@ class KVOffloader:
             t1 = time.perf_counter()
             r.host_seconds += t1 - t0
             if ops.disk_writes and self.disk is not None:
-                host_rows = rows.cpu()  # (waits for the gather: the bytes must exist to be written)
+                # (on CUDA the writer thread waits for the gather, not this one)
+                done = None
+                if self.cuda:
+                    done = torch.cuda.Event()
+                    done.record(self.stream)
                 for b, digest in ops.disk_writes:
-                    self.disk.write(digest, _to_bytes(host_rows[at[b]]))
+                    row = rows[at[b]]
+                    self.disk.write(digest, _to_bytes(row) if done is None else partial(_device_bytes, row, done))
                 r.disk_bytes += len(ops.disk_writes) * self.block_bytes
                 r.disk_seconds += time.perf_counter() - t1
         if ops.onloads:
@@ -156,6 +162,12 @@ class KVOffloader:
 
 def _to_bytes(block: torch.Tensor) -> bytes:
     return block.contiguous().numpy().tobytes()
+
+
+def _device_bytes(block: torch.Tensor, ready: torch.cuda.Event) -> bytes:
+    """(On the disk tier's writer thread) a device block's bytes once `ready` has passed."""
+    ready.synchronize()
+    return _to_bytes(block.cpu())
 
 
 def build_offloader(config: EngineConfig, source: ModelSource, caches: list[torch.Tensor], spec: KVCacheSpec,
