@@ -55,6 +55,7 @@ class DiskStore:
         self.payload_bytes = payload_bytes
         self.stats = DiskStats()
         self.disabled = False
+        self._closed = False
         self._written: list[bytes] = []
         self._lock = threading.Lock()
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="kv-disk")
@@ -112,11 +113,11 @@ class DiskStore:
     def write(self, digest: bytes, payload: bytes | Callable[[], bytes]) -> None:
         """Write a block's file in the background (nothing once the tier is off); `payload`
         may be a callable that the writer thread calls for the bytes (a device block's copy)."""
-        if not self.disabled:
+        if not (self.disabled or self._closed):
             self._pool.submit(self._write, digest, payload)
 
     def delete(self, digest: bytes) -> None:
-        if not self.disabled:
+        if not (self.disabled or self._closed):
             self._pool.submit(self._delete, digest)
 
     def read(self, digest: bytes) -> bytes:
@@ -144,6 +145,8 @@ class DiskStore:
         self._pool.submit(lambda: None).result()
 
     def close(self) -> None:
+        """Finish the pending writes; later ones are dropped (never confirmed)."""
+        self._closed = True
         self._pool.shutdown(wait=True)
 
     def _write(self, digest: bytes, payload: bytes | Callable[[], bytes]) -> None:
