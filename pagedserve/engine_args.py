@@ -113,11 +113,11 @@ class EngineArgs:
             kernels=envs.kernel_config(), observability=envs.observability_config(),
             speculative=spec, tensor_parallel_size=self.tensor_parallel_size,
             distributed_executor_backend=self.distributed_executor_backend,
-            data_parallel_size=self.data_parallel_size, kv_tiers=self._kv_tiers(spec),
+            data_parallel_size=self.data_parallel_size, kv_tiers=self._kv_tiers(spec, model_cfg),
         )
         return config, source, model_cfg
 
-    def _kv_tiers(self, spec: SpeculativeConfig | None) -> KVTierConfig:
+    def _kv_tiers(self, spec: SpeculativeConfig | None, model_cfg: ModelConfig) -> KVTierConfig:
         """The KV tiers' settings, checked against the rest (ValueError names the fix)."""
         tiers = KVTierConfig(int(self.kv_offload_size * 2**30), self.kv_cache_dir,
                              int(self.kv_cache_dir_size * 2**30))
@@ -126,6 +126,10 @@ class EngineArgs:
         if not self.enable_prefix_caching:
             raise ValueError("the KV tiers (--kv-offload-size, --kv-cache-dir) keep prefix-cached "
                              "blocks: drop --no-enable-prefix-caching")
+        if model_cfg.sliding_windows and None not in model_cfg.sliding_windows:
+            raise ValueError("the KV tiers (--kv-offload-size, --kv-cache-dir) do not serve models "
+                             "whose every layer slides (their blocks before the window go back "
+                             "outside the prefix cache): drop the flags")
         if spec is not None and spec.method == "draft_model":
             raise ValueError("the KV tiers do not move a draft model's KV cache yet: use the "
                              "ngram method or drop --kv-offload-size / --kv-cache-dir")

@@ -162,12 +162,22 @@ def _text(renderable) -> str:
     (dict(tensor_parallel_size=2, kv_cache_dir="/tmp/kv"), "--kv-cache-dir does not work with tensor parallelism"),
     (dict(kv_offload_size=1, speculative_config="draft"), "do not move a draft model's KV cache"),
     (dict(kv_offload_size=1, enable_prefix_caching=False), "drop --no-enable-prefix-caching"),
+    (dict(kv_offload_size=1, model="sliding"), "whose every layer slides"),
 ])
-def test_settings_the_tiers_cannot_serve_are_refused(tiny_with_tokenizer, settings, message):
+def test_settings_the_tiers_cannot_serve_are_refused(tiny_with_tokenizer, tmp_path, settings, message):
     from pagedserve.engine_args import EngineArgs
 
+    model = str(tiny_with_tokenizer)
     if settings.get("speculative_config") == "draft":
-        settings["speculative_config"] = {"method": "draft_model", "model": str(tiny_with_tokenizer),
-                                          "num_speculative_tokens": 2}
+        settings["speculative_config"] = {"method": "draft_model", "model": model, "num_speculative_tokens": 2}
+    if settings.pop("model", None) == "sliding":  # (a config is all it reads)
+        import transformers
+
+        from conftest import TINY_LLAMA
+
+        transformers.MistralConfig(**{**TINY_LLAMA, "sliding_window": 8}, architectures=["MistralForCausalLM"]
+                                   ).save_pretrained(tmp_path)
+        (tmp_path / "model.safetensors").write_bytes(b"")
+        model = str(tmp_path)
     with pytest.raises(ValueError, match=message):
-        EngineArgs(str(tiny_with_tokenizer), device="cpu", **settings).create_engine_config()
+        EngineArgs(model, device="cpu", **settings).create_engine_config()
