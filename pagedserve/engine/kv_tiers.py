@@ -13,12 +13,12 @@ worker runs in this order before the forward pass: disk deletes (files over the 
 offloads (GPU -> host), disk writes (of blocks just evicted), onloads (host -> GPU), disk loads
 (file -> GPU). Offloads and writes go before the loads because an onload's or this step's
 target block may be one just evicted; deletes go first because a digest deleted may be
-written again in the same step. A host slot read by an onload this step is never chosen to receive an offload
-in the same step (`_reading`).
+written again in the same step. A host slot read by an onload this step is never chosen to
+receive an offload in the same step (`_reading`).
 
-Disk writes are confirmed by the worker (`StepResult.kv_written`) before the disk index
-counts them, so a failed write (full disk, read-only directory) is never looked up; the
-worker's `disk_disabled` turns the disk tier off for good.
+Disk writes are confirmed by the worker (`StepResult.kv_tiers`, a `TierReport`) before the
+disk index counts them, so a failed write (full disk, read-only directory) is never looked
+up; the report's `disk_disabled` turns the disk tier off for good.
 """
 
 from __future__ import annotations
