@@ -45,12 +45,14 @@ def source_description(folder: Path | None, gguf_file: Path | None, name: str, l
     return {"files": [[p.name, p.stat().st_size, p.stat().st_mtime_ns] for p in files if p is not None]}
 
 
-def model_identity(source_desc: dict, spec: KVCacheSpec, dtype: str, tp_rank: int, tp_size: int) -> str:
+def model_identity(source_desc: dict, spec: KVCacheSpec, dtype: str, tp_rank: int, tp_size: int,
+                   dp_rank: int = 0) -> str:
     """A fingerprint of what a block's bytes depend on: the weights (their files' names,
-    sizes and times, or a dummy load's seed), the dtypes, the block layout and the rank."""
+    sizes and times, or a dummy load's seed), the dtypes, the block layout and the ranks (a
+    data-parallel core has files of its own: another core's deletes never reach its index)."""
     facts = {"source": source_desc, "dtype": dtype, "kv_dtype": spec.dtype, "block_size": spec.block_size,
              "layers": spec.num_layers, "kv_heads": spec.num_kv_heads, "head_dim": spec.head_dim,
-             "tp": [tp_rank, tp_size]}
+             "tp": [tp_rank, tp_size], "dp_rank": dp_rank}
     return hashlib.blake2b(json.dumps(facts, sort_keys=True).encode(), digest_size=16).hexdigest()
 
 
@@ -179,7 +181,7 @@ def build_offloader(config: EngineConfig, source: ModelSource, caches: list[torc
         return None, 0, 0, []
     identity = model_identity(source_description(source.folder, source.gguf_file, source.name,
                                                  config.load_format, config.seed),
-                              spec, dtype, tp_rank, tp_size)
+                              spec, dtype, tp_rank, tp_size, config.data_parallel_rank)
     host_slots = tiers.offload_bytes // spec.bytes_per_block
     disk, disk_blocks, digests = None, 0, []
     if tiers.cache_dir is not None:
