@@ -194,6 +194,26 @@ class CacheConfig:
             )
 
 
+@dataclass(frozen=True)
+class KVTierConfig:
+    """The KV-cache hierarchy below the GPU's blocks (engine/kv_tiers.py): evicted prefix
+    blocks kept in host memory and, optionally, in files that outlive the process."""
+
+    offload_bytes: int = 0  # host memory for evicted blocks (--kv-offload-size); 0 = no host tier
+    cache_dir: str | None = None  # the disk tier's directory (--kv-cache-dir); None = no disk tier
+    cache_dir_bytes: int = 8 << 30  # most bytes of block files kept there (--kv-cache-dir-size)
+
+    def __post_init__(self) -> None:
+        if self.offload_bytes < 0:
+            raise ValueError(f"kv_offload_size must be >= 0 GiB, got {self.offload_bytes / 2**30:g}")
+        if self.cache_dir is not None and self.cache_dir_bytes <= 0:
+            raise ValueError("kv_cache_dir_size must be positive GiB")
+
+    @property
+    def enabled(self) -> bool:
+        return self.offload_bytes > 0 or self.cache_dir is not None
+
+
 LONG_PREFILL_KERNELS = ("off", "flash", "cudnn", "math")
 
 
@@ -262,6 +282,7 @@ class EngineConfig:
     # on CUDA it runs on GPUs first_gpu .. first_gpu + tensor_parallel_size - 1
     data_parallel_size: int = 1
     data_parallel_rank: int = 0
+    kv_tiers: KVTierConfig = field(default_factory=KVTierConfig)  # host and disk tiers (off)
 
     @property
     def first_gpu(self) -> int:

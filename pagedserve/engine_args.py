@@ -14,7 +14,7 @@ from dataclasses import dataclass, fields, replace
 from typing import Any
 
 from pagedserve import envs
-from pagedserve.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
+from pagedserve.config import CacheConfig, EngineConfig, KVTierConfig, ModelConfig, SchedulerConfig
 from pagedserve.distributed.split import check_config_split, check_quantized_split
 from pagedserve.faults import FaultPlan
 from pagedserve.models.hf_config import model_config_from_hf
@@ -55,6 +55,11 @@ class EngineArgs:
     download_dir: str | None = None  # Hub ids: where to find and download them
     generation_config: str = "auto"  # sampling defaults: auto, vllm or a folder
     inject_faults: str | None = None  # chaos tests only (faults.py)
+    # the KV-cache hierarchy (engine/kv_tiers.py): GiB of host memory for evicted prefix
+    # blocks (0: off), a directory for block files that outlive the process, its cap in GiB
+    kv_offload_size: float = 0
+    kv_cache_dir: str | None = None
+    kv_cache_dir_size: float = 8
 
     @classmethod
     def from_cli(cls, args: argparse.Namespace) -> EngineArgs:
@@ -108,9 +113,30 @@ class EngineArgs:
             kernels=envs.kernel_config(), observability=envs.observability_config(),
             speculative=spec, tensor_parallel_size=self.tensor_parallel_size,
             distributed_executor_backend=self.distributed_executor_backend,
-            data_parallel_size=self.data_parallel_size,
+            data_parallel_size=self.data_parallel_size, kv_tiers=self._kv_tiers(spec, model_cfg),
         )
         return config, source, model_cfg
+
+    def _kv_tiers(self, spec: SpeculativeConfig | None, model_cfg: ModelConfig) -> KVTierConfig:
+        """The KV tiers' settings, checked against the rest (ValueError names the fix)."""
+        tiers = KVTierConfig(int(self.kv_offload_size * 2**30), self.kv_cache_dir,
+                             int(self.kv_cache_dir_size * 2**30))
+        if not tiers.enabled:
+            return tiers
+        if not self.enable_prefix_caching:
+            raise ValueError("the KV tiers (--kv-offload-size, --kv-cache-dir) keep prefix-cached "
+                             "blocks: drop --no-enable-prefix-caching")
+        if model_cfg.sliding_windows and None not in model_cfg.sliding_windows:
+            raise ValueError("the KV tiers (--kv-offload-size, --kv-cache-dir) do not serve models "
+                             "whose every layer slides (their blocks before the window go back "
+                             "outside the prefix cache): drop the flags")
+        if spec is not None and spec.method == "draft_model":
+            raise ValueError("the KV tiers do not move a draft model's KV cache yet: use the "
+                             "ngram method or drop --kv-offload-size / --kv-cache-dir")
+        if tiers.cache_dir is not None and self.tensor_parallel_size > 1:
+            raise ValueError("--kv-cache-dir does not work with tensor parallelism yet: drop it "
+                             "(the host tier, --kv-offload-size, does)")
+        return tiers
 
 
 def engine_args(model: str | None = None, **kwargs: Any) -> EngineArgs:

@@ -98,7 +98,8 @@ LAYERS = [
      "pagedserve.engine.messages",
      "pagedserve.engine.limits", "pagedserve.engine.stopping", "pagedserve.engine.step_timer",
      "pagedserve.engine.step_trace", "pagedserve.engine.step_handle", "pagedserve.engine.heartbeat",
-     "pagedserve.engine.prompt_logprobs"],
+     "pagedserve.engine.prompt_logprobs", "pagedserve.engine.kv_tiers",
+     "pagedserve.engine.kv_tier_prefix"],
     ["pagedserve.spec_decode"],  # proposers and verification, over the engine's state
     ["pagedserve.engine"],  # the assembly: runner, worker, executors, core, core process
     ["pagedserve.engine_args", "pagedserve.llm"],

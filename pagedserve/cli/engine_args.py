@@ -80,6 +80,16 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="mp: a worker process per tensor-parallel rank (the default above 1 "
                         "rank); uni: the model in the engine's own process (the default at 1); "
                         "ray is refused (replicas on Ray: `pagedserve serve-ray`)")
+    p.add_argument("--kv-offload-size", type=types.non_negative_float, default=0, metavar="GIB",
+                   help="GiB of host memory (pinned on CUDA) that keeps prefix-cached KV blocks "
+                        "evicted from the KV cache; a returning prompt copies them back instead "
+                        "of recomputing them (0: off)")
+    p.add_argument("--kv-cache-dir", default=None, metavar="PATH",
+                   help="a directory for evicted prefix blocks as files (one per block, "
+                        "checksummed, named by the model's identity), which a restarted engine "
+                        "reuses; an unwritable directory turns it off with a warning")
+    p.add_argument("--kv-cache-dir-size", type=types.positive_float, default=8, metavar="GIB",
+                   help="the most GiB of block files --kv-cache-dir keeps (oldest go first)")
     p.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
     p.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=True,
                    help="schedule the next step while the GPU runs this one")

@@ -17,6 +17,7 @@ from pagedserve import faults
 from pagedserve.config import EngineConfig
 from pagedserve.engine.executor import Executor, ExecutorDied, UniprocExecutor
 from pagedserve.engine.kv_cache_manager import KVCacheManager, window_to_free
+from pagedserve.engine.kv_tiers import KVTiers
 from pagedserve.engine.limits import check_prompt, check_token_ids
 from pagedserve.engine.messages import EngineRequest, TokenOutput
 from pagedserve.engine.request import Request
@@ -65,7 +66,8 @@ class EngineCore:
         self.model_config = info.model_config
         self.scheduler_config = sched = info.scheduler_config
         self.kv = KVCacheManager(info.num_blocks, info.block_size, config.cache.enable_prefix_caching,
-                                 window_to_free(info.model_config.sliding_windows, info.draft_layer_windows))
+                                 window_to_free(info.model_config.sliding_windows, info.draft_layer_windows),
+                                 KVTiers(*info.kv_tier_sizes, info.kv_disk_digests))
         self.scheduler = Scheduler(sched, self.kv)
         self.requests: dict[str, Request] = {}
         spec = config.speculative
@@ -231,7 +233,8 @@ class EngineCore:
                 self._trace.end(trace_start, out.chunks, self._graph_steps() > graphs,
                                 (time.perf_counter() - t_scheduled) * 1e3)
             self.num_prefill_tokens += sum(c.num_tokens for c in out.chunks if not c.is_decode)
-        elif out.finished_req_ids and not self.fatal_error:  # only ended requests to forget
+        elif (out.finished_req_ids or out.kv_copies) and not self.fatal_error:  # no chunks: only
+            # ended requests to forget, or the KV tiers' copies (deletes of old block files)
             self.executor.execute(out)
         timer.mark("prepare+launch")
         t_launched = time.perf_counter()
@@ -272,6 +275,8 @@ class EngineCore:
             for req in self.scheduler.drop(out) if out is not None else ():
                 reqs[id(req)] = req
         self._inflight = self._launching = None
+        if self.kv.tiers is not None:  # (some of the failed steps' copies may not have run: their
+            self.kv.tiers.forget_all()  # blocks are freed below, and their prefixes forgotten)
         if isinstance(error, ExecutorDied):  # nothing can run any more: every request fails
             self.fatal_error = f"the engine cannot go on: {error}"
             reqs.update((id(r), r) for r in self.requests.values())
@@ -284,6 +289,8 @@ class EngineCore:
             self.kv.check_integrity()
         except AssertionError as e:
             raise FatalEngineError(f"the KV-cache bookkeeping is broken after a failed step: {e}") from e
+        if self.kv.tiers is not None:
+            self.kv.reset_prefix_cache()
         orphans = set(self.kv.request_ids()) - set(self.requests)
         if orphans:
             raise FatalEngineError("KV blocks are held by unknown requests after a failed step: "
@@ -320,6 +327,8 @@ class EngineCore:
         go straight to the step's list, so a failure halfway loses none of them."""
         result = self.executor.collect(handle)
         self.timer.mark("wait for GPU")
+        if result.kv_tiers is not None and self.kv.tiers is not None:
+            self.kv.tiers.apply_report(result.kv_tiers)
         outputs = self._step_outputs
         for rid in result.non_finite:  # fail before the bad token is applied
             req = self.requests.get(rid)

@@ -20,6 +20,10 @@ Invariants:
 - free blocks that still carry a hash stay findable until they are evicted, least
   recently freed first (the order of `_free`);
 - a cache hit compares the stored tokens, so a hash collision can never return wrong KV.
+
+With KV tiers (`engine/kv_tiers.py`: host memory, disk), a registered block also carries its
+strong `digest`; evicting it records an offload, and `find_prefix` (`kv_tier_prefix.py`) goes
+on past the GPU cache into the tiers, whose hits get fresh blocks, onloaded before the step.
 """
 
 from __future__ import annotations
@@ -29,17 +33,15 @@ from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+from pagedserve.engine.kv_tier_prefix import TieredPrefix, TierHit
+from pagedserve.engine.kv_tiers import KVTiers, block_digest, block_hash
+
 logger = logging.getLogger("pagedserve")
 
 # What a released (slid-out) entry of a block table holds. The attention backends never read
 # the entries of blocks wholly before a query's window; a valid id keeps a stray read from
 # faulting all the same. The manager knows released entries by their count, not by this value.
 NULL_BLOCK = 0
-
-
-def block_hash(parent: int | None, tokens: tuple[int, ...]) -> int:
-    """Chained hash of a full block: depends on every token before it, too."""
-    return hash((parent, tokens))
 
 
 def window_to_free(layer_windows: Sequence[int | None],
@@ -69,9 +71,10 @@ class Block:
     token_ids: tuple[int, ...] | None = None  # the tokens behind block_hash
     reg_id: int | None = None  # unique per registration, never reused
     parent_reg_id: int | None = None  # reg_id of the block before it (None for the first)
+    digest: bytes | None = None  # with KV tiers: the strong chained hash (kv_tiers.block_digest)
 
     def forget(self) -> None:
-        self.block_hash = self.token_ids = self.reg_id = self.parent_reg_id = None
+        self.block_hash = self.token_ids = self.reg_id = self.parent_reg_id = self.digest = None
 
 
 @dataclass
@@ -92,14 +95,16 @@ class _ReqState:
     # block holding that exact prefix (None once the chain could not be registered).
     block_hashes: list[int] = field(default_factory=list)
     reg_ids: list[int | None] = field(default_factory=list)
+    digests: list[bytes] = field(default_factory=list)  # with KV tiers: of those blocks
 
 
-class KVCacheManager:
+class KVCacheManager(TieredPrefix):
     """Owns `num_blocks` block ids and hands them to requests. `sliding_window`: the widest
-    window W of a model whose every layer slides (`window_to_free`), or None."""
+    window W of a model whose every layer slides (`window_to_free`), or None. `tiers`: the KV
+    tiers' index (None: none; they need prefix caching and no sliding window)."""
 
     def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True,
-                 sliding_window: int | None = None) -> None:
+                 sliding_window: int | None = None, tiers: KVTiers | None = None) -> None:
         if num_blocks <= 0 or block_size <= 0:
             raise ValueError("num_blocks and block_size must be positive")
         if sliding_window is not None and sliding_window < 1:
@@ -114,6 +119,7 @@ class KVCacheManager:
         self._next_reg_id = 0
         self._reqs: dict[str, _ReqState] = {}
         self.stats = PrefixCacheStats()
+        self.tiers = tiers if tiers and tiers.enabled and enable_prefix_caching and not sliding_window else None
 
     # ---- queries ----------------------------------------------------------------------
 
@@ -191,14 +197,19 @@ class KVCacheManager:
         request_id: str,
         num_total_tokens: int,
         cached_block_ids: Sequence[int] = (),
+        tier_hits: Sequence[TierHit] = (),
     ) -> bool:
         """Make the request own enough blocks for `num_total_tokens` tokens.
 
         `cached_block_ids` (from find_cached_prefix, only for a request with no blocks
         yet) are shared first; the request then computes from the end of them, so with a
         sliding window those wholly before that token's window are not taken (their entries
-        are NULL_BLOCK from the start). Returns False, changing nothing, if blocks run out.
+        are NULL_BLOCK from the start). `tier_hits` (from find_prefix) follow them: fresh
+        blocks onloaded from a tier, or GPU blocks found by digest. Returns False, changing
+        nothing, if blocks run out.
         """
+        if tier_hits:
+            return self._allocate_with_tiers(request_id, num_total_tokens, cached_block_ids, tier_hits)
         state = self._reqs.get(request_id)
         have = len(state.block_ids) if state else 0
         if cached_block_ids and have:
@@ -215,6 +226,8 @@ class KVCacheManager:
             block = self.blocks[b]
             state.block_hashes.append(block.block_hash)  # type: ignore[arg-type]
             state.reg_ids.append(block.reg_id)
+            if self.tiers is not None:
+                state.digests.append(block.digest)  # type: ignore[arg-type]
             if i < skip:
                 state.block_ids.append(NULL_BLOCK)
                 continue
@@ -233,9 +246,15 @@ class KVCacheManager:
         if block.block_hash is not None:  # evict it from the prefix cache
             if self._hash_to_block.get(block.block_hash) == block_id:
                 del self._hash_to_block[block.block_hash]
+                if self.tiers is not None and block.digest is not None:
+                    self.tiers.evicted(block_id, block.digest)
             block.forget()
         block.ref_count = 1
         return block_id
+
+    def _new_state(self, request_id: str) -> _ReqState:
+        state = self._reqs[request_id] = _ReqState()
+        return state
 
     def _num_before_window(self, first_query: int) -> int:
         """How many blocks lie wholly before the window of the query at `first_query` (the
@@ -288,6 +307,10 @@ class KVCacheManager:
             parent_reg = state.reg_ids[-1] if state.reg_ids else None
             state.block_hashes.append(h)
             parent = h
+            digest = None
+            if self.tiers is not None:
+                digest = block_digest(state.digests[-1] if state.digests else None, tokens)
+                state.digests.append(digest)
             if (i > 0 and parent_reg is None) or i < state.num_slid:
                 # the chain broke earlier (nothing to attach to), or the block is gone already
                 state.reg_ids.append(None)
@@ -295,7 +318,7 @@ class KVCacheManager:
             block = self.blocks[state.block_ids[i]]
             existing = self._hash_to_block.get(h)
             if existing is None and block.block_hash is None:
-                block.block_hash, block.token_ids = h, tokens
+                block.block_hash, block.token_ids, block.digest = h, tokens, digest
                 block.reg_id, block.parent_reg_id = self._next_reg_id, parent_reg
                 self._next_reg_id += 1
                 self._hash_to_block[h] = block.block_id
@@ -345,6 +368,8 @@ class KVCacheManager:
         """Forget the prefix cache and zero its hit statistics (after the warm-up)."""
         self.reset_prefix_cache()
         self.stats = PrefixCacheStats()
+        if self.tiers is not None:
+            self.tiers.reset_stats()
 
     # ---- integrity --------------------------------------------------------------------
 

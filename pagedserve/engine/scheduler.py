@@ -26,6 +26,8 @@ from typing import Any
 
 from pagedserve.config import SchedulerConfig
 from pagedserve.engine.kv_cache_manager import KVCacheManager
+from pagedserve.engine.kv_tier_prefix import PrefixHit
+from pagedserve.engine.kv_tiers import TierOps
 from pagedserve.engine.request import Request, RequestStatus
 
 
@@ -91,6 +93,8 @@ class SchedulerOutput:
     # requests the workers hold that finished or were aborted since the last step sent
     finished_req_ids: list[str] = field(default_factory=list)
     step_id: int = 0  # the scheduler's count of steps
+    # with KV tiers: the copies the workers run before this step's forward pass (kv_tiers.py)
+    kv_copies: TierOps | None = None
 
     @property
     def num_tokens(self) -> int:
@@ -226,19 +230,20 @@ class Scheduler:
             req = self.waiting[at]
             if req.num_pending:  # preempted with a token in flight: wait for it
                 break
-            cached: list[int] = []
+            hit = PrefixHit()
             # (a request scoring its prompt computes every prompt token: no cached prefix)
             if req.num_computed_tokens == 0 and req.sampling_params.prompt_logprobs is None:
-                cached = self.kv.find_cached_prefix(req.token_ids)
-            start = len(cached) * self.kv.block_size if cached else req.num_computed_tokens
+                hit = self.kv.find_prefix(req.token_ids)  # (with KV tiers: their blocks too)
+            start = hit.num_blocks * self.kv.block_size if hit.num_blocks else req.num_computed_tokens
             n = min(req.num_tokens - start, budget)
-            if not self.kv.allocate(req.request_id, start + n, cached):
+            if not self.kv.allocate(req.request_id, start + n, hit.block_ids, hit.tier_hits):
                 break
             self.waiting.pop(at)
             if req.num_computed_tokens == 0 and req.num_preemptions == 0:
                 req.num_cached_tokens = start
                 if self.kv.enable_prefix_caching:
                     self.kv.record_lookup(req.num_tokens, start)
+                    self.kv.record_tier_lookup(hit)
             req.num_computed_tokens = start
             resumed = req.first_scheduled_time is not None  # (after a preemption)
             if not resumed:
@@ -253,6 +258,8 @@ class Scheduler:
             reqs.append(req)
             budget -= n
         self._mark_scheduled(out, reqs)
+        if self.kv.tiers is not None:
+            out.kv_copies = self.kv.tiers.take_ops() or None
         if reqs:
             self._in_flight[out.step_id] = reqs
             if self.kv.sliding_window is not None:
