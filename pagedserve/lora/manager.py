@@ -1,0 +1,99 @@
+"""The worker's adapters: slot tensors on every adaptable projection, host copies (an LRU of
+`max_cpu_loras`), device slots (an LRU of `max_loras`), and each step's row -> slot map."""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+
+import numpy as np
+import torch
+from torch import nn
+
+from pagedserve.config import ModelConfig
+from pagedserve.lora.config import LoRAConfig
+from pagedserve.lora.layer import LoRABatch, LoRALayer
+from pagedserve.lora.peft_checkpoint import TARGETS, read_adapter
+from pagedserve.lora.request import LoRARequest
+from pagedserve.lora.slots import SlotTable
+from pagedserve.lora.weights import AdapterWeights, load_adapter
+
+# our projections an adapter can reach, inside a decoder layer
+MODULES = sorted({path for path, _ in TARGETS.values()})
+
+
+class LoRAManager:
+    """Attaches a `LoRALayer` to each adaptable projection of `model` (its `lora`), and
+    before each step loads the step's adapters into slots and tells the layers which rows
+    run under which slot (`prepare`)."""
+
+    def __init__(self, model: nn.Module, config: LoRAConfig, model_config: ModelConfig,
+                 dtype: torch.dtype, device: torch.device) -> None:
+        self.config, self.model_config, self.dtype = config, model_config, dtype
+        self.batch = LoRABatch()
+        self.layers: dict[tuple[int, str], LoRALayer] = {}
+        self.shard_index: dict[str, dict[str | None, int]] = {}
+        for i, decoder_layer in enumerate(model.layers):
+            for path in MODULES:
+                try:
+                    linear = decoder_layer.get_submodule(path)
+                except AttributeError:  # (e.g. a mixture-of-experts MLP: not adaptable)
+                    continue
+                shards = [linear.shard_offsets[s] for s in linear.shard_names] or [(0, linear.out_features)]
+                self.shard_index[path] = ({s: k for k, s in enumerate(linear.shard_names)}
+                                          if linear.shard_names else {None: 0})
+                linear.lora = self.layers[(i, path)] = LoRALayer(
+                    self.batch, config.max_loras, config.max_lora_rank, linear.in_features, shards, dtype, device)
+        self.slots = SlotTable(config.max_loras)
+        self.host: OrderedDict[int, AdapterWeights] = OrderedDict()  # adapter id -> weights, LRU first
+        self.paths: dict[int, str] = {}  # adapter id -> its folder
+        self.requests: dict[str, int] = {}  # request id -> adapter id (base-model requests absent)
+
+    def add_request(self, request_id: str, lora: LoRARequest | None) -> None:
+        if lora is not None:
+            self.requests[request_id] = lora.lora_int_id
+            self.paths[lora.lora_int_id] = lora.lora_path
+
+    def release(self, request_id: str) -> None:
+        self.requests.pop(request_id, None)
+
+    def _weights(self, adapter_id: int) -> AdapterWeights:
+        """The adapter's host copy, read from its folder when not kept (LRU of max_cpu_loras)."""
+        w = self.host.get(adapter_id)
+        if w is None:
+            manifest = read_adapter(self.paths[adapter_id], self.model_config, self.config.max_lora_rank)
+            w = load_adapter(adapter_id, manifest, self.shard_index, self.dtype)
+            self.host[adapter_id] = w
+            while len(self.host) > self.config.cpu_loras:
+                self.host.popitem(last=False)
+        self.host.move_to_end(adapter_id)
+        return w
+
+    def _load_slot(self, adapter_id: int, slot: int) -> None:
+        w = self._weights(adapter_id)
+        for layer in self.layers.values():
+            layer.clear(slot)
+        for (i, path, shard), (a, b) in w.parts.items():
+            self.layers[(i, path)].fill(slot, shard, a, b)
+
+    def prepare(self, request_ids: list[str], query_lens: np.ndarray, device: torch.device) -> np.ndarray:
+        """Before a step of these requests' chunks (`query_lens` [S] tokens each): load their
+        adapters into slots and set the layers' row groups. Returns each token's slot [T]
+        int32 (-1: the base model)."""
+        ids = [self.requests.get(rid, 0) for rid in request_ids]
+        distinct = sorted({a for a in ids if a})
+        slot_of, load = self.slots.assign(distinct)
+        for adapter_id, slot in load:
+            try:
+                self._load_slot(adapter_id, slot)
+            except BaseException:
+                self.slots.drop(adapter_id)
+                raise
+        per_seq = np.array([slot_of.get(a, -1) for a in ids], dtype=np.int32)
+        token_slots = np.repeat(per_seq, query_lens)  # [T]
+        self.batch.num_tokens = len(token_slots)
+        groups = []
+        for s in sorted(slot_of.values()):
+            rows = np.flatnonzero(token_slots == s)
+            groups.append((s, None if len(rows) == len(token_slots) else torch.from_numpy(rows).to(device)))
+        self.batch.groups = groups
+        return token_slots
