@@ -10,9 +10,9 @@ import json
 import shutil
 
 import pytest
+from lora_helpers import ADAPTERS, make_adapters, peft_greedy
 
 from conftest import make_hf_checkpoint
-from lora_helpers import ADAPTERS, make_adapters, peft_greedy
 from pagedserve import LLM, LoRARequest, SamplingParams
 
 NUM_NEW = 6
@@ -115,9 +115,9 @@ def test_adapter_of_another_model_or_module_is_refused(tmp_path):
     import torch
     from safetensors.torch import save_file
 
+    from conftest import TINY_QWEN3
     from pagedserve.lora.peft_checkpoint import read_adapter
     from pagedserve.models.hf_config import model_config_from_hf
-    from conftest import TINY_QWEN3
 
     cfg = model_config_from_hf({"architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3", **TINY_QWEN3})
     (tmp_path / "adapter_config.json").write_text(json.dumps({"r": 4, "lora_alpha": 8, "peft_type": "LORA"}))
