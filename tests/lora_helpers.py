@@ -49,3 +49,13 @@ def peft_greedy(peft_model, adapter: str | None, prompt: list[int], n: int) -> l
             peft_model.set_adapter(adapter)
             out = peft_model.generate(ids, max_new_tokens=n, do_sample=False, min_new_tokens=n)
     return out[0, len(prompt):].tolist()
+
+
+def peft_greedy_batch(peft_model, adapters: list[str | None], prompt: list[int], n: int) -> list[list[int]]:
+    """PEFT's greedy continuations of one prompt under each adapter (None: the base model), in
+    one mixed batch (PEFT's adapter_names)."""
+    ids = torch.tensor([prompt] * len(adapters))
+    names = ["__base__" if a is None else a for a in adapters]
+    with torch.no_grad():
+        out = peft_model.generate(ids, max_new_tokens=n, do_sample=False, min_new_tokens=n, adapter_names=names)
+    return out[:, len(prompt):].tolist()

@@ -10,17 +10,17 @@ import json
 import shutil
 
 import pytest
-from lora_helpers import ADAPTERS, make_adapters, peft_greedy
+from lora_helpers import ADAPTERS, make_adapters, peft_greedy_batch
 
 from conftest import make_hf_checkpoint
 from pagedserve import LLM, LoRARequest, SamplingParams
 
-NUM_NEW = 6
+NUM_NEW = 4
 GREEDY = SamplingParams(temperature=0, max_tokens=NUM_NEW, ignore_eos=True)
 NAMES = [a[0] for a in ADAPTERS]
 # a shared 2-block prefix (block_size 16) then a tail of each prompt's own
 PREFIX = [(11 * j) % 240 + 5 for j in range(32)]
-PROMPTS = [PREFIX + [(5 * i + 3 * j) % 250 + 3 for j in range(3 + 4 * i)] for i in range(3)]
+PROMPTS = [PREFIX + [(5 * i + 3 * j) % 250 + 3 for j in range(3 + 6 * i)] for i in range(2)]
 
 
 @pytest.fixture(scope="module")
@@ -29,7 +29,8 @@ def qwen3(tmp_path_factory):
     model = make_hf_checkpoint("qwen3", root / "base")
     peft_model = make_adapters(model, root / "adapters")
     loras = {name: LoRARequest(name, i + 1, str(root / "adapters" / name)) for i, name in enumerate(NAMES)}
-    want = {(a, tuple(p)): peft_greedy(peft_model, a, p, NUM_NEW) for a in [None, *NAMES] for p in PROMPTS}
+    want = {(a, tuple(p)): w for p in PROMPTS
+            for a, w in zip([None, *NAMES], peft_greedy_batch(peft_model, [None, *NAMES], p, NUM_NEW))}
     # 3 slots for 4 adapters, 3 host copies: both LRUs evict; a 24-token budget chunks prompts
     llm = LLM(str(root / "base"), dtype="float32", device="cpu", enable_lora=True, max_loras=3,
               max_lora_rank=16, max_cpu_loras=3, max_num_batched_tokens=24, kv_cache_memory=1 << 20)
@@ -42,9 +43,8 @@ def _tokens(outs):
 
 def test_each_adapter_alone_matches_peft(qwen3):
     llm, loras, want, _ = qwen3
-    for name in [None, *NAMES]:
-        lora = loras[name] if name else None
-        got = _tokens(llm.generate(PROMPTS, GREEDY, lora_request=lora, use_tqdm=False))
+    for name in NAMES:
+        got = _tokens(llm.generate(PROMPTS, GREEDY, lora_request=loras[name], use_tqdm=False))
         assert got == [want[(name, tuple(p))] for p in PROMPTS], name
     # (the adapters take effect: none gives the base model's tokens)
     for name in NAMES:
@@ -69,7 +69,7 @@ def test_mixed_batch_of_four_adapters_and_base_matches_peft(qwen3):
 def test_prefix_computed_under_one_adapter_is_not_reused_under_another(qwen3):
     llm, loras, want, _ = qwen3
     llm.engine.kv.reset_prefix_cache()
-    p = PROMPTS[2]
+    p = PROMPTS[1]
     first = llm.generate([p], GREEDY, lora_request=loras["all8"], use_tqdm=False)[0]
     other = llm.generate([p], GREEDY, lora_request=loras["qv4"], use_tqdm=False)[0]
     base = llm.generate([p], GREEDY, use_tqdm=False)[0]
@@ -149,3 +149,24 @@ def test_lora_needs_enable_lora(qwen3):
     plain = LLM(str(root / "base"), dtype="float32", device="cpu", kv_cache_memory=1 << 20)
     with pytest.raises(ValueError, match="LoRA is off.*enable_lora=True"):
         plain.generate([PROMPTS[0]], GREEDY, lora_request=loras["qv4"], use_tqdm=False)
+
+
+def test_smollm2_mixed_batch_of_four_adapters_and_base_matches_peft(smollm2_dir, tmp_path_factory):
+    """The embedded model's real weights: one batch of the base model and four adapters (every
+    projection, attention only, MLP only with rsLoRA, a rank-2 mix), chunked prefill, two slots."""
+    import transformers
+
+    root = tmp_path_factory.mktemp("lora_smollm2")
+    model = transformers.AutoModelForCausalLM.from_pretrained(smollm2_dir, dtype="float32").eval()
+    peft_model = make_adapters(model, root, std=0.5)
+    prompt = [1, 9690, 198, 2683, 359, 253, 5356, 5646, 11173, 3365, 3511, 308, 34519, 28, 7018, 411, 407, 19712, 8182, 2, 198]
+    names = [None, *NAMES]
+    want = peft_greedy_batch(peft_model, names, prompt, NUM_NEW)
+    assert len({tuple(w) for w in want}) > 2  # (the adapters take effect)
+    del peft_model, model
+    llm = LLM(dtype="float32", device="cpu", max_model_len=256, enable_lora=True, max_loras=2,
+              max_lora_rank=16, max_num_batched_tokens=16)
+    loras = [LoRARequest(n, i + 1, str(root / n)) if n else None for i, n in enumerate(names)]
+    outs = llm.generate([prompt] * len(names), GREEDY, lora_request=loras, use_tqdm=False)
+    assert _tokens(outs) == want
+    llm.check_no_leaks()

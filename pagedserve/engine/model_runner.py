@@ -90,6 +90,8 @@ class ModelRunner:
         self.tables = BlockTables(max_blocks, limits.max_num_seqs)  # held requests' block tables
         self.grammars = grammars
         self.lora = lora
+        if lora is not None:
+            lora.bind(self.buffers.lora_slots)
         self.masks = GrammarMasks(self.vocab_size, self.device)
         self.graphs: GraphRunner | None = None  # once enable_cuda_graphs() ran
         self.last_launch_ms = (0.0, 0.0, 0.0)  # see execute()
@@ -229,7 +231,7 @@ class ModelRunner:
         key = None if self.graphs is None or prompt is not None else self.graphs.key_for(a)
         self.buffers.load(a, key.num_tokens if key else a.num_tokens, key, self._prev_tokens)
         if self.lora is not None:  # (each row's adapter slot; the step's adapters loaded into slots)
-            slots = self.lora.prepare([c.request_id for c in out.chunks], np.diff(a.query_start_loc), self.device)
+            slots = self.lora.prepare([c.request_id for c in out.chunks], np.diff(a.query_start_loc))
             self.buffers.load_lora_slots(slots, key.num_tokens if key else a.num_tokens)
         verify = self.spec.plan(a, out.chunks, states, self.model.config.eos_token_ids, self.vocab_size,
                                 self.device, self.masks.failed)

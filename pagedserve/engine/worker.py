@@ -145,8 +145,7 @@ class Worker:
             self.matmul_plan_seconds = self._plan_matmuls(kernels)
 
         self.graph_capture_seconds = 0.0
-        # (LoRA's per-row term runs eagerly: its graph-safe kernels are not written yet)
-        if self.cuda and not config.enforce_eager and backend.supports_cuda_graphs() and lora is None:
+        if self.cuda and not config.enforce_eager and backend.supports_cuda_graphs():
             # verify graphs up to the batch size above which steps do not speculate
             verify_batch = min(config.speculative.disable_by_batch_size, 512) if config.speculative else 0
             self.graph_capture_seconds = self.runner.enable_cuda_graphs(

@@ -2,27 +2,38 @@
 
 Each adapted `Linear` holds a `LoRALayer` (its `lora` attribute) and adds its output to the
 base projection's: row t of slot s gets (x_t A_s^T) B_s^T, the adapter's scale folded into
-B_s. The slots are stacked: A [max_loras, shards * R, in] (one rank-R block of rows per shard
-of a fused projection: q/k/v or gate/up each have their own A), B [max_loras, out, R] (each
-output row reads its shard's block of the shrunk row). An adapter of rank r < R fills the first
-r of its block, the rest stay zero, so every slot computes at width R.
-Which rows run under which slot is the step's `LoRABatch`, shared by every layer.
+B_s. The L slots are stacked: A [L, shards * R, in] (one rank-R block of rows per shard of a
+fused projection: q/k/v or gate/up each have their own A), B [out, L, R] (each output row
+reads its shard's block of the shrunk row). An adapter of rank r < R fills the first r of its
+block; the rest stay zero.
+
+The torch path computes every slot's shrink in one matmul over all rows, zeroes each row's
+other slots (a one-hot of the row's slot, -1: none), and expands each shard in one matmul: no
+host data, no data-dependent shapes, so a CUDA graph captures it over the step buffers' slot
+row (`StepBuffers.lora_slots`). It costs L times the adapters' FLOPs (small beside the base
+projection at R << out); punica-style kernels that visit only each row's slot would not.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-
 import torch
 
 
-@dataclass
 class LoRABatch:
-    """The current step's rows by slot (set by `LoRAManager.prepare` before the forward pass)."""
+    """What every layer reads of the current step: each token row's slot (-1: the base model),
+    a persistent device row (`bind`), and whether any row has an adapter (CPU: skip if not)."""
 
-    num_tokens: int = 0  # rows of the step (eager: the exact count)
-    # (slot, row indices [n] int64, or None where the slot has every row)
-    groups: list[tuple[int, torch.Tensor | None]] = field(default_factory=list)
+    def __init__(self, max_loras: int, device: torch.device) -> None:
+        self.slots: torch.Tensor | None = None  # [max_tokens] int32, bound by the model runner
+        self.slot_ids = torch.arange(max_loras, dtype=torch.int32, device=device)  # [L]
+        self.active = False
+
+    def bind(self, slots: torch.Tensor) -> None:
+        self.slots = slots
+
+    def one_hot(self, num_tokens: int, dtype: torch.dtype) -> torch.Tensor:
+        """[T, L]: 1 where the row's slot is the column's."""
+        return (self.slots[:num_tokens, None] == self.slot_ids).to(dtype)
 
 
 class LoRALayer:
@@ -30,39 +41,32 @@ class LoRALayer:
 
     def __init__(self, batch: LoRABatch, max_loras: int, rank: int, in_features: int,
                  shard_offsets: list[tuple[int, int]], dtype: torch.dtype, device: torch.device) -> None:
-        self.batch, self.rank = batch, rank
+        self.batch, self.rank, self.max_loras = batch, rank, max_loras
         self.shards = shard_offsets  # per shard: (first output row, rows)
         out_features = sum(n for _, n in shard_offsets)
         self.A = torch.zeros(max_loras, len(shard_offsets) * rank, in_features, dtype=dtype, device=device)
-        self.B = torch.zeros(max_loras, out_features, rank, dtype=dtype, device=device)
+        self.B = torch.zeros(out_features, max_loras, rank, dtype=dtype, device=device)
 
     def clear(self, slot: int) -> None:
         self.A[slot].zero_()
-        self.B[slot].zero_()
+        self.B[:, slot].zero_()
 
     def fill(self, slot: int, shard: int, a: torch.Tensor, b: torch.Tensor) -> None:
         """Write one shard's adapter weights into `slot`: a [r, in], b [rows of the shard, r]
         (already scaled)."""
         r, (start, n) = a.shape[0], self.shards[shard]
         self.A[slot, shard * self.rank : shard * self.rank + r].copy_(a)
-        self.B[slot, start : start + n, :r].copy_(b)
+        self.B[start : start + n, slot, :r].copy_(b)
 
     def __call__(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         """y [T, out] (the base projection of x [T, in]) plus each row's adapter term."""
         b = self.batch
-        if not b.groups or x.shape[0] != b.num_tokens:
+        if b.slots is None or not (b.active or x.is_cuda):
             return y
-        R = self.rank
-        for slot, rows in b.groups:
-            h = (x if rows is None else x.index_select(0, rows)) @ self.A[slot].T  # [n, shards * R]
-            if rows is None and len(self.shards) == 1:
-                return y.addmm_(h, self.B[slot].T)
-            delta = torch.empty(h.shape[0], y.shape[1], dtype=y.dtype, device=y.device)  # [n, out]
-            for i, (start, n) in enumerate(self.shards):
-                torch.matmul(h[:, i * R : (i + 1) * R], self.B[slot, start : start + n].T,
-                             out=delta[:, start : start + n])
-            if rows is None:
-                y.add_(delta)
-            else:
-                y.index_add_(0, rows, delta)
+        T, L, R, S = x.shape[0], self.max_loras, self.rank, len(self.shards)
+        h = x @ self.A.view(L * S * R, -1).T  # [T, L * S * R]: every slot's shrink
+        h = (h.view(T, L, S, R) * b.one_hot(T, h.dtype)[:, :, None, None])  # [T, L, S, R]: the row's slot only
+        for i, (start, n) in enumerate(self.shards):
+            hi = h[:, :, i].reshape(T, L * R)  # [T, L * R]
+            y[:, start : start + n] += hi @ self.B[start : start + n].view(n, L * R).T  # [T, n]
         return y

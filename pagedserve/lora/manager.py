@@ -29,7 +29,7 @@ class LoRAManager:
     def __init__(self, model: nn.Module, config: LoRAConfig, model_config: ModelConfig,
                  dtype: torch.dtype, device: torch.device) -> None:
         self.config, self.model_config, self.dtype = config, model_config, dtype
-        self.batch = LoRABatch()
+        self.batch = LoRABatch(config.max_loras, device)
         self.layers: dict[tuple[int, str], LoRALayer] = {}
         self.shard_index: dict[str, dict[str | None, int]] = {}
         for i, decoder_layer in enumerate(model.layers):
@@ -75,10 +75,14 @@ class LoRAManager:
         for (i, path, shard), (a, b) in w.parts.items():
             self.layers[(i, path)].fill(slot, shard, a, b)
 
-    def prepare(self, request_ids: list[str], query_lens: np.ndarray, device: torch.device) -> np.ndarray:
+    def bind(self, slots: torch.Tensor) -> None:
+        """The step buffers' per-token slot row ([max_tokens] int32) every layer reads."""
+        self.batch.bind(slots)
+
+    def prepare(self, request_ids: list[str], query_lens: np.ndarray) -> np.ndarray:
         """Before a step of these requests' chunks (`query_lens` [S] tokens each): load their
-        adapters into slots and set the layers' row groups. Returns each token's slot [T]
-        int32 (-1: the base model)."""
+        adapters into slots. Returns each token's slot [T] int32 (-1: the base model), for
+        the step buffers' slot row."""
         ids = [self.requests.get(rid, 0) for rid in request_ids]
         distinct = sorted({a for a in ids if a})
         slot_of, load = self.slots.assign(distinct)
@@ -89,11 +93,5 @@ class LoRAManager:
                 self.slots.drop(adapter_id)
                 raise
         per_seq = np.array([slot_of.get(a, -1) for a in ids], dtype=np.int32)
-        token_slots = np.repeat(per_seq, query_lens)  # [T]
-        self.batch.num_tokens = len(token_slots)
-        groups = []
-        for s in sorted(slot_of.values()):
-            rows = np.flatnonzero(token_slots == s)
-            groups.append((s, None if len(rows) == len(token_slots) else torch.from_numpy(rows).to(device)))
-        self.batch.groups = groups
-        return token_slots
+        self.batch.active = bool(distinct)
+        return np.repeat(per_seq, query_lens)  # [T]
