@@ -7,11 +7,12 @@ fused projection: q/k/v or gate/up each have their own A), B [out, L, R] (each o
 reads its shard's block of the shrunk row). An adapter of rank r < R fills the first r of its
 block; the rest stay zero.
 
-The torch path computes every slot's shrink in one matmul over all rows, zeroes each row's
-other slots (a one-hot of the row's slot, -1: none), and expands each shard in one matmul: no
-host data, no data-dependent shapes, so a CUDA graph captures it over the step buffers' slot
-row (`StepBuffers.lora_slots`). It costs L times the adapters' FLOPs (small beside the base
-projection at R << out); punica-style kernels that visit only each row's slot would not.
+On CUDA the Triton kernels of `kernels/lora.py` (a program per row block and slot) add it;
+elsewhere the torch path computes every slot's shrink in one matmul over all rows, zeroes each
+row's other slots (a one-hot of the row's slot, -1: none), and expands each shard in one matmul
+(L times the adapters' FLOPs, small beside the base projection at R << out). Both read each
+row's slot from the step buffers' persistent row (`StepBuffers.lora_slots`) and nothing from
+the host, so a CUDA graph captures them.
 """
 
 from __future__ import annotations
@@ -63,6 +64,10 @@ class LoRALayer:
         b = self.batch
         if b.slots is None or not (b.active or x.is_cuda):
             return y
+        if x.is_cuda:  # punica-style kernels: only each row's own slot is computed
+            from pagedserve.kernels.lora import lora_add
+
+            return lora_add(x.contiguous(), y, self.A, self.B, b.slots, [start for start, _ in self.shards])
         T, L, R, S = x.shape[0], self.max_loras, self.rank, len(self.shards)
         h = x @ self.A.view(L * S * R, -1).T  # [T, L * S * R]: every slot's shrink
         h = (h.view(T, L, S, R) * b.one_hot(T, h.dtype)[:, :, None, None])  # [T, L, S, R]: the row's slot only
