@@ -153,7 +153,7 @@ def test_lora_needs_enable_lora(qwen3):
 
 def test_smollm2_mixed_batch_of_four_adapters_and_base_matches_peft(smollm2_dir, tmp_path_factory):
     """The embedded model's real weights: one batch of the base model and four adapters (every
-    projection, attention only, MLP only with rsLoRA, a rank-2 mix), chunked prefill, two slots."""
+    projection, attention only, MLP only with rsLoRA, a rank-2 mix) with chunked prefill."""
     import transformers
 
     root = tmp_path_factory.mktemp("lora_smollm2")
@@ -164,8 +164,8 @@ def test_smollm2_mixed_batch_of_four_adapters_and_base_matches_peft(smollm2_dir,
     want = peft_greedy_batch(peft_model, names, prompt, NUM_NEW)
     assert len({tuple(w) for w in want}) > 2  # (the adapters take effect)
     del peft_model, model
-    llm = LLM(dtype="float32", device="cpu", max_model_len=256, enable_lora=True, max_loras=2,
-              max_lora_rank=16, max_num_batched_tokens=16)
+    llm = LLM(dtype="float32", device="cpu", max_model_len=256, enable_lora=True, max_loras=4,
+              max_lora_rank=16, max_num_batched_tokens=32)
     loras = [LoRARequest(n, i + 1, str(root / n)) if n else None for i, n in enumerate(names)]
     outs = llm.generate([prompt] * len(names), GREEDY, lora_request=loras, use_tqdm=False)
     assert _tokens(outs) == want
