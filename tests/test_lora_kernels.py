@@ -23,7 +23,7 @@ from pagedserve.lora.layer import LoRABatch, LoRALayer  # noqa: E402
 @pytest.mark.parametrize("shards", [[40, 24, 24], [48, 48], [72]])
 def test_lora_kernels_match_the_torch_path(dtype, shards):
     L, R, K, T = 3, 8, 80, 37
-    batch = LoRABatch(L, torch.device("cpu"))
+    batch = LoRABatch(L, torch.float32)
     starts = [sum(shards[:i]) for i in range(len(shards))]
     layer = LoRALayer(batch, L, R, K, list(zip(starts, shards)), dtype, torch.device("cpu"))
     for slot in range(L):
@@ -33,7 +33,7 @@ def test_lora_kernels_match_the_torch_path(dtype, shards):
     slots = torch.randint(-1, L, (T + 5,), dtype=torch.int32)
     slots[T:] = 2  # (past the step's rows: never read)
     batch.bind(slots)
-    batch.active = True
+    batch.set_step(slots[:T].numpy(), torch.device("cpu"))
     x = torch.randn(T, K).to(dtype)
     y = torch.randn(T, sum(shards)).to(dtype)
     A, B = layer.A, layer.B

@@ -2,7 +2,7 @@
 a shrink and an expand kernel over the stacked slot tensors, each program one (row block, slot)
 pair that computes only the rows of its slot (a block with none of them returns at once).
 
-Layouts (`lora/layer.py`): A [L, S * R, in] (S shards of a fused projection, R the slots'
+Layouts (`lora/layer.py`): A [S, L, R, in] (S shards of a fused projection, R the slots'
 rank), B [out, L, R], slots [T] int32 (-1: the base model). Reads the slots on the device only,
 so a CUDA graph captures it.
 """
@@ -15,7 +15,7 @@ import triton.language as tl
 
 
 @triton.jit(do_not_specialize=["T"])
-def _shrink_kernel(x, A, slots, h, T, K, stride_x, SR: tl.constexpr, SR_P: tl.constexpr,
+def _shrink_kernel(x, A, slots, h, T, K, stride_x, L, R: tl.constexpr, SR: tl.constexpr, SR_P: tl.constexpr,
                    BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr):
     # h[t, :SR] = x[t] @ A[slot_t]^T for the rows t of this program's slot
     pid_m, s = tl.program_id(0), tl.program_id(1)
@@ -24,13 +24,14 @@ def _shrink_kernel(x, A, slots, h, T, K, stride_x, SR: tl.constexpr, SR_P: tl.co
     mine = row_slot == s
     if tl.max(mine.to(tl.int32), axis=0) == 0:
         return
-    r = tl.arange(0, SR_P)
+    r = tl.arange(0, SR_P)  # column j * R + i of h: row i of shard j's A of slot s
+    a_rows = ((r // R) * L + s) * R + r % R
     acc = tl.zeros((BLOCK_M, SR_P), dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
         k = k0 + tl.arange(0, BLOCK_K)
         xb = tl.load(x + rows[:, None] * stride_x + k[None, :], mask=mine[:, None] & (k[None, :] < K), other=0.0)
-        ab = tl.load(A + s * SR * K + r[None, :] * K + k[:, None], mask=(r[None, :] < SR) & (k[:, None] < K),
-                     other=0.0)  # [BLOCK_K, SR_P]: A[s]^T
+        ab = tl.load(A + a_rows[None, :] * K + k[:, None], mask=(r[None, :] < SR) & (k[:, None] < K),
+                     other=0.0)  # [BLOCK_K, SR_P]: slot s's rows of A, transposed
         acc += tl.dot(xb.to(tl.float32), ab.to(tl.float32))
     tl.store(h + rows[:, None] * SR + r[None, :], acc, mask=mine[:, None] & (r[None, :] < SR))
 
@@ -69,19 +70,19 @@ def lora_add(x: torch.Tensor, y: torch.Tensor, A: torch.Tensor, B: torch.Tensor,
              shard_starts: list[int]) -> torch.Tensor:
     """y [T, out] += each row's adapter term: (x_t A_{slot_t}^T) B_{slot_t}^T, shard by shard
     (`shard_starts`: the first output row of each of the S <= 3 shards). x [T, in] (rows
-    contiguous), A [L, S * R, in], B [out, L, R], slots [>= T] int32 (-1: none). In place."""
+    contiguous), A [S, L, R, in], B [out, L, R], slots [>= T] int32 (-1: none). In place."""
     T, K = x.shape
-    L, SR, _ = A.shape
-    N, _, R = B.shape
-    S = len(shard_starts)
-    if S > 3 or SR != S * R:
-        raise ValueError(f"lora_add takes 1-3 shards of rank {R}, got {S} shards for {SR} rows of A")
+    S, L, R, _ = A.shape
+    N = B.shape[0]
+    SR = S * R
+    if S > 3 or len(shard_starts) != S:
+        raise ValueError(f"lora_add takes 1-3 shards, got {len(shard_starts)} starts for A of {S} shards")
     if T == 0:
         return y
     h = torch.empty(T, SR, dtype=torch.float32, device=x.device)  # [T, S * R]: each row's own slot
     BLOCK_M = 16
     _shrink_kernel[(triton.cdiv(T, BLOCK_M), L)](
-        x, A, slots, h, T, K, x.stride(0), SR=SR, SR_P=_pow2(SR), BLOCK_M=BLOCK_M, BLOCK_K=64)
+        x, A, slots, h, T, K, x.stride(0), L, R=R, SR=SR, SR_P=_pow2(SR), BLOCK_M=BLOCK_M, BLOCK_K=64)
     starts = [*shard_starts[1:], N, N][:2]
     BLOCK_N = 64
     _expand_kernel[(triton.cdiv(T, BLOCK_M), triton.cdiv(N, BLOCK_N), L)](

@@ -29,7 +29,8 @@ class LoRAManager:
     def __init__(self, model: nn.Module, config: LoRAConfig, model_config: ModelConfig,
                  dtype: torch.dtype, device: torch.device) -> None:
         self.config, self.model_config, self.dtype = config, model_config, dtype
-        self.batch = LoRABatch(config.max_loras, device)
+        self.batch = LoRABatch(config.max_loras, dtype)
+        self.device = device
         self.layers: dict[tuple[int, str], LoRALayer] = {}
         self.shard_index: dict[str, dict[str | None, int]] = {}
         for i, decoder_layer in enumerate(model.layers):
@@ -93,5 +94,6 @@ class LoRAManager:
                 self.slots.drop(adapter_id)
                 raise
         per_seq = np.array([slot_of.get(a, -1) for a in ids], dtype=np.int32)
-        self.batch.active = bool(distinct)
-        return np.repeat(per_seq, query_lens)  # [T]
+        token_slots = np.repeat(per_seq, query_lens)  # [T]
+        self.batch.set_step(token_slots, self.device)
+        return token_slots
