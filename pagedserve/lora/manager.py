@@ -46,22 +46,21 @@ class LoRAManager:
                     self.batch, config.max_loras, config.max_lora_rank, linear.in_features, shards, dtype, device)
         self.slots = SlotTable(config.max_loras)
         self.host: OrderedDict[int, AdapterWeights] = OrderedDict()  # adapter id -> weights, LRU first
-        self.paths: dict[int, str] = {}  # adapter id -> its folder
-        self.requests: dict[str, int] = {}  # request id -> adapter id (base-model requests absent)
+        self.requests: dict[str, LoRARequest] = {}  # request id -> its adapter (base-model requests absent)
 
     def add_request(self, request_id: str, lora: LoRARequest | None) -> None:
         if lora is not None:
-            self.requests[request_id] = lora.lora_int_id
-            self.paths[lora.lora_int_id] = lora.lora_path
+            self.requests[request_id] = lora
 
     def release(self, request_id: str) -> None:
         self.requests.pop(request_id, None)
 
-    def _weights(self, adapter_id: int) -> AdapterWeights:
+    def _weights(self, lora: LoRARequest) -> AdapterWeights:
         """The adapter's host copy, read from its folder when not kept (LRU of max_cpu_loras)."""
+        adapter_id = lora.lora_int_id
         w = self.host.get(adapter_id)
         if w is None:
-            manifest = read_adapter(self.paths[adapter_id], self.model_config, self.config.max_lora_rank)
+            manifest = read_adapter(lora.lora_path, self.model_config, self.config.max_lora_rank)
             w = load_adapter(adapter_id, manifest, self.shard_index, self.dtype)
             self.host[adapter_id] = w
             while len(self.host) > self.config.cpu_loras:
@@ -69,8 +68,8 @@ class LoRAManager:
         self.host.move_to_end(adapter_id)
         return w
 
-    def _load_slot(self, adapter_id: int, slot: int) -> None:
-        w = self._weights(adapter_id)
+    def _load_slot(self, lora: LoRARequest, slot: int) -> None:
+        w = self._weights(lora)
         for layer in self.layers.values():
             layer.clear(slot)
         for (i, path, shard), (a, b) in w.parts.items():
@@ -84,12 +83,12 @@ class LoRAManager:
         """Before a step of these requests' chunks (`query_lens` [S] tokens each): load their
         adapters into slots. Returns each token's slot [T] int32 (-1: the base model), for
         the step buffers' slot row."""
-        ids = [self.requests.get(rid, 0) for rid in request_ids]
-        distinct = sorted({a for a in ids if a})
-        slot_of, load = self.slots.assign(distinct)
+        loras = {lora.lora_int_id: lora for rid in request_ids if (lora := self.requests.get(rid)) is not None}
+        ids = [lora.lora_int_id if (lora := self.requests.get(rid)) is not None else 0 for rid in request_ids]
+        slot_of, load = self.slots.assign(sorted(loras))
         for adapter_id, slot in load:
             try:
-                self._load_slot(adapter_id, slot)
+                self._load_slot(loras[adapter_id], slot)
             except BaseException:
                 self.slots.drop(adapter_id)
                 raise
