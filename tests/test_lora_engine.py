@@ -170,3 +170,23 @@ def test_smollm2_mixed_batch_of_four_adapters_and_base_matches_peft(smollm2_dir,
     outs = llm.generate([prompt] * len(names), GREEDY, lora_request=loras, use_tqdm=False)
     assert _tokens(outs) == want
     llm.check_no_leaks()
+
+
+def test_adapter_that_cannot_be_loaded_fails_its_requests_alone(qwen3):
+    """An adapter folder removed after the core checked it: its request ends with an error that
+    names it, a base-model request in the same steps is unaffected."""
+    from pagedserve.engine.messages import EngineRequest
+
+    llm, _, want, root = qwen3
+    gone = _bad_copy(root, "gone")
+    llm.engine.add_request(EngineRequest("doomed", PROMPTS[0], GREEDY, lora_request=LoRARequest("gone", 50, gone)))
+    llm.engine.add_request(EngineRequest("fine", PROMPTS[0], GREEDY))
+    shutil.rmtree(gone)
+    ends = {}
+    while llm.engine.has_unfinished_requests():
+        for o in llm.engine.step():
+            ends.setdefault(o.request_id, []).append(o)
+    assert ends["doomed"][-1].finish_reason == "error"
+    assert "LoRA adapter 'gone' could not be loaded" in str(ends["doomed"][-1].error)
+    assert [t for o in ends["fine"] for t in o.new_token_ids] == want[(None, tuple(PROMPTS[0]))]
+    llm.check_no_leaks()

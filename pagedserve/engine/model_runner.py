@@ -231,7 +231,7 @@ class ModelRunner:
         key = None if self.graphs is None or prompt is not None else self.graphs.key_for(a)
         self.buffers.load(a, key.num_tokens if key else a.num_tokens, key, self._prev_tokens)
         if self.lora is not None:  # (each row's adapter slot; the step's adapters loaded into slots)
-            slots = self.lora.prepare([c.request_id for c in out.chunks], np.diff(a.query_start_loc))
+            slots = self.lora.prepare([c.request_id for c in out.chunks], np.diff(a.query_start_loc), self.masks.failed)
             self.buffers.load_lora_slots(slots, key.num_tokens if key else a.num_tokens)
         verify = self.spec.plan(a, out.chunks, states, self.model.config.eos_token_ids, self.vocab_size,
                                 self.device, self.masks.failed)

@@ -79,19 +79,23 @@ class LoRAManager:
         """The step buffers' per-token slot row ([max_tokens] int32) every layer reads."""
         self.batch.bind(slots)
 
-    def prepare(self, request_ids: list[str], query_lens: np.ndarray) -> np.ndarray:
+    def prepare(self, request_ids: list[str], query_lens: np.ndarray, failed: dict[str, str]) -> np.ndarray:
         """Before a step of these requests' chunks (`query_lens` [S] tokens each): load their
         adapters into slots. Returns each token's slot [T] int32 (-1: the base model), for
-        the step buffers' slot row."""
+        the step buffers' slot row. An adapter that cannot be loaded (its folder changed since
+        it was checked) fails its requests alone: `failed[request id]` says why (the runner
+        reports it with the request's next result), and their rows run without it meanwhile."""
         loras = {lora.lora_int_id: lora for rid in request_ids if (lora := self.requests.get(rid)) is not None}
         ids = [lora.lora_int_id if (lora := self.requests.get(rid)) is not None else 0 for rid in request_ids]
         slot_of, load = self.slots.assign(sorted(loras))
         for adapter_id, slot in load:
             try:
                 self._load_slot(loras[adapter_id], slot)
-            except BaseException:
+            except Exception as e:
                 self.slots.drop(adapter_id)
-                raise
+                del slot_of[adapter_id]
+                why = f"its LoRA adapter {loras[adapter_id].lora_name!r} could not be loaded: {e}"[:500]
+                failed.update({rid: why for rid, a in zip(request_ids, ids) if a == adapter_id})
         per_seq = np.array([slot_of.get(a, -1) for a in ids], dtype=np.int32)
         token_slots = np.repeat(per_seq, query_lens)  # [T]
         self.batch.set_step(token_slots, self.device)
