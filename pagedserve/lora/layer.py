@@ -68,6 +68,8 @@ class LoRALayer:
     def __call__(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         """y [T, out] (the base projection of x [T, in]) plus each row's adapter term."""
         b = self.batch
+        if b.slots is None:  # (the start-up's memory profile, before the step buffers exist)
+            return y
         if x.is_cuda:  # punica-style kernels: only each row's own slot is computed
             from pagedserve.kernels.lora import lora_add
 
