@@ -216,15 +216,15 @@ class Scheduler:
                 continue
             # req itself was preempted; self.running shrank, index i now points past it
 
-        # 2. Waiting requests, while budget, sequence slots and blocks allow.
+        # 2. Waiting requests, while budget, sequence slots, blocks and adapter slots allow.
         #    After a preemption the cache is full: admitting more would only thrash.
+        adapters = {r.lora_id for r in self.running} - {0} if self.max_loras else set()
         while (
             self.waiting
             and budget > 0
             and len(self.running) < self.config.max_num_seqs
             and not out.preempted
         ):
-            adapters = {r.lora_id for r in self.running} - {0} if self.max_loras else set()
             at = next((i for i, r in enumerate(self.waiting) if r.grammar_ready
                        and self._adapter_fits(r, adapters)), None)
             if at is None:  # every waiting request waits for its grammar or an adapter slot
@@ -256,6 +256,8 @@ class Scheduler:
                 req.num_blocks_sent = len(table)
             req.status = RequestStatus.RUNNING
             self.running.append(req)
+            if req.lora_id:
+                adapters.add(req.lora_id)
             out.chunks.append(ScheduledChunk(req.request_id, start, n, resumed=resumed))
             reqs.append(req)
             budget -= n
