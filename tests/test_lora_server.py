@@ -109,3 +109,14 @@ def test_bad_adapters_are_refused_with_the_reason(setup):
         assert r.status_code == 400, r.text
         err = r.json()["error"]
         assert param in (err.get("param") or "") + err["message"] and reason in err["message"], err
+
+
+def test_adapter_composes_with_structured_output(setup):
+    """An adapter's request under a regex constraint: the output follows it (the grammar's mask
+    applies to the adapter's logits as to the base model's)."""
+    import re
+
+    proc, _, _ = setup
+    out = _client(proc).completions.create(model="all8", prompt=PROMPT, max_tokens=12, temperature=0,
+                                           extra_body={"structured_outputs": {"regex": r"\d{3}-\d{4}"}})
+    assert out.model == "all8" and re.fullmatch(r"\d{3}-\d{4}", out.choices[0].text), out.choices[0].text
