@@ -16,7 +16,7 @@ import triton.language as tl
 
 @triton.jit(do_not_specialize=["T"])
 def _shrink_kernel(x, A, slots, h, T, K, stride_x, L, R: tl.constexpr, SR: tl.constexpr, SR_P: tl.constexpr,
-                   BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr):
+                   PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr):
     # h[t, :SR] = x[t] @ A[slot_t]^T for the rows t of this program's slot
     pid_m, s = tl.program_id(0), tl.program_id(1)
     rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -32,13 +32,13 @@ def _shrink_kernel(x, A, slots, h, T, K, stride_x, L, R: tl.constexpr, SR: tl.co
         xb = tl.load(x + rows[:, None] * stride_x + k[None, :], mask=mine[:, None] & (k[None, :] < K), other=0.0)
         ab = tl.load(A + a_rows[None, :] * K + k[:, None], mask=(r[None, :] < SR) & (k[:, None] < K),
                      other=0.0)  # [BLOCK_K, SR_P]: slot s's rows of A, transposed
-        acc += tl.dot(xb.to(tl.float32), ab.to(tl.float32))
+        acc += tl.dot(xb, ab, input_precision=PRECISION)  # (16-bit inputs: tensor cores, float32 sums)
     tl.store(h + rows[:, None] * SR + r[None, :], acc, mask=mine[:, None] & (r[None, :] < SR))
 
 
 @triton.jit(do_not_specialize=["T"])
 def _expand_kernel(h, B, slots, y, T, N, stride_y, L, start1, start2,
-                   R: tl.constexpr, R_P: tl.constexpr, S: tl.constexpr,
+                   R: tl.constexpr, R_P: tl.constexpr, S: tl.constexpr, PRECISION: tl.constexpr,
                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     # y[t, n] += h[t, shard(n) * R : +R] . B[n, slot_t, :] for the rows t of this program's slot
     pid_m, pid_n, s = tl.program_id(0), tl.program_id(1), tl.program_id(2)
@@ -56,7 +56,7 @@ def _expand_kernel(h, B, slots, y, T, N, stride_y, L, start1, start2,
                      other=0.0)  # [BLOCK_M, R_P]
         bj = tl.load(B + cols[None, :] * (L * R) + s * R + r[:, None],
                      mask=(r[:, None] < R) & (cols[None, :] < N) & (shard[None, :] == j), other=0.0)  # [R_P, BLOCK_N]
-        acc += tl.dot(hj, bj.to(tl.float32))
+        acc += tl.dot(hj, bj.to(tl.float32), input_precision=PRECISION)
     out = y + rows[:, None] * stride_y + cols[None, :]
     mask = mine[:, None] & (cols[None, :] < N)
     tl.store(out, (tl.load(out, mask=mask, other=0.0).to(tl.float32) + acc).to(y.dtype.element_ty), mask=mask)
@@ -80,12 +80,15 @@ def lora_add(x: torch.Tensor, y: torch.Tensor, A: torch.Tensor, B: torch.Tensor,
     if T == 0:
         return y
     h = torch.empty(T, SR, dtype=torch.float32, device=x.device)  # [T, S * R]: each row's own slot
+    # float32 models keep float32 products (no TF32 rounding): their tokens match a float32 reference
+    precision = "ieee" if x.dtype == torch.float32 else "tf32"
     BLOCK_M = 16
     _shrink_kernel[(triton.cdiv(T, BLOCK_M), L)](
-        x, A, slots, h, T, K, x.stride(0), L, R=R, SR=SR, SR_P=_pow2(SR), BLOCK_M=BLOCK_M, BLOCK_K=64)
+        x, A, slots, h, T, K, x.stride(0), L, R=R, SR=SR, SR_P=_pow2(SR), PRECISION=precision,
+        BLOCK_M=BLOCK_M, BLOCK_K=64)
     starts = [*shard_starts[1:], N, N][:2]
     BLOCK_N = 64
     _expand_kernel[(triton.cdiv(T, BLOCK_M), triton.cdiv(N, BLOCK_N), L)](
         h, B, slots, y, T, N, y.stride(0), L, starts[0], starts[1], R=R, R_P=_pow2(R), S=S,
-        BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N)
+        PRECISION=precision, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N)
     return y
