@@ -42,8 +42,9 @@ def test_lora_kernels_bf16_at_qwen3_4b_shapes():
 
 
 def test_engine_with_adapters_on_the_gpu_gives_peft_tokens(tmp_path):
-    from conftest import make_hf_checkpoint
     from lora_helpers import ADAPTERS, make_adapters, peft_greedy
+
+    from conftest import make_hf_checkpoint
     from pagedserve import LLM, LoRARequest, SamplingParams
 
     model = make_hf_checkpoint("qwen3", tmp_path / "base")
