@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, ClassVar
 
 from pagedserve.faults import FaultPlan
+from pagedserve.lora.config import LoRAConfig
 from pagedserve.models.moe_config import MoeConfig
 from pagedserve.models.rope_scaling import RopeScaling
 from pagedserve.spec_decode.config import SpeculativeConfig
@@ -283,6 +284,7 @@ class EngineConfig:
     data_parallel_size: int = 1
     data_parallel_rank: int = 0
     kv_tiers: KVTierConfig = field(default_factory=KVTierConfig)  # host and disk tiers (off)
+    lora: LoRAConfig | None = None  # LoRA adapters (lora/); None: --enable-lora not given
 
     @property
     def first_gpu(self) -> int:

@@ -17,6 +17,7 @@ from pagedserve import envs
 from pagedserve.config import CacheConfig, EngineConfig, KVTierConfig, ModelConfig, SchedulerConfig
 from pagedserve.distributed.split import check_config_split, check_quantized_split
 from pagedserve.faults import FaultPlan
+from pagedserve.lora.config import LoRAConfig
 from pagedserve.models.hf_config import model_config_from_hf
 from pagedserve.models.source import ModelSource, resolve_model
 from pagedserve.quantization import check_moe_quantization, resolve_quantization, split_units
@@ -60,6 +61,11 @@ class EngineArgs:
     kv_offload_size: float = 0
     kv_cache_dir: str | None = None
     kv_cache_dir_size: float = 8
+    # LoRA adapters (lora/): off unless enable_lora
+    enable_lora: bool = False
+    max_loras: int = 1  # adapters in device slots at once (and distinct ones in one step)
+    max_lora_rank: int = 16
+    max_cpu_loras: int | None = None  # adapters kept in host memory (None: max_loras)
 
     @classmethod
     def from_cli(cls, args: argparse.Namespace) -> EngineArgs:
@@ -114,6 +120,7 @@ class EngineArgs:
             speculative=spec, tensor_parallel_size=self.tensor_parallel_size,
             distributed_executor_backend=self.distributed_executor_backend,
             data_parallel_size=self.data_parallel_size, kv_tiers=self._kv_tiers(spec, model_cfg),
+            lora=self._lora_config(),
         )
         return config, source, model_cfg
 
@@ -137,6 +144,17 @@ class EngineArgs:
             raise ValueError("--kv-cache-dir does not work with tensor parallelism yet: drop it "
                              "(the host tier, --kv-offload-size, does)")
         return tiers
+
+    def _lora_config(self) -> LoRAConfig | None:
+        """The adapters' limits with enable_lora, else None; ValueError for what LoRA does not
+        compose with yet."""
+        if not self.enable_lora:
+            return None
+        if self.tensor_parallel_size != 1:
+            raise ValueError("--enable-lora does not support --tensor-parallel-size > 1 yet")
+        if self.speculative_config is not None:
+            raise ValueError("--enable-lora does not support speculative decoding yet")
+        return LoRAConfig(self.max_loras, self.max_lora_rank, self.max_cpu_loras)
 
 
 def engine_args(model: str | None = None, **kwargs: Any) -> EngineArgs:

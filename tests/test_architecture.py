@@ -83,13 +83,15 @@ LAYERS = [
      "pagedserve.spec_decode.config", "pagedserve.models.moe_config", "pagedserve.models.rope_scaling",
      "pagedserve.distributed.split", "pagedserve.unicode_checks", "pagedserve.heap",
      "pagedserve.ipc_dirs", "pagedserve.lifeline", "pagedserve.child_process", "pagedserve.host_copy",
-     "pagedserve.version"],
+     "pagedserve.version", "pagedserve.lora.request", "pagedserve.lora.config",
+     "pagedserve.lora.peft_checkpoint", "pagedserve.lora.slots", "pagedserve.lora.known"],
     ["pagedserve.envs", "pagedserve.tokenizer"],  # the environment's switches; text <-> ids
     ["pagedserve.kernels", "pagedserve.distributed"],  # Triton kernels; tensor-parallel groups
     ["pagedserve.attention"],
     ["pagedserve.layers"],
     ["pagedserve.quantization"],  # LinearMethods over layers/linear_method.py
     ["pagedserve.models"],
+    ["pagedserve.lora"],  # LoRA adapters' slot tensors and their per-row term (torch)
     ["pagedserve.structured"],
     # the engine's state: requests, scheduling, KV blocks, step buffers, messages
     ["pagedserve.engine.request", "pagedserve.engine.cached_request", "pagedserve.engine.scheduler",

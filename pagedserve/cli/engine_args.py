@@ -112,3 +112,12 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                         "dummy weights, benchmark datasets), as vLLM's --seed")
     p.add_argument("--log-level", default=envs.log_level(), type=types.log_level,
                    help="DEBUG, INFO, WARNING, ERROR or CRITICAL")
+    # LoRA adapters (vLLM's flags; `serve --lora-modules` names them)
+    p.add_argument("--enable-lora", action="store_true",
+                   help="serve PEFT LoRA adapters beside the base model (q/k/v/o/gate/up/down)")
+    p.add_argument("--max-loras", type=types.int_at_least(1), default=1,
+                   help="adapters resident on the device at once, and distinct adapters in one batch")
+    p.add_argument("--max-lora-rank", type=types.int_at_least(1), default=16,
+                   help="the largest adapter rank (1, 8, 16, 32, 64, 128, 256, 320 or 512)")
+    p.add_argument("--max-cpu-loras", type=types.int_at_least(1), default=None,
+                   help="adapters kept in host memory (default: --max-loras)")

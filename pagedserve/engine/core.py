@@ -33,6 +33,7 @@ from pagedserve.engine.step_trace import StepTrace
 from pagedserve.engine.stopping import check_stop
 from pagedserve.engine.tp_executor import TensorParallelExecutor
 from pagedserve.engine.warm_up import warm_up
+from pagedserve.lora.known import KnownAdapters
 from pagedserve.models.source import ModelSource, resolve_model
 from pagedserve.spec_decode.speculator import Speculator
 from pagedserve.structured.backend import GrammarError
@@ -68,7 +69,8 @@ class EngineCore:
         self.kv = KVCacheManager(info.num_blocks, info.block_size, config.cache.enable_prefix_caching,
                                  window_to_free(info.model_config.sliding_windows, info.draft_layer_windows),
                                  KVTiers(*info.kv_tier_sizes, info.kv_disk_digests))
-        self.scheduler = Scheduler(sched, self.kv)
+        self.scheduler = Scheduler(sched, self.kv, config.lora.max_loras if config.lora else 0)
+        self._adapters = KnownAdapters(config.lora, self.model_config)  # (LoRA requests' adapters)
         self.requests: dict[str, Request] = {}
         spec = config.speculative
         self.speculator = None if spec is None else Speculator(
@@ -135,10 +137,12 @@ class EngineCore:
         max_tokens = check_prompt(er.prompt_token_ids, p.max_tokens, self.scheduler_config.max_model_len,
                                   self.model_config.vocab_size)
         check_token_ids(p, self.model_config.vocab_size)
+        if er.lora_request is not None:
+            self._adapters.check(er.lora_request)
         req = Request(
             er.request_id, list(er.prompt_token_ids), p, priority=er.priority,
             max_tokens=max_tokens,
-            eos_token_ids=self.model_config.eos_token_ids,
+            eos_token_ids=self.model_config.eos_token_ids, lora_request=er.lora_request,
         )
         if er.arrival_time is not None:
             req.arrival_time = er.arrival_time

@@ -44,6 +44,13 @@ logger = logging.getLogger("pagedserve")
 NULL_BLOCK = 0
 
 
+def chain_root(cache_salt: int) -> tuple[int | None, tuple[str, int] | None]:
+    """(parent hash, parent reg id) of a request's first block: None, None for the base
+    model; a LoRA adapter's id (`cache_salt` > 0) starts a chain of its own, so a prefix
+    computed under one adapter is never found under another or the base model."""
+    return (None, None) if not cache_salt else (hash(("lora", cache_salt)), ("lora", cache_salt))
+
+
 def window_to_free(layer_windows: Sequence[int | None],
                    draft_layer_windows: Sequence[int | None] | None = None) -> int | None:
     """The `sliding_window` of a KV manager for a model with these per-layer windows
@@ -70,7 +77,8 @@ class Block:
     block_hash: int | None = None
     token_ids: tuple[int, ...] | None = None  # the tokens behind block_hash
     reg_id: int | None = None  # unique per registration, never reused
-    parent_reg_id: int | None = None  # reg_id of the block before it (None for the first)
+    # reg_id of the block before it (the first: None, or its adapter's `chain_root`)
+    parent_reg_id: int | tuple[str, int] | None = None
     digest: bytes | None = None  # with KV tiers: the strong chained hash (kv_tiers.block_digest)
 
     def forget(self) -> None:
@@ -96,6 +104,7 @@ class _ReqState:
     block_hashes: list[int] = field(default_factory=list)
     reg_ids: list[int | None] = field(default_factory=list)
     digests: list[bytes] = field(default_factory=list)  # with KV tiers: of those blocks
+    cache_salt: int = 0  # its LoRA adapter's id (0: the base model): see chain_root
 
 
 class KVCacheManager(TieredPrefix):
@@ -159,16 +168,16 @@ class KVCacheManager(TieredPrefix):
 
     # ---- prefix cache -----------------------------------------------------------------
 
-    def find_cached_prefix(self, token_ids: Sequence[int]) -> list[int]:
-        """Block ids of the longest cached run of full blocks at the start of `token_ids`.
+    def find_cached_prefix(self, token_ids: Sequence[int], cache_salt: int = 0) -> list[int]:
+        """Block ids of the longest cached run of full blocks at the start of `token_ids`
+        (computed under the LoRA adapter `cache_salt`; 0: the base model).
 
         The last token is never covered: at least one token must be computed to get logits.
         """
         if not self.enable_prefix_caching:
             return []
         found: list[int] = []
-        parent: int | None = None
-        parent_reg: int | None = None
+        parent, parent_reg = chain_root(cache_salt)
         bs = self.block_size
         for start in range(0, len(token_ids) - 1 - bs + 1, bs):
             tokens = tuple(token_ids[start : start + bs])
@@ -198,6 +207,7 @@ class KVCacheManager(TieredPrefix):
         num_total_tokens: int,
         cached_block_ids: Sequence[int] = (),
         tier_hits: Sequence[TierHit] = (),
+        cache_salt: int = 0,
     ) -> bool:
         """Make the request own enough blocks for `num_total_tokens` tokens.
 
@@ -205,8 +215,9 @@ class KVCacheManager(TieredPrefix):
         yet) are shared first; the request then computes from the end of them, so with a
         sliding window those wholly before that token's window are not taken (their entries
         are NULL_BLOCK from the start). `tier_hits` (from find_prefix) follow them: fresh
-        blocks onloaded from a tier, or GPU blocks found by digest. Returns False, changing
-        nothing, if blocks run out.
+        blocks onloaded from a tier, or GPU blocks found by digest. `cache_salt`: the LoRA
+        adapter a new request runs under (its blocks' prefix-cache chain; the tiers keep the
+        base model's blocks only). Returns False, changing nothing, if blocks run out.
         """
         if tier_hits:
             return self._allocate_with_tiers(request_id, num_total_tokens, cached_block_ids, tier_hits)
@@ -221,7 +232,7 @@ class KVCacheManager(TieredPrefix):
         if max(need, 0) + reuse_free > len(self._free):
             return False
         if state is None:
-            state = self._reqs[request_id] = _ReqState()
+            state = self._reqs[request_id] = _ReqState(cache_salt=cache_salt)
         for i, b in enumerate(cached_block_ids):
             block = self.blocks[b]
             state.block_hashes.append(block.block_hash)  # type: ignore[arg-type]
@@ -300,15 +311,16 @@ class KVCacheManager(TieredPrefix):
         state = self._reqs[request_id]
         bs = self.block_size
         num_full = min(num_computed // bs, len(state.block_ids))
-        parent = state.block_hashes[-1] if state.block_hashes else None
+        root, root_reg = chain_root(state.cache_salt)
+        parent = state.block_hashes[-1] if state.block_hashes else root
         for i in range(len(state.block_hashes), num_full):
             tokens = tuple(token_ids[i * bs : (i + 1) * bs])
             h = block_hash(parent, tokens)
-            parent_reg = state.reg_ids[-1] if state.reg_ids else None
+            parent_reg = state.reg_ids[-1] if state.reg_ids else root_reg
             state.block_hashes.append(h)
             parent = h
             digest = None
-            if self.tiers is not None:
+            if self.tiers is not None and not state.cache_salt:  # (an adapter's: GPU only)
                 digest = block_digest(state.digests[-1] if state.digests else None, tokens)
                 state.digests.append(digest)
             if (i > 0 and parent_reg is None) or i < state.num_slid:

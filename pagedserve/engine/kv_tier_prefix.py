@@ -47,11 +47,13 @@ class TieredPrefix:
     _next_reg_id: int
     _reqs: dict[str, Any]
 
-    def find_prefix(self, token_ids: Sequence[int]) -> PrefixHit:
+    def find_prefix(self, token_ids: Sequence[int], cache_salt: int = 0) -> PrefixHit:
         """`find_cached_prefix`, then, with KV tiers, the blocks after it found in a tier (or
-        in a GPU block by digest). (A sliding-window model has no tiers.)"""
-        hit = PrefixHit(self.find_cached_prefix(token_ids))  # type: ignore[attr-defined]
-        if self.tiers is None:
+        in a GPU block by digest). (A sliding-window model has no tiers.) `cache_salt`: the
+        request's LoRA adapter id (0: the base model); an adapter's blocks stay in the GPU
+        cache only (the tiers key blocks by tokens and model, not by adapter)."""
+        hit = PrefixHit(self.find_cached_prefix(token_ids, cache_salt))  # type: ignore[attr-defined]
+        if self.tiers is None or cache_salt:
             return hit
         bs = self.block_size
         parent: int | None = None

@@ -15,6 +15,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from pagedserve.lora.request import LoRARequest
 from pagedserve.sampling_params import SamplingParams
 
 
@@ -27,6 +28,7 @@ class EngineRequest:
     sampling_params: SamplingParams
     priority: int = 0
     arrival_time: float | None = None
+    lora_request: LoRARequest | None = None  # the adapter it runs under (None: the base model)
 
 
 @dataclass

@@ -38,6 +38,7 @@ from pagedserve.engine.step_handle import StepHandle
 from pagedserve.engine.warm_up import profile_forward
 from pagedserve.engine.worker_info import WorkerInfo
 from pagedserve.layers.sampler import Sampler
+from pagedserve.lora.manager import LoRAManager
 from pagedserve.models.loader import build_model
 from pagedserve.models.source import ModelSource
 from pagedserve.quantization.methods import check_quantization_device
@@ -86,6 +87,8 @@ class Worker:
                             quantization=config.quantization, tp=tp, max_model_len=config.scheduler.max_model_len)
         self.model_config = cfg = model.config
         self.dtype = dtype = resolve_dtype(config.dtype, device)
+        # LoRA: slot tensors on every adaptable projection (before the KV cache is sized)
+        lora = None if config.lora is None else LoRAManager(model, config.lora, cfg, dtype, device)
         self.scheduler_config = sched = config.scheduler_for(cfg, device.type)
         backend = make_backend(config.attention_backend, device, cfg, tp)
         self.kv_spec = spec = KVCacheSpec.for_model(cfg, config.cache.block_size, dtype,
@@ -129,7 +132,7 @@ class Worker:
         self.grammar_compiler: GrammarCompiler | None = None
         self._source, self._tokenizer_path = source, config.tokenizer
         self.runner = ModelRunner(model, backend, spec, num_blocks, Sampler(kernels.fused_sampling, kernels.top_k_top_p_kernel),
-                                  sched, SpecDecoder(config.speculative, drafter), self._grammar)
+                                  sched, SpecDecoder(config.speculative, drafter), self._grammar, lora)
         self.num_blocks = num_blocks
         self.kv_tiers, *self._tier_sizes = build_offloader(  # (None: no host or disk tier)
             config, source, self.runner.kv_caches, spec, str(dtype), tp.rank, tp.size)
