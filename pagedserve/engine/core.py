@@ -279,8 +279,8 @@ class EngineCore:
             for req in self.scheduler.drop(out) if out is not None else ():
                 reqs[id(req)] = req
         self._inflight = self._launching = None
-        if self.kv.tiers is not None:  # (some of the failed steps' copies may not have run: their
-            self.kv.tiers.forget_all()  # blocks are freed below, and their prefixes forgotten)
+        if self.kv.tiers is not None:  # (the failed steps' copies may not have run)
+            self.kv.tiers.forget_all()
         if isinstance(error, ExecutorDied):  # nothing can run any more: every request fails
             self.fatal_error = f"the engine cannot go on: {error}"
             reqs.update((id(r), r) for r in self.requests.values())
@@ -293,7 +293,7 @@ class EngineCore:
             self.kv.check_integrity()
         except AssertionError as e:
             raise FatalEngineError(f"the KV-cache bookkeeping is broken after a failed step: {e}") from e
-        if self.kv.tiers is not None:
+        if self.kv.tiers is not None:  # (their blocks were freed: forget their prefixes)
             self.kv.reset_prefix_cache()
         orphans = set(self.kv.request_ids()) - set(self.requests)
         if orphans:
@@ -315,11 +315,8 @@ class EngineCore:
                 faults.fail("step", chunk.request_id)
 
     def _needs_sync(self) -> bool:
-        """Speculative steps complete before the next is scheduled: drafts follow a request's
-        last token, and a verified step's tokens decide where the next one starts. (A
-        grammar's mask also needs the token before it; the worker waits for that token behind
-        the next forward pass, so grammars keep async scheduling. Penalties count a pending
-        token where it is, on the device.)"""
+        """Speculative steps complete before the next is scheduled (drafts follow a request's
+        last token). Grammars and penalties keep async scheduling (the worker has the token)."""
         inflight = self._inflight[0].chunks if self._inflight else ()
         return self._speculating() or any(c.draft_token_ids for c in inflight)
 
