@@ -22,8 +22,8 @@ Invariants:
 - a cache hit compares the stored tokens, so a hash collision can never return wrong KV.
 
 With KV tiers (`engine/kv_tiers.py`: host memory, disk), a registered block also carries its
-strong `digest`; evicting it records an offload, and `find_prefix` (`kv_tier_prefix.py`) goes
-on past the GPU cache into the tiers, whose hits get fresh blocks, onloaded before the step.
+strong `digest`; evicting it records an offload, and `find_prefix` (`kv_tier_prefix.py`, with
+the GPU cache's own lookup) goes on into the tiers, whose hits get fresh blocks, onloaded first.
 """
 
 from __future__ import annotations
@@ -34,7 +34,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from pagedserve.engine.kv_tier_prefix import TieredPrefix, TierHit
-from pagedserve.engine.kv_tiers import KVTiers, block_digest, block_hash
+from pagedserve.engine.kv_tiers import KVTiers, block_digest, block_hash, chain_root
 
 logger = logging.getLogger("pagedserve")
 
@@ -42,13 +42,6 @@ logger = logging.getLogger("pagedserve")
 # the entries of blocks wholly before a query's window; a valid id keeps a stray read from
 # faulting all the same. The manager knows released entries by their count, not by this value.
 NULL_BLOCK = 0
-
-
-def chain_root(cache_salt: int) -> tuple[int | None, tuple[str, int] | None]:
-    """(parent hash, parent reg id) of a request's first block: None, None for the base
-    model; a LoRA adapter's id (`cache_salt` > 0) starts a chain of its own, so a prefix
-    computed under one adapter is never found under another or the base model."""
-    return (None, None) if not cache_salt else (hash(("lora", cache_salt)), ("lora", cache_salt))
 
 
 def window_to_free(layer_windows: Sequence[int | None],
@@ -167,32 +160,6 @@ class KVCacheManager(TieredPrefix):
         return min(need, self.blocks_needed(self.sliding_window - 1 + 2 * max_chunk) + 1)
 
     # ---- prefix cache -----------------------------------------------------------------
-
-    def find_cached_prefix(self, token_ids: Sequence[int], cache_salt: int = 0) -> list[int]:
-        """Block ids of the longest cached run of full blocks at the start of `token_ids`
-        (computed under the LoRA adapter `cache_salt`; 0: the base model).
-
-        The last token is never covered: at least one token must be computed to get logits.
-        """
-        if not self.enable_prefix_caching:
-            return []
-        found: list[int] = []
-        parent, parent_reg = chain_root(cache_salt)
-        bs = self.block_size
-        for start in range(0, len(token_ids) - 1 - bs + 1, bs):
-            tokens = tuple(token_ids[start : start + bs])
-            h = block_hash(parent, tokens)
-            block_id = self._hash_to_block.get(h)
-            if block_id is None:
-                break
-            block = self.blocks[block_id]
-            # The hash is only an index: check the tokens and that the block continues
-            # exactly the prefix matched so far, so a collision can only cause a miss.
-            if block.token_ids != tokens or block.parent_reg_id != parent_reg:
-                break
-            found.append(block_id)
-            parent, parent_reg = h, block.reg_id
-        return found
 
     def record_lookup(self, num_prompt_tokens: int, num_hit_tokens: int) -> None:
         """Count one admitted request's prefix-cache lookup in `stats`."""

@@ -1,6 +1,6 @@
-"""The KV manager's lookups and allocations that reach past the GPU's prefix cache into the
-KV tiers (`engine/kv_tiers.py`): a mixin of `KVCacheManager` (torch-free), kept apart so the
-manager's file stays about GPU blocks."""
+"""The KV manager's prefix lookups (the GPU's prefix cache, then the KV tiers of
+`engine/kv_tiers.py`) and the allocation of a prefix found in the tiers: a mixin of
+`KVCacheManager` (torch-free), kept apart so the manager's file stays about GPU blocks."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from pagedserve.engine.kv_tiers import block_digest, block_hash
+from pagedserve.engine.kv_tiers import block_digest, block_hash, chain_root
 
 
 @dataclass
@@ -36,16 +36,43 @@ class PrefixHit:
 
 
 class TieredPrefix:
-    """`find_prefix` and the allocation of a prefix that continues into the tiers; the
-    attributes it uses are `KVCacheManager`'s."""
+    """`find_cached_prefix`, `find_prefix` and the allocation of a prefix that continues into
+    the tiers; the attributes it uses are `KVCacheManager`'s."""
 
     blocks: list[Any]
+    enable_prefix_caching: bool
     tiers: Any
     block_size: int
     _hash_to_block: dict[int, int]
     _free: Any
     _next_reg_id: int
     _reqs: dict[str, Any]
+
+    def find_cached_prefix(self, token_ids: Sequence[int], cache_salt: int = 0) -> list[int]:
+        """Block ids of the longest cached run of full blocks at the start of `token_ids`
+        (computed under the LoRA adapter `cache_salt`; 0: the base model).
+
+        The last token is never covered: at least one token must be computed to get logits.
+        """
+        if not self.enable_prefix_caching:
+            return []
+        found: list[int] = []
+        parent, parent_reg = chain_root(cache_salt)
+        bs = self.block_size
+        for start in range(0, len(token_ids) - 1 - bs + 1, bs):
+            tokens = tuple(token_ids[start : start + bs])
+            h = block_hash(parent, tokens)
+            block_id = self._hash_to_block.get(h)
+            if block_id is None:
+                break
+            block = self.blocks[block_id]
+            # The hash is only an index: check the tokens and that the block continues
+            # exactly the prefix matched so far, so a collision can only cause a miss.
+            if block.token_ids != tokens or block.parent_reg_id != parent_reg:
+                break
+            found.append(block_id)
+            parent, parent_reg = h, block.reg_id
+        return found
 
     def find_prefix(self, token_ids: Sequence[int], cache_salt: int = 0) -> PrefixHit:
         """`find_cached_prefix`, then, with KV tiers, the blocks after it found in a tier (or

@@ -37,6 +37,13 @@ def block_hash(parent: int | None, tokens: tuple[int, ...]) -> int:
     return hash((parent, tokens))
 
 
+def chain_root(cache_salt: int) -> tuple[int | None, tuple[str, int] | None]:
+    """(parent hash, parent reg id) of a request's first block: None, None for the base
+    model; a LoRA adapter's id (`cache_salt` > 0) starts a chain of its own, so a prefix
+    computed under one adapter is never found under another or the base model."""
+    return (None, None) if not cache_salt else (hash(("lora", cache_salt)), ("lora", cache_salt))
+
+
 def block_digest(parent: bytes | None, tokens: Sequence[int]) -> bytes:
     """Chained strong hash of a full block: the parent block's digest and this block's tokens."""
     h = hashlib.blake2b(parent or b"", digest_size=DIGEST_BYTES)
