@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 
 from pagedserve.engine import kv_cache_manager as kvm
+from pagedserve.engine import kv_tier_prefix
 from pagedserve.engine.kv_cache_manager import KVCacheManager
 
 
@@ -73,7 +74,8 @@ def test_lru_eviction_prefers_least_recently_freed_and_tail_blocks():
 
 
 def test_hash_collisions_never_return_wrong_blocks(monkeypatch):
-    monkeypatch.setattr(kvm, "block_hash", lambda parent, tokens: 42)  # every block collides
+    for module in (kvm, kv_tier_prefix):  # (registration, lookup)
+        monkeypatch.setattr(module, "block_hash", lambda parent, tokens: 42)  # every block collides
     kv = KVCacheManager(num_blocks=16, block_size=2)
     a = [1, 2, 3, 4, 5]
     kv.allocate("a", 5)
