@@ -334,12 +334,18 @@ class EngineCore:
         for rid, (first, entries) in result.prompt_logprobs.items():
             if (req := self.requests.get(rid)) is not None:
                 req.add_prompt_logprobs(first, entries)
-        updated = self.scheduler.apply_results(out, result.token_ids)
+        sampled = result.token_ids
+        if result.pooled:  # (a pooling request's step ends its prompt and adds no token)
+            sampled = {**sampled, **dict.fromkeys(result.pooled, [])}
+        updated = self.scheduler.apply_results(out, sampled)
         if self.speculator is not None:
             self.speculator.record(out.chunks, result.token_ids)
         now = time.monotonic()
         for req in updated:
             try:
+                if req.request_id in result.pooled:
+                    outputs.append(self._pooled_output(req, result.pooled[req.request_id], now))
+                    continue
                 outputs.append(self._output(req, result, now))
             except Exception as e:  # this request's own part of the step: it fails alone
                 logger.exception("request %s failed while its token was processed", req.request_id)
@@ -380,6 +386,16 @@ class EngineCore:
             o.finished, (o.finish_reason, o.stop_reason) = True, stop
             self.scheduler.finish(req, o.finish_reason)
             self._forget(req.request_id)
+        return o
+
+    def _pooled_output(self, req: Request, vector: list[float], now: float) -> TokenOutput:
+        """The one output of a pooling request (its vector); it finishes with it."""
+        scheduled = req.first_scheduled_time or now
+        o = TokenOutput(req.request_id, [], [], finished=True, finish_reason="stop",
+                        num_prompt_tokens=req.num_prompt_tokens, num_cached_tokens=req.num_cached_tokens,
+                        queue_s=scheduled - req.arrival_time, prefill_s=now - scheduled, pooled=vector)
+        self.scheduler.finish(req, "stop")
+        self._forget(req.request_id)
         return o
 
     def _forget(self, request_id: str) -> None:

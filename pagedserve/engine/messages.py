@@ -56,6 +56,8 @@ class TokenOutput:
     # with the first token of a request that asked for prompt logprobs: per prompt token after
     # the first, (its logprob, its rank, [(token id, logprob) of the top-k])
     prompt_logprobs: list[tuple[float, int, list[tuple[int, float]]]] | None = None
+    # a pooling request's result (it ends with it, no tokens): its embedding, or [score]
+    pooled: list[float] | None = None
 
 
 @dataclass
@@ -162,3 +164,6 @@ class StepResult:
     # its rank, top-k)) for the prefill chunks that asked (engine/prompt_logprobs.py)
     prompt_logprobs: dict[str, tuple[int, list[tuple[float, int, list[tuple[int, float]]]]]] = (
         field(default_factory=dict))
+    # request id -> the vector of a pooling request whose prompt ended this step (an
+    # embedding; one float for a score): such a request samples no token
+    pooled: dict[str, list[float]] = field(default_factory=dict)

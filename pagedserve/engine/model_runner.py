@@ -26,6 +26,7 @@ from pagedserve.engine.graphs import GraphRunner
 from pagedserve.engine.input_batch import StepArrays, StepBuffers, pack_step, pending_output_rows
 from pagedserve.engine.kv_cache_spec import KVCacheSpec
 from pagedserve.engine.messages import StepResult
+from pagedserve.engine.pooling import EveryRowChunks, Pooler, every_row_chunks, pooled_lists
 from pagedserve.engine.prompt_logprobs import PromptRows, entries, prompt_rows, score
 from pagedserve.engine.scheduler import NewRequestData, ScheduledChunk, SchedulerOutput
 from pagedserve.engine.step_handle import StepHandle
@@ -45,6 +46,15 @@ def _to_pinned_async(t: torch.Tensor) -> torch.Tensor:
     return host
 
 
+def _without(rows: torch.Tensor, sample_rows: list[int], drop: list[int]) -> tuple[torch.Tensor, list[int]]:
+    """`rows` [R, ...] and `sample_rows` without the entries at positions `drop`."""
+    if not drop:
+        return rows, sample_rows
+    gone = set(drop)
+    keep = [j for j in range(len(sample_rows)) if j not in gone]
+    return rows.index_select(0, torch.tensor(keep, dtype=torch.long, device=rows.device)), [sample_rows[j] for j in keep]
+
+
 @dataclass
 class _Step:
     """A step as `_prepare` leaves it for the stages after it."""
@@ -53,6 +63,7 @@ class _Step:
     a: StepArrays  # the packed host arrays, already loaded into the device buffers
     states: list[CachedRequest]  # the request of each chunk
     prompt: PromptRows | None  # the rows that score their prompts (such a step runs eagerly)
+    pool: EveryRowChunks | None  # the chunks pooled over every row (such a step runs eagerly)
     key: GraphKey | None  # the CUDA graph that runs it (None: eager)
     verify: VerifyPlan | None  # its drafts' verification (None: no drafts)
 
@@ -99,6 +110,8 @@ class ModelRunner:
         self.num_eager_steps = 0
         self._prompt_logprobs: set[str] = set()  # held requests that score their prompts
         self._prompt_scores: tuple[torch.Tensor, torch.Tensor] | None = None  # (see forward_eager)
+        self.pooler = Pooler()  # the vectors of pooling requests (engine/pooling.py)
+        self._every_row: set[str] = set()  # held requests that pool over every prompt row
 
     @property
     def drafter(self):
@@ -132,6 +145,8 @@ class ModelRunner:
             self.tables.drop(rid)
             self.masks.failed.pop(rid, None)
             self._prompt_logprobs.discard(rid)
+            self._every_row.discard(rid)
+            self.pooler.drop(rid)
 
     def _add_requests(self, new: list[NewRequestData]) -> None:
         for n in new:
@@ -144,6 +159,8 @@ class ModelRunner:
                 matcher = BadWordsMatcher(words, matcher)
             if n.sampling_params.prompt_logprobs is not None:
                 self._prompt_logprobs.add(n.request_id)
+            if n.sampling_params.pooling is not None and n.sampling_params.pooling.needs_every_row:
+                self._every_row.add(n.request_id)
             self.requests[n.request_id] = CachedRequest(
                 n.request_id, n.prompt_token_ids, n.sampling_params, list(n.prompt_token_ids), gen,
                 matcher, so.after_tokens if so is not None else ())
@@ -179,12 +196,16 @@ class ModelRunner:
         return self.graphs.capture()
 
     @torch.inference_mode()
-    def forward_eager(self, a: StepArrays, prompt: PromptRows | None = None) -> torch.Tensor:
+    def forward_eager(self, a: StepArrays, prompt: PromptRows | None = None,
+                      pool: EveryRowChunks | None = None) -> torch.Tensor:
         """Hidden states [N, hidden] of the sampling tokens of a step loaded into the buffers
-        (with `prompt`: also the prompt logprobs of its rows, kept for the step's handle)."""
+        (with `prompt`: also the prompt logprobs of its rows, kept for the step's handle;
+        with `pool`: its chunks' rows added to their requests' pooling sums)."""
         buf = self.buffers
         rows = buf.token_rows(a.num_tokens)
-        hidden = self.model(rows[0], rows[1], AttentionContext(self.backend, buf.metadata(a)))
+        hidden = self.model(rows[0], rows[1], AttentionContext(self.backend, buf.metadata(a)))  # [T, h]
+        if pool is not None:
+            self.pooler.accumulate(hidden, pool, self.requests)
         self._prompt_scores = None if prompt is None else score(self.model, hidden, prompt)
         return hidden.index_select(0, buf.view("logits_idx", len(a.logits_idx)))  # [T, h] -> [N, h]
 
@@ -217,11 +238,13 @@ class ModelRunner:
         a = pack_step(out.chunks, [r.token_ids for r in states], self._prev_rows, self.block_size,
                       self.tables.gather([c.request_id for c in out.chunks]))
         prompt = prompt_rows(out.chunks, states, a.query_start_loc) if self._prompt_logprobs else None
-        key = None if self.graphs is None or prompt is not None else self.graphs.key_for(a)
+        pool = every_row_chunks(out.chunks, states, a.query_start_loc) if self._every_row else None
+        eager = self.graphs is None or prompt is not None or pool is not None
+        key = None if eager else self.graphs.key_for(a)
         self.buffers.load(a, key.num_tokens if key else a.num_tokens, key, self._prev_tokens)
         verify = self.spec.plan(a, out.chunks, states, self.model.config.eos_token_ids, self.vocab_size,
                                 self.device, self.masks.failed)
-        return _Step(out, a, states, prompt, key, verify)
+        return _Step(out, a, states, prompt, pool, key, verify)
 
     def _forward(self, step: _Step) -> torch.Tensor:
         """Hidden states [N, hidden] of the sampling rows (the draft model follows the step)."""
@@ -231,20 +254,25 @@ class ModelRunner:
             hidden = self.graphs.replay(step.key, step.a)
         else:
             self.num_eager_steps += 1
-            hidden = self.forward_eager(step.a, step.prompt)
+            hidden = self.forward_eager(step.a, step.prompt, step.pool)
         self.spec.mirror(step.a, self._prev_tokens)
         return hidden
 
     def _sample(self, step: _Step, hidden: torch.Tensor) -> StepHandle:
         """The logits of the sampling rows, drafted rows verified, the others sampled."""
         sample_rows = step.a.sample_rows
-        reqs = [step.states[i] for i in sample_rows]
-        handle = StepHandle(reqs, None)
+        handle = StepHandle([], None)
         if step.prompt is not None:
             handle.prompt = (step.prompt, *(_to_pinned_async(t) if t.is_cuda else t for t in self._prompt_scores))
+        hidden, sample_rows = self._pool(step, hidden, sample_rows, handle)
+        reqs = [step.states[i] for i in sample_rows]
+        handle.reqs = reqs
         logits = self.model.compute_logits(hidden) if reqs else None  # [R, vocab]
         if step.verify is not None:
             logits, sample_rows = self.spec.verify(self.sampler, logits, step.verify, handle, step.states)
+            if handle.pooled is not None:
+                pooled = [j for j, i in enumerate(sample_rows) if step.states[i].sampling_params.pooling]
+                logits, sample_rows = _without(logits, sample_rows, pooled)
             handle.reqs = reqs = [step.states[i] for i in sample_rows]
         if reqs:
             batch = self._sampling_batch(step, reqs, sample_rows)
@@ -255,6 +283,23 @@ class ModelRunner:
             handle.host = (result.checked_token_ids, result.logprobs, result.logprob_token_ids,
                            result.logprob_ranks)
         return handle
+
+    def _pool(self, step: _Step, hidden: torch.Tensor, sample_rows: list[int], handle: StepHandle
+              ) -> tuple[torch.Tensor, list[int]]:
+        """The pooling stage: the vectors of the pooling requests whose prompt ends this step
+        (into `handle.pooled`); returns the other sampling rows' hidden states [R, hidden]
+        and chunk rows. (A pooling request never decodes, so it has no drafts: a step that
+        verifies drafts keeps the rows the verify plan indexes, and drops the pooled ones'
+        logits after.)"""
+        at = [j for j, i in enumerate(sample_rows) if step.states[i].sampling_params.pooling is not None]
+        if not at:
+            return hidden, sample_rows
+        idx = torch.tensor(at, dtype=torch.long, device=hidden.device)
+        handle.pooled = self.pooler.pool(self.model, hidden.index_select(0, idx),  # [P, h]
+                                         [step.states[sample_rows[j]] for j in at])
+        if step.verify is not None:  # (verify indexes every sampling row's logits)
+            return hidden, sample_rows
+        return _without(hidden, sample_rows, at)
 
     def _sampling_batch(self, step: _Step, reqs: list[CachedRequest], sample_rows: list[int]) -> SamplingBatch:
         """The rows' sampling parameters on the device, their grammars' mask included."""
@@ -291,7 +336,10 @@ class ModelRunner:
     def _start_copies(self, handle: StepHandle) -> None:
         """On CUDA: start the results' copies into pinned host memory, and record `ready`
         behind them."""
-        if (handle.host is not None or handle.spec_reqs or handle.prompt) and self.device.type == "cuda":
+        if handle.pooled is not None and self.device.type == "cuda":
+            handle.pooled = tuple(_to_pinned_async(t) if isinstance(t, torch.Tensor) else t for t in handle.pooled)
+        if (handle.host is not None or handle.spec_reqs or handle.prompt or handle.pooled) \
+                and self.device.type == "cuda":
             handle.host = tuple(None if t is None else _to_pinned_async(t) for t in handle.host or ())
             handle.spec_host = (None if handle.spec_host is None else
                                 tuple(None if t is None else _to_pinned_async(t) for t in handle.spec_host))
@@ -316,8 +364,13 @@ class ModelRunner:
             if handle.ready is not None:
                 handle.ready.synchronize()
             prompt = entries(*handle.prompt)
+        pooled = {}
+        if handle.pooled is not None:
+            if handle.ready is not None:
+                handle.ready.synchronize()
+            pooled = pooled_lists(handle.pooled)
         if not handle.reqs and not handle.spec_reqs:
-            return StepResult({}, {}, prompt_logprobs=prompt)
+            return StepResult({}, {}, prompt_logprobs=prompt, pooled=pooled)
         reqs = handle.reqs
         if handle.ready is not None:
             handle.ready.synchronize()
@@ -359,7 +412,7 @@ class ModelRunner:
                 if r.sampling_params.logprobs is not None:
                     logprobs[r.request_id] = [token_logprobs(lp[row], lp_ids[row], r.sampling_params.logprobs,
                                                              ranks[row])]
-        return StepResult(token_ids, logprobs, non_finite, failed, grammar_done, prompt)
+        return StepResult(token_ids, logprobs, non_finite, failed, grammar_done, prompt, pooled)
 
     def decode_probe(self, num_seqs: int, length: int):
         """(ids [S], positions [S], metadata) of a decode step of `num_seqs` sequences at

@@ -101,6 +101,12 @@ class SchedulerOutput:
         return not self.chunks
 
 
+def _may_hit_prefix(params: Any) -> bool:
+    """Whether a request may skip a cached prefix (it needs no hidden state of those rows)."""
+    pooling = params.pooling
+    return params.prompt_logprobs is None and (pooling is None or not pooling.needs_every_row)
+
+
 class Scheduler:
     def __init__(self, config: SchedulerConfig, kv: KVCacheManager) -> None:
         self.config = config
@@ -227,8 +233,9 @@ class Scheduler:
             if req.num_pending:  # preempted with a token in flight: wait for it
                 break
             cached: list[int] = []
-            # (a request scoring its prompt computes every prompt token: no cached prefix)
-            if req.num_computed_tokens == 0 and req.sampling_params.prompt_logprobs is None:
+            # (a request scoring its prompt, or pooling over every prompt row, computes every
+            # prompt token: no cached prefix)
+            if req.num_computed_tokens == 0 and _may_hit_prefix(req.sampling_params):
                 cached = self.kv.find_cached_prefix(req.token_ids)
             start = len(cached) * self.kv.block_size if cached else req.num_computed_tokens
             n = min(req.num_tokens - start, budget)
