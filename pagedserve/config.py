@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Any, ClassVar
 from pagedserve.faults import FaultPlan
 from pagedserve.models.moe_config import MoeConfig
 from pagedserve.models.rope_scaling import RopeScaling
+from pagedserve.pooling_params import PoolerConfig
 from pagedserve.spec_decode.config import SpeculativeConfig
 
 if TYPE_CHECKING:
@@ -262,6 +263,8 @@ class EngineConfig:
     # on CUDA it runs on GPUs first_gpu .. first_gpu + tensor_parallel_size - 1
     data_parallel_size: int = 1
     data_parallel_rank: int = 0
+    # a pooling model (`--runner pooling`: embeddings or scores, prefill-only); None = generation
+    pooler: PoolerConfig | None = None
 
     @property
     def first_gpu(self) -> int:

@@ -18,6 +18,7 @@ from pagedserve.config import CacheConfig, EngineConfig, ModelConfig, SchedulerC
 from pagedserve.distributed.split import check_config_split, check_quantized_split
 from pagedserve.faults import FaultPlan
 from pagedserve.models.hf_config import model_config_from_hf
+from pagedserve.models.pooling import detect_pooler, resolve_pooler
 from pagedserve.models.source import ModelSource, resolve_model
 from pagedserve.quantization import check_moe_quantization, resolve_quantization, split_units
 from pagedserve.spec_decode.config import SpeculativeConfig
@@ -55,6 +56,11 @@ class EngineArgs:
     download_dir: str | None = None  # Hub ids: where to find and download them
     generation_config: str = "auto"  # sampling defaults: auto, vllm or a folder
     inject_faults: str | None = None  # chaos tests only (faults.py)
+    # pooling models (embeddings, scores): vLLM's --runner auto|generate|pooling, --convert
+    # auto|none|embed|score and --pooler-config JSON; auto: the checkpoint decides (models/pooling.py)
+    runner: str = "auto"
+    convert: str = "auto"
+    pooler_config: dict | str | None = None
 
     @classmethod
     def from_cli(cls, args: argparse.Namespace) -> EngineArgs:
@@ -97,6 +103,10 @@ class EngineArgs:
                               source.hf_config.get("quantization_config"),
                               self.distributed_executor_backend)
         check_data_parallel(self.data_parallel_size, self.device)
+        pooler = resolve_pooler(self.runner, self.convert, self.pooler_config, detect_pooler(source))
+        if pooler is not None and spec is not None:
+            raise ValueError("speculative decoding does not apply to a pooling model (it never "
+                             "decodes): drop --speculative-config")
         config = EngineConfig(
             model=model, tokenizer=self.tokenizer, dtype=self.dtype, device=self.device,
             load_format=self.load_format, seed=self.seed, quantization=quantization,
@@ -108,7 +118,7 @@ class EngineArgs:
             kernels=envs.kernel_config(), observability=envs.observability_config(),
             speculative=spec, tensor_parallel_size=self.tensor_parallel_size,
             distributed_executor_backend=self.distributed_executor_backend,
-            data_parallel_size=self.data_parallel_size,
+            data_parallel_size=self.data_parallel_size, pooler=pooler,
         )
         return config, source, model_cfg
 

@@ -46,3 +46,26 @@ class PoolingParams:
         """Its vector reads every prompt row's hidden state (mean pooling): such a request
         computes its whole prompt (no prefix-cache hits) in eager steps."""
         return self.task == "embed" and self.pooling_type in ("mean", "cls")
+
+
+@dataclass(frozen=True)
+class PoolerConfig:
+    """A pooling model's runner (`--runner pooling`): what each of its requests returns. None
+    in `EngineConfig.pooler` is the generation runner."""
+
+    task: str = "embed"  # "embed": /v1/embeddings, LLM.embed; "score": /score, /rerank, LLM.score
+    pooling_type: str = "last"
+    normalize: bool = True
+
+    def __post_init__(self) -> None:
+        if self.task not in TASKS:
+            raise ValueError(f"the pooling task must be one of {TASKS}, got {self.task!r}")
+        if self.pooling_type not in POOLING_TYPES:
+            raise ValueError(f"pooling_type must be one of {POOLING_TYPES}, got {self.pooling_type!r}")
+        if not isinstance(self.normalize, bool):
+            raise ValueError(f"normalize must be true or false, got {self.normalize!r}")
+
+    def params(self, score_token_ids: tuple[int, int] | None = None) -> PoolingParams:
+        """The PoolingParams of one request to this model (a score needs the (no, yes) ids)."""
+        return PoolingParams(self.task, self.pooling_type, self.normalize,
+                             score_token_ids if self.task == "score" else None)

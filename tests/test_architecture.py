@@ -83,7 +83,7 @@ LAYERS = [
      "pagedserve.spec_decode.config", "pagedserve.models.moe_config", "pagedserve.models.rope_scaling",
      "pagedserve.distributed.split", "pagedserve.unicode_checks", "pagedserve.heap",
      "pagedserve.ipc_dirs", "pagedserve.lifeline", "pagedserve.child_process", "pagedserve.host_copy",
-     "pagedserve.version"],
+     "pagedserve.version", "pagedserve.pooling_params", "pagedserve.pooling_prompts"],
     ["pagedserve.envs", "pagedserve.tokenizer"],  # the environment's switches; text <-> ids
     ["pagedserve.kernels", "pagedserve.distributed"],  # Triton kernels; tensor-parallel groups
     ["pagedserve.attention"],
