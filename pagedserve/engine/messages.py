@@ -14,6 +14,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from pagedserve.pooling_params import PoolerConfig
 from pagedserve.sampling_params import SamplingParams
 
 
@@ -72,6 +73,7 @@ class CoreInfo:
     max_num_seqs: int
     eos_token_ids: tuple[int, ...]
     startup_seconds: float
+    pooler: PoolerConfig | None = None  # a pooling model's (embeddings or scores); None: generation
 
 
 @dataclass

@@ -34,6 +34,7 @@ from pagedserve.server.engine_client import (
 )
 from pagedserve.server.errors import APIError, error_response, install_error_handlers
 from pagedserve.server.metrics import Metrics, log_periodically
+from pagedserve.server.pooling import check_task, create_embedding, create_rerank, create_score
 from pagedserve.server.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -41,6 +42,7 @@ from pagedserve.server.protocol import (
     GenerateRequest,
     TokenizeRequest,
 )
+from pagedserve.server.protocol_pooling import EmbeddingRequest, RerankRequest, ScoreRequest
 from pagedserve.server.protocol_responses import ResponsesRequest
 from pagedserve.server.request_params import make_params
 from pagedserve.server.responses import create_response
@@ -258,15 +260,34 @@ def create_app(settings: ServerSettings, core: SpawnedCore | list[SpawnedCore] |
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request):
+        check_task(server, "generate", "/v1/completions")
         return await create_completion(server, body, request)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, request: Request):
+        check_task(server, "generate", "/v1/chat/completions")
         return await create_chat_completion(server, body, request)
 
     @app.post("/v1/responses")
     async def responses(body: ResponsesRequest, request: Request):
+        check_task(server, "generate", "/v1/responses")
         return await create_response(server, body, request)
+
+    # pooling models (--runner pooling): embeddings, scores, reranking (server/pooling.py)
+    @app.post("/v1/embeddings")
+    async def embeddings(body: EmbeddingRequest):
+        return await create_embedding(server, body)
+
+    @app.post("/score")
+    @app.post("/v1/score")
+    async def score(body: ScoreRequest):
+        return await create_score(server, body)
+
+    @app.post("/rerank")
+    @app.post("/v1/rerank")
+    @app.post("/v2/rerank")
+    async def rerank(body: RerankRequest):
+        return await create_rerank(server, body)
 
     @app.post("/tokenize")
     async def tokenize(body: TokenizeRequest):
@@ -299,6 +320,7 @@ def create_app(settings: ServerSettings, core: SpawnedCore | list[SpawnedCore] |
     @app.post("/generate")
     async def generate(body: GenerateRequest, request: Request):
         server.check_model(body.model)
+        check_task(server, "generate", "/generate")
         ids = await server.encode_async(body.prompt, True, "prompt", fit_context=True)
         max_tokens = server.resolve_max_tokens(ids, body.max_tokens, "prompt")
         params = make_params(
