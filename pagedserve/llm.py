@@ -194,8 +194,8 @@ class LLM:
 
     # ---- pooling (embeddings, scores) --------------------------------------------------
 
-    def embed(self, prompts: Prompt | Sequence[Prompt], *, dimensions: int | None = None,
-              use_tqdm: bool = True) -> list[PoolingRequestOutput]:
+    def embed(self, prompts: Prompt | Sequence[Prompt], *,
+              dimensions: int | None = None) -> list[PoolingRequestOutput]:
         """One embedding per prompt (text, token ids or vLLM's prompt dicts), in input order;
         `dimensions`: Matryoshka truncation (renormalised when the model normalises)."""
         pooler = self._pooler("embed", "embed()")
@@ -211,7 +211,7 @@ class LLM:
                 for (rid, v), p in zip(vectors, ids)]
 
     def score(self, query: str | Sequence[str], documents: str | Sequence[str], *,
-              instruction: str | None = None, use_tqdm: bool = True) -> list[PoolingRequestOutput]:
+              instruction: str | None = None) -> list[PoolingRequestOutput]:
         """A cross-encoder score per (query, document) pair (vLLM's `LLM.score`): one query
         against every document, or queries and documents pairwise. Each pair is scored in
         Qwen3-Reranker's prompt (`pooling_prompts.rerank_prompt`, with `instruction`)."""

@@ -39,7 +39,7 @@ def test_mean_embeddings_match_sentence_transformers(embedder):
 
     folder, llm = embedder
     outs = llm.embed(TEXTS)
-    assert len(outs[1].prompt_token_ids) > 32  # (chunked: three steps or more)
+    assert len(outs[1].prompt_token_ids) > 16  # (chunked: two steps or more)
     ref = SentenceTransformer(str(folder), device="cpu").encode(TEXTS, convert_to_tensor=True).float()
     got = torch.tensor([o.outputs.embedding for o in outs])
     cos = F.cosine_similarity(got, ref, dim=1)

@@ -19,6 +19,7 @@ from pagedserve.engine.executor import Executor, ExecutorDied, UniprocExecutor
 from pagedserve.engine.kv_cache_manager import KVCacheManager, window_to_free
 from pagedserve.engine.limits import check_prompt, check_token_ids
 from pagedserve.engine.messages import EngineRequest, TokenOutput
+from pagedserve.engine.pooled_output import pooled_output
 from pagedserve.engine.request import Request
 from pagedserve.engine.scheduler import Scheduler
 from pagedserve.engine.step_timer import (
@@ -343,8 +344,10 @@ class EngineCore:
         now = time.monotonic()
         for req in updated:
             try:
-                if req.request_id in result.pooled:
-                    outputs.append(self._pooled_output(req, result.pooled[req.request_id], now))
+                if req.request_id in result.pooled:  # (a pooling request ends with its vector)
+                    outputs.append(pooled_output(req, result.pooled[req.request_id], now))
+                    self.scheduler.finish(req, "stop")
+                    self._forget(req.request_id)
                     continue
                 outputs.append(self._output(req, result, now))
             except Exception as e:  # this request's own part of the step: it fails alone
@@ -386,16 +389,6 @@ class EngineCore:
             o.finished, (o.finish_reason, o.stop_reason) = True, stop
             self.scheduler.finish(req, o.finish_reason)
             self._forget(req.request_id)
-        return o
-
-    def _pooled_output(self, req: Request, vector: list[float], now: float) -> TokenOutput:
-        """The one output of a pooling request (its vector); it finishes with it."""
-        scheduled = req.first_scheduled_time or now
-        o = TokenOutput(req.request_id, [], [], finished=True, finish_reason="stop",
-                        num_prompt_tokens=req.num_prompt_tokens, num_cached_tokens=req.num_cached_tokens,
-                        queue_s=scheduled - req.arrival_time, prefill_s=now - scheduled, pooled=vector)
-        self.scheduler.finish(req, "stop")
-        self._forget(req.request_id)
         return o
 
     def _forget(self, request_id: str) -> None:

@@ -20,13 +20,13 @@ import torch
 
 from pagedserve.attention.backend import AttentionBackend, AttentionContext, GraphKey
 from pagedserve.config import SchedulerConfig
+from pagedserve.engine import pooling
 from pagedserve.engine.block_tables import BlockTables, table_rows
 from pagedserve.engine.cached_request import CachedRequest
 from pagedserve.engine.graphs import GraphRunner
 from pagedserve.engine.input_batch import StepArrays, StepBuffers, pack_step, pending_output_rows
 from pagedserve.engine.kv_cache_spec import KVCacheSpec
 from pagedserve.engine.messages import StepResult
-from pagedserve.engine.pooling import EveryRowChunks, Pooler, every_row_chunks, pooled_lists
 from pagedserve.engine.prompt_logprobs import PromptRows, entries, prompt_rows, score
 from pagedserve.engine.scheduler import NewRequestData, ScheduledChunk, SchedulerOutput
 from pagedserve.engine.step_handle import StepHandle
@@ -46,15 +46,6 @@ def _to_pinned_async(t: torch.Tensor) -> torch.Tensor:
     return host
 
 
-def _without(rows: torch.Tensor, sample_rows: list[int], drop: list[int]) -> tuple[torch.Tensor, list[int]]:
-    """`rows` [R, ...] and `sample_rows` without the entries at positions `drop`."""
-    if not drop:
-        return rows, sample_rows
-    gone = set(drop)
-    keep = [j for j in range(len(sample_rows)) if j not in gone]
-    return rows.index_select(0, torch.tensor(keep, dtype=torch.long, device=rows.device)), [sample_rows[j] for j in keep]
-
-
 @dataclass
 class _Step:
     """A step as `_prepare` leaves it for the stages after it."""
@@ -63,7 +54,7 @@ class _Step:
     a: StepArrays  # the packed host arrays, already loaded into the device buffers
     states: list[CachedRequest]  # the request of each chunk
     prompt: PromptRows | None  # the rows that score their prompts (such a step runs eagerly)
-    pool: EveryRowChunks | None  # the chunks pooled over every row (such a step runs eagerly)
+    pool: pooling.EveryRowChunks | None  # the chunks pooled over every row (such a step runs eagerly)
     key: GraphKey | None  # the CUDA graph that runs it (None: eager)
     verify: VerifyPlan | None  # its drafts' verification (None: no drafts)
 
@@ -110,7 +101,7 @@ class ModelRunner:
         self.num_eager_steps = 0
         self._prompt_logprobs: set[str] = set()  # held requests that score their prompts
         self._prompt_scores: tuple[torch.Tensor, torch.Tensor] | None = None  # (see forward_eager)
-        self.pooler = Pooler()  # the vectors of pooling requests (engine/pooling.py)
+        self.pooler = pooling.Pooler()  # the vectors of pooling requests (engine/pooling.py)
         self._every_row: set[str] = set()  # held requests that pool over every prompt row
 
     @property
@@ -197,7 +188,7 @@ class ModelRunner:
 
     @torch.inference_mode()
     def forward_eager(self, a: StepArrays, prompt: PromptRows | None = None,
-                      pool: EveryRowChunks | None = None) -> torch.Tensor:
+                      pool: pooling.EveryRowChunks | None = None) -> torch.Tensor:
         """Hidden states [N, hidden] of the sampling tokens of a step loaded into the buffers
         (with `prompt`: also the prompt logprobs of its rows, kept for the step's handle;
         with `pool`: its chunks' rows added to their requests' pooling sums)."""
@@ -238,7 +229,7 @@ class ModelRunner:
         a = pack_step(out.chunks, [r.token_ids for r in states], self._prev_rows, self.block_size,
                       self.tables.gather([c.request_id for c in out.chunks]))
         prompt = prompt_rows(out.chunks, states, a.query_start_loc) if self._prompt_logprobs else None
-        pool = every_row_chunks(out.chunks, states, a.query_start_loc) if self._every_row else None
+        pool = pooling.every_row_chunks(out.chunks, states, a.query_start_loc) if self._every_row else None
         eager = self.graphs is None or prompt is not None or pool is not None
         key = None if eager else self.graphs.key_for(a)
         self.buffers.load(a, key.num_tokens if key else a.num_tokens, key, self._prev_tokens)
@@ -264,15 +255,15 @@ class ModelRunner:
         handle = StepHandle([], None)
         if step.prompt is not None:
             handle.prompt = (step.prompt, *(_to_pinned_async(t) if t.is_cuda else t for t in self._prompt_scores))
-        hidden, sample_rows = self._pool(step, hidden, sample_rows, handle)
-        reqs = [step.states[i] for i in sample_rows]
-        handle.reqs = reqs
+        # the pooling stage: pooling requests' vectors, their rows out of the sampling
+        handle.pooled, hidden, sample_rows = self.pooler.split(self.model, hidden, sample_rows, step.states,
+                                                               step.verify is not None)
+        handle.reqs = reqs = [step.states[i] for i in sample_rows]
         logits = self.model.compute_logits(hidden) if reqs else None  # [R, vocab]
         if step.verify is not None:
             logits, sample_rows = self.spec.verify(self.sampler, logits, step.verify, handle, step.states)
-            if handle.pooled is not None:
-                pooled = [j for j, i in enumerate(sample_rows) if step.states[i].sampling_params.pooling]
-                logits, sample_rows = _without(logits, sample_rows, pooled)
+            if handle.pooled is not None:  # (verify indexed every row: the pooled ones go now)
+                logits, sample_rows = pooling.drop_pooled(logits, sample_rows, step.states)
             handle.reqs = reqs = [step.states[i] for i in sample_rows]
         if reqs:
             batch = self._sampling_batch(step, reqs, sample_rows)
@@ -283,23 +274,6 @@ class ModelRunner:
             handle.host = (result.checked_token_ids, result.logprobs, result.logprob_token_ids,
                            result.logprob_ranks)
         return handle
-
-    def _pool(self, step: _Step, hidden: torch.Tensor, sample_rows: list[int], handle: StepHandle
-              ) -> tuple[torch.Tensor, list[int]]:
-        """The pooling stage: the vectors of the pooling requests whose prompt ends this step
-        (into `handle.pooled`); returns the other sampling rows' hidden states [R, hidden]
-        and chunk rows. (A pooling request never decodes, so it has no drafts: a step that
-        verifies drafts keeps the rows the verify plan indexes, and drops the pooled ones'
-        logits after.)"""
-        at = [j for j, i in enumerate(sample_rows) if step.states[i].sampling_params.pooling is not None]
-        if not at:
-            return hidden, sample_rows
-        idx = torch.tensor(at, dtype=torch.long, device=hidden.device)
-        handle.pooled = self.pooler.pool(self.model, hidden.index_select(0, idx),  # [P, h]
-                                         [step.states[sample_rows[j]] for j in at])
-        if step.verify is not None:  # (verify indexes every sampling row's logits)
-            return hidden, sample_rows
-        return _without(hidden, sample_rows, at)
 
     def _sampling_batch(self, step: _Step, reqs: list[CachedRequest], sample_rows: list[int]) -> SamplingBatch:
         """The rows' sampling parameters on the device, their grammars' mask included."""
@@ -336,10 +310,9 @@ class ModelRunner:
     def _start_copies(self, handle: StepHandle) -> None:
         """On CUDA: start the results' copies into pinned host memory, and record `ready`
         behind them."""
-        if handle.pooled is not None and self.device.type == "cuda":
-            handle.pooled = tuple(_to_pinned_async(t) if isinstance(t, torch.Tensor) else t for t in handle.pooled)
         if (handle.host is not None or handle.spec_reqs or handle.prompt or handle.pooled) \
                 and self.device.type == "cuda":
+            handle.pooled = handle.pooled and pooling.pinned(handle.pooled, _to_pinned_async)
             handle.host = tuple(None if t is None else _to_pinned_async(t) for t in handle.host or ())
             handle.spec_host = (None if handle.spec_host is None else
                                 tuple(None if t is None else _to_pinned_async(t) for t in handle.spec_host))
@@ -364,11 +337,7 @@ class ModelRunner:
             if handle.ready is not None:
                 handle.ready.synchronize()
             prompt = entries(*handle.prompt)
-        pooled = {}
-        if handle.pooled is not None:
-            if handle.ready is not None:
-                handle.ready.synchronize()
-            pooled = pooled_lists(handle.pooled)
+        pooled = pooling.pooled_lists(handle.pooled, handle.ready)
         if not handle.reqs and not handle.spec_reqs:
             return StepResult({}, {}, prompt_logprobs=prompt, pooled=pooled)
         reqs = handle.reqs

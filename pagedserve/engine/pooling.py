@@ -100,6 +100,20 @@ class Pooler:
             scores = torch.sigmoid(logits[rows, yes] - logits[rows, no])  # [S]
         return emb_ids, emb, score_ids, scores
 
+    def split(self, model, hidden: torch.Tensor, sample_rows: list[int], states: list[CachedRequest],
+              verifies: bool) -> tuple[tuple | None, torch.Tensor, list[int]]:
+        """The pooling stage of a step: (the vectors of the pooling requests whose prompt ends
+        here, or None; the other sampling rows' hidden states [R, hidden]; their chunk rows),
+        from the sampling rows' `hidden` [N, hidden]. A step that `verifies` drafts keeps every
+        row (its verify plan indexes them; a pooling request never has drafts), and drops the
+        pooled rows' logits after."""
+        at = pooling_rows(sample_rows, states)
+        if not at:
+            return None, hidden, sample_rows
+        idx = torch.tensor(at, dtype=torch.long, device=hidden.device)
+        pooled = self.pool(model, hidden.index_select(0, idx), [states[sample_rows[j]] for j in at])  # [P, h]
+        return (pooled, hidden, sample_rows) if verifies else (pooled, *without(hidden, sample_rows, at))
+
     def _finish(self, r: CachedRequest) -> torch.Tensor:
         total = self.sums.pop(r.request_id)  # [hidden]
         if r.sampling_params.pooling.pooling_type == "mean":
@@ -107,8 +121,13 @@ class Pooler:
         return total
 
 
-def pooled_lists(pooled: tuple) -> dict[str, list[float]]:
-    """Request id -> its vector (one float for a score), from `Pooler.pool`'s tensors on the host."""
+def pooled_lists(pooled: tuple | None, ready: torch.cuda.Event | None) -> dict[str, list[float]]:
+    """Request id -> its vector (one float for a score), from `Pooler.pool`'s tensors (on the
+    host once `ready`, if any, fired)."""
+    if pooled is None:
+        return {}
+    if ready is not None:
+        ready.synchronize()
     emb_ids, emb, score_ids, scores = pooled
     out = {}
     if emb_ids:
@@ -116,3 +135,28 @@ def pooled_lists(pooled: tuple) -> dict[str, list[float]]:
     if score_ids:
         out.update((rid, [s]) for rid, s in zip(score_ids, scores.tolist()))
     return out
+
+
+def pooling_rows(sample_rows: list[int], states: list[CachedRequest]) -> list[int]:
+    """Positions in `sample_rows` (chunk rows) of pooling requests."""
+    return [j for j, i in enumerate(sample_rows) if states[i].sampling_params.pooling is not None]
+
+
+def without(rows: torch.Tensor, sample_rows: list[int], drop: list[int]) -> tuple[torch.Tensor, list[int]]:
+    """`rows` [R, ...] and `sample_rows` without the entries at positions `drop`."""
+    if not drop:
+        return rows, sample_rows
+    gone = set(drop)
+    keep = [j for j in range(len(sample_rows)) if j not in gone]
+    return rows.index_select(0, torch.tensor(keep, dtype=torch.long, device=rows.device)), [sample_rows[j] for j in keep]
+
+
+def drop_pooled(rows: torch.Tensor, sample_rows: list[int], states: list[CachedRequest]
+                ) -> tuple[torch.Tensor, list[int]]:
+    """`rows` [R, ...] and `sample_rows` without the pooling requests' entries."""
+    return without(rows, sample_rows, pooling_rows(sample_rows, states))
+
+
+def pinned(pooled: tuple, copy) -> tuple:
+    """`Pooler.pool`'s result with its tensors going to the host (`copy`: into pinned memory)."""
+    return tuple(copy(t) if isinstance(t, torch.Tensor) else t for t in pooled)

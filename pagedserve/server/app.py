@@ -34,7 +34,7 @@ from pagedserve.server.engine_client import (
 )
 from pagedserve.server.errors import APIError, error_response, install_error_handlers
 from pagedserve.server.metrics import Metrics, log_periodically
-from pagedserve.server.pooling import check_task, create_embedding, create_rerank, create_score
+from pagedserve.server.pooling import add_pooling_routes, check_task
 from pagedserve.server.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -42,7 +42,6 @@ from pagedserve.server.protocol import (
     GenerateRequest,
     TokenizeRequest,
 )
-from pagedserve.server.protocol_pooling import EmbeddingRequest, RerankRequest, ScoreRequest
 from pagedserve.server.protocol_responses import ResponsesRequest
 from pagedserve.server.request_params import make_params
 from pagedserve.server.responses import create_response
@@ -273,21 +272,7 @@ def create_app(settings: ServerSettings, core: SpawnedCore | list[SpawnedCore] |
         check_task(server, "generate", "/v1/responses")
         return await create_response(server, body, request)
 
-    # pooling models (--runner pooling): embeddings, scores, reranking (server/pooling.py)
-    @app.post("/v1/embeddings")
-    async def embeddings(body: EmbeddingRequest):
-        return await create_embedding(server, body)
-
-    @app.post("/score")
-    @app.post("/v1/score")
-    async def score(body: ScoreRequest):
-        return await create_score(server, body)
-
-    @app.post("/rerank")
-    @app.post("/v1/rerank")
-    @app.post("/v2/rerank")
-    async def rerank(body: RerankRequest):
-        return await create_rerank(server, body)
+    add_pooling_routes(app, server)  # /v1/embeddings, /score, /rerank (pooling models)
 
     @app.post("/tokenize")
     async def tokenize(body: TokenizeRequest):

@@ -9,6 +9,8 @@ import base64
 import struct
 import time
 
+from fastapi import FastAPI
+
 from pagedserve.pooling_params import PoolerConfig, PoolingParams
 from pagedserve.pooling_prompts import rerank_prompt, score_token_ids, truncate
 from pagedserve.sampling_params import SamplingParams
@@ -145,3 +147,22 @@ async def create_rerank(server: Server, body: RerankRequest) -> dict:
         results.append(r)
     return {"id": new_id("rerank"), "model": model, "results": results,
             "usage": {"prompt_tokens": n, "total_tokens": n}}
+
+
+def add_pooling_routes(app: FastAPI, server: Server) -> None:
+    """The pooling endpoints, under the app's auth, body limits and admission (app.py)."""
+
+    @app.post("/v1/embeddings")
+    async def embeddings(body: EmbeddingRequest):
+        return await create_embedding(server, body)
+
+    @app.post("/score")
+    @app.post("/v1/score")
+    async def score(body: ScoreRequest):
+        return await create_score(server, body)
+
+    @app.post("/rerank")
+    @app.post("/v1/rerank")
+    @app.post("/v2/rerank")
+    async def rerank(body: RerankRequest):
+        return await create_rerank(server, body)
