@@ -2,8 +2,7 @@
 
 Qwen3-Reranker's prompt (its model card): a system turn that asks for "yes" or "no", the
 user turn "<Instruct>: ...\\n<Query>: ...\\n<Document>: ...", and an assistant turn opened
-with an empty think block; the score is p("yes") at the last position. Qwen3-Embedding's
-queries carry "Instruct: {task}\\nQuery:{query}" (`embedding_query`); documents go as they are.
+with an empty think block; the score is p("yes") at the last position.
 """
 
 from __future__ import annotations
@@ -22,11 +21,6 @@ def rerank_prompt(query: str, document: str, instruction: str | None = None) -> 
     """The text a Qwen3-Reranker scores for one (query, document) pair."""
     return (f"{_RERANK_PREFIX}<Instruct>: {instruction or DEFAULT_RERANK_INSTRUCTION}\n"
             f"<Query>: {query}\n<Document>: {document}{_RERANK_SUFFIX}")
-
-
-def embedding_query(task: str, query: str) -> str:
-    """A Qwen3-Embedding query with its task instruction."""
-    return f"Instruct: {task}\nQuery:{query}"
 
 
 def score_token_ids(encode: Callable[[str], list[int]]) -> tuple[int, int]:

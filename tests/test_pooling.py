@@ -143,3 +143,40 @@ def test_reranker_scores_match_transformers(tmp_path_factory, smollm2_dir):
     with pytest.raises(ValueError, match="embed"):
         llm.embed("x")
     llm.check_no_leaks()
+
+
+def test_score_token_ids_outside_the_vocabulary_are_refused(tiny):
+    _, llm = tiny
+    params = SamplingParams.for_pooling(PoolingParams("score", "last", False, (1, 10**6)))
+    with pytest.raises(ValueError, match="score_token_ids"):
+        llm.engine.add_request(EngineRequest("bad", [1, 2, 3], params))
+
+
+def test_the_runner_from_flags_presets_and_checkpoints():
+    from pagedserve.models.pooling import resolve_pooler
+    from pagedserve.models.presets import load_preset
+    from pagedserve.models.source import ModelSource
+
+    def detect(name, cfg=None):
+        from pagedserve.models.pooling import detect_pooler
+
+        return detect_pooler(ModelSource(name, cfg or {"architectures": ["Qwen3ForCausalLM"]}))
+
+    embed = detect("qwen3-embedding-4b", load_preset("qwen3-embedding-4b"))
+    assert embed == PoolerConfig("embed", "last", True)
+    assert detect("qwen3-reranker-0.6b", load_preset("qwen3-reranker-0.6b")) == PoolerConfig("score", "last", False)
+    assert detect("Qwen/Qwen3-Reranker-4B") == PoolerConfig("score", "last", False)  # (by its name)
+    assert detect("qwen3-0.6b", load_preset("qwen3-0.6b")) is None
+    assert resolve_pooler("auto", "auto", None, embed) == embed
+    assert resolve_pooler("generate", "auto", None, embed) is None  # (an embedder run as a decoder)
+    assert resolve_pooler("auto", "auto", None, None) is None
+    assert resolve_pooler("pooling", "auto", None, None) == PoolerConfig("embed", "last", True)
+    assert resolve_pooler("pooling", "score", None, None) == PoolerConfig("score", "last", False)
+    assert resolve_pooler("auto", "auto", '{"pooling_type": "MEAN", "normalize": false}', embed) == \
+        PoolerConfig("embed", "mean", False)
+    for bad, says in [(("pooling", "auto", '{"pooling_type": "max"}', None), "pooling_type"),
+                      (("auto", "auto", {"normalize": 1}, embed), "normalize"),
+                      (("auto", "auto", {"pooling_type": "MEAN"}, None), "--runner pooling"),
+                      (("embed", "auto", None, None), "runner")]:
+        with pytest.raises(ValueError, match=says):
+            resolve_pooler(*bad)
