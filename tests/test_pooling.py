@@ -76,9 +76,15 @@ def test_last_token_pooling_and_mixed_steps_with_generation(tiny):
     prompts = [torch.randint(0, 256, (n,), generator=g).tolist() for n in (5, 45, 70, 20)]
     alone = llm.generate([prompts[2]], SamplingParams(max_tokens=6, temperature=0), use_tqdm=False)
     kinds = [("last", True), ("mean", True), ("cls", False), ("last", False)]
-    steps = []
-    execute = engine.executor.execute
+    steps, held = [], {}  # each step's requests; each request's most KV tokens
+    execute, allocate = engine.executor.execute, engine.kv.allocate
     engine.executor.execute = lambda out: (steps.append({c.request_id for c in out.chunks}), execute(out))[1]
+
+    def counting_allocate(rid, num_tokens, *args):
+        held[rid] = max(held.get(rid, 0), num_tokens)
+        return allocate(rid, num_tokens, *args)
+
+    engine.kv.allocate = counting_allocate
     try:
         for i, (p, (kind, norm)) in enumerate(zip(prompts, kinds)):
             pp = PoolingParams("embed", kind, norm)
@@ -90,12 +96,13 @@ def test_last_token_pooling_and_mixed_steps_with_generation(tiny):
             for o in engine.step():
                 outs.setdefault(o.request_id, []).append(o)
     finally:
-        engine.executor.execute = execute
+        engine.executor.execute, engine.kv.allocate = execute, allocate
     assert any("g" in s and len(s) > 1 for s in steps)  # generation shared steps with pooling
     assert [t for o in outs["g"] for t in o.new_token_ids] == alone[0].outputs[0].token_ids
     for i, (p, (kind, norm)) in enumerate(zip(prompts, kinds)):
         (o,) = outs[f"e{i}"]
         assert o.finished and o.new_token_ids == [] and o.num_prompt_tokens == len(p)
+        assert held[f"e{i}"] == len(p)  # KV for its prompt only: nothing for a decode
         with torch.no_grad():
             h = hf.model(torch.tensor([p])).last_hidden_state[0]  # [T, hidden]
         ref = {"last": h[-1], "mean": h.mean(0), "cls": h[0]}[kind]
@@ -118,6 +125,14 @@ def test_last_token_embeddings_reuse_the_prefix_cache(tiny):
             vectors += [o for o in engine.step() if o.pooled is not None]
     assert vectors[0].num_cached_tokens == 0 and vectors[1].num_cached_tokens == 32
     assert torch.allclose(torch.tensor(vectors[0].pooled), torch.tensor(vectors[1].pooled), atol=1e-5)
+    # a mean reads every prompt row: the same prompt takes no cached blocks
+    engine.add_request(EngineRequest("m", prompt, SamplingParams.for_pooling(PoolingParams("embed", "mean"))))
+    while engine.has_unfinished_requests():
+        vectors += [o for o in engine.step() if o.pooled is not None]
+    assert vectors[2].num_cached_tokens == 0
+    with torch.no_grad():
+        ref = F.normalize(hf.model(torch.tensor([prompt])).last_hidden_state[0].mean(0), dim=-1)
+    assert torch.allclose(torch.tensor(vectors[2].pooled), ref, atol=1e-5)
 
 
 def test_reranker_scores_match_transformers(tmp_path_factory, smollm2_dir):
