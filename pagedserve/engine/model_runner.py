@@ -31,6 +31,7 @@ from pagedserve.engine.prompt_logprobs import PromptRows, entries, prompt_rows, 
 from pagedserve.engine.scheduler import NewRequestData, ScheduledChunk, SchedulerOutput
 from pagedserve.engine.step_handle import StepHandle
 from pagedserve.layers.sampler import Sampler, SamplingBatch
+from pagedserve.layers.sampling_rows import SamplingRows
 from pagedserve.models.llama import LlamaForCausalLM
 from pagedserve.spec_decode.spec_decoder import SpecDecoder, VerifyPlan, token_logprobs
 from pagedserve.structured.backend import Grammar, GrammarError, accept_tokens
@@ -86,6 +87,7 @@ class ModelRunner:
         self.buffers = StepBuffers(backend, limits.max_num_batched_tokens, limits.max_num_seqs,
                                    max_blocks, self.device, max(self.spec.verify_len - 1, 0))
         self.tables = BlockTables(max_blocks, limits.max_num_seqs)  # held requests' block tables
+        self.sampling_rows = SamplingRows(self.vocab_size, limits.max_num_seqs)  # ... their sampling facts
         self.grammars = grammars
         self.masks = GrammarMasks(self.vocab_size, self.device)
         self.graphs: GraphRunner | None = None  # once enable_cuda_graphs() ran
@@ -102,7 +104,6 @@ class ModelRunner:
         self._prompt_logprobs: set[str] = set()  # held requests that score their prompts
         self._prompt_scores: tuple[torch.Tensor, torch.Tensor] | None = None  # (see forward_eager)
         self.pooler = pooling.Pooler()  # the vectors of pooling requests (engine/pooling.py)
-        self._every_row: set[str] = set()  # held requests that pool over every prompt row
 
     @property
     def drafter(self):
@@ -134,9 +135,9 @@ class ModelRunner:
         for rid in request_ids:
             self.requests.pop(rid, None)
             self.tables.drop(rid)
+            self.sampling_rows.drop(rid)
             self.masks.failed.pop(rid, None)
             self._prompt_logprobs.discard(rid)
-            self._every_row.discard(rid)
             self.pooler.drop(rid)
 
     def _add_requests(self, new: list[NewRequestData]) -> None:
@@ -150,8 +151,8 @@ class ModelRunner:
                 matcher = BadWordsMatcher(words, matcher)
             if n.sampling_params.prompt_logprobs is not None:
                 self._prompt_logprobs.add(n.request_id)
-            if n.sampling_params.pooling is not None and n.sampling_params.pooling.needs_every_row:
-                self._every_row.add(n.request_id)
+            self.sampling_rows.add(n.request_id, n.sampling_params)
+            self.pooler.add(n.request_id, n.sampling_params)
             self.requests[n.request_id] = CachedRequest(
                 n.request_id, n.prompt_token_ids, n.sampling_params, list(n.prompt_token_ids), gen,
                 matcher, so.after_tokens if so is not None else ())
@@ -190,13 +191,11 @@ class ModelRunner:
     def forward_eager(self, a: StepArrays, prompt: PromptRows | None = None,
                       pool: pooling.EveryRowChunks | None = None) -> torch.Tensor:
         """Hidden states [N, hidden] of the sampling tokens of a step loaded into the buffers
-        (with `prompt`: also the prompt logprobs of its rows, kept for the step's handle;
-        with `pool`: its chunks' rows added to their requests' pooling sums)."""
+        (`prompt`: its rows' prompt logprobs, kept for the handle; `pool`: its pooling sums)."""
         buf = self.buffers
         rows = buf.token_rows(a.num_tokens)
         hidden = self.model(rows[0], rows[1], AttentionContext(self.backend, buf.metadata(a)))  # [T, h]
-        if pool is not None:
-            self.pooler.accumulate(hidden, pool, self.requests)
+        self.pooler.accumulate(hidden, pool, self.requests)
         self._prompt_scores = None if prompt is None else score(self.model, hidden, prompt)
         return hidden.index_select(0, buf.view("logits_idx", len(a.logits_idx)))  # [T, h] -> [N, h]
 
@@ -229,9 +228,8 @@ class ModelRunner:
         a = pack_step(out.chunks, [r.token_ids for r in states], self._prev_rows, self.block_size,
                       self.tables.gather([c.request_id for c in out.chunks]))
         prompt = prompt_rows(out.chunks, states, a.query_start_loc) if self._prompt_logprobs else None
-        pool = pooling.every_row_chunks(out.chunks, states, a.query_start_loc) if self._every_row else None
-        eager = self.graphs is None or prompt is not None or pool is not None
-        key = None if eager else self.graphs.key_for(a)
+        pool = self.pooler.every_row_chunks(out.chunks, states, a.query_start_loc)
+        key = None if self.graphs is None or prompt or pool else self.graphs.key_for(a)
         self.buffers.load(a, key.num_tokens if key else a.num_tokens, key, self._prev_tokens)
         verify = self.spec.plan(a, out.chunks, states, self.model.config.eos_token_ids, self.vocab_size,
                                 self.device, self.masks.failed)
@@ -256,14 +254,12 @@ class ModelRunner:
         if step.prompt is not None:
             handle.prompt = (step.prompt, *(_to_pinned_async(t) if t.is_cuda else t for t in self._prompt_scores))
         # the pooling stage: pooling requests' vectors, their rows out of the sampling
-        handle.pooled, hidden, sample_rows = self.pooler.split(self.model, hidden, sample_rows, step.states,
-                                                               step.verify is not None)
+        handle.pooled, hidden, sample_rows = self.pooler.split(self.model, hidden, step)
         handle.reqs = reqs = [step.states[i] for i in sample_rows]
         logits = self.model.compute_logits(hidden) if reqs else None  # [R, vocab]
         if step.verify is not None:
             logits, sample_rows = self.spec.verify(self.sampler, logits, step.verify, handle, step.states)
-            if handle.pooled is not None:  # (verify indexed every row: the pooled ones go now)
-                logits, sample_rows = pooling.drop_pooled(logits, sample_rows, step.states)
+            logits, sample_rows = pooling.drop_pooled(logits, sample_rows, step.states)  # (verify kept them)
             handle.reqs = reqs = [step.states[i] for i in sample_rows]
         if reqs:
             batch = self._sampling_batch(step, reqs, sample_rows)
@@ -278,20 +274,21 @@ class ModelRunner:
     def _sampling_batch(self, step: _Step, reqs: list[CachedRequest], sample_rows: list[int]) -> SamplingBatch:
         """The rows' sampling parameters on the device, their grammars' mask included."""
         params = [r.sampling_params for r in reqs]
+        facts = self.sampling_rows.gather([r.request_id for r in reqs])
         # outputs before this sample: the sequence through the sampling chunk, less the prompt
         num_outputs = [c.start + c.num_tokens - len(r.prompt_token_ids)
                        for c, r in ((step.out.chunks[i], step.states[i]) for i in sample_rows)]
         # Token lists only for penalties (each row's last one may still be on the device:
         # the previous step's sample, not yet read back); otherwise just the counts.
         outputs = pending = None
-        if any(p.uses_penalties for p in params):
+        if facts.penalties.any():
             outputs = [r.output_token_ids for r in reqs]
             rows = pending_output_rows([r.request_id for r in reqs], outputs, num_outputs, self._prev_rows)
             pending = (self._prev_tokens, rows) if rows else None
         batch = SamplingBatch.build(
             params, [r.generator for r in reqs], [r.prompt_token_ids for r in reqs], outputs,
             self.vocab_size, self.device, eos_token_ids=self.model.config.eos_token_ids,
-            num_outputs=num_outputs, pending_outputs=pending,
+            num_outputs=num_outputs, pending_outputs=pending, facts=facts,
         )
         if any(r.matcher is not None for r in reqs):
             # The grammars must first accept the previous step's tokens. With async

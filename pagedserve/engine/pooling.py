@@ -33,7 +33,7 @@ class EveryRowChunks:
 def every_row_chunks(chunks, states: list[CachedRequest], query_start_loc: np.ndarray) -> EveryRowChunks | None:
     """The step's chunks (`ScheduledChunk`s of `states`) of requests that pool over every
     prompt row, or None when there are none."""
-    ids, starts, firsts, counts = [], [], [], []
+    ids, starts, firsts, counts = [], [], [], []  # (see EveryRowChunks)
     for i, (chunk, state) in enumerate(zip(chunks, states)):
         p = state.sampling_params.pooling
         if p is None or not p.needs_every_row:
@@ -50,14 +50,30 @@ class Pooler:
 
     def __init__(self) -> None:
         self.sums: dict[str, torch.Tensor] = {}  # request id -> float32 [hidden]
+        self.every_row: set[str] = set()  # held requests that pool over every prompt row
+
+    def add(self, request_id: str, params) -> None:
+        """A new request (its `SamplingParams`) the worker holds."""
+        if params.pooling is not None and params.pooling.needs_every_row:
+            self.every_row.add(request_id)
 
     def drop(self, request_id: str) -> None:
+        """A request the worker forgets."""
         self.sums.pop(request_id, None)
+        self.every_row.discard(request_id)
 
-    def accumulate(self, hidden: torch.Tensor, chunks: EveryRowChunks, states: dict[str, CachedRequest]) -> None:
+    def every_row_chunks(self, chunks, states: list[CachedRequest], query_start_loc: np.ndarray
+                         ) -> EveryRowChunks | None:
+        """`every_row_chunks` (None at once while no held request pools over every row)."""
+        return every_row_chunks(chunks, states, query_start_loc) if self.every_row else None
+
+    def accumulate(self, hidden: torch.Tensor, chunks: EveryRowChunks | None,
+                   states: dict[str, CachedRequest]) -> None:
         """Add each chunk's rows of `hidden` [T, hidden] (a step's final-norm hidden states) to
         its request's sum ("cls": keep the first prompt row). A chunk from position 0 starts
-        the sum afresh (a request recomputed after a preemption)."""
+        the sum afresh (a request recomputed after a preemption). None: nothing to add."""
+        if chunks is None:
+            return
         for rid, start, first, n in zip(chunks.request_ids, chunks.starts, chunks.first_rows, chunks.counts):
             rows = hidden[first:first + n].float()  # [n, hidden]
             if states[rid].sampling_params.pooling.pooling_type == "cls":
@@ -100,13 +116,13 @@ class Pooler:
             scores = torch.sigmoid(logits[rows, yes] - logits[rows, no])  # [S]
         return emb_ids, emb, score_ids, scores
 
-    def split(self, model, hidden: torch.Tensor, sample_rows: list[int], states: list[CachedRequest],
-              verifies: bool) -> tuple[tuple | None, torch.Tensor, list[int]]:
-        """The pooling stage of a step: (the vectors of the pooling requests whose prompt ends
-        here, or None; the other sampling rows' hidden states [R, hidden]; their chunk rows),
-        from the sampling rows' `hidden` [N, hidden]. A step that `verifies` drafts keeps every
-        row (its verify plan indexes them; a pooling request never has drafts), and drops the
-        pooled rows' logits after."""
+    def split(self, model, hidden: torch.Tensor, step) -> tuple[tuple | None, torch.Tensor, list[int]]:
+        """The pooling stage of a step (the model runner's `_Step`): (the vectors of the pooling
+        requests whose prompt ends here, or None; the other sampling rows' hidden states
+        [R, hidden]; their chunk rows), from the sampling rows' `hidden` [N, hidden]. A step
+        that verifies drafts keeps every row (its verify plan indexes them; a pooling request
+        never has drafts), and drops the pooled rows' logits after (`drop_pooled`)."""
+        sample_rows, states, verifies = step.a.sample_rows, step.states, step.verify is not None
         at = pooling_rows(sample_rows, states)
         if not at:
             return None, hidden, sample_rows
