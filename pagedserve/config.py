@@ -15,6 +15,7 @@ from pagedserve.faults import FaultPlan
 from pagedserve.lora.config import LoRAConfig
 from pagedserve.models.moe_config import MoeConfig
 from pagedserve.models.rope_scaling import RopeScaling
+from pagedserve.pooling_params import PoolerConfig
 from pagedserve.spec_decode.config import SpeculativeConfig
 
 if TYPE_CHECKING:
@@ -285,6 +286,8 @@ class EngineConfig:
     data_parallel_rank: int = 0
     kv_tiers: KVTierConfig = field(default_factory=KVTierConfig)  # host and disk tiers (off)
     lora: LoRAConfig | None = None  # LoRA adapters (lora/); None: --enable-lora not given
+    # a pooling model (`--runner pooling`: embeddings or scores, prefill-only); None = generation
+    pooler: PoolerConfig | None = None
 
     @property
     def first_gpu(self) -> int:

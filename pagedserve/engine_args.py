@@ -19,6 +19,7 @@ from pagedserve.distributed.split import check_config_split, check_quantized_spl
 from pagedserve.faults import FaultPlan
 from pagedserve.lora.config import LoRAConfig
 from pagedserve.models.hf_config import model_config_from_hf
+from pagedserve.models.pooling import detect_pooler, resolve_pooler
 from pagedserve.models.source import ModelSource, resolve_model
 from pagedserve.quantization import check_moe_quantization, resolve_quantization, split_units
 from pagedserve.spec_decode.config import SpeculativeConfig
@@ -66,6 +67,11 @@ class EngineArgs:
     max_loras: int = 1  # adapters in device slots at once (and distinct ones in one step)
     max_lora_rank: int = 16
     max_cpu_loras: int | None = None  # adapters kept in host memory (None: max_loras)
+    # pooling models (embeddings, scores): vLLM's --runner auto|generate|pooling, --convert
+    # auto|none|embed|score and --pooler-config JSON; auto: the checkpoint decides (models/pooling.py)
+    runner: str = "auto"
+    convert: str = "auto"
+    pooler_config: dict | str | None = None
 
     @classmethod
     def from_cli(cls, args: argparse.Namespace) -> EngineArgs:
@@ -108,6 +114,10 @@ class EngineArgs:
                               source.hf_config.get("quantization_config"),
                               self.distributed_executor_backend)
         check_data_parallel(self.data_parallel_size, self.device)
+        pooler = resolve_pooler(self.runner, self.convert, self.pooler_config, detect_pooler(source))
+        if pooler is not None and spec is not None:
+            raise ValueError("speculative decoding does not apply to a pooling model (it never "
+                             "decodes): drop --speculative-config")
         config = EngineConfig(
             model=model, tokenizer=self.tokenizer, dtype=self.dtype, device=self.device,
             load_format=self.load_format, seed=self.seed, quantization=quantization,
@@ -120,7 +130,7 @@ class EngineArgs:
             speculative=spec, tensor_parallel_size=self.tensor_parallel_size,
             distributed_executor_backend=self.distributed_executor_backend,
             data_parallel_size=self.data_parallel_size, kv_tiers=self._kv_tiers(spec, model_cfg),
-            lora=self._lora_config(),
+            lora=self._lora_config(), pooler=pooler,
         )
         return config, source, model_cfg
 

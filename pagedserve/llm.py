@@ -15,7 +15,8 @@ from pagedserve.engine_args import engine_args
 from pagedserve.lora.request import LoRARequest
 from pagedserve.models.generation_defaults import sampling_defaults
 from pagedserve.models.source import load_tokenizer
-from pagedserve.outputs import RequestOutput
+from pagedserve.outputs import EmbeddingOutput, PoolingRequestOutput, RequestOutput, ScoringOutput
+from pagedserve.pooling_prompts import rerank_prompt, score_token_ids, truncate
 from pagedserve.sampling_params import SamplingParams
 
 logger = logging.getLogger("pagedserve")
@@ -71,6 +72,7 @@ class LLM:
         config, source, model_cfg = args.create_engine_config()
         self._defaults = sampling_defaults(source, args.generation_config)
         self.engine = EngineCore(config, source)
+        self.pooler = config.pooler  # None: a generation model; else embed() or score()
         self.tokenizer = load_tokenizer(source, model_cfg, args.tokenizer)
         self._ids = itertools.count()
 
@@ -101,6 +103,9 @@ class LLM:
         {"prompt_token_ids": ids} dicts); results come in input order. `lora_request`: the
         LoRA adapter every prompt runs under, or one per prompt (None: the base model; the
         LLM needs enable_lora=True)."""
+        if self.pooler is not None:
+            raise ValueError(f"this is a pooling model (runner pooling, task {self.pooler.task!r}): "
+                             "it has no generate() or chat(); use embed() or score()")
         if isinstance(prompts, (str, dict)) or (
             isinstance(prompts, list) and prompts and isinstance(prompts[0], int)
         ):
@@ -196,6 +201,71 @@ class LLM:
             for conv in conversations  # type: ignore[union-attr]
         ]
         return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
+
+    # ---- pooling (embeddings, scores) --------------------------------------------------
+
+    def embed(self, prompts: Prompt | Sequence[Prompt], *,
+              dimensions: int | None = None) -> list[PoolingRequestOutput]:
+        """One embedding per prompt (text, token ids or vLLM's prompt dicts), in input order;
+        `dimensions`: Matryoshka truncation (renormalised when the model normalises)."""
+        pooler = self._pooler("embed", "embed()")
+        if dimensions is not None and (not isinstance(dimensions, int) or dimensions < 1):
+            raise ValueError(f"dimensions must be a whole number >= 1, got {dimensions!r}")
+        if isinstance(prompts, (str, dict)) or (prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]  # type: ignore[list-item]
+        ids = []
+        for text, tokens in map(_prompt_parts, prompts):  # type: ignore[arg-type]
+            ids.append(tokens if text is None else self.tokenizer.encode(text, add_special_tokens=True))
+        vectors = self._pool(ids, pooler.params())
+        return [PoolingRequestOutput(rid, EmbeddingOutput(truncate(v, dimensions, pooler.normalize)), p)
+                for (rid, v), p in zip(vectors, ids)]
+
+    def score(self, query: str | Sequence[str], documents: str | Sequence[str], *,
+              instruction: str | None = None) -> list[PoolingRequestOutput]:
+        """A cross-encoder score per (query, document) pair (vLLM's `LLM.score`): one query
+        against every document, or queries and documents pairwise. Each pair is scored in
+        Qwen3-Reranker's prompt (`pooling_prompts.rerank_prompt`, with `instruction`)."""
+        pooler = self._pooler("score", "score()")
+        queries = [query] if isinstance(query, str) else list(query)
+        docs = [documents] if isinstance(documents, str) else list(documents)
+        if len(queries) == 1:
+            queries = queries * len(docs)
+        if len(queries) != len(docs) or not docs:
+            raise ValueError(f"score() takes one query or one per document; got {len(queries)} "
+                             f"queries for {len(docs)} documents")
+        ids = [self.tokenizer.encode(rerank_prompt(q, d, instruction)) for q, d in zip(queries, docs)]
+        params = pooler.params(score_token_ids(self.tokenizer.encode))
+        return [PoolingRequestOutput(rid, ScoringOutput(v[0]), p) for (rid, v), p in zip(self._pool(ids, params), ids)]
+
+    def _pooler(self, task: str, call: str):
+        if self.pooler is None or self.pooler.task != task:
+            what = "a generation model" if self.pooler is None else f"a {self.pooler.task!r} pooling model"
+            raise ValueError(f"{call} needs a model run with runner='pooling' and task {task!r}; this is "
+                             f"{what} (LLM(model, runner='pooling', convert='{task}'); on the command "
+                             f"line --runner pooling --convert {task})")
+        return self.pooler
+
+    def _pool(self, prompts: list[list[int]], pooling) -> list[tuple[str, list[float]]]:
+        """(request id, vector) of each prompt's pooling request, in order."""
+        params = SamplingParams.for_pooling(pooling)
+        rids = [f"{next(self._ids)}-pool" for _ in prompts]
+        got: dict[str, list[float]] = {}
+        try:
+            for rid, ids in zip(rids, prompts):
+                self.engine.add_request(EngineRequest(rid, ids, params))
+            while self.engine.has_unfinished_requests():
+                for o in self.engine.step():
+                    if o.finished and o.pooled is None:
+                        raise RuntimeError(f"pooling request {o.request_id} failed: {o.error or o.finish_reason}")
+                    if o.pooled is not None:
+                        got[o.request_id] = o.pooled
+        except BaseException:
+            self.engine.abort_requests(rids)
+            raise
+        if self.engine.fatal_error:
+            self.close()
+            raise FatalEngineError(f"{self.engine.fatal_error}; create a new LLM to go on")
+        return [(rid, got[rid]) for rid in rids]
 
     # ---- introspection ----------------------------------------------------------------
 

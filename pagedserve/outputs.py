@@ -63,3 +63,32 @@ class RequestOutput:
     @property
     def num_output_tokens(self) -> int:
         return sum(len(o.token_ids) for o in self.outputs)
+
+
+@dataclass
+class EmbeddingOutput:
+    """One embedding (vLLM's `EmbeddingOutput`)."""
+
+    embedding: list[float]
+
+    @property
+    def hidden_size(self) -> int:
+        return len(self.embedding)
+
+
+@dataclass
+class ScoringOutput:
+    """One cross-encoder score (vLLM's `ScoringOutput`): p(relevant), in [0, 1]."""
+
+    score: float
+
+
+@dataclass
+class PoolingRequestOutput:
+    """What `LLM.embed` (outputs: EmbeddingOutput) and `LLM.score` (outputs: ScoringOutput)
+    return per input, shaped like vLLM's EmbeddingRequestOutput / ScoringRequestOutput."""
+
+    request_id: str
+    outputs: EmbeddingOutput | ScoringOutput
+    prompt_token_ids: list[int]
+    finished: bool = True

@@ -9,6 +9,7 @@ import math
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
+from pagedserve.pooling_params import PoolingParams
 from pagedserve.structured.bad_words_automaton import BadWordsAutomaton, Steps, run_steps
 from pagedserve.structured.params import StructuredOutputsParams
 
@@ -85,6 +86,8 @@ class SamplingParams:
     # constrain the output to a JSON schema, a regex, a choice or a grammar
     structured_outputs: StructuredOutputsParams | None = None
     skip_special_tokens: bool = True
+    # a pooling request (embedding or score; `for_pooling`): prefill-only, returns a vector
+    pooling: PoolingParams | None = None
     include_stop_str_in_output: bool = False
 
     def __post_init__(self) -> None:
@@ -151,6 +154,9 @@ class SamplingParams:
                 if not _is_number(b) or not -100 <= b <= 100:
                     raise ValueError(f"logit_bias values must be in [-100, 100], got {b!r} for token {t}")
         self._validate_bad_words()
+        if self.pooling is not None and (not isinstance(self.pooling, PoolingParams) or self.max_tokens != 1):
+            raise ValueError("pooling must be a PoolingParams of a request with max_tokens=1 "
+                             "(build it with SamplingParams.for_pooling)")
         if self.allowed_token_ids is not None:
             if not isinstance(self.allowed_token_ids, list) or not self.allowed_token_ids:
                 raise ValueError("allowed_token_ids must be a non-empty list of token ids, got "
@@ -170,6 +176,12 @@ class SamplingParams:
             value = getattr(self, name)
             if value is not None and (not _is_int(value) or not 0 <= value <= MAX_LOGPROBS):
                 raise ValueError(f"{name} must be in [0, {MAX_LOGPROBS}] or None, got {value!r}")
+
+    @classmethod
+    def for_pooling(cls, pooling: PoolingParams) -> SamplingParams:
+        """The parameters of a prefill-only pooling request: one step past its prompt, whose
+        vector replaces the token (greedy, so nothing random is drawn)."""
+        return cls(max_tokens=1, temperature=0.0, pooling=pooling)
 
     def _check_max_tokens(self) -> None:
         if self.max_tokens is not None and (not _is_int(self.max_tokens) or self.max_tokens < 1):

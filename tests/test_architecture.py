@@ -84,7 +84,8 @@ LAYERS = [
      "pagedserve.distributed.split", "pagedserve.unicode_checks", "pagedserve.heap",
      "pagedserve.ipc_dirs", "pagedserve.lifeline", "pagedserve.child_process", "pagedserve.host_copy",
      "pagedserve.version", "pagedserve.lora.request", "pagedserve.lora.config",
-     "pagedserve.lora.peft_checkpoint", "pagedserve.lora.slots", "pagedserve.lora.known"],
+     "pagedserve.lora.peft_checkpoint", "pagedserve.lora.slots", "pagedserve.lora.known",
+     "pagedserve.pooling_params", "pagedserve.pooling_prompts"],
     ["pagedserve.envs", "pagedserve.tokenizer"],  # the environment's switches; text <-> ids
     ["pagedserve.kernels", "pagedserve.distributed"],  # Triton kernels; tensor-parallel groups
     ["pagedserve.attention"],

@@ -58,6 +58,10 @@ BAD_VALUES = [
     (["serve", "--kv-offload-size", "1", "--no-enable-prefix-caching"], "--no-enable-prefix-caching"),
     (["serve-ray", "--timeout-keep-alive", "9"], "--timeout-keep-alive configures"),
     (["serve-ray", "--min-replicas", "2"], "--min-replicas needs --max-replicas"),
+    (["serve", "--runner", "embed"], "--runner"),
+    (["serve", "--pooler-config", '{"pooling_type": "MAX"}'], "pooling_type"),
+    (["serve", "--pooler-config", '{"dims": 3}'], "unknown key(s) ['dims']"),
+    (["serve", "--runner", "generate", "--convert", "embed"], "--runner generate takes no --convert"),
 ]
 
 

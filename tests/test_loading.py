@@ -39,7 +39,8 @@ def test_preset_facts():
     assert qwen.qk_norm and qwen.tie_word_embeddings and 151643 in qwen.eos_token_ids
     assert not nan.qk_norm and nan.num_heads // nan.num_kv_heads == 5 and nan.rope_theta == 7e7
     assert set(PRESET_NAMES) == {"qwen3-4b-instruct-2507", "nanbeige4.1-3b", "smollm2-135m-instruct", "qwen3-0.6b",
-                                 "qwen3-30b-a3b", "llama-3.2-3b-instruct"}
+                                 "qwen3-30b-a3b", "llama-3.2-3b-instruct", "qwen3-embedding-0.6b", "qwen3-embedding-4b",
+                                 "qwen3-reranker-0.6b", "qwen3-reranker-4b"}
     llama = model_config_from_hf(load_preset("llama-3.2-3b-instruct"))
     assert llama.rope_scaling.kind == "llama3" and round(llama.num_parameters() / 1e9, 2) == 3.21
     moe = model_config_from_hf(load_preset("qwen3-30b-a3b"))  # (the mixture-of-experts benchmark model)

@@ -90,6 +90,19 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                         "reuses; an unwritable directory turns it off with a warning")
     p.add_argument("--kv-cache-dir-size", type=types.positive_float, default=8, metavar="GIB",
                    help="the most GiB of block files --kv-cache-dir keeps (oldest go first)")
+    p.add_argument("--runner", default="auto", choices=["auto", "generate", "pooling"],
+                   help="pooling: an embedding or scoring model (prefill-only requests: "
+                        "/v1/embeddings, /score, /rerank; no chat or completions); auto: the "
+                        "checkpoint decides (a sentence-transformers folder embeds, a "
+                        "Qwen3-Reranker scores, else generate)")
+    p.add_argument("--convert", default="auto", choices=["auto", "none", "embed", "score"],
+                   help="with --runner pooling: embed (vectors) or score (a cross-encoder's "
+                        "p(yes) from the 'yes'/'no' logits at the last token, Qwen3-Reranker's "
+                        "rule); auto: as detected, else embed")
+    p.add_argument("--pooler-config", type=types.pooler_config, default=None,
+                   help="pooling overrides, vLLM's JSON: '{\"pooling_type\": \"MEAN\", "
+                        "\"normalize\": true}' (LAST, MEAN or CLS; default: the checkpoint's, "
+                        "else LAST, normalized)")
     p.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
     p.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=True,
                    help="schedule the next step while the GPU runs this one")

@@ -117,3 +117,14 @@ def speculative_config(text: str) -> dict:
     except ValueError as e:
         raise argparse.ArgumentTypeError(str(e)) from None
     return json.loads(text)
+
+
+def pooler_config(text: str) -> dict:
+    """vLLM's --pooler-config JSON ({"pooling_type": "MEAN", "normalize": true}), checked."""
+    from pagedserve.models.pooling import parse_pooler_overrides
+
+    try:
+        parse_pooler_overrides(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+    return json.loads(text)

@@ -20,6 +20,7 @@ from pagedserve.engine.kv_cache_manager import KVCacheManager, window_to_free
 from pagedserve.engine.kv_tiers import KVTiers
 from pagedserve.engine.limits import check_prompt, check_token_ids
 from pagedserve.engine.messages import EngineRequest, TokenOutput
+from pagedserve.engine.pooled_output import pooled_output
 from pagedserve.engine.request import Request
 from pagedserve.engine.scheduler import Scheduler
 from pagedserve.engine.step_timer import (
@@ -231,10 +232,10 @@ class EngineCore:
             self._inject_step_fault(out)
         if not out.is_empty:
             if self._trace:
-                trace_start, graphs = self._trace.begin(), self._graph_steps()
+                trace_start, graphs = self._trace.begin(), self.executor.collective_rpc("graph_counts")[0][0]
             launched = (out, self.executor.execute(out))
             if self._trace:
-                self._trace.end(trace_start, out.chunks, self._graph_steps() > graphs,
+                self._trace.end(trace_start, out.chunks, self.executor.collective_rpc("graph_counts")[0][0] > graphs,
                                 (time.perf_counter() - t_scheduled) * 1e3)
             self.num_prefill_tokens += sum(c.num_tokens for c in out.chunks if not c.is_decode)
         elif (out.finished_req_ids or out.kv_copies) and not self.fatal_error:  # no chunks: only
@@ -258,9 +259,6 @@ class EngineCore:
                           self.executor.collective_rpc("last_launch_ms")[0], (GC_CLOCK.seconds - gc0) * 1e3,
                           allocs0)
         self._step_log.tick()
-
-    def _graph_steps(self) -> int:
-        return self.executor.collective_rpc("graph_counts")[0][0]
 
     # ---- failures ---------------------------------------------------------------------
 
@@ -331,25 +329,26 @@ class EngineCore:
         if result.kv_tiers is not None and self.kv.tiers is not None:
             self.kv.tiers.apply_report(result.kv_tiers)
         outputs = self._step_outputs
-        for rid in result.non_finite:  # fail before the bad token is applied
-            req = self.requests.get(rid)
-            if req is not None:
-                logger.error("request %s: the model produced NaN or Inf logits; failing it", rid)
-                outputs.append(self._fail_request(
-                    req, "the model produced non-finite (NaN or Inf) logits for this request"))
-        for rid, why in result.failed.items():
-            req = self.requests.get(rid)
-            if req is not None:
+        nan = "the model produced non-finite (NaN or Inf) logits for this request"
+        for rid, why in {**dict.fromkeys(result.non_finite, nan), **result.failed}.items():
+            if (req := self.requests.get(rid)) is not None:  # (before its bad token is applied)
+                logger.error("request %s failed in its step: %s", rid, why)
                 outputs.append(self._fail_request(req, why))
         for rid, (first, entries) in result.prompt_logprobs.items():
             if (req := self.requests.get(rid)) is not None:
                 req.add_prompt_logprobs(first, entries)
-        updated = self.scheduler.apply_results(out, result.token_ids)
+        sampled = {**result.token_ids, **dict.fromkeys(result.pooled, [])} if result.pooled else result.token_ids
+        updated = self.scheduler.apply_results(out, sampled)  # (a pooling request's step adds no token)
         if self.speculator is not None:
             self.speculator.record(out.chunks, result.token_ids)
         now = time.monotonic()
         for req in updated:
             try:
+                if req.request_id in result.pooled:  # (a pooling request ends with its vector)
+                    outputs.append(pooled_output(req, result.pooled[req.request_id], now))
+                    self.scheduler.finish(req, "stop")
+                    self._forget(req.request_id)
+                    continue
                 outputs.append(self._output(req, result, now))
             except Exception as e:  # this request's own part of the step: it fails alone
                 logger.exception("request %s failed while its token was processed", req.request_id)

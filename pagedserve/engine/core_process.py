@@ -87,7 +87,7 @@ def run_engine_core(config: EngineConfig, in_addr: str, out_addr: str, log_level
     out.send_pyobj(Ready(CoreInfo(
         core.source.name, sched.max_model_len, core.model_config.vocab_size, core.kv.num_blocks,
         core.kv.block_size, sched.max_num_seqs, core.model_config.eos_token_ids,
-        core.startup_seconds,
+        core.startup_seconds, core.config.pooler,
     )))
     try:
         heartbeat = heartbeat or Heartbeat()

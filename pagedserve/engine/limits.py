@@ -46,7 +46,10 @@ def check_token_ids(params, vocab_size: int) -> None:
     if params.bad_words and params.bad_words_token_ids is None:
         raise PromptError("bad_words were not tokenized: SamplingParams.resolve_bad_words (the LLM "
                           "and the server call it) turns them into bad_words_token_ids", param="bad_words")
-    for name, ids in (("logit_bias", params.logit_bias), ("allowed_token_ids", params.allowed_token_ids)):
+    pooling = getattr(params, "pooling", None)
+    score_ids = pooling.score_token_ids if pooling is not None else None
+    for name, ids in (("logit_bias", params.logit_bias), ("allowed_token_ids", params.allowed_token_ids),
+                      ("score_token_ids", score_ids)):
         if ids and max(ids) >= vocab_size:
             bad = sorted(t for t in ids if t >= vocab_size)
             raise PromptError(f"{name} token ids out of range [0, {vocab_size}): {bad[:5]}", param=name)

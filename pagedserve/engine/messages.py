@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from pagedserve.lora.request import LoRARequest
+from pagedserve.pooling_params import PoolerConfig
 from pagedserve.sampling_params import SamplingParams
 
 
@@ -59,6 +60,8 @@ class TokenOutput:
     # with the first token of a request that asked for prompt logprobs: per prompt token after
     # the first, (its logprob, its rank, [(token id, logprob) of the top-k])
     prompt_logprobs: list[tuple[float, int, list[tuple[int, float]]]] | None = None
+    # a pooling request's result (it ends with it, no tokens): its embedding, or [score]
+    pooled: list[float] | None = None
 
 
 @dataclass
@@ -73,6 +76,7 @@ class CoreInfo:
     max_num_seqs: int
     eos_token_ids: tuple[int, ...]
     startup_seconds: float
+    pooler: PoolerConfig | None = None  # a pooling model's (embeddings or scores); None: generation
 
 
 @dataclass
@@ -178,3 +182,6 @@ class StepResult:
         field(default_factory=dict))
     # with KV tiers: the worker's report since the last step (kv_tiers.TierReport)
     kv_tiers: Any = None
+    # request id -> the vector of a pooling request whose prompt ended this step (an
+    # embedding; one float for a score): such a request samples no token
+    pooled: dict[str, list[float]] = field(default_factory=dict)

@@ -12,8 +12,7 @@ the device.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -21,6 +20,7 @@ import torch
 
 from pagedserve.attention.backend import AttentionBackend, AttentionContext, GraphKey
 from pagedserve.config import SchedulerConfig
+from pagedserve.engine import pooling
 from pagedserve.engine.block_tables import BlockTables, table_rows
 from pagedserve.engine.cached_request import CachedRequest
 from pagedserve.engine.graphs import GraphRunner
@@ -56,6 +56,7 @@ class _Step:
     a: StepArrays  # the packed host arrays, already loaded into the device buffers
     states: list[CachedRequest]  # the request of each chunk
     prompt: PromptRows | None  # the rows that score their prompts (such a step runs eagerly)
+    pool: pooling.EveryRowChunks | None  # the chunks pooled over every row (such a step runs eagerly)
     key: GraphKey | None  # the CUDA graph that runs it (None: eager)
     verify: VerifyPlan | None  # its drafts' verification (None: no drafts)
 
@@ -108,6 +109,7 @@ class ModelRunner:
         self.num_eager_steps = 0
         self._prompt_logprobs: set[str] = set()  # held requests that score their prompts
         self._prompt_scores: tuple[torch.Tensor, torch.Tensor] | None = None  # (see forward_eager)
+        self.pooler = pooling.Pooler()  # the vectors of pooling requests (engine/pooling.py)
 
     @property
     def drafter(self):
@@ -121,19 +123,6 @@ class ModelRunner:
     def reset_stats(self) -> None:
         self.num_graph_steps = self.num_verify_graph_steps = self.num_eager_steps = 0
 
-    @contextmanager
-    def eager_mixed_steps(self) -> Iterator[None]:
-        """Within: prefill and mixed steps run eagerly even where a graph would fit (the
-        warm-up compiles the eager kernel variants so)."""
-        if self.graphs is None:
-            yield
-            return
-        self.graphs.use_mixed = False
-        try:
-            yield
-        finally:
-            self.graphs.use_mixed = True
-
     def release(self, request_ids: list[str]) -> None:
         """Forget requests that ended (their tokens, their seeded generators)."""
         for rid in request_ids:
@@ -144,6 +133,7 @@ class ModelRunner:
             self._prompt_logprobs.discard(rid)
             if self.lora is not None:
                 self.lora.release(rid)
+            self.pooler.drop(rid)
 
     def _add_requests(self, new: list[NewRequestData]) -> None:
         for n in new:
@@ -159,6 +149,7 @@ class ModelRunner:
             self.sampling_rows.add(n.request_id, n.sampling_params)
             if self.lora is not None:
                 self.lora.add_request(n.request_id, n.lora_request)
+            self.pooler.add(n.request_id, n.sampling_params)
             self.requests[n.request_id] = CachedRequest(
                 n.request_id, n.prompt_token_ids, n.sampling_params, list(n.prompt_token_ids), gen,
                 matcher, so.after_tokens if so is not None else ())
@@ -194,12 +185,14 @@ class ModelRunner:
         return self.graphs.capture()
 
     @torch.inference_mode()
-    def forward_eager(self, a: StepArrays, prompt: PromptRows | None = None) -> torch.Tensor:
+    def forward_eager(self, a: StepArrays, prompt: PromptRows | None = None,
+                      pool: pooling.EveryRowChunks | None = None) -> torch.Tensor:
         """Hidden states [N, hidden] of the sampling tokens of a step loaded into the buffers
-        (with `prompt`: also the prompt logprobs of its rows, kept for the step's handle)."""
+        (`prompt`: its rows' prompt logprobs, kept for the handle; `pool`: its pooling sums)."""
         buf = self.buffers
         rows = buf.token_rows(a.num_tokens)
-        hidden = self.model(rows[0], rows[1], AttentionContext(self.backend, buf.metadata(a)))
+        hidden = self.model(rows[0], rows[1], AttentionContext(self.backend, buf.metadata(a)))  # [T, h]
+        self.pooler.accumulate(hidden, pool, self.requests)
         self._prompt_scores = None if prompt is None else score(self.model, hidden, prompt)
         return hidden.index_select(0, buf.view("logits_idx", len(a.logits_idx)))  # [T, h] -> [N, h]
 
@@ -232,14 +225,15 @@ class ModelRunner:
         a = pack_step(out.chunks, [r.token_ids for r in states], self._prev_rows, self.block_size,
                       self.tables.gather([c.request_id for c in out.chunks]))
         prompt = prompt_rows(out.chunks, states, a.query_start_loc) if self._prompt_logprobs else None
-        key = None if self.graphs is None or prompt is not None else self.graphs.key_for(a)
+        pool = self.pooler.every_row_chunks(out.chunks, states, a.query_start_loc)
+        key = None if self.graphs is None or prompt or pool else self.graphs.key_for(a)
         self.buffers.load(a, key.num_tokens if key else a.num_tokens, key, self._prev_tokens)
         if self.lora is not None:  # (each row's adapter slot; the step's adapters loaded into slots)
             slots = self.lora.prepare([c.request_id for c in out.chunks], np.diff(a.query_start_loc), self.masks.failed)
             self.buffers.load_lora_slots(slots, key.num_tokens if key else a.num_tokens)
         verify = self.spec.plan(a, out.chunks, states, self.model.config.eos_token_ids, self.vocab_size,
                                 self.device, self.masks.failed)
-        return _Step(out, a, states, prompt, key, verify)
+        return _Step(out, a, states, prompt, pool, key, verify)
 
     def _forward(self, step: _Step) -> torch.Tensor:
         """Hidden states [N, hidden] of the sampling rows (the draft model follows the step)."""
@@ -249,20 +243,23 @@ class ModelRunner:
             hidden = self.graphs.replay(step.key, step.a)
         else:
             self.num_eager_steps += 1
-            hidden = self.forward_eager(step.a, step.prompt)
+            hidden = self.forward_eager(step.a, step.prompt, step.pool)
         self.spec.mirror(step.a, self._prev_tokens)
         return hidden
 
     def _sample(self, step: _Step, hidden: torch.Tensor) -> StepHandle:
         """The logits of the sampling rows, drafted rows verified, the others sampled."""
         sample_rows = step.a.sample_rows
-        reqs = [step.states[i] for i in sample_rows]
-        handle = StepHandle(reqs, None)
+        handle = StepHandle([], None)
         if step.prompt is not None:
             handle.prompt = (step.prompt, *(_to_pinned_async(t) if t.is_cuda else t for t in self._prompt_scores))
+        # the pooling stage: pooling requests' vectors, their rows out of the sampling
+        handle.pooled, hidden, sample_rows = self.pooler.split(self.model, hidden, step)
+        handle.reqs = reqs = [step.states[i] for i in sample_rows]
         logits = self.model.compute_logits(hidden) if reqs else None  # [R, vocab]
         if step.verify is not None:
             logits, sample_rows = self.spec.verify(self.sampler, logits, step.verify, handle, step.states)
+            logits, sample_rows = pooling.drop_pooled(logits, sample_rows, step.states)  # (verify kept them)
             handle.reqs = reqs = [step.states[i] for i in sample_rows]
         if reqs:
             batch = self._sampling_batch(step, reqs, sample_rows)
@@ -310,7 +307,9 @@ class ModelRunner:
     def _start_copies(self, handle: StepHandle) -> None:
         """On CUDA: start the results' copies into pinned host memory, and record `ready`
         behind them."""
-        if (handle.host is not None or handle.spec_reqs or handle.prompt) and self.device.type == "cuda":
+        if (handle.host is not None or handle.spec_reqs or handle.prompt or handle.pooled) \
+                and self.device.type == "cuda":
+            handle.pooled = handle.pooled and pooling.pinned(handle.pooled, _to_pinned_async)
             handle.host = tuple(None if t is None else _to_pinned_async(t) for t in handle.host or ())
             handle.spec_host = (None if handle.spec_host is None else
                                 tuple(None if t is None else _to_pinned_async(t) for t in handle.spec_host))
@@ -335,8 +334,9 @@ class ModelRunner:
             if handle.ready is not None:
                 handle.ready.synchronize()
             prompt = entries(*handle.prompt)
+        pooled = pooling.pooled_lists(handle.pooled, handle.ready)
         if not handle.reqs and not handle.spec_reqs:
-            return StepResult({}, {}, prompt_logprobs=prompt)
+            return StepResult({}, {}, prompt_logprobs=prompt, pooled=pooled)
         reqs = handle.reqs
         if handle.ready is not None:
             handle.ready.synchronize()
@@ -378,7 +378,7 @@ class ModelRunner:
                 if r.sampling_params.logprobs is not None:
                     logprobs[r.request_id] = [token_logprobs(lp[row], lp_ids[row], r.sampling_params.logprobs,
                                                              ranks[row])]
-        return StepResult(token_ids, logprobs, non_finite, failed, grammar_done, prompt)
+        return StepResult(token_ids, logprobs, non_finite, failed, grammar_done, prompt, pooled)
 
     def decode_probe(self, num_seqs: int, length: int):
         """(ids [S], positions [S], metadata) of a decode step of `num_seqs` sequences at

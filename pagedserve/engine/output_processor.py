@@ -49,6 +49,7 @@ class SampleState:
     # "engine" | "output" (handling the output here) | "rejected" (the request is invalid)
     error_source: str | None = None
     inject_fault: bool = False  # chaos tests: fail while handling this sample's output
+    pooled: list[float] | None = None  # a pooling request's vector (its embedding, or [score])
 
     @property
     def finished(self) -> bool:
@@ -142,6 +143,8 @@ class OutputProcessor:
             s.error_source = "rejected" if o.invalid else "engine"
             return False
         s.num_cached_tokens = o.num_cached_tokens
+        if o.pooled is not None:
+            s.pooled = o.pooled
         if o.queue_s is not None:
             s.queue_s, s.prefill_s = o.queue_s, o.prefill_s
         if o.prompt_logprobs is not None:

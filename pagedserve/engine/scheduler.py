@@ -106,6 +106,12 @@ class SchedulerOutput:
         return not self.chunks
 
 
+def _may_hit_prefix(params: Any) -> bool:
+    """Whether a request may skip a cached prefix (it needs no hidden state of those rows)."""
+    pooling = params.pooling
+    return params.prompt_logprobs is None and (pooling is None or not pooling.needs_every_row)
+
+
 class Scheduler:
     def __init__(self, config: SchedulerConfig, kv: KVCacheManager, max_loras: int = 0) -> None:
         """`max_loras`: the distinct LoRA adapters the running requests may use at once (the
@@ -237,8 +243,9 @@ class Scheduler:
             if req.num_pending:  # preempted with a token in flight: wait for it
                 break
             hit = PrefixHit()
-            # (a request scoring its prompt computes every prompt token: no cached prefix)
-            if req.num_computed_tokens == 0 and req.sampling_params.prompt_logprobs is None:
+            # (a request scoring its prompt, or pooling over every prompt row, computes every
+            # prompt token: no cached prefix)
+            if req.num_computed_tokens == 0 and _may_hit_prefix(req.sampling_params):
                 hit = self.kv.find_prefix(req.token_ids, req.lora_id)  # (with KV tiers: their blocks too)
             start = hit.num_blocks * self.kv.block_size if hit.num_blocks else req.num_computed_tokens
             n = min(req.num_tokens - start, budget)

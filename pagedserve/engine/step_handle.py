@@ -29,3 +29,4 @@ class StepHandle:
     ready: torch.cuda.Event | None = None
     result: StepResult | None = None  # once read back (by collect, or by the next step's grammar)
     prompt: tuple | None = None  # (PromptRows, logprobs, ids, ranks) of the prefill rows scoring a prompt
+    pooled: tuple | None = None  # the pooling requests' vectors (engine/pooling.py: Pooler.pool)

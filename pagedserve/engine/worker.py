@@ -13,7 +13,6 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable
-from contextlib import ExitStack
 
 import torch
 
@@ -99,7 +98,6 @@ class Worker:
                         LONG_MIN_QUERIES, LONG_MIN_KEYS, kernels.long_prefill)
         self._compile_ahead = self.cuda and kernels.compile_ahead
         self.compile_ahead_seconds = 0.0
-        self._eager_mixed = ExitStack()  # the runner's eager_mixed_steps while set_eager_mixed(True)
         self.model = model
 
         draft = None
@@ -353,10 +351,8 @@ class Worker:
 
     def set_eager_mixed(self, on: bool) -> None:
         """While on, prefill and mixed steps run eagerly (for the warm-up)."""
-        if on:
-            self._eager_mixed.enter_context(self.runner.eager_mixed_steps())
-        else:
-            self._eager_mixed.close()
+        if self.runner.graphs is not None:
+            self.runner.graphs.use_mixed = not on
 
     def propose_drafts(self, requests: list[tuple[str, list[int], list[int], int]]) -> dict[str, list[int]]:
         """Speculative drafts from the draft model: (request id, verified tokens, block ids,

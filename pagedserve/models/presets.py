@@ -6,7 +6,8 @@ import json
 from importlib import resources
 
 PRESET_NAMES = ("qwen3-4b-instruct-2507", "nanbeige4.1-3b", "smollm2-135m-instruct", "qwen3-0.6b", "qwen3-30b-a3b",
-                "llama-3.2-3b-instruct")
+                "llama-3.2-3b-instruct", "qwen3-embedding-0.6b", "qwen3-embedding-4b", "qwen3-reranker-0.6b",
+                "qwen3-reranker-4b")
 
 _ALIASES = {
     "qwen/qwen3-4b-instruct-2507": "qwen3-4b-instruct-2507",
@@ -14,6 +15,10 @@ _ALIASES = {
     "huggingfacetb/smollm2-135m-instruct": "smollm2-135m-instruct",
     "qwen/qwen3-30b-a3b-instruct-2507": "qwen3-30b-a3b",
     "meta-llama/llama-3.2-3b-instruct": "llama-3.2-3b-instruct",
+    "qwen/qwen3-embedding-0.6b": "qwen3-embedding-0.6b",
+    "qwen/qwen3-embedding-4b": "qwen3-embedding-4b",
+    "qwen/qwen3-reranker-0.6b": "qwen3-reranker-0.6b",
+    "qwen/qwen3-reranker-4b": "qwen3-reranker-4b",
 }
 
 

@@ -37,6 +37,7 @@ from pagedserve.server.errors import APIError, error_response, install_error_han
 from pagedserve.server.lora_registry import LoRARegistry
 from pagedserve.server.metrics import Metrics, log_periodically
 from pagedserve.server.model_routes import add_model_routes
+from pagedserve.server.pooling import add_pooling_routes, check_task
 from pagedserve.server.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -257,15 +258,20 @@ def create_app(settings: ServerSettings, core: SpawnedCore | list[SpawnedCore] |
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request):
+        check_task(server, "generate", "/v1/completions")
         return await create_completion(server, body, request)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, request: Request):
+        check_task(server, "generate", "/v1/chat/completions")
         return await create_chat_completion(server, body, request)
 
     @app.post("/v1/responses")
     async def responses(body: ResponsesRequest, request: Request):
+        check_task(server, "generate", "/v1/responses")
         return await create_response(server, body, request)
+
+    add_pooling_routes(app, server)  # /v1/embeddings, /score, /rerank (pooling models)
 
     @app.post("/tokenize")
     async def tokenize(body: TokenizeRequest):
@@ -298,6 +304,7 @@ def create_app(settings: ServerSettings, core: SpawnedCore | list[SpawnedCore] |
     @app.post("/generate")
     async def generate(body: GenerateRequest, request: Request):
         server.check_model(body.model)
+        check_task(server, "generate", "/generate")
         ids = await server.encode_async(body.prompt, True, "prompt", fit_context=True)
         max_tokens = server.resolve_max_tokens(ids, body.max_tokens, "prompt")
         params = make_params(

@@ -38,7 +38,8 @@ from pagedserve.tokenizer import Tokenizer
 logger = logging.getLogger("pagedserve")
 
 # CoreInfo fields every core must report alike (the front end checks requests against them)
-AGREED = ("model_name", "max_model_len", "vocab_size", "block_size", "max_num_seqs", "eos_token_ids")
+AGREED = ("model_name", "max_model_len", "vocab_size", "block_size", "max_num_seqs", "eos_token_ids",
+          "pooler")
 
 
 def rank_config(config: EngineConfig, rank: int) -> EngineConfig:
