@@ -55,6 +55,7 @@ class EngineArgs:
     download_dir: str | None = None  # Hub ids: where to find and download them
     generation_config: str = "auto"  # sampling defaults: auto, vllm or a folder
     inject_faults: str | None = None  # chaos tests only (faults.py)
+    batch_invariant: bool = False  # the same tokens for a request whatever else is in its batch
 
     @classmethod
     def from_cli(cls, args: argparse.Namespace) -> EngineArgs:
@@ -108,7 +109,7 @@ class EngineArgs:
             kernels=envs.kernel_config(), observability=envs.observability_config(),
             speculative=spec, tensor_parallel_size=self.tensor_parallel_size,
             distributed_executor_backend=self.distributed_executor_backend,
-            data_parallel_size=self.data_parallel_size,
+            data_parallel_size=self.data_parallel_size, batch_invariant=self.batch_invariant,
         )
         return config, source, model_cfg
 
