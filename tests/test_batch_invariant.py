@@ -2,16 +2,17 @@
 
 64 greedy requests (half of them behind one of 8 shared 32-token prefixes, so prefix-cache
 hits come and go with the order) run alone (one `generate` each), then all together, then
-reversed behind 3 prompts of 300 tokens; steps of at most 64 tokens chunk every long prompt,
-and the KV cache (96 MiB, about 2,100 tokens in float32) is small enough that the mixed run
-preempts. The check compares each request's tokens and the logprob of each (its bits).
+reversed behind a prompt of 200 tokens; steps of at most 64 tokens chunk every long prompt,
+and the KV cache (48 MiB, about 1,090 tokens in float32) is small enough that preemption
+comes. The check compares each request's tokens and the logprob of each (its bits).
 
 In batch-invariant mode all three runs agree exactly, in float32 and bfloat16. The default
-mode is not invariant: measured here, float32 gave the same tokens in all 64 requests but
-other logprob bits in most of them (decodes attended together pad every context to the
-longest; a one-row product takes oneDNN's matrix-vector path); bfloat16 changes tokens too.
-The check therefore asserts that the default mode differs in logprob bits (it can fail),
-and records the token counts in the docstring rather than asserting them.
+mode does not (measured with 3 prompts of 300 tokens, 6 new tokens each): float32 gave the
+same tokens in all 64 requests but other logprob bits in all 64 (decodes attended together
+pad every context to the longest; a one-row product takes oneDNN's matrix-vector path);
+bfloat16 gave other tokens in 6 of 64 together and 5 of 64 mixed, other logprobs in 61. The
+CI runs the default mode in bfloat16 only (the suite's time): it must differ somewhere, so
+the check can fail; the float32 default's differences are held by test_batch_invariant_units.py.
 
 In the mode, n-gram speculation (verification: k + 1 rows of one sequence in one step) gives
 the plain decoding's tokens and logprobs, and seeded sampling repeats alone and together.
@@ -29,7 +30,7 @@ import pytest
 from pagedserve import LLM, SamplingParams
 
 NEW = 6
-KV_BYTES = 96 << 20
+KV_BYTES = 48 << 20
 
 
 @pytest.fixture(scope="module")
@@ -45,7 +46,7 @@ def prompts(smollm2_dir):
         n = rng.randint(3, 24)
         s = rng.randrange(len(ids) - n)
         out.append((prefixes[i % 8] if i % 2 else []) + ids[s:s + n])
-    longs = [ids[s:s + 300] for s in (100, 900, 1700)]
+    longs = [ids[100:300]]
     return out, longs
 
 
@@ -77,18 +78,16 @@ def invariant_fp32(prompts):
     return llm, _three_runs(llm, *prompts)
 
 
-@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_default_mode_is_not_batch_invariant(prompts, dtype):
-    llm = _engine(dtype, False)
-    alone, together, mixed = _three_runs(llm, *prompts)
-    differ = sum(a != t or a != m for a, t, m in zip(alone, together, mixed))
+def test_default_mode_is_not_batch_invariant(prompts):
+    alone, together, mixed = _three_runs(_engine("bfloat16", False), *prompts)
+    differ = sum(a != t or a != m for a, t, m in zip(alone, together, mixed, strict=True))
     assert differ > 0
 
 
 def test_batch_invariant_mode_float32(invariant_fp32):
     llm, (alone, together, mixed) = invariant_fp32
     assert llm.engine.executor.worker.runner.backend.batch_invariant
-    assert llm.engine.scheduler.num_preemptions > 0  # (the mixed run preempted)
+    assert llm.engine.scheduler.num_preemptions > 0
     assert together == alone
     assert mixed == alone
 
