@@ -2,7 +2,9 @@
 
 256 running requests with 2,048-token contexts (128 blocks of 16 each), every step a decode
 of each: times `Scheduler.schedule` plus the worker's host work on the step's block tables
-(`pack_step`, and where the tree has them, the persistent tables' diff and gather), and the
+(`pack_step`, and where the tree has them, the persistent tables' diff and gather), the
+step's sampling parameters as the sampler's batch (`SamplingBatch.build` on the CPU with
+Qwen3's defaults, from the worker's persistent rows where the tree has them), and the
 pickled size and time of the `SchedulerOutput` (what a tensor-parallel rank receives).
 Runs against whichever tree is on PYTHONPATH (the one before the persistent batch too), so
 the same script measures both:
@@ -25,9 +27,11 @@ from pagedserve.engine.input_batch import pack_step
 from pagedserve.engine.kv_cache_manager import KVCacheManager
 from pagedserve.engine.request import Request
 from pagedserve.engine.scheduler import ScheduledChunk, Scheduler
+from pagedserve.layers.sampling_batch import SamplingBatch
 from pagedserve.sampling_params import SamplingParams
 
 BS = 16
+VOCAB = 151936  # Qwen3's
 PERSISTENT = hasattr(ScheduledChunk, "__dataclass_fields__") and "new_block_ids" in ScheduledChunk.__dataclass_fields__
 
 
@@ -43,7 +47,7 @@ def main() -> None:
     kv = KVCacheManager(B * per_req + 8, BS, enable_prefix_caching=False)
     sched = Scheduler(SchedulerConfig(max_num_seqs=B, max_num_batched_tokens=8192,
                                       max_model_len=ctx + extra + 64), kv)
-    params = SamplingParams(max_tokens=extra, ignore_eos=True)
+    params = SamplingParams(max_tokens=extra, ignore_eos=True, temperature=0.7, top_p=0.8, top_k=20)
     for i in range(B):
         prompt = [(i * 7 + j) % 30000 + 1 for j in range(ctx)]
         sched.add_request(Request(f"r{i}", prompt, params, max_tokens=extra))
@@ -52,6 +56,22 @@ def main() -> None:
         from pagedserve.engine.block_tables import BlockTables
 
         tables = BlockTables(-(-sched.config.max_model_len // BS), B)
+    rows = None
+    try:
+        from pagedserve.layers.sampling_rows import SamplingRows
+
+        rows = SamplingRows(VOCAB, B)
+        for i in range(B):
+            rows.add(f"r{i}", params)
+    except ImportError:  # (a tree before the persistent sampling rows)
+        pass
+
+    def sampling(out):
+        """The step's sampling batch (the worker's persistent rows where the tree has them)."""
+        ids = [c.request_id for c in out.chunks]
+        kw = {} if rows is None else {"facts": rows.gather(ids)}
+        return SamplingBatch.build([params] * len(ids), [None] * len(ids), [[]] * len(ids), None,
+                                   VOCAB, "cpu", num_outputs=[1] * len(ids), **kw)
 
     def worker(out):
         """The worker's host work on the step: its tables, then the packed arrays."""
@@ -68,12 +88,15 @@ def main() -> None:
         sched.apply_results(out, {c.request_id: [5] for c in out.chunks if c.samples})
         if out.chunks and all(c.is_decode for c in out.chunks) and len(out.chunks) == B:
             break
-    t_sched, t_pack, t_pickle, sizes = [], [], [], []
+    t_sched, t_pack, t_sample, t_pickle, sizes = [], [], [], [], []
     for _ in range(args.steps):
         t0 = time.perf_counter()
         out = sched.schedule()
         t1 = time.perf_counter()
         worker(out)
+        t2 = time.perf_counter()
+        sampling(out)
+        t_sample.append((time.perf_counter() - t2) * 1e3)
         t2 = time.perf_counter()
         blob = pickle.dumps(out)
         pickle.loads(blob)
@@ -90,9 +113,10 @@ def main() -> None:
         qs = statistics.quantiles(xs, n=10)
         return [round(qs[0], 3), round(med(xs), 3), round(qs[-1], 3)]
 
-    result = {"persistent_batch": PERSISTENT, "batch": B, "context": ctx, "steps": args.steps,
+    result = {"persistent_batch": PERSISTENT, "persistent_sampling_rows": rows is not None, "batch": B, "context": ctx, "steps": args.steps,
               "schedule_ms_p10_p50_p90": q(t_sched), "worker_tables_and_pack_ms_p10_p50_p90": q(t_pack),
               "schedule_plus_pack_ms_p10_p50_p90": q([a + b for a, b in zip(t_sched, t_pack)]),
+              "sampling_batch_ms_p10_p50_p90": q(t_sample),
               "pickle_roundtrip_ms_p10_p50_p90": q(t_pickle), "pickled_bytes": int(med(sizes))}
     print(json.dumps(result))
 

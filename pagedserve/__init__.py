@@ -1,10 +1,11 @@
 """pagedserve: fast, practical serving of small LLMs."""
 
+from pagedserve.lora.request import LoRARequest
 from pagedserve.sampling_params import SamplingParams
 from pagedserve.structured.params import StructuredOutputsParams
 from pagedserve.version import __version__
 
-__all__ = ["LLM", "RequestOutput", "CompletionOutput", "Logprob", "SamplingParams",
+__all__ = ["LLM", "LoRARequest", "RequestOutput", "CompletionOutput", "Logprob", "SamplingParams",
            "StructuredOutputsParams", "__version__"]
 
 

@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, ClassVar
 
 from pagedserve.faults import FaultPlan
+from pagedserve.lora.config import LoRAConfig
 from pagedserve.models.moe_config import MoeConfig
 from pagedserve.models.rope_scaling import RopeScaling
 from pagedserve.spec_decode.config import SpeculativeConfig
@@ -194,6 +195,26 @@ class CacheConfig:
             )
 
 
+@dataclass(frozen=True)
+class KVTierConfig:
+    """The KV-cache hierarchy below the GPU's blocks (engine/kv_tiers.py): evicted prefix
+    blocks kept in host memory and, optionally, in files that outlive the process."""
+
+    offload_bytes: int = 0  # host memory for evicted blocks (--kv-offload-size); 0 = no host tier
+    cache_dir: str | None = None  # the disk tier's directory (--kv-cache-dir); None = no disk tier
+    cache_dir_bytes: int = 8 << 30  # most bytes of block files kept there (--kv-cache-dir-size)
+
+    def __post_init__(self) -> None:
+        if self.offload_bytes < 0:
+            raise ValueError(f"kv_offload_size must be >= 0 GiB, got {self.offload_bytes / 2**30:g}")
+        if self.cache_dir is not None and self.cache_dir_bytes <= 0:
+            raise ValueError("kv_cache_dir_size must be positive GiB")
+
+    @property
+    def enabled(self) -> bool:
+        return self.offload_bytes > 0 or self.cache_dir is not None
+
+
 LONG_PREFILL_KERNELS = ("off", "flash", "cudnn", "math")
 
 
@@ -265,6 +286,8 @@ class EngineConfig:
     # every reduction in one order per row, whatever else the step holds (docs/architecture.md,
     # "Batch invariance"): a request's tokens are the same alone or in any batch
     batch_invariant: bool = False
+    kv_tiers: KVTierConfig = field(default_factory=KVTierConfig)  # host and disk tiers (off)
+    lora: LoRAConfig | None = None  # LoRA adapters (lora/); None: --enable-lora not given
 
     @property
     def first_gpu(self) -> int:

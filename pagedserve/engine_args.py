@@ -14,9 +14,10 @@ from dataclasses import dataclass, fields, replace
 from typing import Any
 
 from pagedserve import envs
-from pagedserve.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
+from pagedserve.config import CacheConfig, EngineConfig, KVTierConfig, ModelConfig, SchedulerConfig
 from pagedserve.distributed.split import check_config_split, check_quantized_split
 from pagedserve.faults import FaultPlan
+from pagedserve.lora.config import LoRAConfig
 from pagedserve.models.hf_config import model_config_from_hf
 from pagedserve.models.source import ModelSource, resolve_model
 from pagedserve.quantization import check_moe_quantization, resolve_quantization, split_units
@@ -56,6 +57,16 @@ class EngineArgs:
     generation_config: str = "auto"  # sampling defaults: auto, vllm or a folder
     inject_faults: str | None = None  # chaos tests only (faults.py)
     batch_invariant: bool = False  # the same tokens for a request whatever else is in its batch
+    # the KV-cache hierarchy (engine/kv_tiers.py): GiB of host memory for evicted prefix
+    # blocks (0: off), a directory for block files that outlive the process, its cap in GiB
+    kv_offload_size: float = 0
+    kv_cache_dir: str | None = None
+    kv_cache_dir_size: float = 8
+    # LoRA adapters (lora/): off unless enable_lora
+    enable_lora: bool = False
+    max_loras: int = 1  # adapters in device slots at once (and distinct ones in one step)
+    max_lora_rank: int = 16
+    max_cpu_loras: int | None = None  # adapters kept in host memory (None: max_loras)
 
     @classmethod
     def from_cli(cls, args: argparse.Namespace) -> EngineArgs:
@@ -109,9 +120,42 @@ class EngineArgs:
             kernels=envs.kernel_config(), observability=envs.observability_config(),
             speculative=spec, tensor_parallel_size=self.tensor_parallel_size,
             distributed_executor_backend=self.distributed_executor_backend,
-            data_parallel_size=self.data_parallel_size, batch_invariant=self.batch_invariant,
+            data_parallel_size=self.data_parallel_size, kv_tiers=self._kv_tiers(spec, model_cfg),
+            lora=self._lora_config(), batch_invariant=self.batch_invariant,
         )
         return config, source, model_cfg
+
+    def _kv_tiers(self, spec: SpeculativeConfig | None, model_cfg: ModelConfig) -> KVTierConfig:
+        """The KV tiers' settings, checked against the rest (ValueError names the fix)."""
+        tiers = KVTierConfig(int(self.kv_offload_size * 2**30), self.kv_cache_dir,
+                             int(self.kv_cache_dir_size * 2**30))
+        if not tiers.enabled:
+            return tiers
+        if not self.enable_prefix_caching:
+            raise ValueError("the KV tiers (--kv-offload-size, --kv-cache-dir) keep prefix-cached "
+                             "blocks: drop --no-enable-prefix-caching")
+        if model_cfg.sliding_windows and None not in model_cfg.sliding_windows:
+            raise ValueError("the KV tiers (--kv-offload-size, --kv-cache-dir) do not serve models "
+                             "whose every layer slides (their blocks before the window go back "
+                             "outside the prefix cache): drop the flags")
+        if spec is not None and spec.method == "draft_model":
+            raise ValueError("the KV tiers do not move a draft model's KV cache yet: use the "
+                             "ngram method or drop --kv-offload-size / --kv-cache-dir")
+        if tiers.cache_dir is not None and self.tensor_parallel_size > 1:
+            raise ValueError("--kv-cache-dir does not work with tensor parallelism yet: drop it "
+                             "(the host tier, --kv-offload-size, does)")
+        return tiers
+
+    def _lora_config(self) -> LoRAConfig | None:
+        """The adapters' limits with enable_lora, else None; ValueError for what LoRA does not
+        compose with yet."""
+        if not self.enable_lora:
+            return None
+        if self.tensor_parallel_size != 1:
+            raise ValueError("--enable-lora does not support --tensor-parallel-size > 1 yet")
+        if self.speculative_config is not None:
+            raise ValueError("--enable-lora does not support speculative decoding yet")
+        return LoRAConfig(self.max_loras, self.max_lora_rank, self.max_cpu_loras)
 
 
 def engine_args(model: str | None = None, **kwargs: Any) -> EngineArgs:

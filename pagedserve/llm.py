@@ -12,6 +12,7 @@ from pagedserve.engine.core import EngineCore, FatalEngineError
 from pagedserve.engine.messages import EngineRequest
 from pagedserve.engine.output_processor import OutputProcessor, SampleState
 from pagedserve.engine_args import engine_args
+from pagedserve.lora.request import LoRARequest
 from pagedserve.models.generation_defaults import sampling_defaults
 from pagedserve.models.source import load_tokenizer
 from pagedserve.outputs import RequestOutput
@@ -94,9 +95,12 @@ class LLM:
         *,
         use_tqdm: bool = True,
         priority: Sequence[int] | None = None,
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
     ) -> list[RequestOutput]:
         """Generate for every prompt (text, token ids, or vLLM's {"prompt": text} and
-        {"prompt_token_ids": ids} dicts); results come in input order."""
+        {"prompt_token_ids": ids} dicts); results come in input order. `lora_request`: the
+        LoRA adapter every prompt runs under, or one per prompt (None: the base model; the
+        LLM needs enable_lora=True)."""
         if isinstance(prompts, (str, dict)) or (
             isinstance(prompts, list) and prompts and isinstance(prompts[0], int)
         ):
@@ -107,12 +111,18 @@ class LLM:
         prios = list(priority) if priority is not None else [0] * len(prompts)
         if len(prios) != len(prompts):
             raise ValueError("priority must have one entry per prompt")
+        loras = (list(lora_request) if isinstance(lora_request, (list, tuple))
+                 else [lora_request] * len(prompts))
+        if len(loras) != len(prompts):
+            raise ValueError(f"lora_request has {len(loras)} entries for {len(prompts)} prompts")
+        if any(x is not None and not isinstance(x, LoRARequest) for x in loras):
+            raise TypeError("lora_request takes LoRARequest objects (pagedserve.LoRARequest) or None")
         results: list[RequestOutput] = []
         proc = OutputProcessor(self.tokenizer, stream_text=False)
         children: dict[str, tuple[RequestOutput, int]] = {}
         resolved: dict[int, SamplingParams] = {}  # id of a params object in `params` -> it resolved
         try:
-            for (text, ids), p, prio in zip(prompts, params, prios):
+            for (text, ids), p, prio, lora in zip(prompts, params, prios, loras):
                 if text is not None:
                     ids = self.tokenizer.encode(text, add_special_tokens=True)
                 ro = RequestOutput(str(next(self._ids)), text, ids)
@@ -123,7 +133,7 @@ class LLM:
                 for i in range(p.n):
                     child = p.for_sample(i)
                     rid = f"{ro.request_id}-{i}"
-                    self.engine.add_request(EngineRequest(rid, ids, child, priority=prio))
+                    self.engine.add_request(EngineRequest(rid, ids, child, priority=prio, lora_request=lora))
                     proc.add(rid, i, ids, child)
                     children[rid] = (ro, i)
             self._run(proc, children, len(results), use_tqdm)

@@ -83,13 +83,15 @@ LAYERS = [
      "pagedserve.spec_decode.config", "pagedserve.models.moe_config", "pagedserve.models.rope_scaling",
      "pagedserve.distributed.split", "pagedserve.unicode_checks", "pagedserve.heap",
      "pagedserve.ipc_dirs", "pagedserve.lifeline", "pagedserve.child_process", "pagedserve.host_copy",
-     "pagedserve.version"],
+     "pagedserve.version", "pagedserve.lora.request", "pagedserve.lora.config",
+     "pagedserve.lora.peft_checkpoint", "pagedserve.lora.slots", "pagedserve.lora.known"],
     ["pagedserve.envs", "pagedserve.tokenizer"],  # the environment's switches; text <-> ids
     ["pagedserve.kernels", "pagedserve.distributed"],  # Triton kernels; tensor-parallel groups
     ["pagedserve.attention"],
     ["pagedserve.layers"],
     ["pagedserve.quantization"],  # LinearMethods over layers/linear_method.py
     ["pagedserve.models"],
+    ["pagedserve.lora"],  # LoRA adapters' slot tensors and their per-row term (torch)
     ["pagedserve.structured"],
     # the engine's state: requests, scheduling, KV blocks, step buffers, messages
     ["pagedserve.engine.request", "pagedserve.engine.cached_request", "pagedserve.engine.scheduler",
@@ -98,7 +100,8 @@ LAYERS = [
      "pagedserve.engine.messages",
      "pagedserve.engine.limits", "pagedserve.engine.stopping", "pagedserve.engine.step_timer",
      "pagedserve.engine.step_trace", "pagedserve.engine.step_handle", "pagedserve.engine.heartbeat",
-     "pagedserve.engine.prompt_logprobs"],
+     "pagedserve.engine.prompt_logprobs", "pagedserve.engine.kv_tiers",
+     "pagedserve.engine.kv_tier_prefix"],
     ["pagedserve.spec_decode"],  # proposers and verification, over the engine's state
     ["pagedserve.engine"],  # the assembly: runner, worker, executors, core, core process
     ["pagedserve.engine_args", "pagedserve.llm"],

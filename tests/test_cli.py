@@ -53,6 +53,9 @@ BAD_VALUES = [
     (["serve", "--tensor-parallel-size", "0"], "--tensor-parallel-size"),
     (["serve", "-tp", "2"], "the attention heads (9) to be a multiple of 2"),
     (["serve", "--distributed-executor-backend", "ray"], "pagedserve serve-ray"),
+    (["serve", "--kv-offload-size", "-1"], "--kv-offload-size"),
+    (["serve", "--kv-cache-dir-size", "0"], "--kv-cache-dir-size"),
+    (["serve", "--kv-offload-size", "1", "--no-enable-prefix-caching"], "--no-enable-prefix-caching"),
     (["serve-ray", "--timeout-keep-alive", "9"], "--timeout-keep-alive configures"),
     (["serve-ray", "--min-replicas", "2"], "--min-replicas needs --max-replicas"),
 ]

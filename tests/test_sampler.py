@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import math
 
+import numpy as np
 import pytest
 import torch
 
 from pagedserve.layers.sampler import Sampler, SamplingBatch, apply_penalties, apply_top_k_top_p
+from pagedserve.layers.sampling_rows import SamplingRows, row_facts
 from pagedserve.sampling_params import SamplingParams
 
 DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
@@ -417,3 +419,43 @@ def test_exponential_noise_is_exp1_and_follows_its_generator():
     assert abs((x > 1).float().mean().item() - math.exp(-1)) < 0.005
     again = fill_exponential_(torch.empty(400_000), torch.Generator().manual_seed(3))
     assert torch.equal(x, again)
+
+
+def test_persistent_sampling_rows_match_the_params_through_arrivals_and_departures():
+    """The worker's persistent rows (written once per request, rows reused after a request
+    ends, the table grown past its first size) give a step the same facts, and so the same
+    batch, as reading every row's params."""
+    vocab = 50
+    kinds = [SamplingParams(temperature=0), SamplingParams(temperature=0.7, top_p=0.8, top_k=20),
+             SamplingParams(temperature=1.0, min_p=0.1, logprobs=3),
+             SamplingParams(temperature=0, repetition_penalty=1.2, min_tokens=2),
+             SamplingParams(temperature=0.5, logit_bias={3: 2.0}, allowed_token_ids=[1, 2, 3]),
+             SamplingParams(temperature=0.9, top_k=100, presence_penalty=0.5, logprobs=0)]
+    rows = SamplingRows(vocab, rows=2)
+    held: dict[str, SamplingParams] = {}
+    for i in range(40):
+        rid = f"r{i}"
+        held[rid] = kinds[i % len(kinds)]
+        rows.add(rid, held[rid])
+        if i % 3 == 2:  # one ends: its row goes to a later arrival
+            gone = sorted(held)[i % len(held)]
+            rows.drop(gone)
+            del held[gone]
+        ids = sorted(held)[::-1]
+        got, want = rows.gather(ids), row_facts([held[r] for r in ids], vocab)
+        assert np.array_equal(got.scalars, want.scalars) and np.array_equal(got.flags, want.flags)
+        assert np.array_equal(got.logprobs, want.logprobs)
+    assert len(rows) == len(held) and len(rows.scalars) >= len(held)
+    params = [held[r] for r in ids]
+    a = SamplingBatch.build(params, [None] * len(ids), [[1]] * len(ids), [[2]] * len(ids), vocab, "cpu",
+                            eos_token_ids=[0], facts=rows.gather(ids))
+    b = SamplingBatch.build(params, [None] * len(ids), [[1]] * len(ids), [[2]] * len(ids), vocab, "cpu",
+                            eos_token_ids=[0])
+    for name in ("temperature", "top_p", "top_k", "min_p", "repetition_penalty", "ban_rows"):
+        assert torch.equal(getattr(a, name), getattr(b, name)), name
+    assert all(torch.equal(x, y) for x, y in zip(a.bias, b.bias, strict=True))
+    assert all(torch.equal(x, y) for x, y in zip(a.allowed, b.allowed, strict=True))
+    flags = ("max_top_k", "max_num_logprobs", "all_greedy", "all_random", "need_top_k", "need_top_p",
+             "need_min_p", "need_penalties", "top_p_within_top_k", "top_k_on_random_rows")
+    assert [getattr(a, f) for f in flags] == [getattr(b, f) for f in flags]
+    assert a.need_top_k and a.need_penalties and a.max_num_logprobs == 3 and a.bias is not None

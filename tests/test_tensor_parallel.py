@@ -128,9 +128,14 @@ def test_splits_a_model_cannot_make_are_refused():
 NGRAM = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3, "min_accepted_per_step": 0}
 
 
-@pytest.mark.parametrize("settings", [{}, {"quantization": "fp8"}, {"kv_cache_dtype": "fp8"},
+# (with the FP8 KV cache, the host tier: 256 of its blocks, each rank as many bytes; its blocks
+# travel as bytes, so FP8 comes back exactly)
+KV_OFFLOAD = {"kv_offload_size": 256 * 4 * 3 * 2 * 2 * 16 / 2**30}
+
+
+@pytest.mark.parametrize("settings", [{}, {"quantization": "fp8"}, {"kv_cache_dtype": "fp8", **KV_OFFLOAD},
                                       {"speculative_config": NGRAM}, {"speculative_config": "draft"}],
-                         ids=["plain", "fp8-weights", "fp8-kv-cache", "ngram", "draft-model"])
+                         ids=["plain", "fp8-weights", "fp8-kv-cache-offload", "ngram", "draft-model"])
 def test_the_engine_over_two_ranks_gives_the_one_process_tokens(tmp_path, settings):
     """LLM(tensor_parallel_size=2): two gloo worker processes; greedy, seeded and unseeded
     sampled tokens equal the one-process engine's (with the same weight and KV-cache formats)
@@ -167,6 +172,8 @@ def test_the_engine_over_two_ranks_gives_the_one_process_tokens(tmp_path, settin
         assert split.engine.scheduler.num_preemptions > 0 and split.engine.kv.stats.hits > 0
         if "speculative_config" in settings:
             assert split.engine.speculator.num_accepted_tokens > 0
+        if "kv_offload_size" in settings:  # (evicted prefixes came back from each rank's host pool)
+            assert split.engine.kv.tiers.stats.host_hits > 0 and one.engine.kv.tiers.stats.host_hits > 0
         split.engine.kv.check_integrity(expect_all_free=True)
         # a collective_rpc runs on every rank and brings each one's answer: the same steps
         counts = split.engine.executor.collective_rpc("graph_counts")

@@ -80,6 +80,16 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="mp: a worker process per tensor-parallel rank (the default above 1 "
                         "rank); uni: the model in the engine's own process (the default at 1); "
                         "ray is refused (replicas on Ray: `pagedserve serve-ray`)")
+    p.add_argument("--kv-offload-size", type=types.non_negative_float, default=0, metavar="GIB",
+                   help="GiB of host memory (pinned on CUDA) that keeps prefix-cached KV blocks "
+                        "evicted from the KV cache; a returning prompt copies them back instead "
+                        "of recomputing them (0: off)")
+    p.add_argument("--kv-cache-dir", default=None, metavar="PATH",
+                   help="a directory for evicted prefix blocks as files (one per block, "
+                        "checksummed, named by the model's identity), which a restarted engine "
+                        "reuses; an unwritable directory turns it off with a warning")
+    p.add_argument("--kv-cache-dir-size", type=types.positive_float, default=8, metavar="GIB",
+                   help="the most GiB of block files --kv-cache-dir keeps (oldest go first)")
     p.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
     p.add_argument("--batch-invariant", action="store_true",
                    help="deterministic serving: a request gets the same tokens (and seeded samples) "
@@ -106,3 +116,12 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                         "dummy weights, benchmark datasets), as vLLM's --seed")
     p.add_argument("--log-level", default=envs.log_level(), type=types.log_level,
                    help="DEBUG, INFO, WARNING, ERROR or CRITICAL")
+    # LoRA adapters (vLLM's flags; `serve --lora-modules` names them)
+    p.add_argument("--enable-lora", action="store_true",
+                   help="serve PEFT LoRA adapters beside the base model (q/k/v/o/gate/up/down)")
+    p.add_argument("--max-loras", type=types.int_at_least(1), default=1,
+                   help="adapters resident on the device at once, and distinct adapters in one batch")
+    p.add_argument("--max-lora-rank", type=types.int_at_least(1), default=16,
+                   help="the largest adapter rank (1, 8, 16, 32, 64, 128, 256, 320 or 512)")
+    p.add_argument("--max-cpu-loras", type=types.int_at_least(1), default=None,
+                   help="adapters kept in host memory (default: --max-loras)")

@@ -12,12 +12,25 @@ from pagedserve.server.startup_checks import resolve_api_key
 from pagedserve.server.tool_parsers import TOOL_PARSERS
 
 
+def _lora_module(text: str):
+    from pagedserve.server.lora_registry import parse_lora_module
+
+    try:
+        return parse_lora_module(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
 def add_serve_args(srv: argparse.ArgumentParser) -> None:
     a = srv.add_argument
     a("--host", default="127.0.0.1", help="address to listen on (0.0.0.0: every interface)")
     a("--port", type=types.port, default=8000, help="TCP port to listen on")
     a("--served-model-name", nargs="+", default=None,
       help="name(s) clients use for the model (default: the model argument)")
+    a("--lora-modules", nargs="+", type=_lora_module, default=[], metavar="NAME=PATH",
+      help="LoRA adapters served by name (with --enable-lora): name=path, or the JSON form "
+           "'{\"name\": \"sql\", \"path\": \"/adapters/sql\", \"base_model_name\": \"...\"}'; "
+           "a request's model field chooses one")
     a("--api-key", default=None,
       help="require 'Authorization: Bearer KEY' (default: $PAGEDSERVE_API_KEY); an empty key, "
            "or one an HTTP header cannot carry (outer spaces, non-ASCII), is refused")

@@ -17,6 +17,7 @@ from pagedserve import faults
 from pagedserve.config import EngineConfig
 from pagedserve.engine.executor import Executor, ExecutorDied, UniprocExecutor
 from pagedserve.engine.kv_cache_manager import KVCacheManager, window_to_free
+from pagedserve.engine.kv_tiers import KVTiers
 from pagedserve.engine.limits import check_prompt, check_token_ids
 from pagedserve.engine.messages import EngineRequest, TokenOutput
 from pagedserve.engine.request import Request
@@ -32,6 +33,7 @@ from pagedserve.engine.step_trace import StepTrace
 from pagedserve.engine.stopping import check_stop
 from pagedserve.engine.tp_executor import TensorParallelExecutor
 from pagedserve.engine.warm_up import warm_up
+from pagedserve.lora.known import KnownAdapters
 from pagedserve.models.source import ModelSource, resolve_model
 from pagedserve.spec_decode.speculator import Speculator
 from pagedserve.structured.backend import GrammarError
@@ -65,8 +67,10 @@ class EngineCore:
         self.model_config = info.model_config
         self.scheduler_config = sched = info.scheduler_config
         self.kv = KVCacheManager(info.num_blocks, info.block_size, config.cache.enable_prefix_caching,
-                                 window_to_free(info.model_config.sliding_windows, info.draft_layer_windows))
-        self.scheduler = Scheduler(sched, self.kv)
+                                 window_to_free(info.model_config.sliding_windows, info.draft_layer_windows),
+                                 KVTiers(*info.kv_tier_sizes, info.kv_disk_digests))
+        self.scheduler = Scheduler(sched, self.kv, config.lora.max_loras if config.lora else 0)
+        self._adapters = KnownAdapters(config.lora, self.model_config)  # (LoRA requests' adapters)
         self.requests: dict[str, Request] = {}
         spec = config.speculative
         self.speculator = None if spec is None else Speculator(
@@ -133,10 +137,12 @@ class EngineCore:
         max_tokens = check_prompt(er.prompt_token_ids, p.max_tokens, self.scheduler_config.max_model_len,
                                   self.model_config.vocab_size)
         check_token_ids(p, self.model_config.vocab_size)
+        if er.lora_request is not None:
+            self._adapters.check(er.lora_request)
         req = Request(
             er.request_id, list(er.prompt_token_ids), p, priority=er.priority,
             max_tokens=max_tokens,
-            eos_token_ids=self.model_config.eos_token_ids,
+            eos_token_ids=self.model_config.eos_token_ids, lora_request=er.lora_request,
         )
         if er.arrival_time is not None:
             req.arrival_time = er.arrival_time
@@ -231,7 +237,8 @@ class EngineCore:
                 self._trace.end(trace_start, out.chunks, self._graph_steps() > graphs,
                                 (time.perf_counter() - t_scheduled) * 1e3)
             self.num_prefill_tokens += sum(c.num_tokens for c in out.chunks if not c.is_decode)
-        elif out.finished_req_ids and not self.fatal_error:  # only ended requests to forget
+        elif (out.finished_req_ids or out.kv_copies) and not self.fatal_error:  # no chunks: only
+            # ended requests to forget, or the KV tiers' copies (deletes of old block files)
             self.executor.execute(out)
         timer.mark("prepare+launch")
         t_launched = time.perf_counter()
@@ -272,6 +279,8 @@ class EngineCore:
             for req in self.scheduler.drop(out) if out is not None else ():
                 reqs[id(req)] = req
         self._inflight = self._launching = None
+        if self.kv.tiers is not None:  # (the failed steps' copies may not have run)
+            self.kv.tiers.forget_all()
         if isinstance(error, ExecutorDied):  # nothing can run any more: every request fails
             self.fatal_error = f"the engine cannot go on: {error}"
             reqs.update((id(r), r) for r in self.requests.values())
@@ -284,6 +293,8 @@ class EngineCore:
             self.kv.check_integrity()
         except AssertionError as e:
             raise FatalEngineError(f"the KV-cache bookkeeping is broken after a failed step: {e}") from e
+        if self.kv.tiers is not None:  # (their blocks were freed: forget their prefixes)
+            self.kv.reset_prefix_cache()
         orphans = set(self.kv.request_ids()) - set(self.requests)
         if orphans:
             raise FatalEngineError("KV blocks are held by unknown requests after a failed step: "
@@ -304,11 +315,8 @@ class EngineCore:
                 faults.fail("step", chunk.request_id)
 
     def _needs_sync(self) -> bool:
-        """Speculative steps complete before the next is scheduled: drafts follow a request's
-        last token, and a verified step's tokens decide where the next one starts. (A
-        grammar's mask also needs the token before it; the worker waits for that token behind
-        the next forward pass, so grammars keep async scheduling. Penalties count a pending
-        token where it is, on the device.)"""
+        """Speculative steps complete before the next is scheduled (drafts follow a request's
+        last token). Grammars and penalties keep async scheduling (the worker has the token)."""
         inflight = self._inflight[0].chunks if self._inflight else ()
         return self._speculating() or any(c.draft_token_ids for c in inflight)
 
@@ -320,6 +328,8 @@ class EngineCore:
         go straight to the step's list, so a failure halfway loses none of them."""
         result = self.executor.collect(handle)
         self.timer.mark("wait for GPU")
+        if result.kv_tiers is not None and self.kv.tiers is not None:
+            self.kv.tiers.apply_report(result.kv_tiers)
         outputs = self._step_outputs
         for rid in result.non_finite:  # fail before the bad token is applied
             req = self.requests.get(rid)

@@ -150,9 +150,15 @@ def _loop(core, inp, out, heartbeat: Heartbeat | None = None,
 
 def core_stats(core) -> CoreStats:
     kv, sched, spec = core.kv, core.scheduler, core.speculator
-    return CoreStats(
+    stats = CoreStats(
         len(sched.running), len(sched.waiting), kv.usage, kv.stats.queries, kv.stats.hits,
         sched.num_preemptions, core.num_prefill_tokens, core.num_generation_tokens,
         core.num_failed_steps, core.num_failed_requests,
         *((spec.num_drafts, spec.num_draft_tokens, spec.num_accepted_tokens) if spec else ()),
     )
+    if kv.tiers is not None:
+        t, m = kv.tiers.stats, kv.tiers.moves
+        stats.kv_host_hits, stats.kv_disk_hits, stats.kv_tier_misses = t.host_hits, t.disk_hits, t.misses
+        stats.kv_offloads, stats.kv_host_bytes, stats.kv_host_seconds = t.offloads, m.host_bytes, m.host_seconds
+        stats.kv_disk_bytes, stats.kv_disk_seconds = m.disk_bytes, m.disk_seconds
+    return stats

@@ -84,6 +84,9 @@ class UniprocExecutor(Executor):
         self.worker = Worker(config, source)
         self.info = self.worker.info()
 
+    def close(self) -> None:
+        self.worker.close()
+
     def execute(self, out: SchedulerOutput) -> Any:
         return self.worker.execute(out)
 

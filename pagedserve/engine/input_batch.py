@@ -187,6 +187,8 @@ class StepBuffers:
         self.tokens = torch.zeros(4 * max_tokens, dtype=torch.long, device=device)
         self.seq = torch.zeros(self.layout.size, dtype=torch.int32, device=device)
         self.block_tables = torch.zeros((max_seqs, max_blocks), dtype=torch.int32, device=device)
+        # each token row's LoRA slot (-1: the base model; padding rows -1), copied only with LoRA
+        self.lora_slots = torch.full((max_tokens,), -1, dtype=torch.int32, device=device)
 
     def fits(self, a: StepArrays) -> bool:
         return (a.num_tokens <= self.max_tokens and a.num_seqs <= self.max_seqs
@@ -220,6 +222,15 @@ class StepBuffers:
             else:
                 pending = src >= 0
                 ids[pending] = prev_tokens[src[pending]]
+
+    def load_lora_slots(self, token_slots: np.ndarray, bucket: int) -> None:
+        """Copy a step's per-token LoRA slots ([T] int32, `LoRAManager.prepare`), padded with
+        -1 up to `bucket` rows."""
+        host = np.full(bucket, -1, dtype=np.int32)
+        host[: len(token_slots)] = token_slots
+        cuda = self.device.type == "cuda"
+        self.lora_slots[:bucket].copy_(_pinned(torch.from_numpy(host)) if cuda else torch.from_numpy(host),
+                                       non_blocking=cuda)
 
     def advance_decodes(self, rows: int, tokens: torch.Tensor, block_size: int) -> None:
         """On the device: turn the decode step in the first `rows` token rows (a decode graph's

@@ -20,6 +20,10 @@ Invariants:
 - free blocks that still carry a hash stay findable until they are evicted, least
   recently freed first (the order of `_free`);
 - a cache hit compares the stored tokens, so a hash collision can never return wrong KV.
+
+With KV tiers (`engine/kv_tiers.py`: host memory, disk), a registered block also carries its
+strong `digest`; evicting it records an offload, and `find_prefix` (`kv_tier_prefix.py`) goes
+on past the GPU cache into the tiers, whose hits get fresh blocks, onloaded before the step.
 """
 
 from __future__ import annotations
@@ -29,6 +33,9 @@ from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+from pagedserve.engine.kv_tier_prefix import TieredPrefix, TierHit
+from pagedserve.engine.kv_tiers import KVTiers, block_digest, block_hash
+
 logger = logging.getLogger("pagedserve")
 
 # What a released (slid-out) entry of a block table holds. The attention backends never read
@@ -37,9 +44,11 @@ logger = logging.getLogger("pagedserve")
 NULL_BLOCK = 0
 
 
-def block_hash(parent: int | None, tokens: tuple[int, ...]) -> int:
-    """Chained hash of a full block: depends on every token before it, too."""
-    return hash((parent, tokens))
+def chain_root(cache_salt: int) -> tuple[int | None, tuple[str, int] | None]:
+    """(parent hash, parent reg id) of a request's first block: None, None for the base
+    model; a LoRA adapter's id (`cache_salt` > 0) starts a chain of its own, so a prefix
+    computed under one adapter is never found under another or the base model."""
+    return (None, None) if not cache_salt else (hash(("lora", cache_salt)), ("lora", cache_salt))
 
 
 def window_to_free(layer_windows: Sequence[int | None],
@@ -68,10 +77,12 @@ class Block:
     block_hash: int | None = None
     token_ids: tuple[int, ...] | None = None  # the tokens behind block_hash
     reg_id: int | None = None  # unique per registration, never reused
-    parent_reg_id: int | None = None  # reg_id of the block before it (None for the first)
+    # reg_id of the block before it (the first: None, or its adapter's `chain_root`)
+    parent_reg_id: int | tuple[str, int] | None = None
+    digest: bytes | None = None  # with KV tiers: the strong chained hash (kv_tiers.block_digest)
 
     def forget(self) -> None:
-        self.block_hash = self.token_ids = self.reg_id = self.parent_reg_id = None
+        self.block_hash = self.token_ids = self.reg_id = self.parent_reg_id = self.digest = None
 
 
 @dataclass
@@ -92,14 +103,17 @@ class _ReqState:
     # block holding that exact prefix (None once the chain could not be registered).
     block_hashes: list[int] = field(default_factory=list)
     reg_ids: list[int | None] = field(default_factory=list)
+    digests: list[bytes] = field(default_factory=list)  # with KV tiers: of those blocks
+    cache_salt: int = 0  # its LoRA adapter's id (0: the base model): see chain_root
 
 
-class KVCacheManager:
+class KVCacheManager(TieredPrefix):
     """Owns `num_blocks` block ids and hands them to requests. `sliding_window`: the widest
-    window W of a model whose every layer slides (`window_to_free`), or None."""
+    window W of a model whose every layer slides (`window_to_free`), or None. `tiers`: the KV
+    tiers' index (None: none; they need prefix caching and no sliding window)."""
 
     def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True,
-                 sliding_window: int | None = None) -> None:
+                 sliding_window: int | None = None, tiers: KVTiers | None = None) -> None:
         if num_blocks <= 0 or block_size <= 0:
             raise ValueError("num_blocks and block_size must be positive")
         if sliding_window is not None and sliding_window < 1:
@@ -114,6 +128,7 @@ class KVCacheManager:
         self._next_reg_id = 0
         self._reqs: dict[str, _ReqState] = {}
         self.stats = PrefixCacheStats()
+        self.tiers = tiers if tiers and tiers.enabled and enable_prefix_caching and not sliding_window else None
 
     # ---- queries ----------------------------------------------------------------------
 
@@ -153,16 +168,16 @@ class KVCacheManager:
 
     # ---- prefix cache -----------------------------------------------------------------
 
-    def find_cached_prefix(self, token_ids: Sequence[int]) -> list[int]:
-        """Block ids of the longest cached run of full blocks at the start of `token_ids`.
+    def find_cached_prefix(self, token_ids: Sequence[int], cache_salt: int = 0) -> list[int]:
+        """Block ids of the longest cached run of full blocks at the start of `token_ids`
+        (computed under the LoRA adapter `cache_salt`; 0: the base model).
 
         The last token is never covered: at least one token must be computed to get logits.
         """
         if not self.enable_prefix_caching:
             return []
         found: list[int] = []
-        parent: int | None = None
-        parent_reg: int | None = None
+        parent, parent_reg = chain_root(cache_salt)
         bs = self.block_size
         for start in range(0, len(token_ids) - 1 - bs + 1, bs):
             tokens = tuple(token_ids[start : start + bs])
@@ -191,14 +206,21 @@ class KVCacheManager:
         request_id: str,
         num_total_tokens: int,
         cached_block_ids: Sequence[int] = (),
+        tier_hits: Sequence[TierHit] = (),
+        cache_salt: int = 0,
     ) -> bool:
         """Make the request own enough blocks for `num_total_tokens` tokens.
 
         `cached_block_ids` (from find_cached_prefix, only for a request with no blocks
         yet) are shared first; the request then computes from the end of them, so with a
         sliding window those wholly before that token's window are not taken (their entries
-        are NULL_BLOCK from the start). Returns False, changing nothing, if blocks run out.
+        are NULL_BLOCK from the start). `tier_hits` (from find_prefix) follow them: fresh
+        blocks onloaded from a tier, or GPU blocks found by digest. `cache_salt`: the LoRA
+        adapter a new request runs under (its blocks' prefix-cache chain; the tiers keep the
+        base model's blocks only). Returns False, changing nothing, if blocks run out.
         """
+        if tier_hits:
+            return self._allocate_with_tiers(request_id, num_total_tokens, cached_block_ids, tier_hits)
         state = self._reqs.get(request_id)
         have = len(state.block_ids) if state else 0
         if cached_block_ids and have:
@@ -210,11 +232,13 @@ class KVCacheManager:
         if max(need, 0) + reuse_free > len(self._free):
             return False
         if state is None:
-            state = self._reqs[request_id] = _ReqState()
+            state = self._reqs[request_id] = _ReqState(cache_salt=cache_salt)
         for i, b in enumerate(cached_block_ids):
             block = self.blocks[b]
             state.block_hashes.append(block.block_hash)  # type: ignore[arg-type]
             state.reg_ids.append(block.reg_id)
+            if self.tiers is not None:
+                state.digests.append(block.digest)  # type: ignore[arg-type]
             if i < skip:
                 state.block_ids.append(NULL_BLOCK)
                 continue
@@ -233,9 +257,15 @@ class KVCacheManager:
         if block.block_hash is not None:  # evict it from the prefix cache
             if self._hash_to_block.get(block.block_hash) == block_id:
                 del self._hash_to_block[block.block_hash]
+                if self.tiers is not None and block.digest is not None:
+                    self.tiers.evicted(block_id, block.digest)
             block.forget()
         block.ref_count = 1
         return block_id
+
+    def _new_state(self, request_id: str) -> _ReqState:
+        state = self._reqs[request_id] = _ReqState()
+        return state
 
     def _num_before_window(self, first_query: int) -> int:
         """How many blocks lie wholly before the window of the query at `first_query` (the
@@ -281,13 +311,18 @@ class KVCacheManager:
         state = self._reqs[request_id]
         bs = self.block_size
         num_full = min(num_computed // bs, len(state.block_ids))
-        parent = state.block_hashes[-1] if state.block_hashes else None
+        root, root_reg = chain_root(state.cache_salt)
+        parent = state.block_hashes[-1] if state.block_hashes else root
         for i in range(len(state.block_hashes), num_full):
             tokens = tuple(token_ids[i * bs : (i + 1) * bs])
             h = block_hash(parent, tokens)
-            parent_reg = state.reg_ids[-1] if state.reg_ids else None
+            parent_reg = state.reg_ids[-1] if state.reg_ids else root_reg
             state.block_hashes.append(h)
             parent = h
+            digest = None
+            if self.tiers is not None and not state.cache_salt:  # (an adapter's: GPU only)
+                digest = block_digest(state.digests[-1] if state.digests else None, tokens)
+                state.digests.append(digest)
             if (i > 0 and parent_reg is None) or i < state.num_slid:
                 # the chain broke earlier (nothing to attach to), or the block is gone already
                 state.reg_ids.append(None)
@@ -295,7 +330,7 @@ class KVCacheManager:
             block = self.blocks[state.block_ids[i]]
             existing = self._hash_to_block.get(h)
             if existing is None and block.block_hash is None:
-                block.block_hash, block.token_ids = h, tokens
+                block.block_hash, block.token_ids, block.digest = h, tokens, digest
                 block.reg_id, block.parent_reg_id = self._next_reg_id, parent_reg
                 self._next_reg_id += 1
                 self._hash_to_block[h] = block.block_id
@@ -345,6 +380,8 @@ class KVCacheManager:
         """Forget the prefix cache and zero its hit statistics (after the warm-up)."""
         self.reset_prefix_cache()
         self.stats = PrefixCacheStats()
+        if self.tiers is not None:
+            self.tiers.reset_stats()
 
     # ---- integrity --------------------------------------------------------------------
 

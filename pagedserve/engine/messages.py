@@ -13,7 +13,9 @@ Inside the engine, the executor hands the core each step's `StepResult`.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
+from pagedserve.lora.request import LoRARequest
 from pagedserve.sampling_params import SamplingParams
 
 
@@ -26,6 +28,7 @@ class EngineRequest:
     sampling_params: SamplingParams
     priority: int = 0
     arrival_time: float | None = None
+    lora_request: LoRARequest | None = None  # the adapter it runs under (None: the base model)
 
 
 @dataclass
@@ -91,6 +94,17 @@ class CoreStats:
     spec_drafts: int = 0
     spec_draft_tokens: int = 0
     spec_accepted_tokens: int = 0
+    # KV tiers (cumulative; engine/kv_tiers.py): prompt blocks found in host memory and on disk
+    # after a GPU-cache miss, those looked up there and not found, blocks offloaded to host
+    # memory, and the bytes and seconds of the copies (host: both ways; disk: writes + reads)
+    kv_host_hits: int = 0
+    kv_disk_hits: int = 0
+    kv_tier_misses: int = 0
+    kv_offloads: int = 0
+    kv_host_bytes: int = 0
+    kv_host_seconds: float = 0.0
+    kv_disk_bytes: int = 0
+    kv_disk_seconds: float = 0.0
 
 
 # ---- socket messages ----------------------------------------------------------------------
@@ -162,3 +176,5 @@ class StepResult:
     # its rank, top-k)) for the prefill chunks that asked (engine/prompt_logprobs.py)
     prompt_logprobs: dict[str, tuple[int, list[tuple[float, int, list[tuple[int, float]]]]]] = (
         field(default_factory=dict))
+    # with KV tiers: the worker's report since the last step (kv_tiers.TierReport)
+    kv_tiers: Any = None

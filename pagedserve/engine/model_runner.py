@@ -16,6 +16,7 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from pagedserve.attention.backend import AttentionBackend, AttentionContext, GraphKey
@@ -30,6 +31,8 @@ from pagedserve.engine.prompt_logprobs import PromptRows, entries, prompt_rows, 
 from pagedserve.engine.scheduler import NewRequestData, ScheduledChunk, SchedulerOutput
 from pagedserve.engine.step_handle import StepHandle
 from pagedserve.layers.sampler import Sampler, SamplingBatch
+from pagedserve.layers.sampling_rows import SamplingRows
+from pagedserve.lora.manager import LoRAManager
 from pagedserve.models.llama import LlamaForCausalLM
 from pagedserve.spec_decode.spec_decoder import SpecDecoder, VerifyPlan, token_logprobs
 from pagedserve.structured.backend import Grammar, GrammarError, accept_tokens
@@ -64,10 +67,12 @@ class ModelRunner:
     def __init__(self, model: LlamaForCausalLM, backend: AttentionBackend, spec: KVCacheSpec,
                  num_blocks: int, sampler: Sampler, limits: SchedulerConfig,
                  spec_decoder: SpecDecoder | None = None,
-                 grammars: Callable[[StructuredOutputsParams], Grammar] | None = None) -> None:
+                 grammars: Callable[[StructuredOutputsParams], Grammar] | None = None,
+                 lora: LoRAManager | None = None) -> None:
         """`spec_decoder`: speculative decoding's part in each step (the worker builds it;
         None: no speculation). `grammars`: a constraint's compiled grammar (looked up or
-        compiled; GrammarError if it cannot be), for requests that have one."""
+        compiled; GrammarError if it cannot be), for requests that have one. `lora`: the
+        LoRA adapters' slots over the model's projections (None: LoRA off)."""
         cfg = model.config
         self.model = model
         self.backend = backend
@@ -84,7 +89,11 @@ class ModelRunner:
         self.buffers = StepBuffers(backend, limits.max_num_batched_tokens, limits.max_num_seqs,
                                    max_blocks, self.device, max(self.spec.verify_len - 1, 0))
         self.tables = BlockTables(max_blocks, limits.max_num_seqs)  # held requests' block tables
+        self.sampling_rows = SamplingRows(self.vocab_size, limits.max_num_seqs)  # ... their sampling facts
         self.grammars = grammars
+        self.lora = lora
+        if lora is not None:
+            lora.bind(self.buffers.lora_slots)
         self.masks = GrammarMasks(self.vocab_size, self.device)
         self.graphs: GraphRunner | None = None  # once enable_cuda_graphs() ran
         self.last_launch_ms = (0.0, 0.0, 0.0)  # see execute()
@@ -130,8 +139,11 @@ class ModelRunner:
         for rid in request_ids:
             self.requests.pop(rid, None)
             self.tables.drop(rid)
+            self.sampling_rows.drop(rid)
             self.masks.failed.pop(rid, None)
             self._prompt_logprobs.discard(rid)
+            if self.lora is not None:
+                self.lora.release(rid)
 
     def _add_requests(self, new: list[NewRequestData]) -> None:
         for n in new:
@@ -144,6 +156,9 @@ class ModelRunner:
                 matcher = BadWordsMatcher(words, matcher)
             if n.sampling_params.prompt_logprobs is not None:
                 self._prompt_logprobs.add(n.request_id)
+            self.sampling_rows.add(n.request_id, n.sampling_params)
+            if self.lora is not None:
+                self.lora.add_request(n.request_id, n.lora_request)
             self.requests[n.request_id] = CachedRequest(
                 n.request_id, n.prompt_token_ids, n.sampling_params, list(n.prompt_token_ids), gen,
                 matcher, so.after_tokens if so is not None else ())
@@ -219,6 +234,9 @@ class ModelRunner:
         prompt = prompt_rows(out.chunks, states, a.query_start_loc) if self._prompt_logprobs else None
         key = None if self.graphs is None or prompt is not None else self.graphs.key_for(a)
         self.buffers.load(a, key.num_tokens if key else a.num_tokens, key, self._prev_tokens)
+        if self.lora is not None:  # (each row's adapter slot; the step's adapters loaded into slots)
+            slots = self.lora.prepare([c.request_id for c in out.chunks], np.diff(a.query_start_loc), self.masks.failed)
+            self.buffers.load_lora_slots(slots, key.num_tokens if key else a.num_tokens)
         verify = self.spec.plan(a, out.chunks, states, self.model.config.eos_token_ids, self.vocab_size,
                                 self.device, self.masks.failed)
         return _Step(out, a, states, prompt, key, verify)
@@ -259,20 +277,21 @@ class ModelRunner:
     def _sampling_batch(self, step: _Step, reqs: list[CachedRequest], sample_rows: list[int]) -> SamplingBatch:
         """The rows' sampling parameters on the device, their grammars' mask included."""
         params = [r.sampling_params for r in reqs]
+        facts = self.sampling_rows.gather([r.request_id for r in reqs])
         # outputs before this sample: the sequence through the sampling chunk, less the prompt
         num_outputs = [c.start + c.num_tokens - len(r.prompt_token_ids)
                        for c, r in ((step.out.chunks[i], step.states[i]) for i in sample_rows)]
         # Token lists only for penalties (each row's last one may still be on the device:
         # the previous step's sample, not yet read back); otherwise just the counts.
         outputs = pending = None
-        if any(p.uses_penalties for p in params):
+        if facts.penalties.any():
             outputs = [r.output_token_ids for r in reqs]
             rows = pending_output_rows([r.request_id for r in reqs], outputs, num_outputs, self._prev_rows)
             pending = (self._prev_tokens, rows) if rows else None
         batch = SamplingBatch.build(
             params, [r.generator for r in reqs], [r.prompt_token_ids for r in reqs], outputs,
             self.vocab_size, self.device, eos_token_ids=self.model.config.eos_token_ids,
-            num_outputs=num_outputs, pending_outputs=pending,
+            num_outputs=num_outputs, pending_outputs=pending, facts=facts,
         )
         if any(r.matcher is not None for r in reqs):
             # The grammars must first accept the previous step's tokens. With async

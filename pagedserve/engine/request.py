@@ -53,6 +53,12 @@ class Request:
     draft_token_ids: list[int] = field(default_factory=list)
     # with prompt_logprobs: per prompt token after the first, (logprob, rank, top-k), as computed
     prompt_logprobs: list = field(default_factory=list)
+    lora_request: Any = None  # LoRARequest it runs under (None: the base model)
+
+    @property
+    def lora_id(self) -> int:
+        """Its adapter's id, 0 for the base model."""
+        return self.lora_request.lora_int_id if self.lora_request is not None else 0
 
     def __post_init__(self) -> None:
         self.token_ids = list(self.prompt_token_ids)

@@ -26,6 +26,8 @@ from typing import Any
 
 from pagedserve.config import SchedulerConfig
 from pagedserve.engine.kv_cache_manager import KVCacheManager
+from pagedserve.engine.kv_tier_prefix import PrefixHit
+from pagedserve.engine.kv_tiers import TierOps
 from pagedserve.engine.request import Request, RequestStatus
 
 
@@ -40,6 +42,7 @@ class NewRequestData:
     prompt_token_ids: list[int]
     sampling_params: Any  # SamplingParams
     block_ids: list[int] = field(default_factory=list)  # its block table when first scheduled
+    lora_request: Any = None  # the LoRARequest it runs under (None: the base model)
 
 
 @dataclass
@@ -91,6 +94,8 @@ class SchedulerOutput:
     # requests the workers hold that finished or were aborted since the last step sent
     finished_req_ids: list[str] = field(default_factory=list)
     step_id: int = 0  # the scheduler's count of steps
+    # with KV tiers: the copies the workers run before this step's forward pass (kv_tiers.py)
+    kv_copies: TierOps | None = None
 
     @property
     def num_tokens(self) -> int:
@@ -102,9 +107,12 @@ class SchedulerOutput:
 
 
 class Scheduler:
-    def __init__(self, config: SchedulerConfig, kv: KVCacheManager) -> None:
+    def __init__(self, config: SchedulerConfig, kv: KVCacheManager, max_loras: int = 0) -> None:
+        """`max_loras`: the distinct LoRA adapters the running requests may use at once (the
+        workers' device slots; 0: LoRA off)."""
         self.config = config
         self.kv = kv
+        self.max_loras = max_loras
         self.waiting: list[Request] = []  # sorted by (priority, arrival)
         self.running: list[Request] = []  # in admission order
         # The requests of each step scheduled and not yet resolved (`apply_results` or
@@ -212,52 +220,65 @@ class Scheduler:
                 continue
             # req itself was preempted; self.running shrank, index i now points past it
 
-        # 2. Waiting requests, while budget, sequence slots and blocks allow.
+        # 2. Waiting requests, while budget, sequence slots, blocks and adapter slots allow.
         #    After a preemption the cache is full: admitting more would only thrash.
+        adapters = {r.lora_id for r in self.running} - {0} if self.max_loras else set()
         while (
             self.waiting
             and budget > 0
             and len(self.running) < self.config.max_num_seqs
             and not out.preempted
         ):
-            at = next((i for i, r in enumerate(self.waiting) if r.grammar_ready), None)
-            if at is None:  # every waiting request still waits for its grammar to compile
+            at = next((i for i, r in enumerate(self.waiting) if r.grammar_ready
+                       and self._adapter_fits(r, adapters)), None)
+            if at is None:  # every waiting request waits for its grammar or an adapter slot
                 break
             req = self.waiting[at]
             if req.num_pending:  # preempted with a token in flight: wait for it
                 break
-            cached: list[int] = []
+            hit = PrefixHit()
             # (a request scoring its prompt computes every prompt token: no cached prefix)
             if req.num_computed_tokens == 0 and req.sampling_params.prompt_logprobs is None:
-                cached = self.kv.find_cached_prefix(req.token_ids)
-            start = len(cached) * self.kv.block_size if cached else req.num_computed_tokens
+                hit = self.kv.find_prefix(req.token_ids, req.lora_id)  # (with KV tiers: their blocks too)
+            start = hit.num_blocks * self.kv.block_size if hit.num_blocks else req.num_computed_tokens
             n = min(req.num_tokens - start, budget)
-            if not self.kv.allocate(req.request_id, start + n, cached):
+            if not self.kv.allocate(req.request_id, start + n, hit.block_ids, hit.tier_hits, req.lora_id):
                 break
             self.waiting.pop(at)
             if req.num_computed_tokens == 0 and req.num_preemptions == 0:
                 req.num_cached_tokens = start
                 if self.kv.enable_prefix_caching:
                     self.kv.record_lookup(req.num_tokens, start)
+                    self.kv.record_tier_lookup(hit)
             req.num_computed_tokens = start
             resumed = req.first_scheduled_time is not None  # (after a preemption)
             if not resumed:
                 req.first_scheduled_time = time.monotonic()
                 table = self.kv.block_ids(req.request_id)
                 out.new_requests.append(NewRequestData(
-                    req.request_id, req.prompt_token_ids, req.sampling_params, list(table)))
+                    req.request_id, req.prompt_token_ids, req.sampling_params, list(table),
+                    req.lora_request))
                 req.num_blocks_sent = len(table)
             req.status = RequestStatus.RUNNING
             self.running.append(req)
+            if req.lora_id:
+                adapters.add(req.lora_id)
             out.chunks.append(ScheduledChunk(req.request_id, start, n, resumed=resumed))
             reqs.append(req)
             budget -= n
         self._mark_scheduled(out, reqs)
+        if self.kv.tiers is not None:
+            out.kv_copies = self.kv.tiers.take_ops() or None
         if reqs:
             self._in_flight[out.step_id] = reqs
             if self.kv.sliding_window is not None:
                 self._in_flight_starts[out.step_id] = {id(r): c.start for c, r in zip(out.chunks, reqs)}
         return out
+
+    def _adapter_fits(self, req: Request, adapters: set[int]) -> bool:
+        """The base model, or an adapter already running or with a free slot: the running
+        requests never use more distinct adapters than there are slots."""
+        return not req.lora_id or req.lora_id in adapters or len(adapters) < self.max_loras
 
     def _release_out_of_window(self) -> None:
         """Each running request gives back its blocks before the window of the lowest query

@@ -30,6 +30,7 @@ from pagedserve.config import (
 from pagedserve.distributed.tensor_parallel import SINGLE, TensorParallel
 from pagedserve.engine.cache_sizing import determine_num_blocks
 from pagedserve.engine.kv_cache_spec import KVCacheSpec, check_kv_cache_device
+from pagedserve.engine.kv_offload import build_offloader
 from pagedserve.engine.messages import StepResult
 from pagedserve.engine.model_runner import ModelRunner
 from pagedserve.engine.scheduler import SchedulerOutput
@@ -37,6 +38,7 @@ from pagedserve.engine.step_handle import StepHandle
 from pagedserve.engine.warm_up import profile_forward
 from pagedserve.engine.worker_info import WorkerInfo
 from pagedserve.layers.sampler import Sampler
+from pagedserve.lora.manager import LoRAManager
 from pagedserve.models.loader import build_model
 from pagedserve.models.source import ModelSource
 from pagedserve.quantization.methods import check_quantization_device
@@ -93,6 +95,8 @@ class Worker:
                             quantization=config.quantization, tp=tp, max_model_len=config.scheduler.max_model_len)
         self.model_config = cfg = model.config
         self.dtype = dtype = resolve_dtype(config.dtype, device)
+        # LoRA: slot tensors on every adaptable projection (before the KV cache is sized)
+        lora = None if config.lora is None else LoRAManager(model, config.lora, cfg, dtype, device)
         self.scheduler_config = sched = config.scheduler_for(cfg, device.type)
         backend = make_backend(config.attention_backend, device, cfg, tp, config.batch_invariant)
         self.kv_spec = spec = KVCacheSpec.for_model(cfg, config.cache.block_size, dtype,
@@ -136,8 +140,10 @@ class Worker:
         self.grammar_compiler: GrammarCompiler | None = None
         self._source, self._tokenizer_path = source, config.tokenizer
         self.runner = ModelRunner(model, backend, spec, num_blocks, Sampler(kernels.fused_sampling, kernels.top_k_top_p_kernel),
-                                  sched, SpecDecoder(config.speculative, drafter), self._grammar)
+                                  sched, SpecDecoder(config.speculative, drafter), self._grammar, lora)
         self.num_blocks = num_blocks
+        self.kv_tiers, *self._tier_sizes = build_offloader(  # (None: no host or disk tier)
+            config, source, self.runner.kv_caches, spec, str(dtype), tp.rank, tp.size)
 
         self.matmul_plan_seconds = 0.0
         if device.type == "cpu":
@@ -317,10 +323,15 @@ class Worker:
         """Forget the requests that ended since the last step, then launch this one (None:
         it has no chunks)."""
         self.runner.release(out.finished_req_ids)
+        if out.kv_copies is not None:  # (before the forward pass: engine/kv_tiers.py)
+            self.kv_tiers.run(out.kv_copies)
         return self.runner.execute(out) if out.chunks else None
 
     def collect(self, handle: StepHandle) -> StepResult:
-        return self.runner.collect(handle)
+        result = self.runner.collect(handle)
+        if self.kv_tiers is not None:
+            result.kv_tiers = self.kv_tiers.report()
+        return result
 
     # ---- calls through the executor's collective_rpc ----------------------------------
 
@@ -332,7 +343,8 @@ class Worker:
             block_size=self.kv_spec.block_size,
             draft_layer_windows=None if drafter is None else drafter.model.config.sliding_windows,
             is_cuda=self.cuda, load_seconds=self.load_seconds, graph_capture_seconds=self.graph_capture_seconds,
-            matmul_plan_seconds=self.matmul_plan_seconds, compile_ahead_seconds=self.compile_ahead_seconds)
+            matmul_plan_seconds=self.matmul_plan_seconds, compile_ahead_seconds=self.compile_ahead_seconds,
+            kv_tier_sizes=tuple(self._tier_sizes[:2]), kv_disk_digests=tuple(self._tier_sizes[2]))
 
     def graph_counts(self) -> tuple[int, int]:
         """(steps replayed from CUDA graphs, eager steps) since the last reset."""
@@ -365,6 +377,11 @@ class Worker:
     def reset_stats(self) -> None:
         """Zero the step counters (after the warm-up)."""
         self.runner.reset_stats()
+
+    def close(self) -> None:
+        """Finish what must outlive the worker: the disk tier's pending writes."""
+        if self.kv_tiers is not None and self.kv_tiers.disk is not None:
+            self.kv_tiers.disk.close()
 
     def held_request_ids(self) -> list[str]:
         """The requests this worker keeps state (or a block table) for: every one no step's

@@ -25,3 +25,7 @@ class WorkerInfo:
     graph_capture_seconds: float  # of which capturing CUDA graphs
     matmul_plan_seconds: float  # of which planning the small-batch matmuls
     compile_ahead_seconds: float  # of which rehearsing phases with kernels compiled ahead
+    # the KV tiers (engine/kv_tiers.py): (host slots, disk blocks the cap allows), and the
+    # digests of the valid block files the disk tier found at start-up
+    kv_tier_sizes: tuple[int, int] = (0, 0)
+    kv_disk_digests: tuple[bytes, ...] = ()

@@ -70,6 +70,7 @@ class Linear(ParamAttrsModule):
         self.skinny_plan: SkinnyPlan | None = None
         self.packed_weight: torch.Tensor | None = None  # on the CPU, for oneDNN (layers/cpu_matmul.py)
         self.packed_min_rows = 1  # (2 in batch-invariant mode: cpu_matmul.INVARIANT_MIN_ROWS)
+        self.lora = None  # a LoRALayer (lora/layer.py) adding each row's adapter term, or None
         self.linear_method = linear_method if linear_method is not None else UnquantizedLinearMethod()
         self.linear_method.create_weights(self, in_features, self.output_sizes, bias, dtype)
         if self.parallel is not None:
@@ -86,6 +87,8 @@ class Linear(ParamAttrsModule):
                              tp_dim=getattr(param, attr, None))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.lora is not None:  # (LoRA refuses tensor parallelism: engine_args.py)
+            return self.lora(x, self.linear_method.apply(self, x, self.bias))
         if self.parallel != "row":
             return self.linear_method.apply(self, x, self.bias)  # [T, in] -> [T, out]
         y = self.tp.all_reduce(self.linear_method.apply(self, x, None))  # [T, in / size] -> [T, out]

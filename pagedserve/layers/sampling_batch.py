@@ -1,5 +1,6 @@
 """One step's per-row sampling parameters as device tensors (`SamplingBatch`), gathered from
-the rows' `SamplingParams` and the host-side tables (`sampling_tables.py`)."""
+the rows' facts (`sampling_rows.py`: persistent on the worker), their `SamplingParams` where a
+row has tables (logit_bias, bans, allowed ids) and the host-side tables (`sampling_tables.py`)."""
 
 from __future__ import annotations
 
@@ -11,12 +12,12 @@ import torch
 from torch import Tensor
 
 from pagedserve.host_copy import to_device
+from pagedserve.layers.sampling_rows import RowFacts, row_facts
 from pagedserve.layers.sampling_tables import (
     allowed_table,
     ban_table,
     bias_table,
     pad_tokens,
-    scalar_row,
     scalar_table,
 )
 from pagedserve.sampling_params import SamplingParams
@@ -82,6 +83,7 @@ class SamplingBatch:
         eos_token_ids: Sequence[int] = (),
         num_outputs: Sequence[int] | None = None,
         pending_outputs: tuple[Tensor, Sequence[int]] | None = None,
+        facts: RowFacts | None = None,
     ) -> SamplingBatch:
         """Gather one step's rows. `output_ids[i]` are the tokens row i generated so far; they
         are only read when a penalty needs them, and may be None when no row has one if
@@ -90,27 +92,30 @@ class SamplingBatch:
         is tokens[rows[i]] where rows[i] >= 0, still on the device and not in output_ids[i]
         (async scheduling: the previous step's sample); the penalties count it too.
         A seeded row's generator must live on `device`; `eos_token_ids` are banned (with the
-        row's stop_token_ids) until min_tokens is reached, unless the row ignores eos."""
+        row's stop_token_ids) until min_tokens is reached, unless the row ignores eos.
+        `facts`: the rows' facts (`SamplingRows.gather` of the worker's persistent rows);
+        computed from `params` when not given."""
         n = len(params)
-        greedy = [p.greedy for p in params]
-        all_greedy, all_random = all(greedy), not any(greedy)
-        need_penalties = any(p.uses_penalties for p in params)
-        need_rep = need_penalties and any(p.repetition_penalty != 1.0 for p in params)
+        if facts is None:
+            facts = row_facts(params, vocab_size)
+        greedy = facts.greedy  # [N] bool
+        all_greedy, all_random = bool(greedy.all()), not greedy.any()
+        s = facts.scalars  # [N, 7]
+        need_penalties = bool(facts.penalties.any())
+        need_rep = need_penalties and bool((s[:, 4] != 1.0).any())
         temperature = top_p = top_k = min_p = rep = pres = freq = None
         need_top_k = need_top_p = need_min_p = top_p_within_top_k = top_k_on_random_rows = False
         max_top_k = vocab_size
         if not all_greedy or need_penalties:
-            rows = [scalar_row(p, g, vocab_size) for p, g in zip(params, greedy, strict=True)]
-            table = scalar_table(rows, device)  # [7, N]
+            table = scalar_table(s, device)  # [7, N]
             temperature, top_p, k_col, min_p, rep, pres, freq = table.unbind(0)
-            active_k = [r[2] for r in rows if r[2] < vocab_size]
-            need_top_k = bool(active_k)
-            need_top_p = any(r[1] < 1.0 for r in rows)
-            top_p_within_top_k = all(r[2] < vocab_size for r in rows if r[1] < 1.0)
-            top_k_on_random_rows = all(r[2] < vocab_size for r, g in zip(rows, greedy, strict=True) if not g)
-            need_min_p = any(r[3] > 0.0 for r in rows)
+            k_on, p_on = s[:, 2] < vocab_size, s[:, 1] < 1.0  # [N] bool each
+            need_top_k, need_top_p = bool(k_on.any()), bool(p_on.any())
+            top_p_within_top_k = bool(k_on[p_on].all())
+            top_k_on_random_rows = bool(k_on[~greedy].all())
+            need_min_p = bool((s[:, 3] > 0.0).any())
             if need_top_k:
-                top_k, max_top_k = k_col.long(), int(max(active_k))
+                top_k, max_top_k = k_col.long(), int(s[k_on, 2].max())
 
         prompt_t = pad_tokens(prompt_ids, vocab_size, device) if need_rep else None
         output_t = pad_tokens(output_ids, vocab_size, device) if need_penalties else None
@@ -122,21 +127,21 @@ class SamplingBatch:
 
         if num_outputs is None:
             num_outputs = [len(o) for o in output_ids]  # type: ignore[union-attr]
-        ban_rows, ban_toks = ban_table(params, num_outputs, eos_token_ids, vocab_size, device)
-        bias = bias_table(params, device)
-        allowed = allowed_table(params, device)
-        seeded = [(i, gen) for i, (gen, g) in enumerate(zip(generators, greedy, strict=True))
-                  if gen is not None and not g]
-        wanted = [p.logprobs for p in params if p.logprobs is not None]
+        ban_rows, ban_toks = (ban_table(params, num_outputs, eos_token_ids, vocab_size, device)
+                              if facts.any_min_tokens else (None, None))
+        bias = bias_table(params, device) if facts.any_bias else None
+        allowed = allowed_table(params, device) if facts.any_allowed else None
+        seeded = [(i, gen) for i, gen in enumerate(generators) if gen is not None and not greedy[i]]
+        wanted = facts.logprobs[facts.logprobs >= 0]  # [W]
         return cls(
             num_rows=n, vocab_size=vocab_size, temperature=temperature, top_p=top_p,
             top_k=top_k, min_p=min_p, repetition_penalty=rep, presence_penalty=pres,
             frequency_penalty=freq, prompt_token_ids=prompt_t, output_token_ids=output_t,
             ban_rows=ban_rows, ban_token_ids=ban_toks, seeded=seeded,
             max_top_k=max_top_k,
-            max_num_logprobs=max(wanted) if wanted else None,
-            all_greedy=all_greedy, all_random=all_random,
-            any_unseeded_random=len(seeded) < n - sum(greedy),
+            max_num_logprobs=int(wanted.max()) if len(wanted) else None,
+            all_greedy=all_greedy, all_random=bool(all_random),
+            any_unseeded_random=len(seeded) < n - int(greedy.sum()),
             need_top_k=need_top_k, need_top_p=need_top_p, need_min_p=need_min_p,
             need_penalties=need_penalties, bias=bias, allowed=allowed,
             top_p_within_top_k=top_p_within_top_k, top_k_on_random_rows=top_k_on_random_rows,

@@ -1,4 +1,4 @@
-"""The host-side tables of a sampling step (`sampler.SamplingBatch.build`): each row's scalars,
+"""The host-side tables of a sampling step (`sampler.SamplingBatch.build`): the rows' scalars,
 and the (row, token) pairs of logit_bias, min_tokens bans and allowed_token_ids, each sent to
 the device in one copy."""
 
@@ -14,28 +14,17 @@ from pagedserve.host_copy import to_device
 from pagedserve.sampling_params import SamplingParams
 
 
-def scalar_row(p: SamplingParams, greedy: bool, vocab_size: int) -> tuple[float, ...]:
-    """One row of the scalar table. Greedy rows get neutral sampling values so the random
-    path leaves them alone (their result is replaced by the argmax anyway)."""
-    if greedy:
-        return (0.0, 1.0, vocab_size, 0.0, p.repetition_penalty, p.presence_penalty,
-                p.frequency_penalty)
-    k = vocab_size if p.top_k <= 0 else min(p.top_k, vocab_size)
-    return (p.temperature, p.top_p, k, p.min_p, p.repetition_penalty, p.presence_penalty,
-            p.frequency_penalty)
-
-
-def scalar_table(rows: Sequence[tuple[float, ...]], device: torch.device | str) -> Tensor:
-    """[7, N] float32 on `device`, row j the j-th field of every `scalar_row`, in one
-    host-to-device copy (top_k is exact in float32: vocab sizes are far below 2**24).
+def scalar_table(scalars: np.ndarray, device: torch.device | str) -> Tensor:
+    """[7, N] float32 on `device` from the rows' scalars [N, 7] (`sampling_rows.scalar_row`),
+    in one host-to-device copy (top_k is exact in float32: vocab sizes are far below 2**24).
 
     The copy is [7, W] with W = N rounded up to 4, so each of the seven rows starts 16 bytes
     aligned whatever N is: Triton compiles a kernel variant per pointer alignment, and a
     misaligned top_p (a column of an [N, 7] table when N = 1) compiled the top-k / top-p
     kernel again in the middle of serving."""
-    n = len(rows)
-    host = torch.zeros(7, -(-n // 4) * 4, dtype=torch.float32)  # [7, W]
-    host[:, :n] = torch.tensor(rows, dtype=torch.float32).t()
+    n = len(scalars)
+    host = np.zeros((7, -(-n // 4) * 4), dtype=np.float32)  # [7, W]
+    host[:, :n] = scalars.T
     return to_device(host, device)[:, :n]
 
 

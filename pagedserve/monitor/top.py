@@ -77,6 +77,7 @@ class Frame:
     prefix_hit_rate: float | None = None
     preemptions: float | None = None
     preemption_rate: float | None = None
+    kv_tier_hits: dict[str, float] = field(default_factory=dict)  # KV tier -> blocks found there
     latency: dict[str, tuple[float, ...]] = field(default_factory=dict)  # name -> p50, p90, p99
     latency_count: dict[str, float] = field(default_factory=dict)
     gpu_available: bool | None = None
@@ -106,6 +107,8 @@ def summarize(prev: Scrape | None, cur: Scrape, url: str) -> Frame:
     f.prompt_tps, f.generation_tps = per_s(V + "prompt_tokens_total"), per_s(V + "generation_tokens_total")
     f.kv_usage, f.prefix_hit_rate = cur.value(V + "kv_cache_usage_perc"), cur.value(P + "prefix_cache_hit_rate")
     f.preemptions, f.preemption_rate = cur.value(V + "num_preemptions_total"), per_s(V + "num_preemptions_total")
+    for lab, hits in cur.series(P + "kv_offload_hits_total"):
+        f.kv_tier_hits[lab.get("tier", "?")] = f.kv_tier_hits.get(lab.get("tier", "?"), 0.0) + hits
     for label, name in LATENCIES:
         buckets = cur.buckets(name)
         if buckets:
@@ -164,6 +167,8 @@ def render(f: Frame):
                  "prefix hit rate",
                  _num(None if f.prefix_hit_rate is None else 100 * f.prefix_hit_rate, "{:.1f}", "%"))
     head.add_row("preemptions", _num(f.preemptions), "preemptions/s", _num(f.preemption_rate, "{:.2f}"))
+    if any(f.kv_tier_hits.values()):
+        head.add_row("KV tier hits", ", ".join(f"{t} {_num(n)}" for t, n in sorted(f.kv_tier_hits.items())), "", "")
     parts = [head]
 
     lat = Table(title="latency since start", title_justify="left", box=None, padding=(0, 2))

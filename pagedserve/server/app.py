@@ -18,8 +18,9 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.middleware.cors import CORSMiddleware
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from pagedserve.config import EngineConfig
+from pagedserve.config import EngineConfig, ModelConfig
 from pagedserve.heap import HeapTrimmer
+from pagedserve.lora.request import LoRARequest
 from pagedserve.monitor.collectors import register_system_collectors
 from pagedserve.sampling_params import SamplingParams
 from pagedserve.server.chat import create_chat_completion, render_messages
@@ -33,7 +34,9 @@ from pagedserve.server.engine_client import (
     SpawnedCore,
 )
 from pagedserve.server.errors import APIError, error_response, install_error_handlers
+from pagedserve.server.lora_registry import LoRARegistry
 from pagedserve.server.metrics import Metrics, log_periodically
+from pagedserve.server.model_routes import add_model_routes
 from pagedserve.server.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -98,6 +101,9 @@ class ServerSettings:
     on_fatal: Callable[[str], None] | None = None
     # the user gave --max-model-len: a KV cache that holds fewer tokens is then a warning
     max_model_len_given: bool = False
+    # LoRA (--enable-lora): the model's shapes to check adapters against, --lora-modules
+    model_config: ModelConfig | None = None
+    lora_modules: list[LoRARequest] = field(default_factory=list)
 
 
 def create_app(settings: ServerSettings, core: SpawnedCore | list[SpawnedCore] | None = None) -> FastAPI:
@@ -121,9 +127,12 @@ def create_app(settings: ServerSettings, core: SpawnedCore | list[SpawnedCore] |
         client = HFEngineClient(settings.engine, settings.tokenizer, settings.log_level,
                                 batched=settings.engine_kind == "hf-batched",
                                 deadlines=settings.deadlines)
+    loras = LoRARegistry(settings.engine.lora, settings.model_config, settings.served_names)
+    for m in settings.lora_modules:  # (checked at start-up: a bad one stops it, named)
+        loras.add(m.lora_name, m.lora_path, m.base_model_name)
     server = Server(client, settings.served_names, settings.max_waiting_requests,
                     settings.reasoning_parser, settings.trust_request_chat_template, settings.tools,
-                    settings.sampling_defaults, settings.max_logprobs)
+                    settings.sampling_defaults, settings.max_logprobs, loras)
     engines = getattr(client, "engines", [client])  # (one per core with data parallelism)
     metrics = Metrics(settings.served_names[0], len(engines))
     client.on_failure = metrics.on_failure
@@ -244,17 +253,7 @@ def create_app(settings: ServerSettings, core: SpawnedCore | list[SpawnedCore] |
                 "speculative_config": (None if settings.engine.speculative is None
                                        else asdict(settings.engine.speculative))}
 
-    @app.get("/v1/models")
-    async def list_models():
-        return {"object": "list", "data": [model_card(name) for name in settings.served_names]}
-
-    @app.get("/v1/models/{model_id:path}")  # (Hub ids hold a slash: Qwen/Qwen3-4B)
-    async def retrieve_model(model_id: str):
-        if model_id not in settings.served_names:
-            served = ", ".join(f"`{n}`" for n in settings.served_names)
-            raise APIError(404, f"The model `{model_id}` does not exist. This server serves "
-                                f"{served}.", param="model", code="model_not_found")
-        return model_card(model_id)
+    add_model_routes(app, settings.served_names, loras, model_card)
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request):
@@ -304,7 +303,7 @@ def create_app(settings: ServerSettings, core: SpawnedCore | list[SpawnedCore] |
         params = make_params(
             lambda mt, _lp: SamplingParams(max_tokens=mt, temperature=body.temperature, top_p=body.top_p),
             max_tokens, None, server.vocab_size)
-        choices = [Choice(0, ids, params)]
+        choices = [Choice(0, ids, params, lora=server.lora_request(body.model))]
         server.check_capacity(choices)
 
         state = (await generate_all(client, new_id("gen"), choices))[0]

@@ -102,7 +102,8 @@ async def prepare_chat(server: Server, body: ChatCompletionRequest,
                                      body.num_logprobs, server.vocab_size, server.tokenizer)
     route = server.route_key(lambda: {"messages": _conversation_head(body.messages),
                                       "prompt_cache_key": body.prompt_cache_key})
-    choices = [Choice(i, ids, params, route) for i in range(body.n)]
+    lora = server.lora_request(body.model)
+    choices = [Choice(i, ids, params, route, lora) for i in range(body.n)]
     server.check_capacity(choices)
     return PreparedChat(choices, ids, text.rstrip().endswith("<think>"), field, tools)
 

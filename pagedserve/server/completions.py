@@ -63,7 +63,7 @@ async def _prepare(server: Server, body: CompletionRequest
         else:
             params = with_max_tokens(params, max_tokens)
         route = server.route_key(lambda ids=ids: {"prompt": ids, "prompt_cache_key": body.prompt_cache_key})
-        choices += [Choice(p_idx * n + i, ids, params, route) for i in range(n)]
+        choices += [Choice(p_idx * n + i, ids, params, route, server.lora_request(body.model)) for i in range(n)]
     server.check_capacity(choices)
     return choices, prompts, field
 

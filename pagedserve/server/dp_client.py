@@ -27,6 +27,7 @@ from collections.abc import AsyncIterator
 from pagedserve.config import EngineConfig
 from pagedserve.engine.messages import CoreInfo, CoreStats
 from pagedserve.engine.output_processor import SampleState
+from pagedserve.lora.request import LoRARequest
 from pagedserve.sampling_params import SamplingParams
 from pagedserve.server.affinity import AffinityPolicy
 from pagedserve.server.engine_client import AsyncEngineClient, EngineDeadError, SpawnedCore
@@ -160,8 +161,9 @@ class DataParallelClient:
         return int(choice)
 
     async def generate(self, request_id: str, prompt_ids: list[int], params: SamplingParams,
-                       priority: int = 0, route: str | None = None) -> AsyncIterator[SampleState]:
+                       priority: int = 0, route: str | None = None,
+                       lora_request: LoRARequest | None = None) -> AsyncIterator[SampleState]:
         """`AsyncEngineClient.generate` on the core `choose` picks for `route`."""
         engine = self.engines[self.choose(route)]
-        async for state in engine.generate(request_id, prompt_ids, params, priority):
+        async for state in engine.generate(request_id, prompt_ids, params, priority, lora_request=lora_request):
             yield state

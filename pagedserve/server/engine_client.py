@@ -37,6 +37,7 @@ from pagedserve.engine.messages import (
     CoreInfo,
     CoreStats,
     EngineRequest,
+    LoRARequest,
     Ready,
     Rejected,
     Shutdown,
@@ -193,12 +194,10 @@ class AsyncEngineClient:
         """The engine-core process's pid (for the process metrics), once started."""
         return self._proc.pid if self._proc is not None else None
 
-    # ---- requests ---------------------------------------------------------------------
-
-    async def generate(self, request_id: str, prompt_ids: list[int], params: SamplingParams,
-                       priority: int = 0, route: str | None = None) -> AsyncIterator[SampleState]:
-        """Yield the sample's state each time it changes; the last one is finished. Cancelling
-        the consumer aborts the request in the core. (`route`: unused here, `dp_client.py`.)"""
+    async def generate(self, request_id: str, prompt_ids: list[int], params: SamplingParams, priority: int = 0,
+                       route: str | None = None, lora_request: LoRARequest | None = None) -> AsyncIterator[SampleState]:
+        """Each change of the sample's state (the last: finished), under LoRA adapter `lora_request` if any;
+        cancelling the consumer aborts the request in the core. (`route`: unused here, dp_client.py.)"""
         if self.dead_reason:
             raise EngineDeadError(self.dead_reason)
         pending = _Pending()
@@ -210,7 +209,7 @@ class AsyncEngineClient:
             # arrival = when this process took the request (the queue time covers the hop); the
             # samples of a request go as one message (`core_outbox.py`), without stop strings
             self._outbox.add(EngineRequest(request_id, prompt_ids, params.for_engine(), priority,
-                                           arrival_time=pending.arrival))
+                                           arrival_time=pending.arrival, lora_request=lora_request))
             async for state in pending.states():
                 finished = state.finished
                 yield state

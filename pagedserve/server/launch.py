@@ -29,6 +29,8 @@ def server_settings(args: argparse.Namespace, engine: EngineArgs, on_fatal=None)
 
         chat_template = read_chat_template(args.chat_template)
     config, source, model_cfg = engine.create_engine_config()
+    lora_modules = check_lora_modules(getattr(args, "lora_modules", None) or [], config, model_cfg,
+                                      getattr(args, "engine", "pagedserve"))
     if args.reasoning_parser:
         get_reasoning_parser(args.reasoning_parser)  # fail fast on a bad name
     defaults = sampling_defaults(source, engine.generation_config)
@@ -66,8 +68,22 @@ def server_settings(args: argparse.Namespace, engine: EngineArgs, on_fatal=None)
         allowed_headers=args.allowed_headers, allow_credentials=args.allow_credentials,
         root_path=args.root_path or "", on_fatal=on_fatal,
         max_model_len_given=engine.max_model_len is not None,
+        model_config=model_cfg, lora_modules=lora_modules,
     )
     return settings, core
+
+
+def check_lora_modules(modules: list, config, model_cfg, engine_kind: str = "pagedserve") -> list:
+    """`--lora-modules` checked before the engine starts: ValueError names a bad adapter."""
+    from pagedserve.lora.peft_checkpoint import read_adapter
+
+    if modules and config.lora is None:
+        raise ValueError("--lora-modules needs --enable-lora")
+    if config.lora is not None and engine_kind != "pagedserve":
+        raise ValueError(f"--enable-lora is not supported by the {engine_kind} baseline engine")
+    for m in modules:
+        read_adapter(m.lora_path, model_cfg, config.lora.max_lora_rank)
+    return modules
 
 
 def spawn_cores(config, log_level: str):

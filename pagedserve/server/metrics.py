@@ -19,7 +19,8 @@ Where a figure differs from vLLM's in meaning:
 
 pagedserve's own figures, which vLLM lacks, keep the `pagedserve_` prefix and the one label
 `model_name`: `pagedserve_prefix_cache_hit_rate`, `pagedserve_request_failures_total{source}`,
-`pagedserve_engine_step_failures_total`, `pagedserve_engine_restarts_total`, and the GPU and
+`pagedserve_engine_step_failures_total`, `pagedserve_engine_restarts_total`, the KV tiers'
+`pagedserve_kv_offload_*` (server/kv_tier_metrics.py), and the GPU and
 per-process (server and engine core) series of monitor/collectors.py. prometheus_client's
 standard `process_*`, `python_gc_*` and `python_info` describe this (HTTP server) process.
 No `*_created` series are exposed.
@@ -40,6 +41,7 @@ from prometheus_client.utils import floatToGoString
 
 from pagedserve.engine.messages import CoreStats
 from pagedserve.engine.output_processor import SampleState
+from pagedserve.server.kv_tier_metrics import KVTierSeries
 
 logger = logging.getLogger("pagedserve")
 
@@ -141,6 +143,7 @@ class Metrics:
                                 own + ["source"], registry=r)
         self.step_failures = Counter("pagedserve_engine_step_failures", "Engine steps that raised",
                                      own, registry=r).labels(model_name)
+        self.kv_tiers = KVTierSeries(r, model_name)  # (engine/kv_tiers.py's host and disk tiers)
         self.restarts = Counter("pagedserve_engine_restarts", "Engine-core processes started after "
                                 "one died", own, registry=r).labels(model_name)
         # set to read the server's count (app.py): 0 whenever no HTTP request holds a sample
@@ -270,6 +273,7 @@ class EngineSeries:
         for field_name, name in COUNTED.items():
             s[name].inc(getattr(stats, field_name) - getattr(self.last, field_name))
         self.metrics.step_failures.inc(stats.failed_steps - self.last.failed_steps)
+        self.metrics.kv_tiers.update(stats, self.last)
         self.last = stats
 
     def on_restart(self) -> None:

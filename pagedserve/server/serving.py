@@ -13,6 +13,7 @@ from dataclasses import dataclass
 
 from pagedserve.engine.limits import PromptError, check_prompt
 from pagedserve.engine.output_processor import SampleState
+from pagedserve.lora.request import LoRARequest
 from pagedserve.sampling_params import MAX_LOGPROBS, SamplingParams
 from pagedserve.server.affinity import conversation_key
 from pagedserve.server.engine_client import (
@@ -24,6 +25,7 @@ from pagedserve.server.engine_client import (
 )
 from pagedserve.server.engine_errors import RequestTimedOut
 from pagedserve.server.errors import APIError
+from pagedserve.server.lora_registry import LoRARegistry
 from pagedserve.server.sse import SSEChunks, sse_error, usage  # noqa: F401 (re-exported)
 from pagedserve.server.tools import ToolSettings
 from pagedserve.tokenizer import IncrementalDetokenizer
@@ -68,6 +70,7 @@ class Choice:
     prompt_ids: list[int]
     params: SamplingParams
     route: str | None = None  # the conversation's key (`affinity.conversation_key`): which engine
+    lora: LoRARequest | None = None  # the LoRA adapter the request's `model` names (None: the base)
 
 
 class Server:
@@ -77,8 +80,9 @@ class Server:
                  reasoning_parser: str | None = None, trust_request_chat_template: bool = False,
                  tools: ToolSettings | None = None,
                  sampling_defaults: dict[str, float | int] | None = None,
-                 max_logprobs: int = MAX_LOGPROBS) -> None:
+                 max_logprobs: int = MAX_LOGPROBS, loras: LoRARegistry | None = None) -> None:
         self.client = client
+        self.loras = loras or LoRARegistry(None, None, served_names)  # adapters served by name
         # the model's defaults for omitted sampling fields (`models/generation_defaults.py`)
         self.sampling_defaults = dict(sampling_defaults or {})
         self.max_logprobs = max_logprobs
@@ -115,11 +119,18 @@ class Server:
         return self.client.info.vocab_size
 
     def check_model(self, name: str | None) -> str:
+        """The name a response reports: the base model's, or a LoRA adapter's; 404 otherwise."""
         if name is None or name in self.served_names:
             return self.served_names[0]
+        if self.loras.get(name) is not None:
+            return name
         raise APIError(404, f"the model {name!r} does not exist; this server serves "
-                            f"{', '.join(repr(n) for n in self.served_names)}",
+                            f"{', '.join(repr(n) for n in self.served_names + self.loras.names)}",
                        param="model", code="model_not_found")
+
+    def lora_request(self, name: str | None) -> LoRARequest | None:
+        """The LoRA adapter a request's `model` names, or None for the base model."""
+        return self.loras.get(name)
 
     @contextlib.contextmanager
     def admission_scope(self) -> Iterator[Admission]:
@@ -284,7 +295,8 @@ async def run_choices(
         try:
             rid = f"{request_id}-{choice.index}"
             params = choice.params.for_sample(choice.index % choice.params.n)
-            async for state in client.generate(rid, choice.prompt_ids, params, priority, choice.route):
+            lora = {"lora_request": choice.lora} if choice.lora is not None else {}
+            async for state in client.generate(rid, choice.prompt_ids, params, priority, choice.route, **lora):
                 queue.put_nowait((choice.index, state))
         except Exception as e:  # delivered to the consumer below
             queue.put_nowait((choice.index, e))
