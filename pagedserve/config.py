@@ -284,6 +284,9 @@ class EngineConfig:
     # on CUDA it runs on GPUs first_gpu .. first_gpu + tensor_parallel_size - 1
     data_parallel_size: int = 1
     data_parallel_rank: int = 0
+    # every reduction in one order per row, whatever else the step holds (docs/architecture.md,
+    # "Batch invariance"): a request's tokens are the same alone or in any batch
+    batch_invariant: bool = False
     kv_tiers: KVTierConfig = field(default_factory=KVTierConfig)  # host and disk tiers (off)
     lora: LoRAConfig | None = None  # LoRA adapters (lora/); None: --enable-lora not given
     # a pooling model (`--runner pooling`: embeddings or scores, prefill-only); None = generation

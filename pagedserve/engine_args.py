@@ -57,6 +57,7 @@ class EngineArgs:
     download_dir: str | None = None  # Hub ids: where to find and download them
     generation_config: str = "auto"  # sampling defaults: auto, vllm or a folder
     inject_faults: str | None = None  # chaos tests only (faults.py)
+    batch_invariant: bool = False  # the same tokens for a request whatever else is in its batch
     # the KV-cache hierarchy (engine/kv_tiers.py): GiB of host memory for evicted prefix
     # blocks (0: off), a directory for block files that outlive the process, its cap in GiB
     kv_offload_size: float = 0
@@ -130,7 +131,7 @@ class EngineArgs:
             speculative=spec, tensor_parallel_size=self.tensor_parallel_size,
             distributed_executor_backend=self.distributed_executor_backend,
             data_parallel_size=self.data_parallel_size, kv_tiers=self._kv_tiers(spec, model_cfg),
-            lora=self._lora_config(), pooler=pooler,
+            lora=self._lora_config(), pooler=pooler, batch_invariant=self.batch_invariant,
         )
         return config, source, model_cfg
 

@@ -151,9 +151,10 @@ def test_engine_settings_are_one_list_for_the_cli_and_llm():
     not_settings = {"model_opt", "enable_chunked_prefill", "trust_remote_code", "log_level"}
     assert flags - not_settings == fields - {"inject_faults"}  # (a serve flag: chaos tests)
     args = build_parser().parse_args(["serve", "m", "--max-num-seqs", "7", "--no-async-scheduling",
-                                      "--inject-faults", "step=9"])
+                                      "--inject-faults", "step=9", "--batch-invariant"])
     engine = EngineArgs.from_cli(args)
     assert (engine.model, engine.max_num_seqs, engine.async_scheduling) == ("m", 7, False)
+    assert engine.batch_invariant and not EngineArgs().batch_invariant
     assert engine.inject_faults == "step=9"
     assert EngineArgs.from_cli(build_parser().parse_args(["serve", "--model", "x"])).model == "x"
     with pytest.raises(TypeError, match=r"unknown engine setting\(s\) \['max_seqs'\]"):

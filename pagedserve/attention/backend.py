@@ -169,6 +169,10 @@ class AttentionBackend(ABC, Generic[M]):
             if bad:
                 raise ValueError(f"sliding windows must be positive integers or None, not {bad}")
         self.sliding_windows = sliding_windows
+        # one reduction order per query row whatever else the step holds (set by the worker
+        # from EngineConfig.batch_invariant, before the first step; a backend that cannot
+        # refuses it in `set_batch_invariant`)
+        self.batch_invariant = False
         self.kv_caches: list[torch.Tensor] = []
         self.kv_scales: torch.Tensor | None = None  # [num_layers, 2] float32 of an FP8 cache
 
@@ -197,6 +201,12 @@ class AttentionBackend(ABC, Generic[M]):
         if self.kv_scales is None or self.kv_caches[layer_idx].dtype != torch.float8_e4m3fn:
             return None
         return self.kv_scales[layer_idx]
+
+    def set_batch_invariant(self) -> None:
+        """Attend every query row in one reduction order that no other row, chunk boundary or
+        prefix-cache hit changes; ValueError (naming the fix) where this backend cannot."""
+        raise ValueError(f"the {self.name} attention backend has no batch-invariant mode; "
+                         "use --attention-backend torch, or drop --batch-invariant")
 
     def metadata_builder(self, view: FieldView | None = None) -> AttentionMetadataBuilder[M]:
         """A builder of this backend's metadata; `view`: the engine's step-buffer fields

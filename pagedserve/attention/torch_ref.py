@@ -15,6 +15,7 @@ from pagedserve.attention.backend import (
     CommonAttentionMetadata,
     register_backend,
 )
+from pagedserve.attention.invariant import RowGroup, attend_rows, invariant_plan
 from pagedserve.kernels.kv_quant_torch import E4M3, dequantize_kv, is_fp8, quantize_kv
 
 
@@ -34,9 +35,11 @@ class DecodePlan(NamedTuple):
 @dataclass
 class TorchMetadata(CommonAttentionMetadata):
     """The common fields and the step's `DecodePlan` (None without a KV cache: every
-    sequence is a whole prompt, attended on its own)."""
+    sequence is a whole prompt, attended on its own); in batch-invariant mode, instead of it,
+    every row's group (`attention/invariant.py`)."""
 
     decodes: DecodePlan | None
+    invariant: tuple[RowGroup, ...] | None = None
 
 
 class TorchMetadataBuilder(AttentionMetadataBuilder[TorchMetadata]):
@@ -44,6 +47,10 @@ class TorchMetadataBuilder(AttentionMetadataBuilder[TorchMetadata]):
 
     def build(self, common: CommonAttentionMetadata) -> TorchMetadata:
         backend = self.backend
+        if backend.batch_invariant and backend.kv_caches:
+            groups = invariant_plan(common.query_start_loc_cpu, common.seq_lens_cpu, common.block_tables,
+                                    backend.kv_caches[0].shape[2], common.block_tables.device)
+            return TorchMetadata(**common.common_fields(), decodes=None, invariant=groups)
         plan = (decode_plan(common, backend.kv_caches[0].shape[2], backend.max_window)
                 if backend.kv_caches else None)
         return TorchMetadata(**common.common_fields(), decodes=plan)
@@ -56,10 +63,18 @@ class TorchReferenceBackend(AttentionBackend[TorchMetadata]):
     one batched product per side, GQA by grouping the query heads (no repeated K/V).
     Prompts and chunks loop over their sequences with `scaled_dot_product_attention`.
     A layer's sliding window (`AttentionBackend`) masks the keys before it; neither path
-    gathers the blocks wholly before it (decodes: before the widest window of any layer)."""
+    gathers the blocks wholly before it (decodes: before the widest window of any layer).
+    With `batch_invariant` set, every row of a step takes `attention/invariant.py`'s path
+    instead (no sliding windows there)."""
 
     name = "torch"
     builder_class = TorchMetadataBuilder
+
+    def set_batch_invariant(self) -> None:
+        if self.sliding_windows and any(w is not None for w in self.sliding_windows):
+            raise ValueError("--batch-invariant does not support sliding-window attention yet; "
+                             "drop the flag for this model")
+        self.batch_invariant = True
 
     def forward(self, layer_idx, q, k, v, meta: TorchMetadata, kv_stored: bool = False) -> torch.Tensor:
         has_cache = bool(self.kv_caches)
@@ -69,6 +84,12 @@ class TorchReferenceBackend(AttentionBackend[TorchMetadata]):
             if not kv_stored:
                 write_kv_cache(cache, k, v, meta.slot_mapping, kv_scale)
         out = torch.empty_like(q)
+        if meta.invariant is not None:
+            for group in meta.invariant:
+                k_ctx, v_ctx = (gather_slots(cache, side, group.slots.view(-1), kv_scale, q.dtype)
+                                .view(*group.slots.shape, self.num_kv_heads, self.head_dim) for side in (0, 1))
+                out[group.rows] = attend_rows(q[group.rows], k_ctx, v_ctx, group.masked, self.scale)
+            return out
         window = self.window(layer_idx)
         plan = meta.decodes
         if plan is not None and plan.rows.numel():

@@ -104,6 +104,10 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                         "\"normalize\": true}' (LAST, MEAN or CLS; default: the checkpoint's, "
                         "else LAST, normalized)")
     p.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
+    p.add_argument("--batch-invariant", action="store_true",
+                   help="deterministic serving: a request gets the same tokens (and seeded samples) "
+                        "alone or in any batch, whatever the step's mix of prefills and decodes, "
+                        "its chunk boundaries or prefix-cache hits; costs throughput (README)")
     p.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=True,
                    help="schedule the next step while the GPU runs this one")
     p.add_argument("--attention-backend", default="auto", choices=["auto", "triton", "torch"],

@@ -49,14 +49,22 @@ from pagedserve.structured.params import StructuredOutputsParams
 logger = logging.getLogger("pagedserve")
 
 
-def make_backend(name: str, device: torch.device, cfg: ModelConfig, tp: TensorParallel = SINGLE) -> AttentionBackend:
+def make_backend(name: str, device: torch.device, cfg: ModelConfig, tp: TensorParallel = SINGLE,
+                 batch_invariant: bool = False) -> AttentionBackend:
     """The attention backend `name` ("auto": triton on CUDA, torch elsewhere) for `cfg`'s
-    heads (a tensor-parallel rank's share of them) and its layers' sliding windows, if any."""
+    heads (a tensor-parallel rank's share of them) and its layers' sliding windows, if any;
+    `batch_invariant`: in its batch-invariant mode (ValueError where it has none)."""
+    if batch_invariant and device.type != "cpu":
+        raise ValueError("--batch-invariant runs on the CPU only so far (the CUDA kernels' "
+                         "fixed-order variants are not written yet): drop the flag or use --device cpu")
     if name == "auto":
         name = "triton" if device.type == "cuda" else "torch"
-    return get_backend_class(name)(tp.split(cfg.num_heads, "the attention heads"),
-                                   tp.split(cfg.num_kv_heads, "the KV heads"), cfg.head_dim, cfg.attention_scale,
-                                   sliding_windows=cfg.sliding_windows or None)
+    backend = get_backend_class(name)(tp.split(cfg.num_heads, "the attention heads"),
+                                      tp.split(cfg.num_kv_heads, "the KV heads"), cfg.head_dim,
+                                      cfg.attention_scale, sliding_windows=cfg.sliding_windows or None)
+    if batch_invariant:
+        backend.set_batch_invariant()
+    return backend
 
 
 class Worker:
@@ -89,7 +97,7 @@ class Worker:
         # LoRA: slot tensors on every adaptable projection (before the KV cache is sized)
         lora = None if config.lora is None else LoRAManager(model, config.lora, cfg, dtype, device)
         self.scheduler_config = sched = config.scheduler_for(cfg, device.type)
-        backend = make_backend(config.attention_backend, device, cfg, tp)
+        backend = make_backend(config.attention_backend, device, cfg, tp, config.batch_invariant)
         self.kv_spec = spec = KVCacheSpec.for_model(cfg, config.cache.block_size, dtype,
                                                     config.cache.kv_cache_dtype, tp.size)
         if self.cuda and sched.max_model_len >= LONG_MIN_KEYS and backend.enable_long_prefill(
@@ -140,7 +148,8 @@ class Worker:
             from pagedserve.layers.cpu_matmul import pack_model_weights
 
             rows = min(sched.max_num_seqs, 64)
-            packed = sum(pack_model_weights(m, rows) for m in (model, *(draft[:1] if draft else ())))
+            packed = sum(pack_model_weights(m, rows, config.batch_invariant)
+                         for m in (model, *(draft[:1] if draft else ())))
             logger.info("%d weights packed for oneDNN", packed)
         if self._plans_wanted(kernels):
             self.matmul_plan_seconds = self._plan_matmuls(kernels)
@@ -180,7 +189,7 @@ class Worker:
         if model.config.vocab_size != cfg.vocab_size:
             raise ValueError(f"the draft model {spec.model} has a vocabulary of {model.config.vocab_size} "
                              f"tokens, the model {cfg.vocab_size}: they must be the same")
-        return (model, make_backend(config.attention_backend, device, model.config, tp),
+        return (model, make_backend(config.attention_backend, device, model.config, tp, config.batch_invariant),
                 KVCacheSpec.for_model(model.config, config.cache.block_size, dtype,
                                       config.cache.kv_cache_dtype, tp.size))
 

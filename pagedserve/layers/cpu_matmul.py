@@ -9,6 +9,13 @@ arithmetic, another summation order (differences of ~1e-4 on products of ~30).
 `pack_model_weights` gives every unquantized `Linear` and the logits head a `packed_weight`
 that their products then use; each plain weight a `Linear` no longer reads is released (the
 logits head's may be the embedding's, which stays). Quantized layers keep their own methods.
+
+Batch invariance (`EngineConfig.batch_invariant`): oneDNN multiplies one row on another path
+(a matrix-vector product) than two or more, and its sums then differ in the last bits where
+the inner dimension is long (SmolLM2's down projection, 1,536); its multi-row kernels gave
+every row the same bits whatever the row count (1-300) or the row's place, in float32 and
+bfloat16, on one thread or two (`tests/test_batch_invariant_units.py` holds this). So in the
+mode a product of one row is computed as two (`INVARIANT_MIN_ROWS`, the second row zeros).
 """
 
 from __future__ import annotations
@@ -20,6 +27,7 @@ from torch import nn
 
 logger = logging.getLogger("pagedserve")
 PACKABLE_DTYPES = (torch.float32, torch.bfloat16)
+INVARIANT_MIN_ROWS = 2  # the fewest rows a product has in batch-invariant mode (module docstring)
 
 
 def can_pack(weight: torch.Tensor) -> bool:
@@ -44,19 +52,27 @@ def pack(weight: torch.Tensor, rows_hint: int) -> torch.Tensor:
     return torch.ops.mkldnn._reorder_linear_weight(weight.detach(), rows_hint)
 
 
-def packed_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """x [T, in] @ weight [out, in]^T (+ bias [out]) -> [T, out], the weight packed by `pack`."""
+def packed_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None = None,
+                  min_rows: int = 1) -> torch.Tensor:
+    """x [T, in] @ weight [out, in]^T (+ bias [out]) -> [T, out], the weight packed by `pack`;
+    fewer than `min_rows` rows (but some) are padded with zero rows to it, then dropped."""
+    rows = x.shape[0]
+    if 0 < rows < min_rows:
+        padded = torch.cat([x, x.new_zeros(min_rows - rows, *x.shape[1:])])  # [min_rows, in]
+        return torch.ops.mkldnn._linear_pointwise(padded, packed, bias, "none", [], "")[:rows]
     return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
 
 
-def pack_model_weights(model: nn.Module, rows_hint: int) -> int:
+def pack_model_weights(model: nn.Module, rows_hint: int, batch_invariant: bool = False) -> int:
     """Pack the weights of `model`'s unquantized Linears and logits head (see the module
-    docstring): every module with a `pack_for_cpu(rows_hint) -> bool` is asked to (a layer
-    knows its own weights; this module imports none of them). Returns how many did. A model
-    on another device, or one oneDNN cannot take, is left as it is (0)."""
+    docstring): every module with a `pack_for_cpu(rows_hint, min_rows) -> bool` is asked to (a
+    layer knows its own weights; this module imports none of them); `batch_invariant`: their
+    products take at least INVARIANT_MIN_ROWS rows. Returns how many did. A model on another
+    device, or one oneDNN cannot take, is left as it is (0)."""
+    min_rows = INVARIANT_MIN_ROWS if batch_invariant else 1
     packed = 0
     for module in model.modules():
         pack_for_cpu = getattr(module, "pack_for_cpu", None)
-        if pack_for_cpu is not None and pack_for_cpu(rows_hint):
+        if pack_for_cpu is not None and pack_for_cpu(rows_hint, min_rows):
             packed += 1
     return packed

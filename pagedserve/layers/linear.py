@@ -69,6 +69,7 @@ class Linear(ParamAttrsModule):
         ) if self.shard_names else _NO_SHARDS
         self.skinny_plan: SkinnyPlan | None = None
         self.packed_weight: torch.Tensor | None = None  # on the CPU, for oneDNN (layers/cpu_matmul.py)
+        self.packed_min_rows = 1  # (2 in batch-invariant mode: cpu_matmul.INVARIANT_MIN_ROWS)
         self.lora = None  # a LoRALayer (lora/layer.py) adding each row's adapter term, or None
         self.linear_method = linear_method if linear_method is not None else UnquantizedLinearMethod()
         self.linear_method.create_weights(self, in_features, self.output_sizes, bias, dtype)
@@ -93,9 +94,9 @@ class Linear(ParamAttrsModule):
         y = self.tp.all_reduce(self.linear_method.apply(self, x, None))  # [T, in / size] -> [T, out]
         return y if self.bias is None else y + self.bias
 
-    def pack_for_cpu(self, rows_hint: int) -> bool:
+    def pack_for_cpu(self, rows_hint: int, min_rows: int = 1) -> bool:
         """oneDNN packing of the weight, where the method allows (`layers/cpu_matmul.py`)."""
-        return self.linear_method.pack_for_cpu(self, rows_hint)
+        return self.linear_method.pack_for_cpu(self, rows_hint, min_rows)
 
     def extra_repr(self) -> str:
         shards = f", shards={dict(self.shard_offsets)}" if self.shard_names else ""

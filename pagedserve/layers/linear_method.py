@@ -63,9 +63,9 @@ class LinearMethod:
         CUDA graphs: keep it to the product itself."""
         raise NotImplementedError
 
-    def pack_for_cpu(self, layer: nn.Module, rows_hint: int) -> bool:
-        """Give `layer` a oneDNN-packed weight its product then uses (`layers/cpu_matmul.py`),
-        where the method and the weight allow; whether it did. (None here: quantized methods
+    def pack_for_cpu(self, layer: nn.Module, rows_hint: int, min_rows: int = 1) -> bool:
+        """Give `layer` a oneDNN-packed weight its product then uses (`layers/cpu_matmul.py`;
+        products of at least `min_rows` rows), where the method and the weight allow; whether it did. (None here: quantized methods
         multiply their own way.)"""
         return False
 
@@ -97,10 +97,11 @@ class UnquantizedLinearMethod(LinearMethod):
             bound = 1 / math.sqrt(input_size) if input_size > 0 else 0
             nn.init.uniform_(layer.bias, -bound, bound)
 
-    def pack_for_cpu(self, layer: nn.Module, rows_hint: int) -> bool:
+    def pack_for_cpu(self, layer: nn.Module, rows_hint: int, min_rows: int = 1) -> bool:
         if not can_pack(layer.weight):
             return False
         layer.packed_weight = pack(layer.weight, rows_hint)
+        layer.packed_min_rows = min_rows
         layer.weight.data = layer.weight.data.new_empty(0)  # (released: only the packed copy is read)
         return True
 
@@ -109,7 +110,7 @@ class UnquantizedLinearMethod(LinearMethod):
 
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         if layer.packed_weight is not None:  # the CPU (layers/cpu_matmul.py)
-            return packed_linear(x, layer.packed_weight, bias)
+            return packed_linear(x, layer.packed_weight, bias, layer.packed_min_rows)
         if bias is None:  # the skinny kernel takes no bias
             return matmul(x, layer.weight, layer.skinny_plan)
         return F.linear(x, layer.weight, bias)

@@ -27,6 +27,7 @@ class LMHead(ParamAttrsModule):
         self.vocab_size, self.hidden_size, self.tp = vocab_size, hidden_size, tp
         self.skinny_plan: SkinnyPlan | None = None
         self.packed_weight: torch.Tensor | None = None  # on the CPU, for oneDNN (layers/cpu_matmul.py)
+        self.packed_min_rows = 1  # (2 in batch-invariant mode: cpu_matmul.INVARIANT_MIN_ROWS)
         # not a submodule (so not a second name for its weight): only read at call time
         self.__dict__["tied_to"] = tie_to
         if tie_to is None:
@@ -46,7 +47,7 @@ class LMHead(ParamAttrsModule):
         module-call cost). bf16 logits stay bf16: the samplers read them as they are, and a
         float32 copy would cost a pass over [N, vocab] each step."""
         if self.packed_weight is not None:
-            logits = packed_linear(hidden, self.packed_weight)
+            logits = packed_linear(hidden, self.packed_weight, min_rows=self.packed_min_rows)
         else:
             tied = self.tied_to
             logits = matmul(hidden, self.weight if tied is None else tied.weight, self.skinny_plan)
@@ -55,12 +56,14 @@ class LMHead(ParamAttrsModule):
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.logits(hidden)
 
-    def pack_for_cpu(self, rows_hint: int) -> bool:
+    def pack_for_cpu(self, rows_hint: int, min_rows: int = 1) -> bool:
         """Give the head a oneDNN-packed copy of its weight where oneDNN takes it
-        (`layers/cpu_matmul.py`), releasing its own (a tied embedding's stays); whether it did."""
+        (`layers/cpu_matmul.py`; products of at least `min_rows` rows), releasing its own (a
+        tied embedding's stays); whether it did."""
         if not can_pack(self.logits_weight()):
             return False
         self.packed_weight = pack(self.logits_weight(), rows_hint)
+        self.packed_min_rows = min_rows
         if self.tied_to is None:
             self.weight.data = self.weight.data.new_empty(0)
         return True
