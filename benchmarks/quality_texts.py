@@ -53,3 +53,14 @@ def continuation_prompts(tokenizer, per_kind: int = 4) -> list[tuple[str, list[i
         else:
             prompts += [(kind, ids[:PROMPT_TOKENS]) for ids in encoded(tokenizer, kind)[:per_kind]]
     return prompts
+
+
+def first_positions(docs: list[list[int]], count: int) -> list[list[int]]:
+    """The first passages of `docs` until they hold at least `count` tokens (0: all of them)."""
+    out, total = [], 0
+    for d in docs:
+        if count and total >= count:
+            break
+        out.append(d)
+        total += len(d)
+    return out
