@@ -1,7 +1,9 @@
 """Where 8-bit formats lose precision on SmolLM2 (issue 60): the relative RMS rounding error
 ||round(x) - x|| / ||x|| of the decoder projections' weights (bf16; e4m3 per output row and per
 tensor; int8 per output row) and of their inputs (e4m3 and int8 per token, over the first
-passage of each kind of text of `quality_texts.py`, float32 model), by projection kind.
+passage of each kind of text of `quality_texts.py`, float32 model), by projection kind; and of
+the keys and values an FP8 KV cache stores (e4m3 with the cache's scale of 1.0 per layer,
+with a per-layer scale of amax / 448, and with a dynamic scale per token and KV head).
 
     python benchmarks/quant_rounding_error.py [--out results.json]
 
@@ -86,9 +88,35 @@ def main() -> None:
     for name, mod in model.named_modules():
         if name.endswith(KINDS):
             mod.register_forward_pre_hook(hook(name))
+    from pagedserve.attention.torch_ref import TorchReferenceBackend
+
+    kv: dict[str, list[torch.Tensor]] = {"keys": [], "values": []}  # per forward and layer
+    attend = TorchReferenceBackend.forward
+
+    def recording(self, layer_idx, q, k, v, *rest, **kw):
+        kv["keys"].append(k.float().reshape(k.shape[0], -1, model.config.head_dim))  # [T, kv heads, D]
+        kv["values"].append(v.float().reshape(v.shape[0], -1, model.config.head_dim))
+        return attend(self, layer_idx, q, k, v, *rest, **kw)
+
+    TorchReferenceBackend.forward = recording
     tokenizer = Tokenizer.from_pretrained(src.folder)
-    for kind in quality_texts.KINDS:
-        logits_of(model, quality_texts.encoded(tokenizer, kind)[0])
+    try:
+        for kind in quality_texts.KINDS:
+            logits_of(model, quality_texts.encoded(tokenizer, kind)[0])
+    finally:
+        TorchReferenceBackend.forward = attend
+    layers = model.config.num_layers
+    for what, xs in kv.items():
+        for x in xs:
+            errors.add(f"KV cache {what}", "e4m3, scale 1.0", x, x.clamp(-448, 448).to(FP8).float())
+            errors.add(f"KV cache {what}", "e4m3 per token and head", x,
+                       e4m3(x.reshape(-1, x.shape[-1])).reshape(x.shape))
+        for i in range(layers):  # a calibrated scale per layer: its amax over all four texts
+            mine = xs[i::layers]
+            s = max(x.abs().amax().item() for x in mine) / 448
+            for x in mine:
+                errors.add(f"KV cache {what}", "e4m3, per-layer amax scale", x,
+                           (x / s).clamp(-448, 448).to(FP8).float() * s)
     rows = errors.rows()
     for r in rows:
         print(f"{r['tensors']:<28} {r['format']:<16} {r['relative_rms_error']:.4f}")
