@@ -390,8 +390,11 @@ FP8_A = {"num_bits": 8, "type": "float", "strategy": "token", "dynamic": True}
 
 @pytest.mark.parametrize("qc, message", [
     (_ct({"num_bits": 8, "type": "int", "strategy": "channel"},
-         {"num_bits": 8, "type": "int", "strategy": "token", "dynamic": True}, "int-quantized"),
-     "int 8-bit weights per channel, int 8-bit activation per token dynamic, format int-quantized"),
+         {"num_bits": 8, "type": "int", "strategy": "tensor", "dynamic": False}, "int-quantized"),
+     "int 8-bit weights per channel, int 8-bit activation per tensor, format int-quantized.*"
+     "int8 inputs must be dynamic, symmetric and per token"),
+    (_ct({"num_bits": 8, "type": "int", "strategy": "channel"}, None, "int-quantized"),
+     r"int8 weights with unquantized activations \(W8A16\)"),
     (_ct({"num_bits": 4, "type": "int", "strategy": "group", "group_size": 128}, None, "pack-quantized"),
      "int 4-bit weights per group of 128, no activation quantization, format pack-quantized"),
     (_ct(FP8_W, FP8_A, sparsity_config={"format": "sparse-24-bitmask", "sparsity_structure": "2:4"}),
@@ -406,7 +409,7 @@ def test_unsupported_schemes_are_refused_naming_them(qc, message):
     with pytest.raises(ValueError, match=message) as e:
         linear_method_for(qc["quant_method"], qc)
     if qc["quant_method"] == "compressed-tensors":
-        assert "pagedserve reads compressed-tensors FP8 only" in str(e.value)
+        assert "pagedserve reads compressed-tensors FP8 (8-bit float weights" in str(e.value)
 
 
 def test_blocks_straddling_fused_shards_are_refused(smol, tmp_path):

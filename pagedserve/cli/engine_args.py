@@ -48,9 +48,11 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--quantization", "-q", default=None, choices=QUANTIZATION_CHOICES,
                    help="fp8 on an unquantized checkpoint: the decoder's weights quantized to "
                         "FP8 e4m3 at load (per output channel), activations per token (GPUs of "
-                        "compute capability 8.9+). A pre-quantized checkpoint (fp8, "
-                        "compressed-tensors, awq, gptq) runs its own method (the flag may name "
-                        "it); the CPU runs a dequantizing reference path")
+                        "compute capability 8.9+); int8: int8 weights per output channel and "
+                        "int8 activations per token, W8A8 (GPUs of compute capability 8.0+, "
+                        "e.g. the A100). A pre-quantized checkpoint (fp8, compressed-tensors, "
+                        "awq, gptq) runs its own method (the flag may name it); the CPU runs "
+                        "FP8 on a dequantizing reference path, int8 on torch._int_mm")
     p.add_argument("--kv-cache-dtype", default="auto", choices=list(KV_CACHE_DTYPES),
                    help="how the KV cache is stored; auto: the model's dtype; fp8 (= fp8_e4m3): "
                         "float8 e4m3 with one scale per layer for K and one for V (1.0), half "

@@ -1,7 +1,7 @@
 """Quantization: the weight formats a model's linear layers can take, and which one a model runs.
 
-A method is chosen either by `--quantization NAME` on an unquantized checkpoint (only "fp8":
-weights quantized at load) or by a pre-quantized checkpoint's `config.json`
+A method is chosen either by `--quantization NAME` on an unquantized checkpoint ("fp8" or
+"int8": weights quantized at load) or by a pre-quantized checkpoint's `config.json`
 `quantization_config.quant_method` (its weights are read as stored). This module is torch-free
 (the HTTP process checks the choice up front); `quantization/methods.py` builds the
 `LinearMethod` (`layers/linear_method.py`) that each decoder projection then uses. Add a method:
@@ -17,11 +17,11 @@ from typing import Any
 from pagedserve.distributed.split import SplitUnits
 
 # what --quantization quantizes at load, from an unquantized (bf16/fp16/fp32) checkpoint
-DYNAMIC_METHODS = ("fp8",)
+DYNAMIC_METHODS = ("fp8", "int8")
 # quant_method values of pre-quantized checkpoints that load as stored
 CHECKPOINT_METHODS: tuple[str, ...] = (
     "fp8",  # FP8 weights in blocks (weight_scale_inv) or per tensor: fp8_block.py, fp8_checkpoint.py
-    "compressed-tensors",  # its FP8 schemes: compressed_tensors.py
+    "compressed-tensors",  # its FP8 and INT8 W8A8 schemes: compressed_tensors.py
     "awq",  # 4-bit weights (W4A16), awq.py
     "gptq",  # 4-bit weights (W4A16), gptq.py
 )
@@ -69,16 +69,18 @@ def resolve_quantization(requested: str | None, hf_config: Mapping[str, Any]) ->
 
 
 # methods whose weights a mixture-of-experts model's experts cannot take: the fused-MoE kernel
-# and its reference multiply bf16 or FP8 experts, no int4 ones
-MOE_REFUSED = ("awq", "gptq")
+# and its reference multiply bf16 or FP8 experts, no int4 or int8 ones
+MOE_REFUSED = ("awq", "gptq", "int8")
 
 
 def moe_refusal(quantization: str) -> ValueError:
-    """The error for a Qwen3-MoE checkpoint quantized with `quantization` (one of MOE_REFUSED)."""
+    """The error for a Qwen3-MoE model quantized with `quantization` (one of MOE_REFUSED, or
+    the name of a checkpoint's integer method)."""
+    bits, kind = ("4-bit", "int4") if quantization in ("awq", "gptq") else ("int8", "int8")
     return ValueError(
-        f"pre-quantized Qwen3-MoE checkpoints quantized with {quantization!r} (4-bit weights) are "
+        f"pre-quantized Qwen3-MoE checkpoints quantized with {quantization!r} ({bits} weights) are "
         "not supported: the fused-MoE kernel and its reference multiply bf16 or FP8 experts only, "
-        "not int4 ones. Serve an FP8 or unquantized release (with --quantization fp8 for FP8 "
+        f"not {kind} ones. Serve an FP8 or unquantized release (with --quantization fp8 for FP8 "
         "experts quantized at load)")
 
 

@@ -12,9 +12,13 @@ per token on the fly). `format` "float-quantized" or "naive-quantized". The `ign
 (`fp8_checkpoint.LayerSelection`).
 
 Channel and tensor scales end in `fp8.set_fp8_weight`, so the product is dynamic FP8's
-(`Fp8LinearMethod.apply`); blocks go to `fp8_block.Fp8BlockLinearMethod`. Any other scheme
-(int8 W8A8, int4/int8 weight-only packing, FP4, FP8 weight-only, 2:4 sparsity, a quantized KV
-cache) is refused with a ValueError naming it.
+(`Fp8LinearMethod.apply`); blocks go to `fp8_block.Fp8BlockLinearMethod`. INT8 W8A8 (`type: "int"`,
+`num_bits: 8`, symmetric weights per channel, dynamic symmetric inputs per token; format
+"int-quantized" or "naive-quantized"; llm-compressor's W8A8 with or without SmoothQuant, whose
+smoothing factors are folded into the weights before export) goes to
+`int8.Int8CheckpointLinearMethod`. Any other scheme (static or asymmetric int8 inputs, int4/int8
+weight-only packing, FP4, FP8 weight-only, 2:4 sparsity, a quantized KV cache) is refused with a
+ValueError naming it.
 """
 
 from __future__ import annotations
@@ -25,12 +29,16 @@ from typing import Any
 from pagedserve.layers.linear_method import LinearMethod
 from pagedserve.quantization.fp8_block import Fp8BlockLinearMethod, parse_block
 from pagedserve.quantization.fp8_checkpoint import Fp8CheckpointLinearMethod, LayerSelection
+from pagedserve.quantization.int8 import Int8CheckpointLinearMethod
 
 FORMATS = ("float-quantized", "naive-quantized")
 WEIGHT_STRATEGIES = ("channel", "tensor", "block")
-SUPPORTED = ("pagedserve reads compressed-tensors FP8 only: 8-bit float weights per channel, per "
-             "tensor or in blocks, with 8-bit float input activations (dynamic, or static per "
-             "tensor), format float-quantized or naive-quantized")
+SUPPORTED = ("pagedserve reads compressed-tensors FP8 (8-bit float weights per channel, per "
+             "tensor or in blocks, with 8-bit float input activations, dynamic or static per "
+             "tensor; format float-quantized or naive-quantized) and INT8 W8A8 (symmetric 8-bit "
+             "int weights per channel with dynamic symmetric 8-bit int inputs per token; format "
+             "int-quantized or naive-quantized)")
+INT8_FORMATS = ("int-quantized", "naive-quantized")
 
 
 def describe_scheme(weights: Mapping[str, Any] | None, acts: Mapping[str, Any] | None, fmt: object) -> str:
@@ -50,11 +58,31 @@ def _refuse(what: str) -> ValueError:
                       "unquantized release (with --quantization fp8 for FP8 weights) or an FP8 one")
 
 
+def _check_int8_group(weights: Mapping[str, Any], acts: object, fmt: object, scheme: str) -> tuple:
+    """An int-weight config group's scheme as ("int8",), or ValueError naming it: only
+    symmetric int8 weights per channel with dynamic symmetric int8 inputs per token."""
+    if (fmt not in (None, *INT8_FORMATS) or weights.get("num_bits") != 8
+            or weights.get("strategy") != "channel" or weights.get("symmetric") is False
+            or weights.get("dynamic") not in (None, False) or weights.get("actorder")
+            or weights.get("group_size") not in (None, -1)):
+        raise _refuse(scheme)
+    if not isinstance(acts, Mapping):
+        raise _refuse(f"{scheme}: int8 weights with unquantized activations (W8A16) are not "
+                      "read, only W8A8")
+    if (acts.get("type") != "int" or acts.get("num_bits") != 8 or acts.get("symmetric") is False
+            or acts.get("dynamic") is not True or acts.get("strategy") != "token"):
+        raise _refuse(f"{scheme}: int8 inputs must be dynamic, symmetric and per token")
+    return ("int8",)
+
+
 def _check_group(name: str, group: Mapping[str, Any], fmt: object) -> tuple:
-    """A config group's scheme as (strategy, block, static input), or ValueError naming it."""
+    """A config group's scheme as (strategy, block, static input) for FP8 or ("int8",), or
+    ValueError naming it."""
     weights, acts = group.get("weights"), group.get("input_activations")
     fmt = group.get("format") or fmt
     scheme = f"scheme {describe_scheme(weights, acts, fmt)} (config group {name!r})"
+    if isinstance(weights, Mapping) and weights.get("type") == "int":
+        return _check_int8_group(weights, acts, fmt, scheme)
     if fmt is not None and fmt not in FORMATS:
         raise _refuse(scheme)
     if not isinstance(weights, Mapping) or weights.get("type") != "float" or weights.get("num_bits") != 8:
@@ -107,8 +135,11 @@ class CompressedTensorsLinearMethod(Fp8CheckpointLinearMethod):
         if len(schemes) > 1:
             raise _refuse(f"different schemes in its config groups ({sorted(map(str, schemes))}); "
                           "pagedserve reads one FP8 scheme for every quantized layer")
-        (strategy, block, static), = schemes
+        (scheme,) = schemes
         layers = LayerSelection(quant_config.get("ignore") or [], targets)
+        if scheme == ("int8",):
+            return Int8CheckpointLinearMethod(layers)
+        strategy, block, static = scheme
         if strategy == "block":
             return Fp8BlockLinearMethod(block, "weight_scale", layers)
         return cls(per_channel=strategy == "channel", static_input=static, layers=layers)

@@ -7,7 +7,7 @@ operands on Hopper's tensor cores (`torch._scaled_mm` with row-wise scales, bf16
 (`layers/skinny.py`) found the skinny kernel on the e4m3 weight and bf16 input faster. Elsewhere
 (the CPU, fp16 models, GPUs before compute capability 8.9) the same quantized numbers are
 dequantized and multiplied in the input's dtype: the reference path, with the same rounding of
-weights and activations.
+weights and activations (on the CPU the weight is dequantized once, at load).
 
 Over tensor-parallel ranks, a column-parallel layer's rows and inputs are whole, so each rank
 quantizes as one process would. A row-parallel layer (o_proj, down_proj) holds a slice of
@@ -44,6 +44,11 @@ def set_fp8_weight(layer: nn.Module, q: torch.Tensor, scale: torch.Tensor, dtype
     layer.weight_scale = nn.Parameter(scale.float().reshape(1, -1), requires_grad=False)  # [1, out]
     # decided once here, not per product: the inputs come in the model's dtype
     layer.fp8_tensor_cores = scaled_mm_supported(q.device, dtype)
+    # the CPU's reference path multiplies by the dequantized weight: made once here (e4m3 ->
+    # float conversions are slow on the CPU, about 10 s a forward for SmolLM2), the same
+    # numbers a product would make from `weight` [out, in] in `dtype`
+    layer.fp8_dequantized = (dequantize_rows(q, layer.weight_scale.reshape(-1, 1), dtype)
+                             if q.device.type == "cpu" else None)
 
 
 def _row_ranks(layer: nn.Module) -> TensorParallel:
@@ -75,7 +80,9 @@ class Fp8LinearMethod(LinearMethod):
             y = torch._scaled_mm(xq, layer.weight.t(), scale_a=xs, scale_b=layer.weight_scale,
                                  out_dtype=x.dtype)  # [T, out]
             return y if bias is None else y + bias
-        w = dequantize_rows(layer.weight, layer.weight_scale.reshape(-1, 1), x.dtype)  # [out, in]
+        w = layer.fp8_dequantized  # [out, in]
+        if w is None or w.dtype != x.dtype:
+            w = dequantize_rows(layer.weight, layer.weight_scale.reshape(-1, 1), x.dtype)
         return F.linear(dequantize_rows(xq, xs, x.dtype), w, bias)
 
     def plannable(self, layer: nn.Module) -> bool:

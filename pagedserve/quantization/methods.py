@@ -12,6 +12,7 @@ from pagedserve.layers.linear_method import LinearMethod
 # name -> (module, builder): the builder, `from_config(quant_config or None)`, makes the method
 METHODS: dict[str, tuple[str, str]] = {
     "fp8": ("pagedserve.quantization.fp8_config", "fp8_method"),
+    "int8": ("pagedserve.quantization.int8", "Int8LinearMethod.from_config"),
     "compressed-tensors": ("pagedserve.quantization.compressed_tensors",
                            "CompressedTensorsLinearMethod.from_config"),
     "awq": ("pagedserve.quantization.awq", "AwqLinearMethod.from_config"),
@@ -44,6 +45,8 @@ def check_quantization_device(quantization: str | None, device: object) -> None:
     Hopper). The CPU runs every method on its dequantizing reference path."""
     from pagedserve.kernels._utils import fp8_gpu_shortfall
 
+    if quantization == "int8":
+        check_int8_device(device)
     if quantization not in FP8_METHODS:
         return
     shortfall = fp8_gpu_shortfall(device)
@@ -52,3 +55,19 @@ def check_quantization_device(quantization: str | None, device: object) -> None:
             f"{quantization} quantization (FP8 weights) needs {shortfall}. Serve the unquantized "
             "model (drop --quantization), or a 4-bit AWQ or GPTQ checkpoint, which runs on any "
             "CUDA GPU")
+
+
+def check_int8_device(device: object) -> None:
+    """ValueError naming the fix where `--quantization int8` cannot run on `device`: its Triton
+    GEMM needs int8 tensor cores of compute capability 8.0+ (A100 and later); the CPU runs
+    `torch._int_mm`."""
+    import torch
+
+    dev = torch.device(device)  # type: ignore[arg-type]
+    if dev.type != "cuda":
+        return
+    cap = torch.cuda.get_device_capability(dev)
+    if cap < (8, 0):
+        raise ValueError(f"--quantization int8 needs a GPU of compute capability 8.0 or newer "
+                         f"(A100 and later), this one is {cap[0]}.{cap[1]}. Serve the unquantized "
+                         "model (drop --quantization), or a 4-bit AWQ or GPTQ checkpoint")
