@@ -103,6 +103,7 @@ class EngineArgs:
         quantization = resolve_quantization(self.quantization, source.hf_config)
         model_cfg = model_config_from_hf(source.hf_config)
         check_moe_quantization(quantization, model_cfg.moe is not None)
+        self._check_batch_invariant(quantization)
         limit = model_cfg.max_position_embeddings
         max_len = self.max_model_len or limit
         if max_len > limit:
@@ -155,6 +156,18 @@ class EngineArgs:
             raise ValueError("--kv-cache-dir does not work with tensor parallelism yet: drop it "
                              "(the host tier, --kv-offload-size, does)")
         return tiers
+
+    def _check_batch_invariant(self, quantization: str | None) -> None:
+        """ValueError where --batch-invariant cannot keep its promise yet: its fixed-order
+        paths cover the unquantized weight products and attention of one process only."""
+        if not self.batch_invariant:
+            return
+        other = ([f"--quantization {quantization}"] if quantization else []) + \
+            (["--enable-lora"] if self.enable_lora else []) + \
+            (["--tensor-parallel-size > 1"] if self.tensor_parallel_size > 1 else [])
+        if other:
+            raise ValueError(f"--batch-invariant does not cover {', '.join(other)} yet (their "
+                             "products are not in fixed row order): drop one of them")
 
     def _lora_config(self) -> LoRAConfig | None:
         """The adapters' limits with enable_lora, else None; ValueError for what LoRA does not

@@ -111,3 +111,20 @@ def test_sliding_windows_are_refused_in_batch_invariant_mode():
     backend = TorchReferenceBackend(HEADS, KV_HEADS, DIM, DIM**-0.5, sliding_windows=(None, 64))
     with pytest.raises(ValueError, match="sliding-window"):
         backend.set_batch_invariant()
+
+
+@pytest.mark.parametrize("kwargs, named", [
+    ({"quantization": "fp8"}, "--quantization fp8"),
+    ({"enable_lora": True}, "--enable-lora"),
+    ({"tensor_parallel_size": 3}, "--tensor-parallel-size > 1"),
+])
+def test_what_the_mode_does_not_cover_yet_is_refused_by_name(kwargs, named):
+    """Quantized and LoRA products and tensor-parallel sums are not in fixed row order yet:
+    the mode refuses them at configuration, naming the flag, rather than answering
+    batch-dependent tokens under a batch-invariant promise."""
+    from pagedserve.engine_args import EngineArgs
+
+    with pytest.raises(ValueError, match="--batch-invariant does not cover") as e:
+        EngineArgs(device="cpu", batch_invariant=True, **kwargs).create_engine_config()
+    assert named in str(e.value)
+    EngineArgs(device="cpu", **kwargs).create_engine_config()  # (each alone is fine)
