@@ -32,7 +32,7 @@ class FakeCore:
     def __init__(self, fail_times: int, fatal_at: int | None = None):
         self.fail_times, self.requests, self.consecutive_failed_steps = fail_times, {}, 0
         self.fatal_at, self.fatal_error, self.steps = fatal_at, None, 0
-        self.kv = type("KV", (), {"usage": 0.0, "stats": type("S", (), {"queries": 0, "hits": 0})()})()
+        self.kv = type("KV", (), {"usage": 0.0, "tiers": None, "stats": type("S", (), {"queries": 0, "hits": 0})()})()
         self.scheduler = type("Sch", (), {"running": [], "waiting": [], "num_preemptions": 0})()
         self.num_prefill_tokens = self.num_generation_tokens = 0
         self.num_failed_steps = self.num_failed_requests = 0
