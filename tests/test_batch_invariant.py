@@ -3,8 +3,8 @@
 64 greedy requests (half of them behind one of 8 shared 32-token prefixes, so prefix-cache
 hits come and go with the order) run alone (one `generate` each), then all together, then
 reversed behind a prompt of 200 tokens; steps of at most 64 tokens chunk every long prompt,
-and the KV cache (48 MiB, about 1,090 tokens in float32) is small enough that preemption
-comes. The check compares each request's tokens and the logprob of each (its bits).
+and the KV cache is 48 MiB (about 1,090 tokens in float32). Preemption has a check of its own:
+8 requests growing to 40 new tokens each in 16 blocks. The check compares each request's tokens and the logprob of each (its bits).
 
 In batch-invariant mode all three runs agree exactly, in float32 and bfloat16. The default
 mode does not (measured with 3 prompts of 300 tokens, 6 new tokens each): float32 gave the
@@ -68,8 +68,9 @@ def _three_runs(llm, prompts, longs, params=GREEDY):
 
 
 def _engine(dtype, invariant, **kwargs):
+    kwargs = {"kv_cache_memory": KV_BYTES, **kwargs}
     return LLM(dtype=dtype, device="cpu", max_model_len=1024, max_num_batched_tokens=64,
-               kv_cache_memory=KV_BYTES, batch_invariant=invariant, **kwargs)
+               batch_invariant=invariant, **kwargs)
 
 
 @pytest.fixture(scope="module")
@@ -87,7 +88,6 @@ def test_default_mode_is_not_batch_invariant(prompts):
 def test_batch_invariant_mode_float32(invariant_fp32):
     llm, (alone, together, mixed) = invariant_fp32
     assert llm.engine.executor.worker.runner.backend.batch_invariant
-    assert llm.engine.scheduler.num_preemptions > 0
     assert together == alone
     assert mixed == alone
 
@@ -117,3 +117,17 @@ def test_seeded_sampling_repeats_alone_and_together(prompts, invariant_fp32):
     alone = [_key(llm.generate([p], s, use_tqdm=False)[0]) for p, s in zip(few, params)]
     together = [_key(o) for o in llm.generate(few, params, use_tqdm=False)]
     assert together == alone
+
+
+def test_preemption_and_recompute_keep_each_requests_tokens_in_the_mode(prompts):
+    """8 requests of up to 56 prompt tokens, 40 new tokens each, in a KV cache of 16 blocks
+    (256 tokens): requests are preempted and recomputed, and each gives its tokens alone."""
+    few = prompts[0][:8]
+    params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True, logprobs=0)
+    llm = _engine("float32", True, kv_cache_memory=16 * 16 * 2 * 30 * 3 * 64 * 4)  # (SmolLM2's bytes a token)
+    alone = [_key(llm.generate([p], params, use_tqdm=False)[0]) for p in few]
+    assert llm.engine.scheduler.num_preemptions == 0
+    together = [_key(o) for o in llm.generate(few, params, use_tqdm=False)]
+    assert llm.engine.scheduler.num_preemptions > 0
+    assert together == alone
+    llm.check_no_leaks()
