@@ -218,3 +218,20 @@ def test_an_id_reused_while_its_old_step_is_in_flight_gets_only_its_own_tokens()
     assert eng.sched.apply_results(first, {"x": [42]}) == []
     assert new.token_ids == [7, 8, 9, 10] and new.num_pending == 1
     assert eng.sched.apply_results(second, {"x": [5]}) == [new] and new.token_ids[-1] == 5
+
+
+def test_a_step_whose_results_fail_to_apply_still_hands_its_requests_to_the_failure_path():
+    """If applying a step's tokens raises halfway (here: one request's token is missing), the
+    engine's failed-step handling (`drop`) still gets every request of that step to fail: none
+    stays running with no step to finish it (a pooling request, which schedules no decode,
+    did, and its caller waited for ever)."""
+    kv = KVCacheManager(16, 4)
+    sched = Scheduler(SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=64, max_model_len=64), kv)
+    reqs = [Request(f"r{i}", [1, 2, 3], SamplingParams(max_tokens=4), max_tokens=4) for i in range(2)]
+    for r in reqs:
+        sched.add_request(r)
+    out = sched.schedule()
+    with pytest.raises(KeyError):
+        sched.apply_results(out, {"r0": [5]})  # (r1's token is missing)
+    assert [r.request_id for r in sched.drop(out)] == ["r0", "r1"]
+    assert sched.drop(out) == []  # (once)

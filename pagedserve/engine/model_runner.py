@@ -378,7 +378,7 @@ class ModelRunner:
                 if r.sampling_params.logprobs is not None:
                     logprobs[r.request_id] = [token_logprobs(lp[row], lp_ids[row], r.sampling_params.logprobs,
                                                              ranks[row])]
-        return StepResult(token_ids, logprobs, non_finite, failed, grammar_done, prompt, pooled)
+        return StepResult(token_ids, logprobs, non_finite, failed, grammar_done, prompt, pooled=pooled)
 
     def decode_probe(self, num_seqs: int, length: int):
         """(ids [S], positions [S], metadata) of a decode step of `num_seqs` sequences at

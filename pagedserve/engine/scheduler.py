@@ -351,7 +351,9 @@ class Scheduler:
         last new one, and the blocks past them go back.
         """
         got_token = []
-        for chunk, req in zip(out.chunks, self.drop(out)):
+        # (dropped once applied: if applying raises, the failed step's handling still finds
+        # its requests and fails them, none is left running without a step)
+        for chunk, req in zip(out.chunks, self._in_flight.get(out.step_id, [])):
             if not chunk.samples or req.status == RequestStatus.FINISHED:
                 continue
             req.token_ids.extend(sampled[req.request_id])
@@ -365,6 +367,7 @@ class Scheduler:
                 known = min(req.num_computed_tokens, len(req.token_ids))
                 self.kv.cache_computed_blocks(req.request_id, req.token_ids, known)
             got_token.append(req)
+        self.drop(out)
         return got_token
 
     def drop(self, out: SchedulerOutput) -> list[Request]:
