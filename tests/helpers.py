@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import copy
 import inspect
+import subprocess
+import sys
+from pathlib import Path
 
 import torch
 
@@ -72,3 +75,11 @@ def _cache_name(hf) -> str:
 def _last_logits(hf) -> dict:
     params = inspect.signature(hf.forward).parameters
     return {"logits_to_keep": 1} if "logits_to_keep" in params else {}
+
+
+def run_ok_script(script: str) -> None:
+    """Run `script` in a fresh Python from the repository root (a kernel check under Triton's
+    interpreter, set up by the script); it must print exactly "ok"."""
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                          timeout=120, cwd=Path(__file__).resolve().parent.parent)
+    assert proc.returncode == 0 and proc.stdout.strip() == "ok", proc.stderr[-3000:]

@@ -12,14 +12,12 @@ from __future__ import annotations
 
 import json
 import shutil
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 
-from helpers import greedy_nocache, run_prefill
+from helpers import greedy_nocache, run_ok_script, run_prefill
 from pagedserve.models.hf_config import model_config_from_hf
 
 AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)
@@ -447,6 +445,4 @@ print("ok")
 
 def test_the_triton_kernel_matches_the_reference_under_the_interpreter():
     pytest.importorskip("triton")
-    proc = subprocess.run([sys.executable, "-c", KERNEL_CHECK], capture_output=True, text=True,
-                          timeout=120, cwd=Path(__file__).resolve().parent.parent)
-    assert proc.returncode == 0 and proc.stdout.strip() == "ok", proc.stderr[-3000:]
+    run_ok_script(KERNEL_CHECK)

@@ -10,16 +10,13 @@ ranks, the engine's greedy tokens, and the refusals.
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
 from test_tensor_parallel_quantized import in_threads, thread_ranks
 
-from helpers import run_prefill
+from helpers import run_ok_script, run_prefill
 from pagedserve.models.loader import build_model
 from pagedserve.models.source import resolve_model
 from pagedserve.quantization import check_moe_quantization, resolve_quantization
@@ -107,9 +104,7 @@ print("ok")
 def test_the_triton_kernel_matches_the_reference_under_the_interpreter():
     """Same int32 sums, same float32 epilogue: bit-equal in fp32 and fp16 out."""
     pytest.importorskip("triton")
-    proc = subprocess.run([sys.executable, "-c", KERNEL_CHECK], capture_output=True, text=True,
-                          timeout=120, cwd=Path(__file__).resolve().parent.parent)
-    assert proc.returncode == 0 and proc.stdout.strip() == "ok", proc.stderr[-3000:]
+    run_ok_script(KERNEL_CHECK)
 
 
 def test_a_checkpoint_gives_the_logits_of_the_same_weights_quantized_at_load(folders):
